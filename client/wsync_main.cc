@@ -1,0 +1,23 @@
+// wsync: the command-line client.
+#include <CLI/CLI.hpp>
+#include <spdlog/spdlog.h>
+
+#include <cstdio>
+#include <functional>
+
+#include "codec_commands.h"
+
+int main(int argc, char** argv) {
+  CLI::App app{"wsync: lossless sparse weight sync for RL training (see README.md)"};
+  app.require_subcommand(1);
+  std::function<wsync::Status()> run;
+  wsync::cli::AddCodecCommands(app, &run);
+  CLI11_PARSE(app, argc, argv);
+  spdlog::set_level(spdlog::level::warn);
+  wsync::Status status = run ? run() : wsync::InternalError("no command");
+  if (!status.ok()) {
+    std::fprintf(stderr, "wsync: error: %s\n", status.ToString().c_str());
+    return 1;
+  }
+  return 0;
+}

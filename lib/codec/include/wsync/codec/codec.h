@@ -1,0 +1,166 @@
+// wsync::codec: the patch format's reference implementation.
+//
+// A patch takes a set of tensors from a base version to a target version,
+// losslessly: every element's new bit pattern is old + d (mod 2^w), with d
+// coded sparsely. A keyframe is a self-contained copy of a set. Both are one
+// byte string, specified in docs/patch-format.md.
+//
+// Every decoder here treats its input as hostile: lengths, counts and offsets
+// are checked before use and failures name what was wrong. Applying is
+// all-or-nothing: on any error the destination holds exactly what it held
+// before the call.
+//
+// Thread safety: all functions are reentrant. Work runs on the ThreadPool of
+// the options when one is given (one ParallelFor at a time per pool).
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "wsync/codec/dtype.h"
+#include "wsync/util/status.h"
+
+namespace wsync {
+class ThreadPool;
+}
+
+namespace wsync::codec {
+
+// A tensor the caller owns. REQUIRES: data points to NumBytes() readable bytes
+// for as long as the view is used.
+struct TensorView {
+  std::string name;
+  DType dtype = DType::kBF16;
+  std::vector<uint64_t> shape;
+  const uint8_t* data = nullptr;
+
+  // Elements (product of shape; 1 for a scalar). Saturates to UINT64_MAX.
+  uint64_t NumElements() const;
+  uint64_t NumBytes() const;
+};
+
+// A tensor the codec writes into. REQUIRES: data points to NumBytes()
+// writable bytes for as long as the view is used.
+struct MutableTensorView {
+  std::string name;
+  DType dtype = DType::kBF16;
+  std::vector<uint64_t> shape;
+  uint8_t* data = nullptr;
+
+  uint64_t NumElements() const;
+  uint64_t NumBytes() const;
+  TensorView AsConst() const { return {name, dtype, shape, data}; }
+};
+
+struct EncodeOptions {
+  // Level for the zstd-coded streams (directory, bitmaps, dense deltas,
+  // keyframes). 1..19.
+  int zstd_level = 3;
+  // Condition the position and value models on the exponent of the base
+  // value (better ratio). A patch coded without it merges without the base.
+  bool condition_on_base = true;
+  // Coding chunk size: a power of two in [1 MiB, 64 MiB].
+  uint32_t chunk_bytes = 1u << 20;
+  // Informational versions recorded in the header.
+  uint64_t base_version = 0;
+  uint64_t target_version = 0;
+  // Runs chunks in parallel when set.
+  ThreadPool* pool = nullptr;
+};
+
+// Encodes the patch from `base` to `target`.
+// REQUIRES: base[i] and target[i] have the same name, dtype and shape, names
+// are unique. InvalidArgument naming the tensor otherwise.
+StatusOr<std::string> EncodePatch(std::span<const TensorView> base,
+                                  std::span<const TensorView> target,
+                                  const EncodeOptions& options);
+
+// Encodes a keyframe: a self-contained, entropy-coded copy of `target`.
+StatusOr<std::string> EncodeKeyframe(std::span<const TensorView> target,
+                                     const EncodeOptions& options);
+
+struct ApplyOptions {
+  ThreadPool* pool = nullptr;
+  // Check the whole-patch checksum before decoding. Only tests and fuzzers
+  // turn this off, to exercise the structural checks behind it.
+  bool verify_patch_checksum = true;
+  // Accept destination tensors that the patch does not mention (left as is).
+  bool allow_extra_tensors = false;
+};
+
+// Applies a patch or a keyframe in place. Tensors are matched by name; each
+// must have the patch's dtype and shape. A patch is decoded completely, then
+// applied, then every tensor is verified against its checksum; on mismatch
+// the change is undone and DataLoss names the tensor. A keyframe is decoded
+// and verified before the first byte of the destination is written.
+Status ApplyPatch(std::string_view patch, std::span<const MutableTensorView> tensors,
+                  const ApplyOptions& options);
+
+// Merges patch(j->k) and patch(k->l) into patch(j->l), identical in effect
+// to applying both. `first` may also be a keyframe (of k): the result is then
+// a keyframe of l. `base` holds version j (the first patch's base); it is
+// needed only when a patch's coding is conditioned on the base, and then
+// FailedPrecondition says so. FailedPrecondition too when the patches do not
+// chain (second's base is not first's target).
+StatusOr<std::string> MergePatches(std::string_view first, std::string_view second,
+                                   std::span<const TensorView> base,
+                                   const EncodeOptions& options);
+
+enum class PatchKind : uint8_t { kPatch = 1, kKeyframe = 2 };
+
+struct TensorInfo {
+  std::string name;
+  DType dtype = DType::kBF16;
+  std::vector<uint64_t> shape;
+  uint64_t changed = 0;          // elements changed (all, for a keyframe)
+  uint64_t position_bytes = 0;   // bytes of position streams
+  uint64_t value_bytes = 0;      // bytes of value streams
+  uint64_t target_checksum = 0;
+  uint32_t chunks = 0;
+  uint32_t conditioned_chunks = 0;  // chunks whose coding uses the base
+  uint32_t mode_counts[5] = {};     // chunks per mode (see ChunkMode)
+
+  uint64_t DenseBytes() const;
+};
+
+struct PatchInfo {
+  PatchKind kind = PatchKind::kPatch;
+  uint16_t format_version = 0;
+  uint32_t chunk_bytes = 0;
+  uint64_t base_version = 0;
+  uint64_t target_version = 0;
+  uint64_t base_set_checksum = 0;  // 0 for a keyframe
+  uint64_t target_set_checksum = 0;
+  uint64_t total_bytes = 0;        // the whole patch
+  uint64_t header_bytes = 0;       // preamble + directory
+  std::vector<TensorInfo> tensors;
+};
+
+// Parses and validates the header and directory (and the whole-patch
+// checksum); decodes no stream.
+StatusOr<PatchInfo> InspectPatch(std::string_view patch, bool verify_patch_checksum = true);
+
+// The set checksum the patch format records for a set of tensors:
+// Hash64 over the tensors' checksums (checksum.h) in order.
+uint64_t SetChecksum(std::span<const TensorView> tensors, ThreadPool* pool = nullptr);
+
+// Entropy bounds of the change from base to target, in bits.
+struct DiffStats {
+  uint64_t elements = 0;
+  uint64_t changed = 0;
+  uint64_t dense_bytes = 0;
+  double position_bits_order0 = 0;       // sum over tensors of n * H(m/n)
+  double position_bits_conditional = 0;  // conditioned on the base exponent
+  double value_bits_order0 = 0;          // order-0 entropy of the deltas
+  double Order0Bits() const { return position_bits_order0 + value_bits_order0; }
+  double ConditionalBits() const { return position_bits_conditional + value_bits_order0; }
+};
+
+// Measures the empirical entropy bounds that a patch can be compared with.
+StatusOr<DiffStats> AnalyzeDiff(std::span<const TensorView> base,
+                                std::span<const TensorView> target);
+
+}  // namespace wsync::codec

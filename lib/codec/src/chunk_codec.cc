@@ -1,0 +1,657 @@
+#include "chunk_codec.h"
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <limits>
+#include <memory>
+
+#include "bytes.h"
+#include "range_coder.h"
+#include "zstd_util.h"
+
+namespace wsync::codec::internal {
+namespace {
+
+constexpr int kSampleStride = 8;      // histogram every 8th block
+constexpr double kClassPenaltyBits = 48;  // learning cost of one more class
+constexpr size_t kMaxDpGroups = 64;
+
+template <typename T>
+constexpr int kBits = static_cast<int>(sizeof(T) * 8);
+
+// ---------------------------------------------------------------- classes
+
+double BinaryEntropyBits(double n, double m) {
+  if (m <= 0 || m >= n) return 0;
+  double p = m / n;
+  return -n * (p * std::log2(p) + (1 - p) * std::log2(1 - p));
+}
+
+// Chooses exponent thresholds minimizing the estimated position cost
+// sum_c N_c * H(M_c / N_c) + penalty * K over contiguous exponent ranges.
+template <typename T>
+ClassSpec ChooseClasses(const T* base, size_t n, const SparseDelta<T>& d,
+                        const ChunkCodecOptions& options) {
+  ClassSpec spec;
+  spec.shift = options.exponent.shift;
+  spec.mask = options.exponent.mask;
+  if (!options.condition || base == nullptr || spec.mask == 0 || d.pos.empty()) return spec;
+
+  const size_t nexp = size_t{spec.mask} + 1;
+  std::vector<double> all(nexp, 0.0), chg(nexp, 0.0);
+  size_t blocks = n / kBlock, sampled = 0;
+  for (size_t b = 0; b < blocks; b += kSampleStride) {
+    const T* x = base + b * kBlock;
+    for (int j = 0; j < kBlock; ++j) all[spec.Exponent(x[j])] += 1;
+    sampled += kBlock;
+  }
+  for (uint32_t p : d.pos) chg[spec.Exponent(base[p])] += 1;
+  double scale = sampled > 0 ? static_cast<double>(n) / sampled : 0.0;
+
+  // Groups of consecutive present exponents, at most kMaxDpGroups.
+  struct Group {
+    int first_exp;
+    double all, chg;
+  };
+  std::vector<Group> groups;
+  double total = 0;
+  for (size_t e = 0; e < nexp; ++e) {
+    all[e] = std::max(all[e] * scale, chg[e]);
+    total += all[e];
+  }
+  double per_group = total / kMaxDpGroups;
+  for (size_t e = 0; e < nexp; ++e) {
+    if (all[e] == 0) continue;
+    if (groups.empty() || groups.back().all >= per_group || chg[e] > 0) {
+      // A new group where the last is full, and at every exponent that
+      // changed, so that change-rate boundaries stay choosable.
+      if (groups.size() < kMaxDpGroups || groups.empty()) {
+        groups.push_back({static_cast<int>(e), 0, 0});
+      }
+    }
+    groups.back().all += all[e];
+    groups.back().chg += chg[e];
+  }
+  const size_t g = groups.size();
+  if (g <= 1) return spec;
+
+  std::vector<double> pa(g + 1, 0), pc(g + 1, 0);
+  for (size_t i = 0; i < g; ++i) {
+    pa[i + 1] = pa[i] + groups[i].all;
+    pc[i + 1] = pc[i] + groups[i].chg;
+  }
+  auto cost = [&](size_t a, size_t b) {  // groups [a, b)
+    return BinaryEntropyBits(pa[b] - pa[a], pc[b] - pc[a]);
+  };
+  const int kmax = static_cast<int>(std::min<size_t>(kMaxClasses, g));
+  constexpr double kInf = std::numeric_limits<double>::infinity();
+  // dp[k][j]: best cost of groups [0, j) in k classes; from[k][j]: start of the last class.
+  std::vector<std::vector<double>> dp(kmax + 1, std::vector<double>(g + 1, kInf));
+  std::vector<std::vector<size_t>> from(kmax + 1, std::vector<size_t>(g + 1, 0));
+  dp[0][0] = 0;
+  for (int k = 1; k <= kmax; ++k) {
+    for (size_t j = 1; j <= g; ++j) {
+      for (size_t i = k - 1; i < j; ++i) {
+        if (dp[k - 1][i] == kInf) continue;
+        double c = dp[k - 1][i] + cost(i, j);
+        if (c < dp[k][j]) {
+          dp[k][j] = c;
+          from[k][j] = i;
+        }
+      }
+    }
+  }
+  int best_k = 1;
+  double best = dp[1][g] + kClassPenaltyBits;
+  for (int k = 2; k <= kmax; ++k) {
+    double c = dp[k][g] + kClassPenaltyBits * k;
+    if (c < best) {
+      best = c;
+      best_k = k;
+    }
+  }
+  spec.k = best_k;
+  size_t j = g;
+  for (int k = best_k; k >= 2; --k) {
+    size_t i = from[k][j];
+    spec.thr[k - 2] = static_cast<uint16_t>(groups[i].first_exp);
+    j = i;
+  }
+  return spec;
+}
+
+void WriteClassHeader(const ClassSpec& spec, std::string* out) {
+  ByteWriter w(out);
+  w.U8(static_cast<uint8_t>(spec.k));
+  for (int t = 0; t < spec.k - 1; ++t) w.Varint(spec.thr[t]);
+}
+
+// Parses the class header at the front of a position stream; *rest is what
+// follows it.
+bool ReadClassHeader(std::string_view stream, ExponentField ef, ClassSpec* spec,
+                     std::string_view* rest, ByteReader* r) {
+  uint8_t k = 0;
+  if (!r->U8(&k, "class count")) return false;
+  if (k < 1 || k > kMaxClasses || (k > 1 && ef.mask == 0)) {
+    return r->Fail("class count", "invalid value " + std::to_string(k));
+  }
+  spec->k = k;
+  spec->shift = ef.shift;
+  spec->mask = ef.mask;
+  for (int t = 0; t < k - 1; ++t) {
+    uint64_t v;
+    if (!r->VarintAtMost(&v, ef.mask, "class threshold")) return false;
+    if (t > 0 && v <= spec->thr[t - 1]) return r->Fail("class threshold", "not ascending");
+    spec->thr[t] = static_cast<uint16_t>(v);
+  }
+  *rest = stream.substr(r->position());
+  return true;
+}
+
+// ----------------------------------------------------------------- values
+
+struct ValueModels {
+  BitModel sign[kMaxClasses][2];
+  EGModel mag[kMaxClasses];
+};
+
+template <typename T>
+int OldSign(const T* base, uint32_t p, const ClassSpec& spec) {
+  return spec.k > 1 ? static_cast<int>((base[p] >> (kBits<T> - 1)) & 1) : 0;
+}
+
+template <typename T>
+void EncodeValues(const T* base, const SparseDelta<T>& d, const std::vector<uint8_t>& cls,
+                  const ClassSpec& spec, std::string* out) {
+  auto models = std::make_unique<ValueModels>();
+  RangeEncoder enc(out);
+  for (size_t i = 0; i < d.pos.size(); ++i) {
+    const int c = cls[i];
+    const T delta = d.delta[i];
+    const int neg = static_cast<int>((delta >> (kBits<T> - 1)) & 1);
+    const T mag = neg ? static_cast<T>(T{0} - delta) : delta;
+    enc.Encode(models->sign[c][OldSign(base, d.pos[i], spec)], neg);
+    enc.EncodeEG(models->mag[c], static_cast<uint64_t>(mag) - 1);
+  }
+  enc.Finish();
+}
+
+template <typename T>
+Status DecodeValues(std::string_view stream, const T* base, const std::vector<uint8_t>& cls,
+                    const ClassSpec& spec, SparseDelta<T>* out) {
+  auto models = std::make_unique<ValueModels>();
+  RangeDecoder dec(stream);
+  const uint64_t max = (uint64_t{1} << (kBits<T> - 1)) - 1;
+  out->delta.resize(out->pos.size());
+  for (size_t i = 0; i < out->pos.size(); ++i) {
+    const int c = cls[i];
+    const int neg = dec.Decode(models->sign[c][OldSign(base, out->pos[i], spec)]);
+    uint64_t u;
+    if (!dec.DecodeEG(models->mag[c], max, &u)) {
+      return DataLossError("value stream: delta " + std::to_string(i) + " out of range");
+    }
+    const T mag = static_cast<T>(u + 1);
+    out->delta[i] = neg ? static_cast<T>(T{0} - mag) : mag;
+  }
+  if (dec.overrun() > 4) return DataLossError("value stream: truncated");
+  return Status::Ok();
+}
+
+// Classes of the changed positions (all 0 when unconditioned).
+template <typename T>
+std::vector<uint8_t> ClassesAt(const T* base, const std::vector<uint32_t>& pos, const ClassSpec& spec) {
+  std::vector<uint8_t> cls(pos.size(), 0);
+  if (spec.k > 1) {
+    for (size_t i = 0; i < pos.size(); ++i) cls[i] = static_cast<uint8_t>(spec.ClassOf(base[pos[i]]));
+  }
+  return cls;
+}
+
+// ----------------------------------------------------------- sparse mode
+
+struct SparseModels {
+  EGModel count;
+  EGModel gap[kMaxClasses];
+};
+
+// Per-class ranks of the changed positions, by sweeping the class masks of
+// every block.
+template <typename T>
+void RanksByClass(const T* base, size_t n, const std::vector<uint32_t>& pos, const ClassSpec& spec,
+                  std::vector<uint8_t>* cls, std::vector<uint32_t>* rank) {
+  cls->assign(pos.size(), 0);
+  rank->assign(pos.size(), 0);
+  if (spec.k == 1) {
+    std::copy(pos.begin(), pos.end(), rank->begin());
+    return;
+  }
+  uint32_t count[kMaxClasses] = {};
+  uint32_t masks[kMaxClasses];
+  size_t i = 0;
+  const size_t blocks = (n + kBlock - 1) / kBlock;
+  for (size_t b = 0; b < blocks && i < pos.size(); ++b) {
+    BlockClassMasks(base, n, b, spec, masks);
+    const size_t end = (b + 1) * kBlock;
+    for (; i < pos.size() && pos[i] < end; ++i) {
+      const int j = static_cast<int>(pos[i] - b * kBlock);
+      const uint32_t below = (1u << j) - 1;
+      int c = 0;
+      while (((masks[c] >> j) & 1) == 0) ++c;
+      (*cls)[i] = static_cast<uint8_t>(c);
+      (*rank)[i] = count[c] + static_cast<uint32_t>(std::popcount(masks[c] & below));
+    }
+    for (int c = 0; c < spec.k; ++c) count[c] += static_cast<uint32_t>(std::popcount(masks[c]));
+  }
+}
+
+void EncodeSparsePositions(const std::vector<uint8_t>& cls, const std::vector<uint32_t>& rank,
+                           const ClassSpec& spec, std::string* out) {
+  WriteClassHeader(spec, out);
+  auto models = std::make_unique<SparseModels>();
+  std::vector<uint32_t> per_class[kMaxClasses];
+  for (size_t i = 0; i < cls.size(); ++i) per_class[cls[i]].push_back(rank[i]);
+  RangeEncoder enc(out);
+  for (int c = 0; c < spec.k; ++c) enc.EncodeEG(models->count, per_class[c].size());
+  for (int c = 0; c < spec.k; ++c) {
+    uint32_t next = 0;
+    for (uint32_t r : per_class[c]) {
+      enc.EncodeEG(models->gap[c], r - next);
+      next = r + 1;
+    }
+  }
+  enc.Finish();
+}
+
+template <typename T>
+Status DecodeSparsePositions(std::string_view coded, const T* base, size_t n, uint64_t changed,
+                             const ClassSpec& spec, std::vector<uint32_t>* pos,
+                             std::vector<uint8_t>* cls) {
+  auto models = std::make_unique<SparseModels>();
+  RangeDecoder dec(coded);
+  uint64_t counts[kMaxClasses];
+  uint64_t sum = 0;
+  for (int c = 0; c < spec.k; ++c) {
+    if (!dec.DecodeEG(models->count, changed - sum, &counts[c])) {
+      return DataLossError("position stream: class " + std::to_string(c) + " count exceeds the " +
+                           std::to_string(changed) + " changed elements");
+    }
+    sum += counts[c];
+  }
+  if (sum != changed) {
+    return DataLossError("position stream: class counts sum to " + std::to_string(sum) +
+                         ", directory says " + std::to_string(changed));
+  }
+  // Target ranks per class, ascending.
+  std::vector<uint32_t> ranks[kMaxClasses];
+  for (int c = 0; c < spec.k; ++c) {
+    ranks[c].resize(counts[c]);
+    uint64_t next = 0;
+    for (uint64_t i = 0; i < counts[c]; ++i) {
+      uint64_t gap;
+      if (next >= n || !dec.DecodeEG(models->gap[c], n - 1 - next, &gap)) {
+        return DataLossError("position stream: class " + std::to_string(c) + " gap " +
+                             std::to_string(i) + " overruns the chunk of " + std::to_string(n) +
+                             " elements");
+      }
+      ranks[c][i] = static_cast<uint32_t>(next + gap);
+      next = next + gap + 1;
+    }
+  }
+  if (dec.overrun() > 4) return DataLossError("position stream: truncated");
+
+  pos->clear();
+  cls->clear();
+  pos->reserve(changed);
+  cls->reserve(changed);
+  if (spec.k == 1) {
+    pos->assign(ranks[0].begin(), ranks[0].end());
+    cls->assign(changed, 0);
+    return Status::Ok();
+  }
+  // Sweep the blocks, turning per-class ranks into positions.
+  uint32_t count[kMaxClasses] = {};
+  size_t idx[kMaxClasses] = {};
+  uint32_t masks[kMaxClasses];
+  int pending = 0;
+  for (int c = 0; c < spec.k; ++c) pending += counts[c] > 0 ? 1 : 0;
+  const size_t blocks = (n + kBlock - 1) / kBlock;
+  std::pair<uint32_t, uint8_t> found[kBlock];
+  for (size_t b = 0; b < blocks && pending > 0; ++b) {
+    BlockClassMasks(base, n, b, spec, masks);
+    int nfound = 0;
+    for (int c = 0; c < spec.k; ++c) {
+      const uint32_t in_block = static_cast<uint32_t>(std::popcount(masks[c]));
+      const uint32_t end_rank = count[c] + in_block;
+      while (idx[c] < ranks[c].size() && ranks[c][idx[c]] < end_rank) {
+        int j = SelectBit(masks[c], ranks[c][idx[c]] - count[c]);
+        found[nfound++] = {static_cast<uint32_t>(b * kBlock + j), static_cast<uint8_t>(c)};
+        if (++idx[c] == ranks[c].size()) --pending;
+      }
+      count[c] = end_rank;
+    }
+    if (nfound > 1) std::sort(found, found + nfound);
+    for (int f = 0; f < nfound; ++f) {
+      pos->push_back(found[f].first);
+      cls->push_back(found[f].second);
+    }
+  }
+  if (pending > 0) {
+    for (int c = 0; c < spec.k; ++c) {
+      if (idx[c] < ranks[c].size()) {
+        return DataLossError("position stream: class " + std::to_string(c) + " rank " +
+                             std::to_string(ranks[c][idx[c]]) + " beyond its " +
+                             std::to_string(count[c]) + " elements");
+      }
+    }
+  }
+  return Status::Ok();
+}
+
+// ------------------------------------------------------------- runs mode
+
+struct RunModels {
+  EGModel unchanged;
+  EGModel changed;
+};
+
+size_t CountRuns(const std::vector<uint32_t>& pos) {
+  size_t runs = 0;
+  for (size_t i = 0; i < pos.size(); ++i) runs += (i == 0 || pos[i] != pos[i - 1] + 1) ? 1 : 0;
+  return runs;
+}
+
+void EncodeRunPositions(const std::vector<uint32_t>& pos, const ClassSpec& spec, std::string* out) {
+  WriteClassHeader(spec, out);
+  auto models = std::make_unique<RunModels>();
+  RangeEncoder enc(out);
+  uint32_t cur = 0;
+  size_t i = 0;
+  while (i < pos.size()) {
+    size_t j = i + 1;
+    while (j < pos.size() && pos[j] == pos[j - 1] + 1) ++j;
+    enc.EncodeEG(models->unchanged, pos[i] - cur);
+    enc.EncodeEG(models->changed, j - i - 1);
+    cur = pos[j - 1] + 1;
+    i = j;
+  }
+  enc.Finish();
+}
+
+Status DecodeRunPositions(std::string_view coded, size_t n, uint64_t changed, std::vector<uint32_t>* pos) {
+  auto models = std::make_unique<RunModels>();
+  RangeDecoder dec(coded);
+  pos->clear();
+  pos->reserve(changed);
+  uint64_t cur = 0;
+  while (pos->size() < changed) {
+    uint64_t skip, len;
+    if (!dec.DecodeEG(models->unchanged, n - cur, &skip) || cur + skip >= n) {
+      return DataLossError("run stream: run overruns the chunk of " + std::to_string(n) + " elements");
+    }
+    cur += skip;
+    const uint64_t left = std::min<uint64_t>(n - cur, changed - pos->size());
+    if (!dec.DecodeEG(models->changed, left - 1, &len)) {
+      return DataLossError("run stream: changed run overruns the chunk or the changed count");
+    }
+    for (uint64_t k = 0; k <= len; ++k) pos->push_back(static_cast<uint32_t>(cur + k));
+    cur += len + 1;
+  }
+  if (dec.overrun() > 4) return DataLossError("run stream: truncated");
+  return Status::Ok();
+}
+
+// ----------------------------------------------------------- bitmap mode
+
+void EncodeBitmapPositions(const std::vector<uint32_t>& pos, size_t n, const ClassSpec& spec,
+                           int zstd_level, std::string* out) {
+  WriteClassHeader(spec, out);
+  std::string bits((n + 7) / 8, '\0');
+  for (uint32_t p : pos) bits[p >> 3] = static_cast<char>(bits[p >> 3] | (1 << (p & 7)));
+  ZstdCompress(bits, zstd_level, out);
+}
+
+Status DecodeBitmapPositions(std::string_view coded, size_t n, uint64_t changed, std::vector<uint32_t>* pos) {
+  std::string bits((n + 7) / 8, '\0');
+  WSYNC_RETURN_IF_ERROR(ZstdDecompressExact(coded, bits.data(), bits.size(), "bitmap stream"));
+  if (n % 8 != 0 && (static_cast<uint8_t>(bits.back()) >> (n % 8)) != 0) {
+    return DataLossError("bitmap stream: bits set past the chunk's end");
+  }
+  pos->clear();
+  for (size_t i = 0; i < bits.size(); ++i) {
+    uint32_t byte = static_cast<uint8_t>(bits[i]);
+    while (byte != 0) {
+      if (pos->size() == changed) {
+        return DataLossError("bitmap stream: more than the " + std::to_string(changed) + " changed elements");
+      }
+      pos->push_back(static_cast<uint32_t>(i * 8 + std::countr_zero(byte)));
+      byte &= byte - 1;
+    }
+  }
+  if (pos->size() != changed) {
+    return DataLossError("bitmap stream: " + std::to_string(pos->size()) + " bits set, directory says " +
+                         std::to_string(changed));
+  }
+  return Status::Ok();
+}
+
+// ------------------------------------------------------------ byte planes
+
+template <typename T>
+void ToPlanes(const T* x, size_t n, std::string* planes) {
+  planes->resize(n * sizeof(T));
+  for (size_t b = 0; b < sizeof(T); ++b) {
+    char* dst = planes->data() + b * n;
+    for (size_t i = 0; i < n; ++i) dst[i] = static_cast<char>(x[i] >> (8 * b));
+  }
+}
+
+template <typename T>
+void FromPlanes(const std::string& planes, size_t n, T* x) {
+  std::fill(x, x + n, T{0});
+  for (size_t b = 0; b < sizeof(T); ++b) {
+    const auto* src = reinterpret_cast<const uint8_t*>(planes.data() + b * n);
+    for (size_t i = 0; i < n; ++i) x[i] |= static_cast<T>(static_cast<T>(src[i]) << (8 * b));
+  }
+}
+
+template <typename T>
+void EncodeDense(const SparseDelta<T>& d, size_t n, int zstd_level, std::string* out) {
+  std::vector<T> dense(n, T{0});
+  for (size_t i = 0; i < d.pos.size(); ++i) dense[d.pos[i]] = d.delta[i];
+  std::string planes;
+  ToPlanes(dense.data(), n, &planes);
+  ZstdCompress(planes, zstd_level, out);
+}
+
+template <typename T>
+Status DecodeDense(std::string_view coded, size_t n, uint64_t changed, SparseDelta<T>* out) {
+  std::string planes(n * sizeof(T), '\0');
+  WSYNC_RETURN_IF_ERROR(ZstdDecompressExact(coded, planes.data(), planes.size(), "dense stream"));
+  std::vector<T> dense(n);
+  FromPlanes(planes, n, dense.data());
+  out->Clear();
+  for (size_t i = 0; i < n; ++i) {
+    if (dense[i] != 0) {
+      out->pos.push_back(static_cast<uint32_t>(i));
+      out->delta.push_back(dense[i]);
+    }
+  }
+  if (out->pos.size() != changed) {
+    return DataLossError("dense stream: " + std::to_string(out->pos.size()) +
+                         " nonzero deltas, directory says " + std::to_string(changed));
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+// ------------------------------------------------------------- public part
+
+template <typename T>
+void DiffChunk(const T* base, const T* target, size_t n, SparseDelta<T>* out) {
+  const size_t full = n / kBlock * kBlock;
+  for (size_t b = 0; b < full; b += kBlock) {
+    if (BlockEqual(base + b, target + b)) continue;
+    uint32_t m = NeMask(base + b, target + b);
+    while (m != 0) {
+      const size_t i = b + std::countr_zero(m);
+      out->pos.push_back(static_cast<uint32_t>(i));
+      out->delta.push_back(static_cast<T>(target[i] - base[i]));
+      m &= m - 1;
+    }
+  }
+  for (size_t i = full; i < n; ++i) {
+    if (base[i] != target[i]) {
+      out->pos.push_back(static_cast<uint32_t>(i));
+      out->delta.push_back(static_cast<T>(target[i] - base[i]));
+    }
+  }
+}
+
+template <typename T>
+EncodedChunk EncodeChunk(const T* base, size_t n, const SparseDelta<T>& d,
+                         const ChunkCodecOptions& options) {
+  EncodedChunk best;
+  const size_t m = d.pos.size();
+  best.changed = m;
+  if (m == 0) return best;
+
+  const ClassSpec spec = ChooseClasses(base, n, d, options);
+  const size_t runs = CountRuns(d.pos);
+  const bool try_sparse = m * 2 <= n;
+  const bool try_runs = runs * 4 <= m || !try_sparse;
+  const bool try_bitmap = m * 32 > n;
+  const bool try_dense = m * 4 > n;
+
+  auto consider = [&](ChunkMode mode, std::string pos, const std::string& val) {
+    if (best.mode == ChunkMode::kEmpty || pos.size() + val.size() < best.pos.size() + best.val.size()) {
+      best.mode = mode;
+      best.pos = std::move(pos);
+      best.val = val;
+    }
+  };
+
+  std::string val;
+  std::vector<uint8_t> cls;
+  if (try_sparse) {
+    std::vector<uint32_t> rank;
+    RanksByClass(base, n, d.pos, spec, &cls, &rank);
+    std::string pos;
+    EncodeSparsePositions(cls, rank, spec, &pos);
+    EncodeValues(base, d, cls, spec, &val);
+    consider(ChunkMode::kSparse, std::move(pos), val);
+  } else {
+    cls = ClassesAt(base, d.pos, spec);
+    EncodeValues(base, d, cls, spec, &val);
+  }
+  if (try_runs) {
+    std::string pos;
+    EncodeRunPositions(d.pos, spec, &pos);
+    consider(ChunkMode::kRuns, std::move(pos), val);
+  }
+  if (try_bitmap) {
+    std::string pos;
+    EncodeBitmapPositions(d.pos, n, spec, options.zstd_level, &pos);
+    consider(ChunkMode::kBitmap, std::move(pos), val);
+  }
+  if (try_dense) {
+    std::string pos;
+    EncodeDense(d, n, options.zstd_level, &pos);
+    consider(ChunkMode::kDense, std::move(pos), std::string());
+  }
+  return best;
+}
+
+template <typename T>
+Status DecodeChunk(ChunkMode mode, uint64_t changed, std::string_view pos, std::string_view val,
+                   const T* base, size_t n, ExponentField exponent, SparseDelta<T>* out) {
+  out->Clear();
+  if (changed > n) {
+    return DataLossError(std::to_string(changed) + " changed elements in a chunk of " + std::to_string(n));
+  }
+  switch (mode) {
+    case ChunkMode::kEmpty:
+      if (changed != 0 || !pos.empty() || !val.empty()) {
+        return DataLossError("empty chunk with changes or streams");
+      }
+      return Status::Ok();
+    case ChunkMode::kDense:
+      if (!val.empty()) return DataLossError("dense chunk with a value stream");
+      return DecodeDense(pos, n, changed, out);
+    case ChunkMode::kSparse:
+    case ChunkMode::kRuns:
+    case ChunkMode::kBitmap:
+      break;
+    default:
+      return DataLossError("unknown chunk mode " + std::to_string(static_cast<int>(mode)));
+  }
+  if (changed == 0) return DataLossError("non-empty chunk mode with no change");
+  ByteReader r(pos, "position stream");
+  ClassSpec spec;
+  std::string_view coded;
+  if (!ReadClassHeader(pos, exponent, &spec, &coded, &r)) return r.status();
+  if (spec.k > 1 && base == nullptr) {
+    return FailedPreconditionError("chunk is coded relative to the base's exponents; the base is needed");
+  }
+  std::vector<uint8_t> cls;
+  if (mode == ChunkMode::kSparse) {
+    WSYNC_RETURN_IF_ERROR(DecodeSparsePositions(coded, base, n, changed, spec, &out->pos, &cls));
+  } else {
+    if (mode == ChunkMode::kRuns) {
+      WSYNC_RETURN_IF_ERROR(DecodeRunPositions(coded, n, changed, &out->pos));
+    } else {
+      WSYNC_RETURN_IF_ERROR(DecodeBitmapPositions(coded, n, changed, &out->pos));
+    }
+    cls = ClassesAt(base, out->pos, spec);
+  }
+  return DecodeValues(val, base, cls, spec, out);
+}
+
+bool ChunkNeedsBase(ChunkMode mode, std::string_view pos) {
+  if (mode != ChunkMode::kSparse && mode != ChunkMode::kRuns && mode != ChunkMode::kBitmap) return false;
+  return !pos.empty() && static_cast<uint8_t>(pos[0]) > 1;
+}
+
+template <typename T>
+void ScatterAdd(T* x, const SparseDelta<T>& d, bool undo) {
+  const size_t m = d.pos.size();
+  if (undo) {
+    for (size_t i = 0; i < m; ++i) x[d.pos[i]] = static_cast<T>(x[d.pos[i]] - d.delta[i]);
+  } else {
+    for (size_t i = 0; i < m; ++i) x[d.pos[i]] = static_cast<T>(x[d.pos[i]] + d.delta[i]);
+  }
+}
+
+template <typename T>
+void EncodeKeyframeChunk(const T* values, size_t n, int zstd_level, std::string* out) {
+  std::string planes;
+  ToPlanes(values, n, &planes);
+  ZstdCompress(planes, zstd_level, out);
+}
+
+template <typename T>
+Status DecodeKeyframeChunk(std::string_view stream, size_t n, T* out) {
+  std::string planes(n * sizeof(T), '\0');
+  WSYNC_RETURN_IF_ERROR(ZstdDecompressExact(stream, planes.data(), planes.size(), "keyframe stream"));
+  FromPlanes(planes, n, out);
+  return Status::Ok();
+}
+
+#define WSYNC_INSTANTIATE(T)                                                                        \
+  template void DiffChunk<T>(const T*, const T*, size_t, SparseDelta<T>*);                          \
+  template EncodedChunk EncodeChunk<T>(const T*, size_t, const SparseDelta<T>&,                     \
+                                       const ChunkCodecOptions&);                                   \
+  template Status DecodeChunk<T>(ChunkMode, uint64_t, std::string_view, std::string_view, const T*, \
+                                 size_t, ExponentField, SparseDelta<T>*);                           \
+  template void ScatterAdd<T>(T*, const SparseDelta<T>&, bool);                                     \
+  template void EncodeKeyframeChunk<T>(const T*, size_t, int, std::string*);                        \
+  template Status DecodeKeyframeChunk<T>(std::string_view, size_t, T*);
+
+WSYNC_INSTANTIATE(uint8_t)
+WSYNC_INSTANTIATE(uint16_t)
+WSYNC_INSTANTIATE(uint32_t)
+WSYNC_INSTANTIATE(uint64_t)
+#undef WSYNC_INSTANTIATE
+
+}  // namespace wsync::codec::internal

@@ -1,0 +1,609 @@
+// Patch and keyframe encode, apply, merge and inspect: the set-level driver
+// over the chunk codec. Chunks are the unit of parallel work.
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <mutex>
+#include <unordered_map>
+#include <unordered_set>
+
+#include "chunk_codec.h"
+#include "format.h"
+#include "wsync/codec/checksum.h"
+#include "wsync/codec/codec.h"
+#include "wsync/util/thread_pool.h"
+
+namespace wsync::codec {
+namespace {
+
+using internal::ChunkEntry;
+using internal::ChunkMode;
+using internal::Container;
+using internal::SparseDelta;
+using internal::TensorEntry;
+
+uint64_t SaturatingProduct(const std::vector<uint64_t>& shape) {
+  uint64_t n = 1;
+  for (uint64_t d : shape) {
+    if (d != 0 && n > UINT64_MAX / d) return UINT64_MAX;
+    n *= d;
+  }
+  return n;
+}
+
+uint64_t SaturatingBytes(uint64_t numel, DType dtype) {
+  uint64_t w = DTypeWidth(dtype);
+  if (w == 0) return UINT64_MAX;
+  return numel > UINT64_MAX / w ? UINT64_MAX : numel * w;
+}
+
+// Calls f(T{}) with T the unsigned integer type of `width` bytes.
+template <typename F>
+decltype(auto) WithWidth(size_t width, F&& f) {
+  switch (width) {
+    case 1: return f(uint8_t{});
+    case 2: return f(uint16_t{});
+    case 4: return f(uint32_t{});
+    default: return f(uint64_t{});
+  }
+}
+
+void RunParallel(ThreadPool* pool, size_t n, const std::function<void(size_t)>& body) {
+  if (pool != nullptr) {
+    pool->ParallelFor(n, body);
+  } else {
+    for (size_t i = 0; i < n; ++i) body(i);
+  }
+}
+
+// Keeps the error of the lowest task index, so errors are deterministic
+// whatever the thread interleaving.
+class FirstError {
+ public:
+  void Record(size_t task, Status s) {
+    if (s.ok()) return;
+    std::lock_guard<std::mutex> lock(mu_);
+    if (status_.ok() || task < task_) {
+      status_ = std::move(s);
+      task_ = task;
+    }
+  }
+  bool failed() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return !status_.ok();
+  }
+  Status status() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return status_;
+  }
+
+ private:
+  mutable std::mutex mu_;
+  Status status_;
+  size_t task_ = 0;
+};
+
+Status ValidateOptions(const EncodeOptions& o) {
+  if (o.chunk_bytes < internal::kMinChunkBytes || o.chunk_bytes > internal::kMaxChunkBytes ||
+      (o.chunk_bytes & (o.chunk_bytes - 1)) != 0) {
+    return InvalidArgumentError("chunk size " + std::to_string(o.chunk_bytes) +
+                                " is not a power of two in [1 MiB, 64 MiB]");
+  }
+  if (o.zstd_level < 1 || o.zstd_level > 19) {
+    return InvalidArgumentError("zstd level " + std::to_string(o.zstd_level) + " is not in 1..19");
+  }
+  return Status::Ok();
+}
+
+Status ValidateTensor(const TensorView& t) {
+  if (DTypeWidth(t.dtype) == 0) return InvalidArgumentError("tensor '" + t.name + "': invalid dtype");
+  if (t.shape.size() > internal::kMaxDims) {
+    return InvalidArgumentError("tensor '" + t.name + "': rank " + std::to_string(t.shape.size()) + " exceeds 16");
+  }
+  if (t.NumBytes() > internal::kMaxTensorBytes) {
+    return InvalidArgumentError("tensor '" + t.name + "': too large");
+  }
+  if (t.NumBytes() > 0 && t.data == nullptr) {
+    return InvalidArgumentError("tensor '" + t.name + "': no data");
+  }
+  if (t.name.size() > internal::kMaxNameBytes) {
+    return InvalidArgumentError("tensor name of " + std::to_string(t.name.size()) + " bytes is too long");
+  }
+  return Status::Ok();
+}
+
+Status ValidateSet(std::span<const TensorView> set) {
+  if (set.size() > internal::kMaxTensors) return InvalidArgumentError("too many tensors");
+  std::unordered_set<std::string_view> names;
+  for (const TensorView& t : set) {
+    WSYNC_RETURN_IF_ERROR(ValidateTensor(t));
+    if (!names.insert(t.name).second) return InvalidArgumentError("tensor '" + t.name + "' appears twice");
+  }
+  return Status::Ok();
+}
+
+TensorEntry EntryFor(const TensorView& t, uint32_t chunk_bytes) {
+  TensorEntry e;
+  e.name = t.name;
+  e.dtype = t.dtype;
+  e.shape = t.shape;
+  e.numel = t.NumElements();
+  e.nbytes = t.NumBytes();
+  e.chunks.resize(internal::ChunkCount(e.nbytes, chunk_bytes));
+  return e;
+}
+
+struct Task {
+  size_t tensor;
+  size_t chunk;
+};
+
+std::vector<Task> TasksOf(const std::vector<TensorEntry>& tensors) {
+  std::vector<Task> tasks;
+  for (size_t t = 0; t < tensors.size(); ++t) {
+    for (size_t c = 0; c < tensors[t].chunks.size(); ++c) tasks.push_back({t, c});
+  }
+  return tasks;
+}
+
+// Per-tensor arrays of checksum-block digests; chunks hold whole blocks.
+struct Digests {
+  std::vector<std::vector<uint64_t>> blocks;
+
+  explicit Digests(const std::vector<TensorEntry>& tensors) {
+    for (const auto& t : tensors) blocks.emplace_back(ChecksumBlockCount(t.nbytes));
+  }
+  // Digests the blocks of chunk c (chunk_bytes from `chunk_data`).
+  void DigestChunk(size_t tensor, size_t c, const uint8_t* chunk_data, size_t chunk_len,
+                   uint32_t chunk_bytes) {
+    const size_t first = c * (chunk_bytes / kChecksumBlockBytes);
+    for (size_t off = 0, b = first; off < chunk_len; off += kChecksumBlockBytes, ++b) {
+      blocks[tensor][b] = BlockDigest(chunk_data + off, std::min(kChecksumBlockBytes, chunk_len - off));
+    }
+  }
+  uint64_t Tensor(size_t t) const { return CombineBlockDigests(blocks[t]); }
+};
+
+std::string Concatenate(std::vector<std::string>& streams) {
+  size_t total = 0;
+  for (const auto& s : streams) total += s.size();
+  std::string out;
+  out.reserve(total);
+  for (auto& s : streams) {
+    out.append(s);
+    std::string().swap(s);
+  }
+  return out;
+}
+
+// Fills chunk entries from encoded chunks in task order and writes the file.
+std::string Finish(Container& c, const std::vector<Task>& tasks, std::vector<internal::EncodedChunk>& encoded) {
+  std::vector<std::string> streams;
+  streams.reserve(tasks.size() * 2);
+  for (size_t i = 0; i < tasks.size(); ++i) {
+    ChunkEntry& e = c.tensors[tasks[i].tensor].chunks[tasks[i].chunk];
+    e.mode = encoded[i].mode;
+    e.changed = encoded[i].changed;
+    e.pos_len = encoded[i].pos.size();
+    e.val_len = encoded[i].val.size();
+    streams.push_back(std::move(encoded[i].pos));
+    streams.push_back(std::move(encoded[i].val));
+  }
+  std::string payload = Concatenate(streams);
+  return internal::WriteContainer(c, payload);
+}
+
+// Matches the container's tensors to destination views by name.
+StatusOr<std::vector<const MutableTensorView*>> MatchTensors(const Container& c,
+                                                             std::span<const MutableTensorView> dst,
+                                                             bool allow_extra) {
+  std::unordered_map<std::string_view, const MutableTensorView*> by_name;
+  for (const auto& t : dst) {
+    if (!by_name.emplace(t.name, &t).second) {
+      return InvalidArgumentError("destination tensor '" + t.name + "' appears twice");
+    }
+  }
+  std::vector<const MutableTensorView*> out;
+  std::unordered_set<std::string_view> seen;
+  for (const TensorEntry& e : c.tensors) {
+    if (!seen.insert(e.name).second) return DataLossError("patch names tensor '" + e.name + "' twice");
+    auto it = by_name.find(e.name);
+    if (it == by_name.end()) {
+      return FailedPreconditionError("tensor '" + e.name + "' of the patch is not in the destination");
+    }
+    const MutableTensorView& d = *it->second;
+    if (d.dtype != e.dtype || d.shape != e.shape) {
+      return FailedPreconditionError("tensor '" + e.name + "': destination is " +
+                                     std::string(DTypeName(d.dtype)) + " of another shape or dtype than the patch's " +
+                                     std::string(DTypeName(e.dtype)));
+    }
+    if (d.data == nullptr && e.nbytes > 0) return InvalidArgumentError("tensor '" + e.name + "': no data");
+    out.push_back(&d);
+  }
+  if (!allow_extra && dst.size() != c.tensors.size()) {
+    for (const auto& t : dst) {
+      if (!seen.count(t.name)) {
+        return FailedPreconditionError("destination tensor '" + t.name + "' is not in the patch");
+      }
+    }
+  }
+  return out;
+}
+
+std::string ChunkWhere(const TensorEntry& t, size_t c) {
+  return "tensor '" + t.name + "' chunk " + std::to_string(c);
+}
+
+// Type-erased decoded change of one chunk.
+struct Decoded {
+  SparseDelta<uint8_t> d8;
+  SparseDelta<uint16_t> d16;
+  SparseDelta<uint32_t> d32;
+  SparseDelta<uint64_t> d64;
+  template <typename T>
+  SparseDelta<T>& Get() {
+    if constexpr (sizeof(T) == 1) return d8;
+    else if constexpr (sizeof(T) == 2) return d16;
+    else if constexpr (sizeof(T) == 4) return d32;
+    else return d64;
+  }
+};
+
+Status ApplyKeyframe(const Container& c, const std::vector<const MutableTensorView*>& dst,
+                     const ApplyOptions& options) {
+  const std::vector<Task> tasks = TasksOf(c.tensors);
+  Digests digests(c.tensors);
+  FirstError error;
+  // Pass 1: decode into scratch and verify; the destination is untouched.
+  RunParallel(options.pool, tasks.size(), [&](size_t i) {
+    const TensorEntry& t = c.tensors[tasks[i].tensor];
+    const ChunkEntry& ch = t.chunks[tasks[i].chunk];
+    const size_t n = c.ChunkElements(t, tasks[i].chunk);
+    WithWidth(DTypeWidth(t.dtype), [&](auto zero) {
+      using T = decltype(zero);
+      std::vector<T> scratch(n);
+      Status s = internal::DecodeKeyframeChunk<T>(c.PosStream(ch), n, scratch.data());
+      if (!s.ok()) return error.Record(i, s.WithContext(ChunkWhere(t, tasks[i].chunk)));
+      digests.DigestChunk(tasks[i].tensor, tasks[i].chunk, reinterpret_cast<const uint8_t*>(scratch.data()),
+                          n * sizeof(T), c.chunk_bytes);
+    });
+  });
+  WSYNC_RETURN_IF_ERROR(error.status());
+  for (size_t t = 0; t < c.tensors.size(); ++t) {
+    if (digests.Tensor(t) != c.tensors[t].target_checksum) {
+      return DataLossError("tensor '" + c.tensors[t].name +
+                           "': keyframe content does not match its checksum; destination not modified");
+    }
+  }
+  // Pass 2: decode into the destination (deterministic: same bytes).
+  RunParallel(options.pool, tasks.size(), [&](size_t i) {
+    const TensorEntry& t = c.tensors[tasks[i].tensor];
+    const ChunkEntry& ch = t.chunks[tasks[i].chunk];
+    const size_t n = c.ChunkElements(t, tasks[i].chunk);
+    WithWidth(DTypeWidth(t.dtype), [&](auto zero) {
+      using T = decltype(zero);
+      T* out = reinterpret_cast<T*>(dst[tasks[i].tensor]->data) + tasks[i].chunk * (c.chunk_bytes / sizeof(T));
+      error.Record(i, internal::DecodeKeyframeChunk<T>(c.PosStream(ch), n, out));
+    });
+  });
+  return error.status();
+}
+
+Status ApplyDelta(const Container& c, const std::vector<const MutableTensorView*>& dst,
+                  const ApplyOptions& options) {
+  const std::vector<Task> tasks = TasksOf(c.tensors);
+  std::vector<Decoded> decoded(tasks.size());
+  FirstError error;
+  auto chunk_ptr = [&](size_t i) {
+    return dst[tasks[i].tensor]->data + tasks[i].chunk * static_cast<size_t>(c.chunk_bytes);
+  };
+  // Phase 1: decode every chunk; nothing is written.
+  RunParallel(options.pool, tasks.size(), [&](size_t i) {
+    const TensorEntry& t = c.tensors[tasks[i].tensor];
+    const ChunkEntry& ch = t.chunks[tasks[i].chunk];
+    const size_t n = c.ChunkElements(t, tasks[i].chunk);
+    WithWidth(DTypeWidth(t.dtype), [&](auto zero) {
+      using T = decltype(zero);
+      const T* base = reinterpret_cast<const T*>(chunk_ptr(i));
+      Status s = internal::DecodeChunk<T>(ch.mode, ch.changed, c.PosStream(ch), c.ValStream(ch), base, n,
+                                          ExponentFieldOf(t.dtype), &decoded[i].Get<T>());
+      error.Record(i, s.WithContext(ChunkWhere(t, tasks[i].chunk)));
+    });
+  });
+  WSYNC_RETURN_IF_ERROR(error.status());
+
+  // Phase 2: scatter and digest; phase 3 (on mismatch): undo.
+  Digests digests(c.tensors);
+  auto scatter = [&](bool undo) {
+    RunParallel(options.pool, tasks.size(), [&](size_t i) {
+      const TensorEntry& t = c.tensors[tasks[i].tensor];
+      const size_t n = c.ChunkElements(t, tasks[i].chunk);
+      WithWidth(DTypeWidth(t.dtype), [&](auto zero) {
+        using T = decltype(zero);
+        T* x = reinterpret_cast<T*>(chunk_ptr(i));
+        internal::ScatterAdd<T>(x, decoded[i].Get<T>(), undo);
+        if (!undo) {
+          digests.DigestChunk(tasks[i].tensor, tasks[i].chunk, reinterpret_cast<const uint8_t*>(x),
+                              n * sizeof(T), c.chunk_bytes);
+        }
+      });
+    });
+  };
+  scatter(false);
+  for (size_t t = 0; t < c.tensors.size(); ++t) {
+    if (digests.Tensor(t) == c.tensors[t].target_checksum) continue;
+    scatter(true);
+    std::vector<TensorView> restored;
+    for (const auto* d : dst) restored.push_back(d->AsConst());
+    const bool wrong_base = SetChecksum(restored, options.pool) != c.base_set_checksum;
+    return DataLossError("tensor '" + c.tensors[t].name + "': result does not match the patch's checksum (" +
+                         (wrong_base ? "the destination does not hold the patch's base version"
+                                     : "the patch is corrupted") +
+                         "); change undone, destination unchanged");
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+uint64_t TensorView::NumElements() const { return SaturatingProduct(shape); }
+uint64_t TensorView::NumBytes() const { return SaturatingBytes(NumElements(), dtype); }
+uint64_t MutableTensorView::NumElements() const { return SaturatingProduct(shape); }
+uint64_t MutableTensorView::NumBytes() const { return SaturatingBytes(NumElements(), dtype); }
+uint64_t TensorInfo::DenseBytes() const { return SaturatingBytes(SaturatingProduct(shape), dtype); }
+
+uint64_t SetChecksum(std::span<const TensorView> tensors, ThreadPool* pool) {
+  std::vector<uint64_t> sums;
+  for (const auto& t : tensors) sums.push_back(TensorChecksum(t.data, t.NumBytes(), pool));
+  return internal::SetChecksumOf(sums);
+}
+
+StatusOr<std::string> EncodePatch(std::span<const TensorView> base, std::span<const TensorView> target,
+                                  const EncodeOptions& options) {
+  WSYNC_RETURN_IF_ERROR(ValidateOptions(options));
+  WSYNC_RETURN_IF_ERROR(ValidateSet(base));
+  WSYNC_RETURN_IF_ERROR(ValidateSet(target));
+  if (base.size() != target.size()) {
+    return InvalidArgumentError("base has " + std::to_string(base.size()) + " tensors, target " +
+                                std::to_string(target.size()));
+  }
+  Container c;
+  c.kind = PatchKind::kPatch;
+  c.chunk_bytes = options.chunk_bytes;
+  c.base_version = options.base_version;
+  c.target_version = options.target_version;
+  for (size_t i = 0; i < base.size(); ++i) {
+    const TensorView& b = base[i];
+    const TensorView& t = target[i];
+    if (b.name != t.name) {
+      return InvalidArgumentError("tensor " + std::to_string(i) + ": base is '" + b.name + "', target is '" +
+                                  t.name + "'");
+    }
+    if (b.dtype != t.dtype || b.shape != t.shape) {
+      return InvalidArgumentError("tensor '" + b.name + "': base and target differ in dtype or shape");
+    }
+    c.tensors.push_back(EntryFor(t, c.chunk_bytes));
+  }
+  const std::vector<Task> tasks = TasksOf(c.tensors);
+  std::vector<internal::EncodedChunk> encoded(tasks.size());
+  Digests base_digests(c.tensors), target_digests(c.tensors);
+  RunParallel(options.pool, tasks.size(), [&](size_t i) {
+    const size_t ti = tasks[i].tensor, ci = tasks[i].chunk;
+    const TensorEntry& e = c.tensors[ti];
+    const size_t n = c.ChunkElements(e, ci);
+    WithWidth(DTypeWidth(e.dtype), [&](auto zero) {
+      using T = decltype(zero);
+      const size_t first = ci * (c.chunk_bytes / sizeof(T));
+      const T* b = reinterpret_cast<const T*>(base[ti].data) + first;
+      const T* t = reinterpret_cast<const T*>(target[ti].data) + first;
+      SparseDelta<T> d;
+      internal::DiffChunk(b, t, n, &d);
+      internal::ChunkCodecOptions co{options.zstd_level, options.condition_on_base, ExponentFieldOf(e.dtype)};
+      encoded[i] = internal::EncodeChunk(b, n, d, co);
+      base_digests.DigestChunk(ti, ci, reinterpret_cast<const uint8_t*>(b), n * sizeof(T), c.chunk_bytes);
+      target_digests.DigestChunk(ti, ci, reinterpret_cast<const uint8_t*>(t), n * sizeof(T), c.chunk_bytes);
+    });
+  });
+  std::vector<uint64_t> base_sums;
+  for (size_t t = 0; t < c.tensors.size(); ++t) {
+    c.tensors[t].target_checksum = target_digests.Tensor(t);
+    base_sums.push_back(base_digests.Tensor(t));
+  }
+  c.base_set_checksum = internal::SetChecksumOf(base_sums);
+  return Finish(c, tasks, encoded);
+}
+
+StatusOr<std::string> EncodeKeyframe(std::span<const TensorView> target, const EncodeOptions& options) {
+  WSYNC_RETURN_IF_ERROR(ValidateOptions(options));
+  WSYNC_RETURN_IF_ERROR(ValidateSet(target));
+  Container c;
+  c.kind = PatchKind::kKeyframe;
+  c.chunk_bytes = options.chunk_bytes;
+  c.base_version = 0;
+  c.target_version = options.target_version;
+  for (const auto& t : target) c.tensors.push_back(EntryFor(t, c.chunk_bytes));
+  const std::vector<Task> tasks = TasksOf(c.tensors);
+  std::vector<internal::EncodedChunk> encoded(tasks.size());
+  Digests digests(c.tensors);
+  RunParallel(options.pool, tasks.size(), [&](size_t i) {
+    const size_t ti = tasks[i].tensor, ci = tasks[i].chunk;
+    const TensorEntry& e = c.tensors[ti];
+    const size_t n = c.ChunkElements(e, ci);
+    WithWidth(DTypeWidth(e.dtype), [&](auto zero) {
+      using T = decltype(zero);
+      const T* t = reinterpret_cast<const T*>(target[ti].data) + ci * (c.chunk_bytes / sizeof(T));
+      internal::EncodeKeyframeChunk(t, n, options.zstd_level, &encoded[i].pos);
+      digests.DigestChunk(ti, ci, reinterpret_cast<const uint8_t*>(t), n * sizeof(T), c.chunk_bytes);
+    });
+  });
+  for (size_t t = 0; t < c.tensors.size(); ++t) c.tensors[t].target_checksum = digests.Tensor(t);
+  return Finish(c, tasks, encoded);
+}
+
+Status ApplyPatch(std::string_view patch, std::span<const MutableTensorView> tensors,
+                  const ApplyOptions& options) {
+  WSYNC_ASSIGN_OR_RETURN(Container c, internal::ReadContainer(patch, options.verify_patch_checksum));
+  WSYNC_ASSIGN_OR_RETURN(auto dst, MatchTensors(c, tensors, options.allow_extra_tensors));
+  if (c.kind == PatchKind::kKeyframe) return ApplyKeyframe(c, dst, options);
+  return ApplyDelta(c, dst, options);
+}
+
+StatusOr<std::string> MergePatches(std::string_view first, std::string_view second,
+                                   std::span<const TensorView> base, const EncodeOptions& options) {
+  WSYNC_RETURN_IF_ERROR(ValidateOptions(options));
+  WSYNC_ASSIGN_OR_RETURN(Container a, internal::ReadContainer(first, true));
+  WSYNC_ASSIGN_OR_RETURN(Container b, internal::ReadContainer(second, true));
+  if (b.kind != PatchKind::kPatch) return InvalidArgumentError("the second input of a merge must be a patch, not a keyframe");
+  if (a.chunk_bytes != b.chunk_bytes || a.tensors.size() != b.tensors.size()) {
+    return FailedPreconditionError("patches cover different tensor sets or chunk sizes");
+  }
+  std::vector<uint64_t> a_targets;
+  for (size_t t = 0; t < a.tensors.size(); ++t) {
+    const TensorEntry& x = a.tensors[t];
+    const TensorEntry& y = b.tensors[t];
+    if (x.name != y.name || x.dtype != y.dtype || x.shape != y.shape) {
+      return FailedPreconditionError("tensor " + std::to_string(t) + " differs between the patches ('" + x.name +
+                                     "' vs '" + y.name + "')");
+    }
+    a_targets.push_back(x.target_checksum);
+  }
+  if (internal::SetChecksumOf(a_targets) != b.base_set_checksum) {
+    return FailedPreconditionError("patches do not chain: the second's base is not the first's target");
+  }
+  const bool keyframe = a.kind == PatchKind::kKeyframe;
+  // Base tensors by position in the patch, when given.
+  std::vector<const TensorView*> base_of(a.tensors.size(), nullptr);
+  if (!base.empty() && !keyframe) {
+    std::unordered_map<std::string_view, const TensorView*> by_name;
+    for (const auto& t : base) by_name[t.name] = &t;
+    std::vector<TensorView> ordered;
+    for (size_t t = 0; t < a.tensors.size(); ++t) {
+      auto it = by_name.find(a.tensors[t].name);
+      if (it == by_name.end() || it->second->dtype != a.tensors[t].dtype || it->second->shape != a.tensors[t].shape) {
+        return FailedPreconditionError("base tensor '" + a.tensors[t].name + "' is missing or of another dtype or shape");
+      }
+      base_of[t] = it->second;
+      ordered.push_back(*it->second);
+    }
+    if (SetChecksum(ordered, options.pool) != a.base_set_checksum) {
+      return FailedPreconditionError("the given base is not the first patch's base version");
+    }
+  }
+  const bool have_base = !base.empty() && !keyframe;
+
+  Container out;
+  out.kind = a.kind;
+  out.chunk_bytes = a.chunk_bytes;
+  out.base_version = a.base_version;
+  out.target_version = b.target_version;
+  out.base_set_checksum = a.base_set_checksum;
+  for (size_t t = 0; t < b.tensors.size(); ++t) {
+    TensorEntry e = b.tensors[t];
+    for (auto& ch : e.chunks) ch = ChunkEntry{};
+    out.tensors.push_back(std::move(e));
+  }
+  const std::vector<Task> tasks = TasksOf(out.tensors);
+  std::vector<internal::EncodedChunk> encoded(tasks.size());
+  FirstError error;
+  RunParallel(options.pool, tasks.size(), [&](size_t i) {
+    const size_t ti = tasks[i].tensor, ci = tasks[i].chunk;
+    const TensorEntry& ea = a.tensors[ti];
+    const TensorEntry& eb = b.tensors[ti];
+    const ChunkEntry& ca = ea.chunks[ci];
+    const ChunkEntry& cb = eb.chunks[ci];
+    const size_t n = a.ChunkElements(ea, ci);
+    const ExponentField ef = ExponentFieldOf(ea.dtype);
+    const std::string where = ChunkWhere(ea, ci);
+    WithWidth(DTypeWidth(ea.dtype), [&](auto zero) {
+      using T = decltype(zero);
+      SparseDelta<T> db;
+      if (keyframe) {
+        std::vector<T> values(n);
+        Status s = internal::DecodeKeyframeChunk<T>(a.PosStream(ca), n, values.data());
+        if (s.ok()) s = internal::DecodeChunk<T>(cb.mode, cb.changed, b.PosStream(cb), b.ValStream(cb), values.data(), n, ef, &db);
+        if (!s.ok()) return error.Record(i, s.WithContext(where));
+        internal::ScatterAdd(values.data(), db, false);
+        internal::EncodeKeyframeChunk(values.data(), n, options.zstd_level, &encoded[i].pos);
+        return;
+      }
+      const T* bj = have_base ? reinterpret_cast<const T*>(base_of[ti]->data) + ci * (a.chunk_bytes / sizeof(T)) : nullptr;
+      SparseDelta<T> da;
+      Status s = internal::DecodeChunk<T>(ca.mode, ca.changed, a.PosStream(ca), a.ValStream(ca), bj, n, ef, &da);
+      if (!s.ok()) return error.Record(i, s.WithContext("first patch " + where));
+      std::vector<T> version_k;
+      if (internal::ChunkNeedsBase(cb.mode, b.PosStream(cb)) && bj != nullptr) {
+        version_k.assign(bj, bj + n);
+        internal::ScatterAdd(version_k.data(), da, false);
+      }
+      s = internal::DecodeChunk<T>(cb.mode, cb.changed, b.PosStream(cb), b.ValStream(cb),
+                                   version_k.empty() ? nullptr : version_k.data(), n, ef, &db);
+      if (!s.ok()) return error.Record(i, s.WithContext("second patch " + where));
+      // Union of positions; deltas add mod 2^w; zero sums drop out.
+      SparseDelta<T> merged;
+      size_t x = 0, y = 0;
+      while (x < da.pos.size() || y < db.pos.size()) {
+        if (y == db.pos.size() || (x < da.pos.size() && da.pos[x] < db.pos[y])) {
+          merged.pos.push_back(da.pos[x]);
+          merged.delta.push_back(da.delta[x++]);
+        } else if (x == da.pos.size() || db.pos[y] < da.pos[x]) {
+          merged.pos.push_back(db.pos[y]);
+          merged.delta.push_back(db.delta[y++]);
+        } else {
+          T sum = static_cast<T>(da.delta[x++] + db.delta[y++]);
+          if (sum != 0) {
+            merged.pos.push_back(db.pos[y - 1]);
+            merged.delta.push_back(sum);
+          }
+        }
+      }
+      internal::ChunkCodecOptions co{options.zstd_level, options.condition_on_base && bj != nullptr, ef};
+      encoded[i] = internal::EncodeChunk(bj, n, merged, co);
+    });
+  });
+  WSYNC_RETURN_IF_ERROR(error.status());
+  return Finish(out, tasks, encoded);
+}
+
+StatusOr<PatchInfo> InspectPatch(std::string_view patch, bool verify_patch_checksum) {
+  WSYNC_ASSIGN_OR_RETURN(Container c, internal::ReadContainer(patch, verify_patch_checksum));
+  PatchInfo info;
+  info.kind = c.kind;
+  info.format_version = internal::kFormatVersion;
+  info.chunk_bytes = c.chunk_bytes;
+  info.base_version = c.base_version;
+  info.target_version = c.target_version;
+  info.base_set_checksum = c.base_set_checksum;
+  info.total_bytes = patch.size();
+  info.header_bytes = c.header_bytes;
+  std::vector<uint64_t> targets;
+  for (const TensorEntry& e : c.tensors) {
+    TensorInfo t;
+    t.name = e.name;
+    t.dtype = e.dtype;
+    t.shape = e.shape;
+    t.target_checksum = e.target_checksum;
+    t.chunks = static_cast<uint32_t>(e.chunks.size());
+    targets.push_back(e.target_checksum);
+    for (const ChunkEntry& ch : e.chunks) {
+      if (c.kind == PatchKind::kKeyframe) {
+        t.value_bytes += ch.pos_len;
+        continue;
+      }
+      t.changed += ch.changed;
+      ++t.mode_counts[static_cast<int>(ch.mode)];
+      if (ch.mode == ChunkMode::kDense) {
+        t.value_bytes += ch.pos_len;
+      } else {
+        t.position_bytes += ch.pos_len;
+        t.value_bytes += ch.val_len;
+      }
+      if (internal::ChunkNeedsBase(ch.mode, c.PosStream(ch))) ++t.conditioned_chunks;
+    }
+    if (c.kind == PatchKind::kKeyframe) t.changed = e.numel;
+    info.tensors.push_back(std::move(t));
+  }
+  info.target_set_checksum = internal::SetChecksumOf(targets);
+  return info;
+}
+
+}  // namespace wsync::codec

@@ -1,0 +1,216 @@
+// Adaptive binary range coder (private).
+//
+// The coder is the carry-propagating range coder of LZMA (32-bit range, 33-bit
+// low, byte-wise output with a cache byte). Probabilities are 16-bit and
+// adaptive: each context keeps two estimates that learn at rates 1/16 and
+// 1/128 and codes with their mean, which tracks both short and long-range
+// statistics. Integers are binarized as Exp-Golomb codes whose prefix bits and
+// two leading mantissa bits have contexts of their own; lower mantissa bits are
+// coded at probability 1/2.
+//
+// The decoder never reads outside its input: bytes past the end read as zero
+// and are counted, so a truncated stream decodes to garbage that the caller's
+// checks (counts, bounds, checksums) reject.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+namespace wsync::codec::internal {
+
+inline constexpr int kProbBits = 16;
+
+struct BitModel {
+  uint16_t fast = 1u << (kProbBits - 1);
+  uint16_t slow = 1u << (kProbBits - 1);
+  // Probability that the next bit is 0, in units of 2^-16; in [71, 65465].
+  uint32_t P0() const { return (uint32_t{fast} + slow) >> 1; }
+  void Update(int bit) {
+    if (bit) {
+      fast -= fast >> 4;
+      slow -= slow >> 7;
+    } else {
+      fast += (65536u - fast) >> 4;
+      slow += (65536u - slow) >> 7;
+    }
+  }
+};
+
+// Contexts of one Exp-Golomb coded integer class.
+struct EGModel {
+  static constexpr int kMaxPrefix = 66;  // bit length of values up to 2^64
+  static constexpr int kPrefixContexts = 24;
+  BitModel prefix[kPrefixContexts];
+  BitModel mantissa[kPrefixContexts][3];  // [k][0]: first bit; [k][1..2]: second given first
+};
+
+class RangeEncoder {
+ public:
+  explicit RangeEncoder(std::string* out) : out_(out) {}
+
+  void Encode(BitModel& m, int bit) {
+    uint32_t bound = (range_ >> kProbBits) * m.P0();
+    if (bit == 0) {
+      range_ = bound;
+    } else {
+      low_ += bound;
+      range_ -= bound;
+    }
+    m.Update(bit);
+    Normalize();
+  }
+
+  // Bits at probability 1/2, most significant first. REQUIRES: n <= 64.
+  void EncodeDirect(uint64_t value, int n) {
+    for (int i = n - 1; i >= 0; --i) {
+      range_ >>= 1;
+      if ((value >> i) & 1) low_ += range_;
+      Normalize();
+    }
+  }
+
+  // Exp-Golomb code of v (any u64).
+  void EncodeEG(EGModel& m, uint64_t v) {
+    // v + 1 as a 65-bit number: k = bit length - 1.
+    unsigned __int128 v1 = static_cast<unsigned __int128>(v) + 1;
+    int k = 0;
+    while ((v1 >> (k + 1)) != 0) ++k;
+    for (int i = 0; i < k; ++i) Encode(m.prefix[Ctx(i)], 1);
+    Encode(m.prefix[Ctx(k)], 0);
+    if (k == 0) return;
+    const int kc = Ctx(k);
+    int b1 = static_cast<int>((v1 >> (k - 1)) & 1);
+    Encode(m.mantissa[kc][0], b1);
+    if (k == 1) return;
+    int b2 = static_cast<int>((v1 >> (k - 2)) & 1);
+    Encode(m.mantissa[kc][1 + b1], b2);
+    if (k == 2) return;
+    // The remaining k-2 bits (k <= 64, so at most 62 of them).
+    uint64_t rest = static_cast<uint64_t>(v1 & ((static_cast<unsigned __int128>(1) << (k - 2)) - 1));
+    EncodeDirect(rest, k - 2);
+  }
+
+  void Finish() {
+    for (int i = 0; i < 5; ++i) ShiftLow();
+  }
+
+ private:
+  static int Ctx(int i) { return i < EGModel::kPrefixContexts ? i : EGModel::kPrefixContexts - 1; }
+
+  void Normalize() {
+    while (range_ < (1u << 24)) {
+      range_ <<= 8;
+      ShiftLow();
+    }
+  }
+
+  void ShiftLow() {
+    if (static_cast<uint32_t>(low_) < 0xFF000000u || (low_ >> 32) != 0) {
+      uint8_t carry = static_cast<uint8_t>(low_ >> 32);
+      uint8_t temp = cache_;
+      do {
+        if (!first_) out_->push_back(static_cast<char>(static_cast<uint8_t>(temp + carry)));
+        first_ = false;
+        temp = 0xFF;
+      } while (--cache_size_ != 0);
+      cache_ = static_cast<uint8_t>(low_ >> 24);
+    }
+    ++cache_size_;
+    low_ = (low_ & 0x00FFFFFFu) << 8;
+  }
+
+  std::string* out_;
+  uint64_t low_ = 0;
+  uint32_t range_ = 0xFFFFFFFFu;
+  uint8_t cache_ = 0;
+  uint64_t cache_size_ = 1;
+  bool first_ = true;  // LZMA's first output byte is always 0: not written
+};
+
+class RangeDecoder {
+ public:
+  explicit RangeDecoder(std::string_view in) : in_(in) {
+    for (int i = 0; i < 4; ++i) code_ = (code_ << 8) | NextByte();
+  }
+
+  int Decode(BitModel& m) {
+    uint32_t bound = (range_ >> kProbBits) * m.P0();
+    int bit;
+    if (code_ < bound) {
+      range_ = bound;
+      bit = 0;
+    } else {
+      code_ -= bound;
+      range_ -= bound;
+      bit = 1;
+    }
+    m.Update(bit);
+    Normalize();
+    return bit;
+  }
+
+  uint64_t DecodeDirect(int n) {
+    uint64_t v = 0;
+    for (int i = 0; i < n; ++i) {
+      range_ >>= 1;
+      uint32_t bit = code_ >= range_ ? 1 : 0;
+      if (bit) code_ -= range_;
+      v = (v << 1) | bit;
+      Normalize();
+    }
+    return v;
+  }
+
+  // Decodes an Exp-Golomb value whose result must be <= max. Returns false
+  // (value unspecified) when the code says otherwise: corrupt input.
+  bool DecodeEG(EGModel& m, uint64_t max, uint64_t* out) {
+    int k = 0;
+    while (Decode(m.prefix[Ctx(k)]) == 1) {
+      if (++k >= EGModel::kMaxPrefix - 1) return false;
+    }
+    unsigned __int128 v1 = 1;
+    if (k >= 1) {
+      const int kc = Ctx(k);
+      int b1 = Decode(m.mantissa[kc][0]);
+      v1 = (v1 << 1) | static_cast<unsigned>(b1);
+      if (k >= 2) {
+        int b2 = Decode(m.mantissa[kc][1 + b1]);
+        v1 = (v1 << 1) | static_cast<unsigned>(b2);
+        if (k >= 3) v1 = (v1 << (k - 2)) | DecodeDirect(k - 2);
+      }
+    }
+    unsigned __int128 v = v1 - 1;
+    if (v > max) return false;
+    *out = static_cast<uint64_t>(v);
+    return true;
+  }
+
+  // Bytes read past the end of the input (as zeros). A stream written by
+  // RangeEncoder never needs more than a few.
+  size_t overrun() const { return overrun_; }
+
+ private:
+  static int Ctx(int i) { return i < EGModel::kPrefixContexts ? i : EGModel::kPrefixContexts - 1; }
+
+  uint8_t NextByte() {
+    if (pos_ < in_.size()) return static_cast<uint8_t>(in_[pos_++]);
+    ++overrun_;
+    return 0;
+  }
+
+  void Normalize() {
+    while (range_ < (1u << 24)) {
+      range_ <<= 8;
+      code_ = (code_ << 8) | NextByte();
+    }
+  }
+
+  std::string_view in_;
+  size_t pos_ = 0;
+  size_t overrun_ = 0;
+  uint32_t code_ = 0;
+  uint32_t range_ = 0xFFFFFFFFu;
+};
+
+}  // namespace wsync::codec::internal

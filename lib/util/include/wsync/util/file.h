@@ -1,0 +1,17 @@
+// Whole-file reads and atomic whole-file writes.
+#pragma once
+
+#include <string>
+#include <string_view>
+
+#include "wsync/util/status.h"
+
+namespace wsync {
+
+StatusOr<std::string> ReadFile(const std::string& path);
+
+// Writes through `path.tmp.PID` + fsync + rename: readers see the old file or
+// the new one, never a partial one.
+Status WriteFileAtomic(const std::string& path, std::string_view data);
+
+}  // namespace wsync

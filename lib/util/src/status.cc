@@ -1,0 +1,81 @@
+#include "wsync/util/status.h"
+
+#include <cstring>
+
+namespace wsync {
+
+std::string_view StatusCodeName(StatusCode code) {
+  switch (code) {
+    case StatusCode::kOk: return "OK";
+    case StatusCode::kCancelled: return "Cancelled";
+    case StatusCode::kUnknown: return "Unknown";
+    case StatusCode::kInvalidArgument: return "InvalidArgument";
+    case StatusCode::kDeadlineExceeded: return "DeadlineExceeded";
+    case StatusCode::kNotFound: return "NotFound";
+    case StatusCode::kAlreadyExists: return "AlreadyExists";
+    case StatusCode::kPermissionDenied: return "PermissionDenied";
+    case StatusCode::kResourceExhausted: return "ResourceExhausted";
+    case StatusCode::kFailedPrecondition: return "FailedPrecondition";
+    case StatusCode::kAborted: return "Aborted";
+    case StatusCode::kOutOfRange: return "OutOfRange";
+    case StatusCode::kUnimplemented: return "Unimplemented";
+    case StatusCode::kInternal: return "Internal";
+    case StatusCode::kUnavailable: return "Unavailable";
+    case StatusCode::kDataLoss: return "DataLoss";
+    case StatusCode::kUnauthenticated: return "Unauthenticated";
+  }
+  return "Unknown";
+}
+
+std::string Status::ToString() const {
+  if (ok()) return "OK";
+  std::string out(StatusCodeName(code_));
+  out += ": ";
+  out += message_;
+  return out;
+}
+
+Status Status::WithContext(std::string_view context) const {
+  if (ok()) return *this;
+  std::string msg(context);
+  msg += ": ";
+  msg += message_;
+  return Status(code_, std::move(msg));
+}
+
+Status InvalidArgumentError(std::string m) { return Status(StatusCode::kInvalidArgument, std::move(m)); }
+Status NotFoundError(std::string m) { return Status(StatusCode::kNotFound, std::move(m)); }
+Status AlreadyExistsError(std::string m) { return Status(StatusCode::kAlreadyExists, std::move(m)); }
+Status FailedPreconditionError(std::string m) { return Status(StatusCode::kFailedPrecondition, std::move(m)); }
+Status OutOfRangeError(std::string m) { return Status(StatusCode::kOutOfRange, std::move(m)); }
+Status UnimplementedError(std::string m) { return Status(StatusCode::kUnimplemented, std::move(m)); }
+Status InternalError(std::string m) { return Status(StatusCode::kInternal, std::move(m)); }
+Status UnavailableError(std::string m) { return Status(StatusCode::kUnavailable, std::move(m)); }
+Status DataLossError(std::string m) { return Status(StatusCode::kDataLoss, std::move(m)); }
+Status ResourceExhaustedError(std::string m) { return Status(StatusCode::kResourceExhausted, std::move(m)); }
+Status AbortedError(std::string m) { return Status(StatusCode::kAborted, std::move(m)); }
+Status DeadlineExceededError(std::string m) { return Status(StatusCode::kDeadlineExceeded, std::move(m)); }
+Status UnauthenticatedError(std::string m) { return Status(StatusCode::kUnauthenticated, std::move(m)); }
+Status PermissionDeniedError(std::string m) { return Status(StatusCode::kPermissionDenied, std::move(m)); }
+Status CancelledError(std::string m) { return Status(StatusCode::kCancelled, std::move(m)); }
+
+Status ErrnoToStatus(int err, std::string_view what) {
+  std::string msg(what);
+  msg += ": ";
+  msg += std::strerror(err);
+  switch (err) {
+    case ENOENT: return NotFoundError(std::move(msg));
+    case EACCES:
+    case EPERM: return PermissionDeniedError(std::move(msg));
+    case EEXIST: return AlreadyExistsError(std::move(msg));
+    case ENOSPC:
+    case ENOMEM: return ResourceExhaustedError(std::move(msg));
+    case EINVAL: return InvalidArgumentError(std::move(msg));
+    case EAGAIN:
+    case ECONNREFUSED:
+    case ECONNRESET: return UnavailableError(std::move(msg));
+    default: return InternalError(std::move(msg));
+  }
+}
+
+}  // namespace wsync
