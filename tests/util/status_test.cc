@@ -1,0 +1,48 @@
+#include "wsync/util/status.h"
+
+#include <gtest/gtest.h>
+
+#include <atomic>
+
+#include "wsync/util/thread_pool.h"
+
+namespace wsync {
+namespace {
+
+StatusOr<int> Half(int x) {
+  if (x % 2) return InvalidArgumentError("odd: " + std::to_string(x));
+  return x / 2;
+}
+
+Status Quarter(int x, int* out) {
+  WSYNC_ASSIGN_OR_RETURN(int h, Half(x));
+  WSYNC_ASSIGN_OR_RETURN(*out, Half(h));
+  return Status::Ok();
+}
+
+TEST(Status, CodesMessagesAndMacros) {
+  int out = 0;
+  EXPECT_TRUE(Quarter(8, &out).ok());
+  EXPECT_EQ(out, 2);
+  Status s = Quarter(6, &out);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(s.ToString(), "InvalidArgument: odd: 3");
+  EXPECT_EQ(s.WithContext("q").message(), "q: odd: 3");
+  EXPECT_EQ(ErrnoToStatus(ENOENT, "open x").code(), StatusCode::kNotFound);
+  EXPECT_EQ(static_cast<int>(StatusCode::kDataLoss), 15);  // gRPC's value
+}
+
+TEST(ThreadPool, RunsEveryIndexOnce) {
+  for (size_t threads : {1, 2, 5}) {
+    ThreadPool pool(threads);
+    EXPECT_EQ(pool.size(), threads);
+    for (size_t n : {0, 1, 7, 1000}) {
+      std::vector<std::atomic<int>> hits(n);
+      pool.ParallelFor(n, [&](size_t i) { hits[i]++; });
+      for (auto& h : hits) EXPECT_EQ(h.load(), 1);
+    }
+  }
+}
+
+}  // namespace
+}  // namespace wsync
