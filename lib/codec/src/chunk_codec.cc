@@ -81,9 +81,14 @@ ClassSpec ChooseClasses(const T* base, size_t n, const SparseDelta<T>& d,
     pa[i + 1] = pa[i] + groups[i].all;
     pc[i + 1] = pc[i] + groups[i].chg;
   }
-  auto cost = [&](size_t a, size_t b) {  // groups [a, b)
-    return BinaryEntropyBits(pa[b] - pa[a], pc[b] - pc[a]);
-  };
+  // cost[a * (g + 1) + b]: bits of groups [a, b) as one class.
+  std::vector<double> cost_table((g + 1) * (g + 1), 0.0);
+  for (size_t a = 0; a < g; ++a) {
+    for (size_t b = a + 1; b <= g; ++b) {
+      cost_table[a * (g + 1) + b] = BinaryEntropyBits(pa[b] - pa[a], pc[b] - pc[a]);
+    }
+  }
+  auto cost = [&](size_t a, size_t b) { return cost_table[a * (g + 1) + b]; };
   const int kmax = static_cast<int>(std::min<size_t>(kMaxClasses, g));
   constexpr double kInf = std::numeric_limits<double>::infinity();
   // dp[k][j]: best cost of groups [0, j) in k classes; from[k][j]: start of the last class.
@@ -151,8 +156,12 @@ bool ReadClassHeader(std::string_view stream, ExponentField ef, ClassSpec* spec,
 
 // ----------------------------------------------------------------- values
 
+// A delta s != 0 (as a signed w-bit number) is coded as its sign, whether
+// |s| == 1 (the common case at RL learning rates), and else |s| - 2 as an
+// Exp-Golomb code; contexts are per class, the sign's also per old sign.
 struct ValueModels {
   BitModel sign[kMaxClasses][2];
+  BitModel one[kMaxClasses];
   EGModel mag[kMaxClasses];
 };
 
@@ -172,7 +181,8 @@ void EncodeValues(const T* base, const SparseDelta<T>& d, const std::vector<uint
     const int neg = static_cast<int>((delta >> (kBits<T> - 1)) & 1);
     const T mag = neg ? static_cast<T>(T{0} - delta) : delta;
     enc.Encode(models->sign[c][OldSign(base, d.pos[i], spec)], neg);
-    enc.EncodeEG(models->mag[c], static_cast<uint64_t>(mag) - 1);
+    enc.Encode(models->one[c], mag != 1);
+    if (mag != 1) enc.EncodeEG(models->mag[c], static_cast<uint64_t>(mag) - 2);
   }
   enc.Finish();
 }
@@ -182,19 +192,22 @@ Status DecodeValues(std::string_view stream, const T* base, const std::vector<ui
                     const ClassSpec& spec, SparseDelta<T>* out) {
   auto models = std::make_unique<ValueModels>();
   RangeDecoder dec(stream);
-  const uint64_t max = (uint64_t{1} << (kBits<T> - 1)) - 1;
+  const uint64_t max = (uint64_t{1} << (kBits<T> - 1)) - 2;
   out->delta.resize(out->pos.size());
   for (size_t i = 0; i < out->pos.size(); ++i) {
     const int c = cls[i];
     const int neg = dec.Decode(models->sign[c][OldSign(base, out->pos[i], spec)]);
-    uint64_t u;
-    if (!dec.DecodeEG(models->mag[c], max, &u)) {
-      return DataLossError("value stream: delta " + std::to_string(i) + " out of range");
+    uint64_t u = 0;
+    if (dec.Decode(models->one[c])) {
+      if (!dec.DecodeEG(models->mag[c], max, &u)) {
+        return DataLossError("value stream: delta " + std::to_string(i) + " out of range");
+      }
+      u += 1;
     }
     const T mag = static_cast<T>(u + 1);
     out->delta[i] = neg ? static_cast<T>(T{0} - mag) : mag;
   }
-  if (dec.overrun() > 4) return DataLossError("value stream: truncated");
+  if (dec.overrun() > 4 || dec.corrupt()) return DataLossError("value stream: truncated or corrupt");
   return Status::Ok();
 }
 
@@ -210,10 +223,28 @@ std::vector<uint8_t> ClassesAt(const T* base, const std::vector<uint32_t>& pos, 
 
 // ----------------------------------------------------------- sparse mode
 
+// Gaps between the ranks of a class's changes are Golomb-Rice coded: the
+// quotient gap >> r in unary with adaptive contexts (escaping to Exp-Golomb
+// past kUnary), the r low bits at probability 1/2. r is chosen per class
+// from the mean gap, so a class changing with probability p costs close to
+// H(p) per element.
+constexpr int kUnary = 16;
+constexpr int kMaxRice = 31;
+
 struct SparseModels {
   EGModel count;
-  EGModel gap[kMaxClasses];
+  BitModel quotient[kMaxClasses][kUnary];
+  EGModel escape[kMaxClasses];
 };
+
+int RiceParameter(uint64_t gap_sum, uint64_t count) {
+  if (count == 0) return 0;
+  // Golomb's optimal divisor for a geometric source is about 0.69 * mean.
+  const double m = 0.69 * static_cast<double>(gap_sum) / static_cast<double>(count);
+  int r = 0;
+  while (r < kMaxRice && static_cast<double>(uint64_t{2} << r) <= m) ++r;
+  return r;
+}
 
 // Per-class ranks of the changed positions, by sweeping the class masks of
 // every block.
@@ -248,16 +279,36 @@ void RanksByClass(const T* base, size_t n, const std::vector<uint32_t>& pos, con
 void EncodeSparsePositions(const std::vector<uint8_t>& cls, const std::vector<uint32_t>& rank,
                            const ClassSpec& spec, std::string* out) {
   WriteClassHeader(spec, out);
-  auto models = std::make_unique<SparseModels>();
-  std::vector<uint32_t> per_class[kMaxClasses];
-  for (size_t i = 0; i < cls.size(); ++i) per_class[cls[i]].push_back(rank[i]);
-  RangeEncoder enc(out);
-  for (int c = 0; c < spec.k; ++c) enc.EncodeEG(models->count, per_class[c].size());
+  std::vector<uint32_t> gaps[kMaxClasses];
+  uint32_t next[kMaxClasses] = {};
+  uint64_t sum[kMaxClasses] = {};
+  for (size_t i = 0; i < cls.size(); ++i) {
+    const int c = cls[i];
+    gaps[c].push_back(rank[i] - next[c]);
+    sum[c] += rank[i] - next[c];
+    next[c] = rank[i] + 1;
+  }
+  int rice[kMaxClasses];
   for (int c = 0; c < spec.k; ++c) {
-    uint32_t next = 0;
-    for (uint32_t r : per_class[c]) {
-      enc.EncodeEG(models->gap[c], r - next);
-      next = r + 1;
+    rice[c] = RiceParameter(sum[c], gaps[c].size());
+    out->push_back(static_cast<char>(rice[c]));
+  }
+  auto models = std::make_unique<SparseModels>();
+  RangeEncoder enc(out);
+  for (int c = 0; c < spec.k; ++c) enc.EncodeEG(models->count, gaps[c].size());
+  for (int c = 0; c < spec.k; ++c) {
+    const int r = rice[c];
+    BitModel* q = models->quotient[c];
+    for (uint32_t g : gaps[c]) {
+      const uint32_t quotient = g >> r;
+      const uint32_t unary = quotient < kUnary ? quotient : kUnary;
+      for (uint32_t j = 0; j < unary; ++j) enc.Encode(q[j], 1);
+      if (quotient < kUnary) {
+        enc.Encode(q[quotient], 0);
+      } else {
+        enc.EncodeEG(models->escape[c], quotient - kUnary);
+      }
+      if (r > 0) enc.EncodeDirect(g, r);
     }
   }
   enc.Finish();
@@ -267,6 +318,13 @@ template <typename T>
 Status DecodeSparsePositions(std::string_view coded, const T* base, size_t n, uint64_t changed,
                              const ClassSpec& spec, std::vector<uint32_t>* pos,
                              std::vector<uint8_t>* cls) {
+  if (coded.size() < static_cast<size_t>(spec.k)) return DataLossError("position stream: truncated Rice parameters");
+  int rice[kMaxClasses];
+  for (int c = 0; c < spec.k; ++c) {
+    rice[c] = static_cast<uint8_t>(coded[c]);
+    if (rice[c] > kMaxRice) return DataLossError("position stream: Rice parameter " + std::to_string(rice[c]));
+  }
+  coded.remove_prefix(spec.k);
   auto models = std::make_unique<SparseModels>();
   RangeDecoder dec(coded);
   uint64_t counts[kMaxClasses];
@@ -287,9 +345,16 @@ Status DecodeSparsePositions(std::string_view coded, const T* base, size_t n, ui
   for (int c = 0; c < spec.k; ++c) {
     ranks[c].resize(counts[c]);
     uint64_t next = 0;
+    const int r = rice[c];
+    BitModel* q = models->quotient[c];
     for (uint64_t i = 0; i < counts[c]; ++i) {
-      uint64_t gap;
-      if (next >= n || !dec.DecodeEG(models->gap[c], n - 1 - next, &gap)) {
+      uint64_t quotient = 0;
+      while (quotient < kUnary && dec.Decode(q[quotient])) ++quotient;
+      uint64_t escaped = 0;
+      const bool escape_ok = quotient < kUnary || dec.DecodeEG(models->escape[c], n >> r, &escaped);
+      quotient += escaped;
+      const uint64_t gap = (quotient << r) | (r > 0 ? dec.DecodeDirect(r) : 0);
+      if (!escape_ok || next >= n || gap > n - 1 - next) {
         return DataLossError("position stream: class " + std::to_string(c) + " gap " +
                              std::to_string(i) + " overruns the chunk of " + std::to_string(n) +
                              " elements");
@@ -298,7 +363,7 @@ Status DecodeSparsePositions(std::string_view coded, const T* base, size_t n, ui
       next = next + gap + 1;
     }
   }
-  if (dec.overrun() > 4) return DataLossError("position stream: truncated");
+  if (dec.overrun() > 4 || dec.corrupt()) return DataLossError("position stream: truncated or corrupt");
 
   pos->clear();
   cls->clear();
@@ -397,7 +462,7 @@ Status DecodeRunPositions(std::string_view coded, size_t n, uint64_t changed, st
     for (uint64_t k = 0; k <= len; ++k) pos->push_back(static_cast<uint32_t>(cur + k));
     cur += len + 1;
   }
-  if (dec.overrun() > 4) return DataLossError("run stream: truncated");
+  if (dec.overrun() > 4 || dec.corrupt()) return DataLossError("run stream: truncated or corrupt");
   return Status::Ok();
 }
 

@@ -61,11 +61,15 @@ class RangeEncoder {
     Normalize();
   }
 
-  // Bits at probability 1/2, most significant first. REQUIRES: n <= 64.
+  // The low n bits of value at probability 1/2, up to 16 at a time.
+  // REQUIRES: n <= 64.
   void EncodeDirect(uint64_t value, int n) {
-    for (int i = n - 1; i >= 0; --i) {
-      range_ >>= 1;
-      if ((value >> i) & 1) low_ += range_;
+    while (n > 0) {
+      const int take = n < 16 ? n : 16;
+      n -= take;
+      const uint32_t part = static_cast<uint32_t>(value >> n) & ((1u << take) - 1);
+      range_ >>= take;  // range >= 2^24, so at least 2^8 remain
+      low_ += static_cast<uint64_t>(part) * range_;
       Normalize();
     }
   }
@@ -152,11 +156,17 @@ class RangeDecoder {
 
   uint64_t DecodeDirect(int n) {
     uint64_t v = 0;
-    for (int i = 0; i < n; ++i) {
-      range_ >>= 1;
-      uint32_t bit = code_ >= range_ ? 1 : 0;
-      if (bit) code_ -= range_;
-      v = (v << 1) | bit;
+    while (n > 0) {
+      const int take = n < 16 ? n : 16;
+      n -= take;
+      range_ >>= take;
+      uint32_t part = code_ / range_;
+      if (part >> take) {  // only a corrupt stream gets here
+        part = (1u << take) - 1;
+        corrupt_ = true;
+      }
+      code_ -= part * range_;
+      v = (v << take) | part;
       Normalize();
     }
     return v;
@@ -189,6 +199,8 @@ class RangeDecoder {
   // Bytes read past the end of the input (as zeros). A stream written by
   // RangeEncoder never needs more than a few.
   size_t overrun() const { return overrun_; }
+  // True when a direct-bit field decoded out of range (corrupt input).
+  bool corrupt() const { return corrupt_; }
 
  private:
   static int Ctx(int i) { return i < EGModel::kPrefixContexts ? i : EGModel::kPrefixContexts - 1; }
@@ -209,6 +221,7 @@ class RangeDecoder {
   std::string_view in_;
   size_t pos_ = 0;
   size_t overrun_ = 0;
+  bool corrupt_ = false;
   uint32_t code_ = 0;
   uint32_t range_ = 0xFFFFFFFFu;
 };

@@ -1,0 +1,133 @@
+#include "measure.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+
+#include <spdlog/spdlog.h>
+
+namespace wsync::bench {
+namespace {
+
+double Now() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+bool Equal(const std::vector<codec::MutableTensorView>& got, const std::vector<codec::TensorView>& want) {
+  for (size_t i = 0; i < got.size(); ++i) {
+    if (std::memcmp(got[i].data, want[i].data, want[i].NumBytes()) != 0) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+double Median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  size_t n = v.size();
+  return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
+}
+
+std::vector<codec::MutableTensorView> Scratch::Reset(const std::vector<codec::TensorView>& base) {
+  bool same = dst_.size() == base.size();
+  for (size_t i = 0; same && i < base.size(); ++i) same = dst_[i].bytes.size() == base[i].NumBytes();
+  if (!same) dst_ = buffers::CopyTensors(base);
+  for (size_t i = 0; i < base.size(); ++i) {
+    dst_[i].name = base[i].name;
+    dst_[i].dtype = base[i].dtype;
+    dst_[i].shape = base[i].shape;
+    std::memcpy(dst_[i].bytes.data(), base[i].data, base[i].NumBytes());
+  }
+  return buffers::MutableViews(dst_);
+}
+
+PairResult MeasurePair(const std::string& label, const std::vector<codec::TensorView>& base,
+                       const std::vector<codec::TensorView>& target, const MeasureOptions& options,
+                       Scratch* scratch) {
+  PairResult r;
+  r.label = label;
+  for (const auto& t : target) {
+    r.dense_bytes += t.NumBytes();
+    r.elements += t.NumElements();
+  }
+  auto stats = codec::AnalyzeDiff(base, target);
+  if (stats.ok()) {
+    r.changed = stats->changed;
+    r.order0_bytes = stats->Order0Bits() / 8;
+    r.conditional_bytes = stats->ConditionalBits() / 8;
+  }
+
+  {
+    MethodResult m;
+    m.name = "wsync";
+    codec::EncodeOptions eo;
+    eo.pool = options.pool;
+    eo.zstd_level = options.zstd_level;
+    eo.condition_on_base = options.condition;
+    codec::ApplyOptions ao;
+    ao.pool = options.pool;
+    std::vector<double> enc, app;
+    std::string patch;
+    m.exact = true;
+    for (int k = 0; k < options.repeat; ++k) {
+      double t0 = Now();
+      auto p = codec::EncodePatch(base, target, eo);
+      enc.push_back(Now() - t0);
+      if (!p.ok()) {
+        spdlog::error("{}: encode failed: {}", label, p.status().ToString());
+        m.exact = false;
+        break;
+      }
+      patch = std::move(*p);
+      auto dst = scratch->Reset(base);
+      t0 = Now();
+      Status s = codec::ApplyPatch(patch, dst, ao);
+      app.push_back(Now() - t0);
+      m.exact = m.exact && s.ok() && Equal(dst, target);
+    }
+    m.bytes = patch.size();
+    m.encode_s = Median(enc);
+    m.apply_s = Median(app);
+    r.methods.push_back(m);
+  }
+  if (options.baselines) {
+    std::unique_ptr<Baseline> baselines[] = {MakePulseBaseline(), MakeNaiveBaseline(), MakeDenseZstdBaseline()};
+    for (auto& b : baselines) {
+      MethodResult m;
+      m.name = b->name();
+      std::vector<double> enc, app;
+      std::string patch;
+      m.exact = true;
+      for (int k = 0; k < options.repeat; ++k) {
+        double t0 = Now();
+        patch = b->Encode(base, target);
+        enc.push_back(Now() - t0);
+        auto dst = scratch->Reset(base);
+        t0 = Now();
+        Status s = b->Apply(patch, dst);
+        app.push_back(Now() - t0);
+        m.exact = m.exact && s.ok() && Equal(dst, target);
+      }
+      m.bytes = patch.size();
+      m.encode_s = Median(enc);
+      m.apply_s = Median(app);
+      r.methods.push_back(m);
+    }
+  }
+  return r;
+}
+
+double MemcpySeconds(uint64_t bytes, int repeat) {
+  std::vector<uint8_t> a(bytes, 1), b(bytes, 2);
+  std::vector<double> t;
+  for (int k = 0; k < std::max(repeat, 3); ++k) {
+    double t0 = Now();
+    std::memcpy(b.data(), a.data(), bytes);
+    t.push_back(Now() - t0);
+    a[k % bytes] ^= b[(k * 7) % bytes];  // keep the copy observable
+  }
+  return Median(t);
+}
+
+}  // namespace wsync::bench

@@ -1,0 +1,59 @@
+// Timing of codecs over one (base, target) pair, baselines included.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "baselines.h"
+#include "wsync/buffers/safetensors.h"
+#include "wsync/codec/codec.h"
+#include "wsync/util/thread_pool.h"
+
+namespace wsync::bench {
+
+struct MethodResult {
+  std::string name;
+  uint64_t bytes = 0;
+  double encode_s = 0;  // median
+  double apply_s = 0;   // median
+  bool exact = false;
+};
+
+struct PairResult {
+  std::string label;
+  uint64_t dense_bytes = 0;
+  uint64_t elements = 0;
+  uint64_t changed = 0;
+  double order0_bytes = 0;
+  double conditional_bytes = 0;
+  std::vector<MethodResult> methods;  // wsync first
+};
+
+struct MeasureOptions {
+  int repeat = 3;
+  int zstd_level = 3;
+  bool baselines = true;
+  bool condition = true;
+  ThreadPool* pool = nullptr;  // wsync's codec threads
+};
+
+// Pre-touched scratch reused across pairs (fresh memory is slow to fault in).
+class Scratch {
+ public:
+  // Copies `base` into the scratch destination (untimed); returns its views.
+  std::vector<codec::MutableTensorView> Reset(const std::vector<codec::TensorView>& base);
+
+ private:
+  std::vector<buffers::OwnedTensor> dst_;
+};
+
+PairResult MeasurePair(const std::string& label, const std::vector<codec::TensorView>& base,
+                       const std::vector<codec::TensorView>& target, const MeasureOptions& options,
+                       Scratch* scratch);
+
+// Median seconds of a single-threaded memcpy of `bytes` (pre-touched).
+double MemcpySeconds(uint64_t bytes, int repeat);
+
+double Median(std::vector<double> v);
+
+}  // namespace wsync::bench

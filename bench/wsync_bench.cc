@@ -1,0 +1,226 @@
+// wsync-bench: ratio and throughput of wsync's codec against baselines
+// measured in the same run, on real snapshots (codec) or generated ones
+// (synth). Figures are medians over pairs and repeats.
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <cinttypes>
+#include <cstdio>
+#include <filesystem>
+#include <map>
+
+#include "measure.h"
+#include "synth.h"
+#include "wsync/buffers/safetensors.h"
+
+namespace wsync::bench {
+namespace {
+
+namespace fs = std::filesystem;
+
+struct Common {
+  unsigned threads = 2;
+  int repeat = 3;
+  int zstd_level = 3;
+  bool json = false;
+  bool no_condition = false;
+};
+
+void Report(const std::string& title, const std::vector<PairResult>& pairs, double memcpy_gbs, const Common& c) {
+  // Per-method medians over pairs.
+  std::map<std::string, std::vector<double>> ratio, enc, app;
+  std::map<std::string, bool> exact;
+  std::vector<std::string> order;
+  std::vector<double> r0, rc, density;
+  for (const auto& p : pairs) {
+    r0.push_back(p.dense_bytes / std::max(1.0, p.order0_bytes));
+    rc.push_back(p.dense_bytes / std::max(1.0, p.conditional_bytes));
+    density.push_back(p.elements ? static_cast<double>(p.changed) / p.elements : 0);
+    for (const auto& m : p.methods) {
+      if (!exact.count(m.name)) {
+        order.push_back(m.name);
+        exact[m.name] = true;
+      }
+      ratio[m.name].push_back(static_cast<double>(p.dense_bytes) / std::max<uint64_t>(1, m.bytes));
+      enc[m.name].push_back(p.dense_bytes / m.encode_s / 1e9);
+      app[m.name].push_back(p.dense_bytes / m.apply_s / 1e9);
+      exact[m.name] = exact[m.name] && m.exact;
+    }
+  }
+  const double wsync_ratio = Median(ratio["wsync"]);
+  const double pulse_ratio = ratio.count("PULSE-style") ? Median(ratio["PULSE-style"]) : 0;
+  if (c.json) {
+    nlohmann::ordered_json j;
+    j["title"] = title;
+    j["threads"] = c.threads;
+    j["memcpy_gbs"] = memcpy_gbs;
+    j["median_density"] = Median(density);
+    j["order0_bound_ratio"] = Median(r0);
+    j["conditional_bound_ratio"] = Median(rc);
+    for (const auto& name : order) {
+      j["methods"][name] = {{"ratio", Median(ratio[name])},
+                            {"encode_gbs", Median(enc[name])},
+                            {"apply_gbs", Median(app[name])},
+                            {"encode_vs_memcpy", Median(enc[name]) / memcpy_gbs},
+                            {"apply_vs_memcpy", Median(app[name]) / memcpy_gbs},
+                            {"bit_exact", exact[name]}};
+    }
+    if (pulse_ratio > 0) j["wsync_vs_pulse"] = wsync_ratio / pulse_ratio;
+    nlohmann::ordered_json per = nlohmann::ordered_json::array();
+    for (const auto& p : pairs) {
+      nlohmann::ordered_json o;
+      o["pair"] = p.label;
+      o["dense_bytes"] = p.dense_bytes;
+      o["changed"] = p.changed;
+      for (const auto& m : p.methods) {
+        o[m.name] = {{"bytes", m.bytes}, {"encode_s", m.encode_s}, {"apply_s", m.apply_s}, {"exact", m.exact}};
+      }
+      per.push_back(o);
+    }
+    j["pairs"] = per;
+    std::printf("%s\n", j.dump(2).c_str());
+    return;
+  }
+  std::printf("== %s\n", title.c_str());
+  std::printf("%-24s %12s %10s %10s %10s\n", "pair", "changed", "dense MB", "wsync B", "ratio");
+  for (const auto& p : pairs) {
+    std::printf("%-24s %11.3f%% %10.1f %10" PRIu64 " %9.1fx\n", p.label.c_str(),
+                100.0 * p.changed / std::max<uint64_t>(1, p.elements), p.dense_bytes / 1e6, p.methods[0].bytes,
+                static_cast<double>(p.dense_bytes) / p.methods[0].bytes);
+  }
+  std::printf("\nmedians over %zu pairs (codec threads: %u, memcpy: %.2f GB/s single-threaded)\n", pairs.size(),
+              c.threads, memcpy_gbs);
+  std::printf("%-16s %10s %12s %12s %10s %10s %6s\n", "method", "ratio", "encode GB/s", "apply GB/s", "enc/memcpy",
+              "app/memcpy", "exact");
+  for (const auto& name : order) {
+    std::printf("%-16s %9.1fx %12.2f %12.2f %10.2f %10.2f %6s\n", name.c_str(), Median(ratio[name]),
+                Median(enc[name]), Median(app[name]), Median(enc[name]) / memcpy_gbs,
+                Median(app[name]) / memcpy_gbs, exact[name] ? "yes" : "NO");
+  }
+  std::printf("%-16s %9.1fx\n", "order-0 bound", Median(r0));
+  std::printf("%-16s %9.1fx\n", "cond. bound", Median(rc));
+  if (pulse_ratio > 0) std::printf("wsync / PULSE-style ratio: %.2fx\n", wsync_ratio / pulse_ratio);
+}
+
+int RunCodec(const std::string& dir, int gap, bool baselines, const Common& c) {
+  std::vector<std::string> files;
+  std::error_code ec;
+  for (const auto& f : fs::directory_iterator(dir, ec)) {
+    if (f.path().extension() == ".safetensors") files.push_back(f.path());
+  }
+  if (ec) {
+    spdlog::error("cannot list {}: {}", dir, ec.message());
+    return 1;
+  }
+  std::sort(files.begin(), files.end());
+  if (static_cast<int>(files.size()) <= gap) {
+    spdlog::error("{} holds {} snapshots: too few for gap {}", dir, files.size(), gap);
+    return 1;
+  }
+  std::vector<std::unique_ptr<buffers::SafetensorsFile>> snaps;
+  for (const auto& f : files) {
+    auto s = buffers::SafetensorsFile::Open(f);
+    if (!s.ok()) {
+      spdlog::error("{}", s.status().ToString());
+      return 1;
+    }
+    snaps.push_back(std::move(*s));
+  }
+  ThreadPool pool(c.threads);
+  MeasureOptions mo{c.repeat, c.zstd_level, baselines, !c.no_condition, &pool};
+  Scratch scratch;
+  std::vector<PairResult> pairs;
+  uint64_t dense = 0;
+  for (size_t i = 0; i + gap < snaps.size(); ++i) {
+    std::string label = fs::path(files[i]).stem().string() + "->" + fs::path(files[i + gap]).stem().string();
+    pairs.push_back(MeasurePair(label, snaps[i]->tensors(), snaps[i + gap]->tensors(), mo, &scratch));
+    dense = pairs.back().dense_bytes;
+  }
+  const double memcpy_gbs = dense / MemcpySeconds(dense, std::max(5, c.repeat)) / 1e9;
+  Report(dir + " (gap " + std::to_string(gap) + ")", pairs, memcpy_gbs, c);
+  for (const auto& p : pairs) {
+    for (const auto& m : p.methods) {
+      if (!m.exact) return 2;
+    }
+  }
+  return 0;
+}
+
+int RunSynth(const SynthOptions& so, int steps, bool baselines, const std::string& out_dir, const Common& c) {
+  ThreadPool pool(c.threads);
+  SynthModel model(so, &pool);
+  spdlog::info("synth: {} parameters ({:.2f} GB of BF16), lr {}", model.params(), model.params() * 2 / 1e9, so.lr);
+  std::vector<buffers::OwnedTensor> prev = model.Tensors(), cur = model.Tensors();
+  model.CastTo(&prev);
+  // Write step 0 if asked.
+  auto save = [&](const std::vector<buffers::OwnedTensor>& t, int step) {
+    if (out_dir.empty()) return;
+    char name[32];
+    std::snprintf(name, sizeof(name), "step_%04d.safetensors", step);
+    Status s = buffers::WriteSafetensors((fs::path(out_dir) / name).string(), buffers::Views(t));
+    if (!s.ok()) spdlog::error("{}", s.ToString());
+  };
+  if (!out_dir.empty()) fs::create_directories(out_dir);
+  save(prev, 0);
+  MeasureOptions mo{c.repeat, c.zstd_level, baselines, !c.no_condition, &pool};
+  Scratch scratch;
+  std::vector<PairResult> pairs;
+  for (int s = 1; s <= steps; ++s) {
+    model.Step();
+    model.CastTo(&cur);
+    save(cur, s);
+    pairs.push_back(MeasurePair("step " + std::to_string(s - 1) + "->" + std::to_string(s), buffers::Views(prev),
+                                buffers::Views(cur), mo, &scratch));
+    std::swap(prev, cur);
+  }
+  const uint64_t dense = model.params() * 2;
+  const double memcpy_gbs = dense / MemcpySeconds(dense, std::max(5, c.repeat)) / 1e9;
+  char title[128];
+  std::snprintf(title, sizeof(title), "synthetic %.2f GB BF16 set, lr %g", dense / 1e9, so.lr);
+  Report(title, pairs, memcpy_gbs, c);
+  return 0;
+}
+
+}  // namespace
+}  // namespace wsync::bench
+
+int main(int argc, char** argv) {
+  using namespace wsync::bench;
+  CLI::App app{"wsync-bench: codec ratio and throughput against baselines"};
+  app.require_subcommand(1);
+  Common c;
+  app.add_option("--threads", c.threads, "codec threads")->capture_default_str();
+  app.add_option("--repeat", c.repeat, "timed repetitions per pair (median)")->capture_default_str();
+  app.add_option("--zstd-level", c.zstd_level, "zstd level of wsync's zstd-coded streams");
+  app.add_flag("--json", c.json, "machine-readable output");
+  app.add_flag("--no-condition", c.no_condition, "code wsync patches without conditioning on the base");
+  int rc = 0;
+
+  auto* codec = app.add_subcommand("codec", "consecutive (or --gap K) snapshot pairs of a directory");
+  std::string dir;
+  int gap = 1;
+  bool no_baselines = false;
+  codec->add_option("DIR", dir, "directory of safetensors snapshots (sorted by name)")->required();
+  codec->add_option("--gap", gap, "compare snapshot i with i+K")->check(CLI::PositiveNumber);
+  codec->add_flag("--no-baselines", no_baselines, "measure wsync only");
+  codec->callback([&] { rc = RunCodec(dir, gap, !no_baselines, c); });
+
+  auto* synth = app.add_subcommand("synth", "generated FP32-master Adam-like steps cast to BF16");
+  SynthOptions so;
+  int steps = 3;
+  bool with_baselines = false;
+  std::string out_dir;
+  synth->add_option("--params", so.params, "parameters (e.g. 1073741824 for 2 GB of BF16)");
+  synth->add_option("--hidden", so.hidden, "hidden size (0: from --params)");
+  synth->add_option("--lr", so.lr, "learning rate")->capture_default_str();
+  synth->add_option("--steps", steps, "optimizer steps (pairs measured)")->capture_default_str();
+  synth->add_option("--seed", so.seed, "random seed");
+  synth->add_option("--out", out_dir, "also write the BF16 snapshots here as safetensors");
+  synth->add_flag("--baselines", with_baselines, "also measure the baselines (slow at GB scale)");
+  synth->callback([&] { rc = RunSynth(so, steps, with_baselines, out_dir, c); });
+
+  CLI11_PARSE(app, argc, argv);
+  return rc;
+}
