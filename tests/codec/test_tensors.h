@@ -1,6 +1,7 @@
 // Random tensor sets for codec tests.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <random>

@@ -477,6 +477,7 @@ void EncodeBitmapPositions(const std::vector<uint32_t>& pos, size_t n, const Cla
 }
 
 Status DecodeBitmapPositions(std::string_view coded, size_t n, uint64_t changed, std::vector<uint32_t>* pos) {
+  WSYNC_RETURN_IF_ERROR(ZstdCheckFrameSize(coded, (n + 7) / 8, "bitmap stream"));
   std::string bits((n + 7) / 8, '\0');
   WSYNC_RETURN_IF_ERROR(ZstdDecompressExact(coded, bits.data(), bits.size(), "bitmap stream"));
   if (n % 8 != 0 && (static_cast<uint8_t>(bits.back()) >> (n % 8)) != 0) {
@@ -531,6 +532,7 @@ void EncodeDense(const SparseDelta<T>& d, size_t n, int zstd_level, std::string*
 
 template <typename T>
 Status DecodeDense(std::string_view coded, size_t n, uint64_t changed, SparseDelta<T>* out) {
+  WSYNC_RETURN_IF_ERROR(ZstdCheckFrameSize(coded, n * sizeof(T), "dense stream"));
   std::string planes(n * sizeof(T), '\0');
   WSYNC_RETURN_IF_ERROR(ZstdDecompressExact(coded, planes.data(), planes.size(), "dense stream"));
   std::vector<T> dense(n);
@@ -697,6 +699,7 @@ void EncodeKeyframeChunk(const T* values, size_t n, int zstd_level, std::string*
 
 template <typename T>
 Status DecodeKeyframeChunk(std::string_view stream, size_t n, T* out) {
+  WSYNC_RETURN_IF_ERROR(ZstdCheckFrameSize(stream, n * sizeof(T), "keyframe stream"));
   std::string planes(n * sizeof(T), '\0');
   WSYNC_RETURN_IF_ERROR(ZstdDecompressExact(stream, planes.data(), planes.size(), "keyframe stream"));
   FromPlanes(planes, n, out);

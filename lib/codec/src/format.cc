@@ -119,6 +119,8 @@ StatusOr<Container> ReadContainer(std::string_view data, bool verify_checksum) {
     if (sum != checksum) return DataLossError("patch checksum mismatch: the patch is corrupted");
   }
 
+  // Check the frame's declared size before allocating for it.
+  WSYNC_RETURN_IF_ERROR(ZstdCheckFrameSize(data.substr(kPreambleBytes, zdir_len), dir_len, "patch directory"));
   std::string dir(dir_len, '\0');
   WSYNC_RETURN_IF_ERROR(
       ZstdDecompressExact(data.substr(kPreambleBytes, zdir_len), dir.data(), dir.size(), "patch directory"));
@@ -161,6 +163,12 @@ StatusOr<Container> ReadContainer(std::string_view data, bool verify_checksum) {
     t.nbytes = t.numel * width;
     if (!d.U64(&t.target_checksum, "target checksum")) return d.status().WithContext(where);
     const uint64_t nchunks = ChunkCount(t.nbytes, c.chunk_bytes);
+    // Every chunk entry takes at least one byte: a directory that claims
+    // more chunks than it has bytes is rejected before anything is sized.
+    if (nchunks > d.remaining()) {
+      return DataLossError(where + ": " + std::to_string(nchunks) + " chunks but only " +
+                           std::to_string(d.remaining()) + " directory bytes left");
+    }
     t.chunks.resize(nchunks);
     for (uint64_t k = 0; k < nchunks; ++k) {
       ChunkEntry& ch = t.chunks[k];

@@ -249,6 +249,18 @@ struct Decoded {
   }
 };
 
+bool HoldsBase(const Container& c, const std::vector<const MutableTensorView*>& dst, ThreadPool* pool) {
+  std::vector<TensorView> views;
+  for (const auto* d : dst) views.push_back(d->AsConst());
+  return SetChecksum(views, pool) == c.base_set_checksum;
+}
+
+Status WrongBase(const Container& c) {
+  return FailedPreconditionError("the destination does not hold the patch's base version " +
+                                 std::to_string(c.base_version) +
+                                 " (base checksum differs); destination unchanged");
+}
+
 Status ApplyKeyframe(const Container& c, const std::vector<const MutableTensorView*>& dst,
                      const ApplyOptions& options) {
   const std::vector<Task> tasks = TasksOf(c.tensors);
@@ -310,7 +322,12 @@ Status ApplyDelta(const Container& c, const std::vector<const MutableTensorView*
       error.Record(i, s.WithContext(ChunkWhere(t, tasks[i].chunk)));
     });
   });
-  WSYNC_RETURN_IF_ERROR(error.status());
+  if (error.failed()) {
+    // A patch that decodes badly against an unmodified destination: say
+    // whether the destination is the wrong version or the patch is bad.
+    if (!HoldsBase(c, dst, options.pool)) return WrongBase(c);
+    return error.status();
+  }
 
   // Phase 2: scatter and digest; phase 3 (on mismatch): undo.
   Digests digests(c.tensors);
@@ -333,13 +350,10 @@ Status ApplyDelta(const Container& c, const std::vector<const MutableTensorView*
   for (size_t t = 0; t < c.tensors.size(); ++t) {
     if (digests.Tensor(t) == c.tensors[t].target_checksum) continue;
     scatter(true);
-    std::vector<TensorView> restored;
-    for (const auto* d : dst) restored.push_back(d->AsConst());
-    const bool wrong_base = SetChecksum(restored, options.pool) != c.base_set_checksum;
-    return DataLossError("tensor '" + c.tensors[t].name + "': result does not match the patch's checksum (" +
-                         (wrong_base ? "the destination does not hold the patch's base version"
-                                     : "the patch is corrupted") +
-                         "); change undone, destination unchanged");
+    if (!HoldsBase(c, dst, options.pool)) return WrongBase(c);
+    return DataLossError("tensor '" + c.tensors[t].name +
+                         "': result does not match the patch's checksum (the patch is corrupted); "
+                         "change undone, destination unchanged");
   }
   return Status::Ok();
 }

@@ -13,6 +13,18 @@ void ZstdCompress(std::string_view data, int level, std::string* out) {
   out->resize(old + (ZSTD_isError(n) ? 0 : n));
 }
 
+Status ZstdCheckFrameSize(std::string_view frame, size_t expected, std::string_view what) {
+  unsigned long long size = ZSTD_getFrameContentSize(frame.data(), frame.size());
+  if (size == ZSTD_CONTENTSIZE_ERROR || size == ZSTD_CONTENTSIZE_UNKNOWN) {
+    return DataLossError(std::string(what) + ": not a zstd frame with a declared size");
+  }
+  if (size != expected) {
+    return DataLossError(std::string(what) + ": zstd frame holds " + std::to_string(size) + " bytes, expected " +
+                         std::to_string(expected));
+  }
+  return Status::Ok();
+}
+
 Status ZstdDecompressExact(std::string_view frame, void* dst, size_t expected, std::string_view what) {
   unsigned long long size = ZSTD_getFrameContentSize(frame.data(), frame.size());
   if (size == ZSTD_CONTENTSIZE_ERROR) {

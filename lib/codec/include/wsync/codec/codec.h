@@ -95,7 +95,10 @@ struct ApplyOptions {
 // must have the patch's dtype and shape. A patch is decoded completely, then
 // applied, then every tensor is verified against its checksum; on mismatch
 // the change is undone and DataLoss names the tensor. A keyframe is decoded
-// and verified before the first byte of the destination is written.
+// and verified before the first byte of the destination is written. A
+// destination that does not hold the patch's base version is reported as
+// FailedPrecondition (a sink then needs a keyframe); a corrupt patch as
+// DataLoss.
 Status ApplyPatch(std::string_view patch, std::span<const MutableTensorView> tensors,
                   const ApplyOptions& options);
 

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The test command (README; .ci/run calls exactly this):
+#   1. installs dependencies (apt, Debian 12),
+#   2. builds with gcc and runs every test (unit, real data, CLI),
+#   3. builds with ASan + UBSan and the portable (non-AVX2) kernels and runs
+#      the unit tests again,
+#   4. fuzzes the patch decoder for a bounded time (WSYNC_FUZZ_SECONDS, 60).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+jobs="$(nproc)"
+
+bash scripts/install-deps.sh
+
+echo "== build (gcc, RelWithDebInfo)"
+cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DWSYNC_BUILD_TESTS=ON > /dev/null
+ninja -C build -j "$jobs"
+
+echo "== sanitizers (ASan + UBSan, portable kernels)"
+cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=Debug -DWSYNC_SANITIZE=address,undefined \
+  -DWSYNC_X86_64_V3=OFF -DWSYNC_CUDA=OFF -DWSYNC_BUILD_TESTS=ON > /dev/null
+ninja -C build-asan -j "$jobs"
+(cd build-asan && ctest -j "$jobs" -L unit --output-on-failure --timeout 600)
+
+echo "== fuzz the patch decoder (${WSYNC_FUZZ_SECONDS:-60} s)"
+bash scripts/fuzz.sh "${WSYNC_FUZZ_SECONDS:-60}"
+
+echo "== all tests"
+cd build && ctest -j "$jobs" --output-on-failure --timeout 900
