@@ -57,87 +57,130 @@ inline bool BlockEqual(const T* a, const T* b) {
   return std::memcmp(a, b, kBlock * sizeof(T)) == 0;
 }
 
-// ge[t] bit j: exponent(x[j]) >= thr[t], t < spec.k - 1.
-// REQUIRES: 32 readable elements.
+// Computes "ge" masks of blocks for one ClassSpec: ge[t] bit j is set iff
+// exponent(x[j]) >= thr[t], t < k - 1. The masks nest (ge[t+1] is a subset of
+// ge[t]), so class(x[j]) = number of t with bit j set, and a class's members
+// are ge[c-1] & ~ge[c].
 template <typename T>
-inline void GeMasks(const T* x, const ClassSpec& spec, uint32_t* ge) {
-  int e[kBlock];
-  for (int j = 0; j < kBlock; ++j) e[j] = spec.Exponent(x[j]);
-  for (int t = 0; t < spec.k - 1; ++t) {
-    uint32_t m = 0;
-    for (int j = 0; j < kBlock; ++j) m |= static_cast<uint32_t>(e[j] >= spec.thr[t]) << j;
-    ge[t] = m;
+class ClassScanner {
+ public:
+  explicit ClassScanner(const ClassSpec& spec) : spec_(spec) {}
+  int k() const { return spec_.k; }
+
+  // REQUIRES: 32 readable elements.
+  void Ge(const T* x, uint32_t* ge) const {
+    int e[kBlock];
+    for (int j = 0; j < kBlock; ++j) e[j] = spec_.Exponent(x[j]);
+    for (int t = 0; t < spec_.k - 1; ++t) {
+      uint32_t m = 0;
+      for (int j = 0; j < kBlock; ++j) m |= static_cast<uint32_t>(e[j] >= spec_.thr[t]) << j;
+      ge[t] = m;
+    }
   }
-}
+
+  // Block b of a chunk of n elements (the last may be partial: elements past
+  // n are in no mask). Returns the mask of valid elements.
+  uint32_t BlockGe(const T* x, size_t n, size_t b, uint32_t* ge) const {
+    const size_t begin = b * kBlock;
+    if (begin + kBlock <= n) {
+      if (spec_.k > 1) Ge(x + begin, ge);
+      return ~0u;
+    }
+    const size_t len = n - begin;
+    const uint32_t valid = (1u << len) - 1;
+    if (spec_.k > 1) {
+      T tmp[kBlock] = {};
+      std::memcpy(tmp, x + begin, len * sizeof(T));
+      Ge(tmp, ge);
+      for (int t = 0; t < spec_.k - 1; ++t) ge[t] &= valid;
+    }
+    return valid;
+  }
+
+ private:
+  ClassSpec spec_;
+};
 
 #if defined(__AVX2__)
 template <>
-inline uint32_t NeMask<uint16_t>(const uint16_t* a, const uint16_t* b) {
-  __m256i a0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a));
-  __m256i a1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + 16));
-  __m256i b0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b));
-  __m256i b1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
-  __m256i eq = _mm256_packs_epi16(_mm256_cmpeq_epi16(a0, b0), _mm256_cmpeq_epi16(a1, b1));
-  eq = _mm256_permute4x64_epi64(eq, 0xD8);  // packs interleaves 128-bit lanes
-  return ~static_cast<uint32_t>(_mm256_movemask_epi8(eq));
-}
-
-template <>
-inline void GeMasks<uint16_t>(const uint16_t* x, const ClassSpec& spec, uint32_t* ge) {
-  const __m128i shift = _mm_cvtsi32_si128(spec.shift);
-  const __m256i mask = _mm256_set1_epi16(static_cast<int16_t>(spec.mask));
-  __m256i e0 = _mm256_and_si256(
-      _mm256_srl_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)), shift), mask);
-  __m256i e1 = _mm256_and_si256(
-      _mm256_srl_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16)), shift), mask);
-  for (int t = 0; t < spec.k - 1; ++t) {
-    // Exponents fit in 15 bits, so the signed compare is exact.
-    __m256i thr = _mm256_set1_epi16(static_cast<int16_t>(spec.thr[t] - 1));
-    __m256i g = _mm256_packs_epi16(_mm256_cmpgt_epi16(e0, thr), _mm256_cmpgt_epi16(e1, thr));
-    g = _mm256_permute4x64_epi64(g, 0xD8);
-    ge[t] = static_cast<uint32_t>(_mm256_movemask_epi8(g));
+class ClassScanner<uint16_t> {
+ public:
+  explicit ClassScanner(const ClassSpec& spec) : spec_(spec) {
+    shift_ = _mm_cvtsi32_si128(spec.shift);
+    mask_ = _mm256_set1_epi16(static_cast<int16_t>(spec.mask));
+    for (int t = 0; t < spec.k - 1; ++t) thr_[t] = _mm256_set1_epi16(static_cast<int16_t>(spec.thr[t] - 1));
   }
-}
-#endif
+  int k() const { return spec_.k; }
 
-// Class masks from ge masks: cls[c] bit j set iff class(x[j]) == c.
-inline void ClassMasks(const uint32_t* ge, int k, uint32_t valid, uint32_t* cls) {
-  if (k == 1) {
-    cls[0] = valid;
-    return;
-  }
-  cls[0] = ~ge[0] & valid;
-  for (int c = 1; c < k - 1; ++c) cls[c] = ge[c - 1] & ~ge[c] & valid;
-  cls[k - 1] = ge[k - 2] & valid;
-}
-
-// Class masks of block b of a chunk of n elements; elements past n are not
-// in any class. Returns the mask of valid elements.
-template <typename T>
-inline uint32_t BlockClassMasks(const T* x, size_t n, size_t b, const ClassSpec& spec, uint32_t* cls) {
-  size_t begin = b * kBlock;
-  uint32_t ge[kMaxClasses - 1] = {};
-  uint32_t valid;
-  if (begin + kBlock <= n) {
-    valid = ~0u;
-    if (spec.k > 1) GeMasks(x + begin, spec, ge);
-  } else {
-    size_t len = n - begin;
-    valid = (1u << len) - 1;
-    if (spec.k > 1) {
-      T tmp[kBlock] = {};
-      std::memcpy(tmp, x + begin, len * sizeof(T));
-      GeMasks(tmp, spec, ge);
+  void Ge(const uint16_t* x, uint32_t* ge) const {
+    const __m256i e0 =
+        _mm256_and_si256(_mm256_srl_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)), shift_), mask_);
+    const __m256i e1 = _mm256_and_si256(
+        _mm256_srl_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16)), shift_), mask_);
+    for (int t = 0; t < spec_.k - 1; ++t) {
+      // Exponents fit in 15 bits, so the signed compare is exact.
+      __m256i g = _mm256_packs_epi16(_mm256_cmpgt_epi16(e0, thr_[t]), _mm256_cmpgt_epi16(e1, thr_[t]));
+      g = _mm256_permute4x64_epi64(g, 0xD8);  // packs interleaves 128-bit lanes
+      ge[t] = static_cast<uint32_t>(_mm256_movemask_epi8(g));
     }
   }
-  ClassMasks(ge, spec.k, valid, cls);
-  return valid;
+
+  uint32_t BlockGe(const uint16_t* x, size_t n, size_t b, uint32_t* ge) const {
+    const size_t begin = b * kBlock;
+    if (begin + kBlock <= n) {
+      if (spec_.k > 1) Ge(x + begin, ge);
+      return ~0u;
+    }
+    const size_t len = n - begin;
+    const uint32_t valid = (1u << len) - 1;
+    if (spec_.k > 1) {
+      uint16_t tmp[kBlock] = {};
+      std::memcpy(tmp, x + begin, len * sizeof(uint16_t));
+      Ge(tmp, ge);
+      for (int t = 0; t < spec_.k - 1; ++t) ge[t] &= valid;
+    }
+    return valid;
+  }
+
+ private:
+  ClassSpec spec_;
+  __m128i shift_;
+  __m256i mask_;
+  __m256i thr_[kMaxClasses - 1];
+};
+#endif
+
+// Members of class c in a block: between consecutive nested ge masks.
+inline uint32_t ClassMask(const uint32_t* ge, int k, uint32_t valid, int c) {
+  const uint32_t upper = c == 0 ? valid : ge[c - 1];
+  const uint32_t lower = c == k - 1 ? 0u : ge[c];
+  return upper & ~lower;
+}
+
+// Class of element j of a block from its ge masks.
+inline int ClassAt(const uint32_t* ge, int k, int j) {
+  int c = 0;
+  while (c < k - 1 && ((ge[c] >> j) & 1)) ++c;
+  return c;
 }
 
 // Index of the r-th (0-based) set bit of m. REQUIRES: popcount(m) > r.
 inline int SelectBit(uint32_t m, uint32_t r) {
+  int base = 0;
+  uint32_t c = static_cast<uint32_t>(std::popcount(m & 0xFFFFu));
+  if (r >= c) {
+    r -= c;
+    m >>= 16;
+    base += 16;
+  }
+  c = static_cast<uint32_t>(std::popcount(m & 0xFFu));
+  if (r >= c) {
+    r -= c;
+    m >>= 8;
+    base += 8;
+  }
   for (uint32_t i = 0; i < r; ++i) m &= m - 1;
-  return std::countr_zero(m);
+  return base + std::countr_zero(m);
 }
 
 }  // namespace wsync::codec::internal

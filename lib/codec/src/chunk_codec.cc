@@ -13,7 +13,7 @@
 namespace wsync::codec::internal {
 namespace {
 
-constexpr int kSampleStride = 8;      // histogram every 8th block
+constexpr int kSampleStride = 16;     // histogram every 16th block
 constexpr double kClassPenaltyBits = 48;  // learning cost of one more class
 constexpr size_t kMaxDpGroups = 64;
 
@@ -39,14 +39,15 @@ ClassSpec ChooseClasses(const T* base, size_t n, const SparseDelta<T>& d,
   if (!options.condition || base == nullptr || spec.mask == 0 || d.pos.empty()) return spec;
 
   const size_t nexp = size_t{spec.mask} + 1;
-  std::vector<double> all(nexp, 0.0), chg(nexp, 0.0);
+  std::vector<uint32_t> sample(nexp, 0), changed(nexp, 0);
   size_t blocks = n / kBlock, sampled = 0;
   for (size_t b = 0; b < blocks; b += kSampleStride) {
     const T* x = base + b * kBlock;
-    for (int j = 0; j < kBlock; ++j) all[spec.Exponent(x[j])] += 1;
+    for (int j = 0; j < kBlock; ++j) ++sample[spec.Exponent(x[j])];
     sampled += kBlock;
   }
-  for (uint32_t p : d.pos) chg[spec.Exponent(base[p])] += 1;
+  for (uint32_t p : d.pos) ++changed[spec.Exponent(base[p])];
+  std::vector<double> all(sample.begin(), sample.end()), chg(changed.begin(), changed.end());
   double scale = sampled > 0 ? static_cast<double>(n) / sampled : 0.0;
 
   // Groups of consecutive present exponents, at most kMaxDpGroups.
@@ -257,22 +258,29 @@ void RanksByClass(const T* base, size_t n, const std::vector<uint32_t>& pos, con
     std::copy(pos.begin(), pos.end(), rank->begin());
     return;
   }
-  uint32_t count[kMaxClasses] = {};
-  uint32_t masks[kMaxClasses];
+  // Running counts: total elements, and elements reaching each threshold.
+  // A class's count before position j is the difference of neighbours.
+  const ClassScanner<T> scan(spec);
+  const int k = spec.k;
+  uint32_t total = 0;
+  uint32_t reach[kMaxClasses - 1] = {};
+  uint32_t ge[kMaxClasses - 1] = {};
   size_t i = 0;
   const size_t blocks = (n + kBlock - 1) / kBlock;
   for (size_t b = 0; b < blocks && i < pos.size(); ++b) {
-    BlockClassMasks(base, n, b, spec, masks);
+    const uint32_t valid = scan.BlockGe(base, n, b, ge);
     const size_t end = (b + 1) * kBlock;
     for (; i < pos.size() && pos[i] < end; ++i) {
       const int j = static_cast<int>(pos[i] - b * kBlock);
       const uint32_t below = (1u << j) - 1;
-      int c = 0;
-      while (((masks[c] >> j) & 1) == 0) ++c;
+      const int c = ClassAt(ge, k, j);
+      const uint32_t upper = c == 0 ? total + std::popcount(valid & below) : reach[c - 1] + std::popcount(ge[c - 1] & below);
+      const uint32_t lower = c == k - 1 ? 0u : reach[c] + std::popcount(ge[c] & below);
       (*cls)[i] = static_cast<uint8_t>(c);
-      (*rank)[i] = count[c] + static_cast<uint32_t>(std::popcount(masks[c] & below));
+      (*rank)[i] = upper - lower;
     }
-    for (int c = 0; c < spec.k; ++c) count[c] += static_cast<uint32_t>(std::popcount(masks[c]));
+    total += static_cast<uint32_t>(std::popcount(valid));
+    for (int t = 0; t < k - 1; ++t) reach[t] += static_cast<uint32_t>(std::popcount(ge[t]));
   }
 }
 
@@ -374,26 +382,44 @@ Status DecodeSparsePositions(std::string_view coded, const T* base, size_t n, ui
     cls->assign(changed, 0);
     return Status::Ok();
   }
-  // Sweep the blocks, turning per-class ranks into positions.
+  // Sweep the blocks, turning per-class ranks into positions. left[c]: class
+  // c elements still to pass before its next change.
+  const ClassScanner<T> scan(spec);
+  const int k = spec.k;
+  int64_t left[kMaxClasses];
   uint32_t count[kMaxClasses] = {};
   size_t idx[kMaxClasses] = {};
-  uint32_t masks[kMaxClasses];
+  uint32_t ge[kMaxClasses - 1] = {};
   int pending = 0;
-  for (int c = 0; c < spec.k; ++c) pending += counts[c] > 0 ? 1 : 0;
+  for (int c = 0; c < k; ++c) {
+    pending += counts[c] > 0 ? 1 : 0;
+    left[c] = counts[c] > 0 ? ranks[c][0] : INT64_MAX;
+  }
   const size_t blocks = (n + kBlock - 1) / kBlock;
   std::pair<uint32_t, uint8_t> found[kBlock];
   for (size_t b = 0; b < blocks && pending > 0; ++b) {
-    BlockClassMasks(base, n, b, spec, masks);
+    const uint32_t valid = scan.BlockGe(base, n, b, ge);
     int nfound = 0;
-    for (int c = 0; c < spec.k; ++c) {
-      const uint32_t in_block = static_cast<uint32_t>(std::popcount(masks[c]));
-      const uint32_t end_rank = count[c] + in_block;
-      while (idx[c] < ranks[c].size() && ranks[c][idx[c]] < end_rank) {
-        int j = SelectBit(masks[c], ranks[c][idx[c]] - count[c]);
-        found[nfound++] = {static_cast<uint32_t>(b * kBlock + j), static_cast<uint8_t>(c)};
-        if (++idx[c] == ranks[c].size()) --pending;
+    uint32_t upper_count = static_cast<uint32_t>(std::popcount(valid));
+    for (int c = 0; c < k; ++c) {
+      const uint32_t lower_count = c == k - 1 ? 0u : static_cast<uint32_t>(std::popcount(ge[c]));
+      const uint32_t in_block = upper_count - lower_count;
+      upper_count = lower_count;
+      left[c] -= in_block;
+      if (left[c] < 0) {
+        const uint32_t members = ClassMask(ge, k, valid, c);
+        do {
+          const int j = SelectBit(members, ranks[c][idx[c]] - count[c]);
+          found[nfound++] = {static_cast<uint32_t>(b * kBlock + j), static_cast<uint8_t>(c)};
+          if (++idx[c] == ranks[c].size()) {
+            --pending;
+            left[c] = INT64_MAX;
+            break;
+          }
+          left[c] = static_cast<int64_t>(ranks[c][idx[c]]) - (count[c] + in_block);
+        } while (left[c] < 0);
       }
-      count[c] = end_rank;
+      count[c] += in_block;
     }
     if (nfound > 1) std::sort(found, found + nfound);
     for (int f = 0; f < nfound; ++f) {
