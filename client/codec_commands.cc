@@ -284,7 +284,7 @@ Status RunInspect(const std::string& patch_path, const std::string& base_path, b
   if (bounds) {
     std::printf("order-0 entropy bound:     %.0f bytes (%.1fx)\n", bounds->Order0Bits() / 8,
                 dense / (bounds->Order0Bits() / 8));
-    std::printf("conditional entropy bound: %.0f bytes (%.1fx; positions conditioned on the base exponent)\n",
+    std::printf("conditional entropy bound: %.0f bytes (%.1fx; positions and deltas conditioned on the base exponent)\n",
                 bounds->ConditionalBits() / 8, dense / (bounds->ConditionalBits() / 8));
   } else if (info.kind == codec::PatchKind::kPatch) {
     std::printf("entropy bounds: pass --base BASE.safetensors to measure them\n");

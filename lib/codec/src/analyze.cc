@@ -14,9 +14,22 @@ double H(double n, double m) {
   return -n * (p * std::log2(p) + (1 - p) * std::log2(1 - p));
 }
 
+double EntropyBits(const std::unordered_map<uint64_t, uint64_t>& counts) {
+  uint64_t m = 0;
+  for (const auto& kv : counts) m += kv.second;
+  double bits = 0;
+  for (const auto& kv : counts) {
+    bits -= static_cast<double>(kv.second) * std::log2(static_cast<double>(kv.second) / static_cast<double>(m));
+  }
+  return bits;
+}
+
+// Delta counts per base exponent (exact for every width).
+using DeltaCounts = std::unordered_map<uint64_t, std::unordered_map<uint64_t, uint64_t>>;
+
 template <typename T>
 void Accumulate(const T* base, const T* target, uint64_t n, ExponentField ef, DiffStats* s,
-                std::unordered_map<uint64_t, uint64_t>* deltas) {
+                std::unordered_map<uint64_t, uint64_t>* deltas, DeltaCounts* by_exponent) {
   std::vector<uint64_t> all(size_t{ef.mask} + 1, 0), chg(size_t{ef.mask} + 1, 0);
   uint64_t m = 0;
   for (uint64_t i = 0; i < n; ++i) {
@@ -25,7 +38,9 @@ void Accumulate(const T* base, const T* target, uint64_t n, ExponentField ef, Di
     if (base[i] != target[i]) {
       ++m;
       ++chg[e];
-      ++(*deltas)[static_cast<T>(target[i] - base[i])];
+      const uint64_t d = static_cast<T>(target[i] - base[i]);
+      ++(*deltas)[d];
+      ++(*by_exponent)[e][d];
     }
   }
   s->elements += n;
@@ -50,20 +65,17 @@ StatusOr<DiffStats> AnalyzeDiff(std::span<const TensorView> base, std::span<cons
     }
     // Deltas are counted per tensor: the value entropy is a per-tensor sum.
     std::unordered_map<uint64_t, uint64_t> deltas;
+    DeltaCounts by_exponent;
     const uint64_t n = b.NumElements();
     const ExponentField ef = ExponentFieldOf(b.dtype);
     switch (DTypeWidth(b.dtype)) {
-      case 1: Accumulate(b.data, t.data, n, ef, &stats, &deltas); break;
-      case 2: Accumulate(reinterpret_cast<const uint16_t*>(b.data), reinterpret_cast<const uint16_t*>(t.data), n, ef, &stats, &deltas); break;
-      case 4: Accumulate(reinterpret_cast<const uint32_t*>(b.data), reinterpret_cast<const uint32_t*>(t.data), n, ef, &stats, &deltas); break;
-      default: Accumulate(reinterpret_cast<const uint64_t*>(b.data), reinterpret_cast<const uint64_t*>(t.data), n, ef, &stats, &deltas); break;
+      case 1: Accumulate(b.data, t.data, n, ef, &stats, &deltas, &by_exponent); break;
+      case 2: Accumulate(reinterpret_cast<const uint16_t*>(b.data), reinterpret_cast<const uint16_t*>(t.data), n, ef, &stats, &deltas, &by_exponent); break;
+      case 4: Accumulate(reinterpret_cast<const uint32_t*>(b.data), reinterpret_cast<const uint32_t*>(t.data), n, ef, &stats, &deltas, &by_exponent); break;
+      default: Accumulate(reinterpret_cast<const uint64_t*>(b.data), reinterpret_cast<const uint64_t*>(t.data), n, ef, &stats, &deltas, &by_exponent); break;
     }
-    uint64_t m = 0;
-    for (const auto& kv : deltas) m += kv.second;
-    for (const auto& kv : deltas) {
-      double p = static_cast<double>(kv.second) / static_cast<double>(m);
-      stats.value_bits_order0 -= static_cast<double>(kv.second) * std::log2(p);
-    }
+    stats.value_bits_order0 += EntropyBits(deltas);
+    for (const auto& kv : by_exponent) stats.value_bits_conditional += EntropyBits(kv.second);
   }
   return stats;
 }

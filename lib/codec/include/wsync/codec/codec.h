@@ -158,8 +158,9 @@ struct DiffStats {
   double position_bits_order0 = 0;       // sum over tensors of n * H(m/n)
   double position_bits_conditional = 0;  // conditioned on the base exponent
   double value_bits_order0 = 0;          // order-0 entropy of the deltas
+  double value_bits_conditional = 0;     // entropy of the deltas given the base exponent
   double Order0Bits() const { return position_bits_order0 + value_bits_order0; }
-  double ConditionalBits() const { return position_bits_conditional + value_bits_order0; }
+  double ConditionalBits() const { return position_bits_conditional + value_bits_conditional; }
 };
 
 // Measures the empirical entropy bounds that a patch can be compared with.
