@@ -9,7 +9,8 @@ packages=(
   libspdlog-dev libfmt-dev libcli11-dev nlohmann-json3-dev libtomlplusplus-dev
   libgtest-dev libgmock-dev
   libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc
-  libucx-dev ucx-utils
+  libucx-dev ucx-utils prometheus-cpp-dev openssl
+  python3-grpcio python3-protobuf
   clang libclang-rt-14-dev
   python3 python3-numpy
 )

@@ -46,3 +46,21 @@ TEST(ThreadPool, RunsEveryIndexOnce) {
 
 }  // namespace
 }  // namespace wsync
+
+#include "wsync/util/crc32c.h"
+
+namespace wsync {
+namespace {
+
+TEST(Crc32c, KnownAnswers) {
+  // RFC 3720 B.4 test vectors.
+  std::string zeros(32, '\0'), ones(32, '\xff');
+  EXPECT_EQ(Crc32c(zeros.data(), zeros.size()), 0x8A9136AAu);
+  EXPECT_EQ(Crc32c(ones.data(), ones.size()), 0x62A8AB43u);
+  EXPECT_EQ(Crc32c("123456789", 9), 0xE3069283u);
+  // Incremental equals one-shot.
+  EXPECT_EQ(Crc32c("6789", 4, Crc32c("12345", 5)), 0xE3069283u);
+}
+
+}  // namespace
+}  // namespace wsync

@@ -1,0 +1,107 @@
+// The coordinator's logic as a pure state machine: versions, nodes, leases,
+// staleness policy and topology. No sockets: the gRPC adapter (server.h)
+// forwards each RPC to one method here, and tests drive it with a FakeClock.
+//
+// Every mutation is appended to the Store before it takes effect, so the
+// state recovered after a crash holds every acknowledged mutation.
+// Heartbeats are not logged: after a restart every node gets one TTL of
+// grace from the restart time.
+//
+// Thread safety: all methods are thread-safe (one internal mutex).
+// WaitForChange lets RPC handlers block without polling.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include "wsync/control/clock.h"
+#include "wsync/control/store.h"
+#include "wsync/util/status.h"
+#include "wsync/v1/coordinator.pb.h"
+
+namespace wsync::control {
+
+struct CoordinatorOptions {
+  uint64_t default_ttl_ms = 10'000;  // nodes and leases
+  uint64_t max_ttl_ms = 600'000;
+  uint64_t max_staleness = 0;        // 0: no bound
+  wsync::v1::StalenessPolicy policy = wsync::v1::STALENESS_BLOCK;
+  uint32_t fanout = 4;               // children per parent in the sync tree
+  size_t compact_every = 10'000;     // log records between snapshots
+};
+
+class CoordinatorState {
+ public:
+  // Recovers from `store` (REQUIRES: outlives this; OpenLogStore's Recovered
+  // passed as `recovered`). REQUIRES: clock outlives this.
+  static StatusOr<std::unique_ptr<CoordinatorState>> Create(const CoordinatorOptions& options, const Clock* clock,
+                                                            std::unique_ptr<Store> store,
+                                                            const Recovered& recovered);
+
+  StatusOr<wsync::v1::RegisterResponse> Register(const wsync::v1::RegisterRequest& req);
+  StatusOr<wsync::v1::HeartbeatResponse> Heartbeat(const wsync::v1::HeartbeatRequest& req);
+  Status Deregister(const std::string& name);
+
+  // FailedPrecondition unless version > head; InvalidArgument for version 0.
+  StatusOr<uint64_t> Publish(const wsync::v1::VersionSummary& version);
+  wsync::v1::ListVersionsResponse ListVersions(uint64_t after) const;
+
+  StatusOr<wsync::v1::Node> ReportApplied(const std::string& name, uint64_t version);
+
+  StatusOr<wsync::v1::Lease> AcquireLease(const std::string& node, uint64_t version, uint64_t ttl_ms);
+  StatusOr<wsync::v1::Lease> RenewLease(uint64_t id, uint64_t ttl_ms);
+  Status ReleaseLease(uint64_t id);
+  wsync::v1::ListLeasesResponse ListLeases() const;
+
+  // Evaluates the staleness policy for publishing `version` now. With the
+  // evict policy, lagging sinks are marked to resync from a keyframe.
+  StatusOr<wsync::v1::MayPublishResponse> MayPublish(uint64_t version);
+
+  wsync::v1::StatusResponse GetStatus() const;
+
+  // Expires nodes and leases whose TTL passed; reassigns parents.
+  void Tick();
+
+  uint64_t head() const;
+
+  // A counter that grows on every change; WaitForChange returns once it
+  // differs from `seen` or at `deadline`. Returns the current value.
+  uint64_t generation() const;
+  uint64_t WaitForChange(uint64_t seen, std::chrono::steady_clock::time_point deadline) const;
+
+ private:
+  struct NodeEntry {
+    wsync::v1::Node node;
+  };
+
+  CoordinatorState(const CoordinatorOptions& options, const Clock* clock, std::unique_ptr<Store> store);
+  void Apply(const wsync::store::v1::Record& r);       // REQUIRES: mu_ held
+  Status Log(const wsync::store::v1::Record& r);       // append, apply, maybe compact
+  wsync::store::v1::NodeRecord ToRecord(const wsync::v1::Node& n) const;
+  wsync::store::v1::Snapshot MakeSnapshot() const;
+  void ExpireLocked();
+  void AssignParentsLocked();
+  bool IsDescendantLocked(const std::string& node, const std::string& ancestor) const;
+  uint64_t OldestLeasedLocked() const;
+  void FillDerivedLocked(wsync::v1::Node* n) const;
+  void NotifyLocked();
+
+  CoordinatorOptions options_;
+  const Clock* clock_;
+  std::unique_ptr<Store> store_;
+
+  mutable std::mutex mu_;
+  mutable std::condition_variable changed_;
+  uint64_t generation_ = 0;
+  std::map<std::string, wsync::v1::Node> nodes_;
+  std::map<uint64_t, wsync::v1::VersionSummary> versions_;
+  std::map<uint64_t, wsync::v1::Lease> leases_;
+  uint64_t next_lease_id_ = 1;
+  uint64_t next_incarnation_ = 1;
+};
+
+}  // namespace wsync::control

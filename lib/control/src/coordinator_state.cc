@@ -1,0 +1,559 @@
+#include "wsync/control/coordinator_state.h"
+
+#include <algorithm>
+#include <limits>
+
+#include <spdlog/spdlog.h>
+
+namespace wsync::control {
+
+using wsync::store::v1::NodeRecord;
+using wsync::store::v1::Record;
+using wsync::v1::Lease;
+using wsync::v1::Node;
+using wsync::v1::VersionSummary;
+
+namespace {
+
+constexpr size_t kMaxNameBytes = 256;
+
+Status CheckName(const std::string& name) {
+  if (name.empty()) return InvalidArgumentError("node name is empty");
+  if (name.size() > kMaxNameBytes) return InvalidArgumentError("node name longer than 256 bytes");
+  return Status::Ok();
+}
+
+}  // namespace
+
+CoordinatorState::CoordinatorState(const CoordinatorOptions& options, const Clock* clock,
+                                   std::unique_ptr<Store> store)
+    : options_(options), clock_(clock), store_(std::move(store)) {}
+
+StatusOr<std::unique_ptr<CoordinatorState>> CoordinatorState::Create(const CoordinatorOptions& options,
+                                                                     const Clock* clock,
+                                                                     std::unique_ptr<Store> store,
+                                                                     const Recovered& recovered) {
+  if (options.fanout == 0) return InvalidArgumentError("fanout must be at least 1");
+  if (options.default_ttl_ms == 0 || options.default_ttl_ms > options.max_ttl_ms) {
+    return InvalidArgumentError("default TTL must be in (0, max TTL]");
+  }
+  std::unique_ptr<CoordinatorState> s(new CoordinatorState(options, clock, std::move(store)));
+  std::lock_guard<std::mutex> lock(s->mu_);
+  const auto& snap = recovered.snapshot;
+  for (const auto& n : snap.nodes()) {
+    Record r;
+    *r.mutable_node_registered() = n;
+    s->Apply(r);
+  }
+  for (const auto& v : snap.versions()) {
+    Record r;
+    *r.mutable_version_published() = v;
+    s->Apply(r);
+  }
+  for (const auto& l : snap.leases()) {
+    Record r;
+    *r.mutable_lease_granted() = l;
+    s->Apply(r);
+  }
+  s->next_lease_id_ = std::max(s->next_lease_id_, snap.next_lease_id());
+  s->next_incarnation_ = std::max(s->next_incarnation_, snap.next_incarnation());
+  for (const auto& r : recovered.records) s->Apply(r);
+  // Heartbeats are not durable: every node gets a TTL of grace from now.
+  const int64_t now = clock->NowMs();
+  for (auto& [name, n] : s->nodes_) {
+    n.set_state(wsync::v1::NODE_ALIVE);
+    n.set_last_heartbeat_unix_ms(now);
+  }
+  s->AssignParentsLocked();
+  if (!s->nodes_.empty() || !s->versions_.empty()) {
+    spdlog::info("coordinator recovered: head version {}, {} nodes, {} leases, {} log records replayed",
+                 s->versions_.empty() ? 0 : s->versions_.rbegin()->first, s->nodes_.size(), s->leases_.size(),
+                 recovered.records.size());
+  }
+  return s;
+}
+
+// ------------------------------------------------------------ mutations
+
+void CoordinatorState::Apply(const Record& r) {
+  switch (r.kind_case()) {
+    case Record::kNodeRegistered: {
+      const NodeRecord& nr = r.node_registered();
+      Node& n = nodes_[nr.name()];
+      n.set_name(nr.name());
+      n.set_role(nr.role());
+      n.set_host(nr.host());
+      n.set_data_address(nr.data_address());
+      n.mutable_capabilities()->CopyFrom(nr.capabilities());
+      n.set_ttl_ms(nr.ttl_ms());
+      n.set_incarnation(nr.incarnation());
+      n.set_applied_version(nr.applied_version());
+      n.set_resync_keyframe(nr.resync_keyframe());
+      next_incarnation_ = std::max(next_incarnation_, nr.incarnation() + 1);
+      break;
+    }
+    case Record::kNodeDeregistered: {
+      nodes_.erase(r.node_deregistered());
+      for (auto it = leases_.begin(); it != leases_.end();) {
+        it = it->second.node() == r.node_deregistered() ? leases_.erase(it) : std::next(it);
+      }
+      break;
+    }
+    case Record::kVersionPublished: {
+      const uint64_t v = r.version_published().version();
+      if (versions_.empty() || v > versions_.rbegin()->first) versions_[v] = r.version_published();
+      break;
+    }
+    case Record::kLeaseGranted: {
+      const auto& lr = r.lease_granted();
+      Lease& l = leases_[lr.id()];
+      l.set_id(lr.id());
+      l.set_node(lr.node());
+      l.set_version(lr.version());
+      l.set_expires_unix_ms(lr.expires_unix_ms());
+      next_lease_id_ = std::max(next_lease_id_, lr.id() + 1);
+      break;
+    }
+    case Record::kLeaseReleased:
+      leases_.erase(r.lease_released());
+      break;
+    case Record::KIND_NOT_SET:
+      break;
+  }
+}
+
+Status CoordinatorState::Log(const Record& r) {
+  WSYNC_RETURN_IF_ERROR(store_->Append(r));
+  Apply(r);
+  if (store_->LogRecords() >= options_.compact_every) {
+    Status s = store_->Compact(MakeSnapshot());
+    if (!s.ok()) spdlog::warn("store compaction failed (the log keeps growing): {}", s.ToString());
+  }
+  NotifyLocked();
+  return Status::Ok();
+}
+
+NodeRecord CoordinatorState::ToRecord(const Node& n) const {
+  NodeRecord nr;
+  nr.set_name(n.name());
+  nr.set_role(n.role());
+  nr.set_host(n.host());
+  nr.set_data_address(n.data_address());
+  nr.mutable_capabilities()->CopyFrom(n.capabilities());
+  nr.set_ttl_ms(n.ttl_ms());
+  nr.set_incarnation(n.incarnation());
+  nr.set_applied_version(n.applied_version());
+  nr.set_resync_keyframe(n.resync_keyframe());
+  return nr;
+}
+
+wsync::store::v1::Snapshot CoordinatorState::MakeSnapshot() const {
+  wsync::store::v1::Snapshot snap;
+  for (const auto& [name, n] : nodes_) *snap.add_nodes() = ToRecord(n);
+  for (const auto& [v, vs] : versions_) *snap.add_versions() = vs;
+  for (const auto& [id, l] : leases_) {
+    auto* lr = snap.add_leases();
+    lr->set_id(l.id());
+    lr->set_node(l.node());
+    lr->set_version(l.version());
+    lr->set_expires_unix_ms(l.expires_unix_ms());
+  }
+  snap.set_next_lease_id(next_lease_id_);
+  snap.set_next_incarnation(next_incarnation_);
+  return snap;
+}
+
+void CoordinatorState::NotifyLocked() {
+  ++generation_;
+  changed_.notify_all();
+}
+
+// ----------------------------------------------------------------- nodes
+
+StatusOr<wsync::v1::RegisterResponse> CoordinatorState::Register(const wsync::v1::RegisterRequest& req) {
+  WSYNC_RETURN_IF_ERROR(CheckName(req.name()));
+  if (req.role() == wsync::v1::ROLE_UNSPECIFIED || !wsync::v1::Role_IsValid(req.role())) {
+    return InvalidArgumentError("node '" + req.name() + "': role is unspecified");
+  }
+  if (req.ttl_ms() > options_.max_ttl_ms) {
+    return InvalidArgumentError("TTL " + std::to_string(req.ttl_ms()) + " ms exceeds the maximum " +
+                                std::to_string(options_.max_ttl_ms));
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  ExpireLocked();
+  Node n;
+  auto it = nodes_.find(req.name());
+  if (it != nodes_.end()) n = it->second;  // re-registration keeps the applied version
+  n.set_name(req.name());
+  n.set_role(req.role());
+  n.set_host(req.host());
+  n.set_data_address(req.data_address());
+  n.mutable_capabilities()->CopyFrom(req.capabilities());
+  n.set_ttl_ms(req.ttl_ms() ? req.ttl_ms() : options_.default_ttl_ms);
+  n.set_incarnation(next_incarnation_);
+  Record r;
+  *r.mutable_node_registered() = ToRecord(n);
+  WSYNC_RETURN_IF_ERROR(Log(r));
+  Node& stored = nodes_[req.name()];
+  stored.set_state(wsync::v1::NODE_ALIVE);
+  stored.set_last_heartbeat_unix_ms(clock_->NowMs());
+  stored.set_parent("");
+  AssignParentsLocked();
+  spdlog::info("node {} registered as {} from {} (incarnation {})", req.name(), wsync::v1::Role_Name(req.role()),
+               req.host(), stored.incarnation());
+  wsync::v1::RegisterResponse resp;
+  *resp.mutable_node() = stored;
+  FillDerivedLocked(resp.mutable_node());
+  resp.set_head_version(versions_.empty() ? 0 : versions_.rbegin()->first);
+  return resp;
+}
+
+StatusOr<wsync::v1::HeartbeatResponse> CoordinatorState::Heartbeat(const wsync::v1::HeartbeatRequest& req) {
+  std::lock_guard<std::mutex> lock(mu_);
+  ExpireLocked();
+  auto it = nodes_.find(req.name());
+  if (it == nodes_.end() || it->second.state() != wsync::v1::NODE_ALIVE) {
+    return NotFoundError("node '" + req.name() + "' is not registered or expired; register again");
+  }
+  if (req.incarnation() != 0 && req.incarnation() != it->second.incarnation()) {
+    return AbortedError("node '" + req.name() + "': heartbeat from incarnation " +
+                        std::to_string(req.incarnation()) + ", current is " +
+                        std::to_string(it->second.incarnation()));
+  }
+  it->second.set_last_heartbeat_unix_ms(clock_->NowMs());
+  wsync::v1::HeartbeatResponse resp;
+  *resp.mutable_node() = it->second;
+  FillDerivedLocked(resp.mutable_node());
+  resp.set_head_version(versions_.empty() ? 0 : versions_.rbegin()->first);
+  return resp;
+}
+
+Status CoordinatorState::Deregister(const std::string& name) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!nodes_.count(name)) return NotFoundError("node '" + name + "' is not registered");
+  Record r;
+  r.set_node_deregistered(name);
+  WSYNC_RETURN_IF_ERROR(Log(r));
+  AssignParentsLocked();
+  spdlog::info("node {} deregistered", name);
+  return Status::Ok();
+}
+
+// -------------------------------------------------------------- versions
+
+StatusOr<uint64_t> CoordinatorState::Publish(const VersionSummary& version) {
+  if (version.version() == 0) return InvalidArgumentError("version 0 is reserved for 'none'");
+  std::lock_guard<std::mutex> lock(mu_);
+  const uint64_t head = versions_.empty() ? 0 : versions_.rbegin()->first;
+  if (version.version() <= head) {
+    return FailedPreconditionError("version " + std::to_string(version.version()) +
+                                   " is not above the head version " + std::to_string(head) +
+                                   "; versions only grow");
+  }
+  if (!version.keyframe() && version.base_version() >= version.version()) {
+    return InvalidArgumentError("base version " + std::to_string(version.base_version()) +
+                                " of a patch must be below its version " + std::to_string(version.version()));
+  }
+  Record r;
+  *r.mutable_version_published() = version;
+  if (version.published_unix_ms() == 0) r.mutable_version_published()->set_published_unix_ms(clock_->NowMs());
+  WSYNC_RETURN_IF_ERROR(Log(r));
+  AssignParentsLocked();
+  spdlog::info("version {} published by {} (base {}, {} patch bytes, {} dense bytes{})", version.version(),
+               version.source(), version.base_version(), version.patch_bytes(), version.dense_bytes(),
+               version.keyframe() ? ", keyframe" : "");
+  return version.version();
+}
+
+wsync::v1::ListVersionsResponse CoordinatorState::ListVersions(uint64_t after) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  wsync::v1::ListVersionsResponse resp;
+  for (auto it = versions_.upper_bound(after); it != versions_.end(); ++it) *resp.add_versions() = it->second;
+  resp.set_head_version(versions_.empty() ? 0 : versions_.rbegin()->first);
+  return resp;
+}
+
+StatusOr<Node> CoordinatorState::ReportApplied(const std::string& name, uint64_t version) {
+  std::lock_guard<std::mutex> lock(mu_);
+  ExpireLocked();
+  auto it = nodes_.find(name);
+  if (it == nodes_.end() || it->second.state() != wsync::v1::NODE_ALIVE) {
+    return NotFoundError("node '" + name + "' is not registered or expired; register again");
+  }
+  const uint64_t head = versions_.empty() ? 0 : versions_.rbegin()->first;
+  if (version > head) {
+    return InvalidArgumentError("node '" + name + "' reports version " + std::to_string(version) +
+                                ", above the head version " + std::to_string(head));
+  }
+  if (version != 0 && !versions_.count(version)) {
+    return NotFoundError("version " + std::to_string(version) + " was never published");
+  }
+  Node n = it->second;
+  n.set_applied_version(version);
+  if (n.resync_keyframe() && (options_.max_staleness == 0 || head - version <= options_.max_staleness)) {
+    n.set_resync_keyframe(false);
+  }
+  Record r;
+  *r.mutable_node_registered() = ToRecord(n);
+  WSYNC_RETURN_IF_ERROR(Log(r));
+  AssignParentsLocked();
+  Node out = nodes_[name];
+  FillDerivedLocked(&out);
+  return out;
+}
+
+// ---------------------------------------------------------------- leases
+
+StatusOr<Lease> CoordinatorState::AcquireLease(const std::string& node, uint64_t version, uint64_t ttl_ms) {
+  if (ttl_ms > options_.max_ttl_ms) return InvalidArgumentError("lease TTL exceeds the maximum");
+  std::lock_guard<std::mutex> lock(mu_);
+  ExpireLocked();
+  auto it = nodes_.find(node);
+  if (it == nodes_.end() || it->second.state() != wsync::v1::NODE_ALIVE) {
+    return NotFoundError("node '" + node + "' is not registered or expired");
+  }
+  if (!versions_.count(version)) {
+    return NotFoundError("version " + std::to_string(version) + " was never published");
+  }
+  wsync::store::v1::LeaseRecord lr;
+  lr.set_id(next_lease_id_);
+  lr.set_node(node);
+  lr.set_version(version);
+  lr.set_expires_unix_ms(clock_->NowMs() + static_cast<int64_t>(ttl_ms ? ttl_ms : options_.default_ttl_ms));
+  Record r;
+  *r.mutable_lease_granted() = lr;
+  WSYNC_RETURN_IF_ERROR(Log(r));
+  return leases_.at(lr.id());
+}
+
+StatusOr<Lease> CoordinatorState::RenewLease(uint64_t id, uint64_t ttl_ms) {
+  if (ttl_ms > options_.max_ttl_ms) return InvalidArgumentError("lease TTL exceeds the maximum");
+  std::lock_guard<std::mutex> lock(mu_);
+  ExpireLocked();
+  auto it = leases_.find(id);
+  if (it == leases_.end()) return NotFoundError("lease " + std::to_string(id) + " is not held (expired or released)");
+  wsync::store::v1::LeaseRecord lr;
+  lr.set_id(id);
+  lr.set_node(it->second.node());
+  lr.set_version(it->second.version());
+  lr.set_expires_unix_ms(clock_->NowMs() + static_cast<int64_t>(ttl_ms ? ttl_ms : options_.default_ttl_ms));
+  Record r;
+  *r.mutable_lease_granted() = lr;
+  WSYNC_RETURN_IF_ERROR(Log(r));
+  return leases_.at(id);
+}
+
+Status CoordinatorState::ReleaseLease(uint64_t id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!leases_.count(id)) return NotFoundError("lease " + std::to_string(id) + " is not held");
+  Record r;
+  r.set_lease_released(id);
+  return Log(r);
+}
+
+uint64_t CoordinatorState::OldestLeasedLocked() const {
+  uint64_t oldest = 0;
+  for (const auto& [id, l] : leases_) oldest = oldest == 0 ? l.version() : std::min(oldest, l.version());
+  return oldest;
+}
+
+wsync::v1::ListLeasesResponse CoordinatorState::ListLeases() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  wsync::v1::ListLeasesResponse resp;
+  for (const auto& [id, l] : leases_) *resp.add_leases() = l;
+  resp.set_oldest_leased_version(OldestLeasedLocked());
+  return resp;
+}
+
+// ------------------------------------------------------------- staleness
+
+StatusOr<wsync::v1::MayPublishResponse> CoordinatorState::MayPublish(uint64_t version) {
+  std::lock_guard<std::mutex> lock(mu_);
+  ExpireLocked();
+  const uint64_t head = versions_.empty() ? 0 : versions_.rbegin()->first;
+  if (version <= head) {
+    return FailedPreconditionError("version " + std::to_string(version) + " is not above the head version " +
+                                   std::to_string(head));
+  }
+  wsync::v1::MayPublishResponse resp;
+  resp.set_allowed(true);
+  if (options_.max_staleness == 0) return resp;
+  for (auto& [name, n] : nodes_) {
+    // Sinks that never applied a version are not serving yet: they hold
+    // nothing back (they start from a keyframe).
+    if (n.role() != wsync::v1::ROLE_SINK || n.state() != wsync::v1::NODE_ALIVE || n.applied_version() == 0 ||
+        n.resync_keyframe()) {
+      continue;
+    }
+    if (version - n.applied_version() <= options_.max_staleness) continue;
+    if (options_.policy == wsync::v1::STALENESS_EVICT) {
+      Node updated = n;
+      updated.set_resync_keyframe(true);
+      Record r;
+      *r.mutable_node_registered() = ToRecord(updated);
+      WSYNC_RETURN_IF_ERROR(Log(r));
+      resp.add_evicted(name);
+      spdlog::warn("sink {} at version {} lags beyond max staleness {} for version {}: told to resync from a keyframe",
+                   name, n.applied_version(), options_.max_staleness, version);
+    } else {
+      resp.add_blocking(name);
+    }
+  }
+  resp.set_allowed(resp.blocking_size() == 0);
+  return resp;
+}
+
+// -------------------------------------------------------------- liveness
+
+void CoordinatorState::Tick() {
+  std::lock_guard<std::mutex> lock(mu_);
+  ExpireLocked();
+}
+
+void CoordinatorState::ExpireLocked() {
+  const int64_t now = clock_->NowMs();
+  bool changed = false;
+  for (auto& [name, n] : nodes_) {
+    if (n.state() == wsync::v1::NODE_ALIVE && now - n.last_heartbeat_unix_ms() > static_cast<int64_t>(n.ttl_ms())) {
+      n.set_state(wsync::v1::NODE_DEAD);
+      changed = true;
+      spdlog::warn("node {} missed its TTL of {} ms: marked dead, its leases end", name, n.ttl_ms());
+    }
+  }
+  std::vector<uint64_t> ended;
+  for (const auto& [id, l] : leases_) {
+    auto it = nodes_.find(l.node());
+    const bool owner_dead = it == nodes_.end() || it->second.state() != wsync::v1::NODE_ALIVE;
+    if (owner_dead || now > l.expires_unix_ms()) ended.push_back(id);
+  }
+  for (uint64_t id : ended) {
+    Record r;
+    r.set_lease_released(id);
+    Status s = store_->Append(r);
+    if (!s.ok()) spdlog::warn("cannot log the end of lease {}: {}", id, s.ToString());
+    Apply(r);
+    changed = true;
+  }
+  if (changed) {
+    AssignParentsLocked();
+    NotifyLocked();
+  }
+}
+
+// -------------------------------------------------------------- topology
+
+bool CoordinatorState::IsDescendantLocked(const std::string& node, const std::string& ancestor) const {
+  std::string cur = node;
+  for (size_t hops = 0; hops <= nodes_.size(); ++hops) {
+    auto it = nodes_.find(cur);
+    if (it == nodes_.end() || it->second.parent().empty()) return false;
+    if (it->second.parent() == ancestor) return true;
+    cur = it->second.parent();
+  }
+  return true;  // a cycle: treat as descendant, never attach
+}
+
+void CoordinatorState::AssignParentsLocked() {
+  const uint64_t head = versions_.empty() ? 0 : versions_.rbegin()->first;
+  std::string source;
+  for (const auto& [name, n] : nodes_) {
+    if (n.role() == wsync::v1::ROLE_SOURCE && n.state() == wsync::v1::NODE_ALIVE) {
+      source = name;
+      break;
+    }
+  }
+  std::map<std::string, uint32_t> children;
+  for (auto& [name, n] : nodes_) {
+    if (n.role() != wsync::v1::ROLE_SINK) continue;
+    if (n.state() != wsync::v1::NODE_ALIVE) {
+      n.set_parent("");
+      continue;
+    }
+    auto p = nodes_.find(n.parent());
+    if (p == nodes_.end() || p->second.state() != wsync::v1::NODE_ALIVE) {
+      if (!n.parent().empty()) spdlog::info("sink {} lost its parent {}", name, n.parent());
+      n.set_parent("");
+    } else {
+      ++children[n.parent()];
+    }
+  }
+  for (auto& [name, n] : nodes_) {
+    if (n.role() != wsync::v1::ROLE_SINK || n.state() != wsync::v1::NODE_ALIVE || !n.parent().empty()) continue;
+    // Candidates: the source, then sinks at the head version, each with at
+    // most `fanout` children; when all are full, the least loaded.
+    std::vector<std::string> candidates;
+    if (!source.empty()) candidates.push_back(source);
+    for (const auto& [cname, c] : nodes_) {
+      if (cname == name || c.role() != wsync::v1::ROLE_SINK || c.state() != wsync::v1::NODE_ALIVE) continue;
+      if (head == 0 || c.applied_version() != head || c.resync_keyframe()) continue;
+      if (c.parent().empty() || IsDescendantLocked(cname, name)) continue;
+      candidates.push_back(cname);
+    }
+    std::string chosen;
+    uint32_t least = std::numeric_limits<uint32_t>::max();
+    std::string least_loaded;
+    for (const auto& c : candidates) {
+      if (children[c] < options_.fanout) {
+        chosen = c;
+        break;
+      }
+      if (children[c] < least) {
+        least = children[c];
+        least_loaded = c;
+      }
+    }
+    if (chosen.empty()) chosen = least_loaded;
+    if (chosen.empty()) continue;
+    n.set_parent(chosen);
+    ++children[chosen];
+    spdlog::info("sink {} assigned parent {}", name, chosen);
+  }
+}
+
+// ---------------------------------------------------------------- status
+
+void CoordinatorState::FillDerivedLocked(Node* n) const {
+  const uint64_t head = versions_.empty() ? 0 : versions_.rbegin()->first;
+  n->set_staleness(n->role() == wsync::v1::ROLE_SINK ? head - std::min(head, n->applied_version()) : 0);
+}
+
+wsync::v1::StatusResponse CoordinatorState::GetStatus() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  wsync::v1::StatusResponse resp;
+  const uint64_t head = versions_.empty() ? 0 : versions_.rbegin()->first;
+  resp.set_head_version(head);
+  resp.set_max_staleness(options_.max_staleness);
+  resp.set_policy(options_.policy);
+  uint64_t needed = OldestLeasedLocked();
+  for (const auto& [name, n] : nodes_) {
+    Node* out = resp.add_nodes();
+    *out = n;
+    FillDerivedLocked(out);
+    if (n.role() == wsync::v1::ROLE_SINK && n.state() == wsync::v1::NODE_ALIVE && n.applied_version() != 0) {
+      needed = needed == 0 ? n.applied_version() : std::min(needed, n.applied_version());
+    }
+  }
+  for (const auto& [id, l] : leases_) *resp.add_leases() = l;
+  resp.set_oldest_leased_version(OldestLeasedLocked());
+  resp.set_oldest_needed_version(needed);
+  resp.set_now_unix_ms(clock_->NowMs());
+  return resp;
+}
+
+uint64_t CoordinatorState::head() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return versions_.empty() ? 0 : versions_.rbegin()->first;
+}
+
+uint64_t CoordinatorState::generation() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return generation_;
+}
+
+uint64_t CoordinatorState::WaitForChange(uint64_t seen, std::chrono::steady_clock::time_point deadline) const {
+  std::unique_lock<std::mutex> lock(mu_);
+  changed_.wait_until(lock, deadline, [&] { return generation_ != seen; });
+  return generation_;
+}
+
+}  // namespace wsync::control

@@ -1,0 +1,278 @@
+// The coordinator's state machine with a fake clock: versions, liveness,
+// leases, staleness policy, topology and recovery from its store.
+#include "wsync/control/coordinator_state.h"
+
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <thread>
+
+namespace wsync::control {
+namespace {
+
+using wsync::v1::Role;
+
+std::unique_ptr<CoordinatorState> Make(const Clock* clock, CoordinatorOptions options = {}) {
+  auto s = CoordinatorState::Create(options, clock, NewNullStore(), Recovered());
+  EXPECT_TRUE(s.ok()) << s.status().ToString();
+  return std::move(*s);
+}
+
+wsync::v1::RegisterRequest Reg(const std::string& name, Role role, uint64_t ttl = 0) {
+  wsync::v1::RegisterRequest r;
+  r.set_name(name);
+  r.set_role(role);
+  r.set_host("127.0.0.1");
+  r.set_ttl_ms(ttl);
+  return r;
+}
+
+wsync::v1::VersionSummary V(uint64_t v) {
+  wsync::v1::VersionSummary s;
+  s.set_version(v);
+  s.set_base_version(v - 1);
+  s.set_keyframe(v == 1);
+  s.set_base_version(v == 1 ? 0 : v - 1);
+  return s;
+}
+
+const wsync::v1::Node* FindNode(const wsync::v1::StatusResponse& s, const std::string& name) {
+  for (const auto& n : s.nodes()) {
+    if (n.name() == name) return &n;
+  }
+  return nullptr;
+}
+
+TEST(CoordinatorState, VersionsOnlyGrow) {
+  FakeClock clock;
+  auto s = Make(&clock);
+  ASSERT_TRUE(s->Publish(V(1)).ok());
+  ASSERT_TRUE(s->Publish(V(5)).ok());
+  EXPECT_EQ(s->Publish(V(5)).status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_EQ(s->Publish(V(3)).status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_EQ(s->Publish(V(0)).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(s->head(), 5u);
+  auto list = s->ListVersions(1);
+  ASSERT_EQ(list.versions_size(), 1);
+  EXPECT_EQ(list.versions(0).version(), 5u);
+  EXPECT_EQ(s->ListVersions(0).versions_size(), 2);
+}
+
+TEST(CoordinatorState, NodesExpireAfterTheirTtlAndMustReregister) {
+  FakeClock clock;
+  auto s = Make(&clock);
+  ASSERT_TRUE(s->Register(Reg("sink-a", wsync::v1::ROLE_SINK, 1000)).ok());
+  clock.Advance(900);
+  ASSERT_TRUE(s->Heartbeat([] { wsync::v1::HeartbeatRequest h; h.set_name("sink-a"); return h; }()).ok());
+  clock.Advance(900);
+  s->Tick();
+  EXPECT_EQ(FindNode(s->GetStatus(), "sink-a")->state(), wsync::v1::NODE_ALIVE);
+  clock.Advance(200);
+  s->Tick();
+  EXPECT_EQ(FindNode(s->GetStatus(), "sink-a")->state(), wsync::v1::NODE_DEAD);
+  wsync::v1::HeartbeatRequest h;
+  h.set_name("sink-a");
+  EXPECT_EQ(s->Heartbeat(h).status().code(), StatusCode::kNotFound);
+  auto again = s->Register(Reg("sink-a", wsync::v1::ROLE_SINK, 1000));
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ(again->node().state(), wsync::v1::NODE_ALIVE);
+  // A heartbeat from the old incarnation is refused.
+  h.set_incarnation(again->node().incarnation() - 1);
+  EXPECT_EQ(s->Heartbeat(h).status().code(), StatusCode::kAborted);
+  EXPECT_TRUE(s->Deregister("sink-a").ok());
+  EXPECT_EQ(s->Deregister("sink-a").code(), StatusCode::kNotFound);
+}
+
+TEST(CoordinatorState, RegistrationIsValidated) {
+  FakeClock clock;
+  auto s = Make(&clock);
+  EXPECT_EQ(s->Register(Reg("", wsync::v1::ROLE_SINK)).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(s->Register(Reg("x", wsync::v1::ROLE_UNSPECIFIED)).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(s->Register(Reg("x", wsync::v1::ROLE_SINK, 100'000'000)).status().code(),
+            StatusCode::kInvalidArgument);
+}
+
+TEST(CoordinatorState, LeasesExpireRenewAndEndWithTheirNode) {
+  FakeClock clock;
+  auto s = Make(&clock);
+  ASSERT_TRUE(s->Register(Reg("rollout-1", wsync::v1::ROLE_SINK, 5000)).ok());
+  ASSERT_TRUE(s->Publish(V(1)).ok());
+  ASSERT_TRUE(s->Publish(V(2)).ok());
+  EXPECT_EQ(s->AcquireLease("rollout-1", 9, 1000).status().code(), StatusCode::kNotFound);
+  EXPECT_EQ(s->AcquireLease("nobody", 1, 1000).status().code(), StatusCode::kNotFound);
+  auto l1 = s->AcquireLease("rollout-1", 1, 1000);
+  auto l2 = s->AcquireLease("rollout-1", 2, 3000);
+  ASSERT_TRUE(l1.ok() && l2.ok());
+  EXPECT_EQ(s->ListLeases().oldest_leased_version(), 1u);
+  clock.Advance(800);
+  ASSERT_TRUE(s->RenewLease(l1->id(), 1000).ok());
+  clock.Advance(800);
+  s->Tick();
+  EXPECT_EQ(s->ListLeases().leases_size(), 2);  // renewed
+  clock.Advance(300);
+  s->Tick();
+  EXPECT_EQ(s->ListLeases().leases_size(), 1);
+  EXPECT_EQ(s->ListLeases().oldest_leased_version(), 2u);
+  EXPECT_EQ(s->RenewLease(l1->id(), 1000).status().code(), StatusCode::kNotFound);
+  // The node dies: its lease ends with it.
+  clock.Advance(6000);
+  s->Tick();
+  EXPECT_EQ(s->ListLeases().leases_size(), 0);
+  EXPECT_EQ(s->ListLeases().oldest_leased_version(), 0u);
+}
+
+TEST(CoordinatorState, StalenessIsHeadMinusApplied) {
+  FakeClock clock;
+  auto s = Make(&clock);
+  ASSERT_TRUE(s->Register(Reg("sink", wsync::v1::ROLE_SINK)).ok());
+  for (uint64_t v = 1; v <= 5; ++v) ASSERT_TRUE(s->Publish(V(v)).ok());
+  auto n = s->ReportApplied("sink", 3);
+  ASSERT_TRUE(n.ok());
+  EXPECT_EQ(n->staleness(), 2u);
+  EXPECT_EQ(s->ReportApplied("sink", 6).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(s->GetStatus().oldest_needed_version(), 3u);
+}
+
+TEST(CoordinatorState, BlockPolicyNamesTheLaggingSinks) {
+  FakeClock clock;
+  CoordinatorOptions o;
+  o.max_staleness = 2;
+  o.policy = wsync::v1::STALENESS_BLOCK;
+  auto s = Make(&clock, o);
+  ASSERT_TRUE(s->Register(Reg("fast", wsync::v1::ROLE_SINK)).ok());
+  ASSERT_TRUE(s->Register(Reg("slow", wsync::v1::ROLE_SINK)).ok());
+  ASSERT_TRUE(s->Register(Reg("new", wsync::v1::ROLE_SINK)).ok());  // never applied: does not block
+  for (uint64_t v = 1; v <= 3; ++v) ASSERT_TRUE(s->Publish(V(v)).ok());
+  ASSERT_TRUE(s->ReportApplied("fast", 3).ok());
+  ASSERT_TRUE(s->ReportApplied("slow", 1).ok());
+  auto may = s->MayPublish(4);
+  ASSERT_TRUE(may.ok());
+  EXPECT_FALSE(may->allowed());
+  ASSERT_EQ(may->blocking_size(), 1);
+  EXPECT_EQ(may->blocking(0), "slow");
+  ASSERT_TRUE(s->ReportApplied("slow", 2).ok());
+  EXPECT_TRUE(s->MayPublish(4)->allowed());
+  EXPECT_EQ(s->MayPublish(3).status().code(), StatusCode::kFailedPrecondition);
+}
+
+TEST(CoordinatorState, EvictPolicyTellsLaggardsToResync) {
+  FakeClock clock;
+  CoordinatorOptions o;
+  o.max_staleness = 1;
+  o.policy = wsync::v1::STALENESS_EVICT;
+  auto s = Make(&clock, o);
+  ASSERT_TRUE(s->Register(Reg("slow", wsync::v1::ROLE_SINK)).ok());
+  for (uint64_t v = 1; v <= 3; ++v) ASSERT_TRUE(s->Publish(V(v)).ok());
+  ASSERT_TRUE(s->ReportApplied("slow", 1).ok());
+  auto may = s->MayPublish(4);
+  ASSERT_TRUE(may.ok());
+  EXPECT_TRUE(may->allowed());
+  ASSERT_EQ(may->evicted_size(), 1);
+  wsync::v1::HeartbeatRequest h;
+  h.set_name("slow");
+  EXPECT_TRUE(s->Heartbeat(h)->node().resync_keyframe());
+  ASSERT_TRUE(s->Publish(V(4)).ok());
+  ASSERT_TRUE(s->ReportApplied("slow", 4).ok());  // after its keyframe
+  EXPECT_FALSE(s->Heartbeat(h)->node().resync_keyframe());
+}
+
+TEST(CoordinatorState, ParentsFormATreeOfBoundedFanoutAndHeal) {
+  FakeClock clock;
+  CoordinatorOptions o;
+  o.fanout = 2;
+  auto s = Make(&clock, o);
+  ASSERT_TRUE(s->Register(Reg("src", wsync::v1::ROLE_SOURCE, 1000)).ok());
+  ASSERT_TRUE(s->Publish(V(1)).ok());
+  for (int i = 0; i < 2; ++i) {
+    std::string name = "s" + std::to_string(i);
+    ASSERT_TRUE(s->Register(Reg(name, wsync::v1::ROLE_SINK, 1000)).ok());
+    ASSERT_TRUE(s->ReportApplied(name, 1).ok());
+  }
+  // The source is full; later sinks attach to sinks at head.
+  for (int i = 2; i < 6; ++i) ASSERT_TRUE(s->Register(Reg("s" + std::to_string(i), wsync::v1::ROLE_SINK, 1000)).ok());
+  auto st = s->GetStatus();
+  std::map<std::string, int> children;
+  for (const auto& n : st.nodes()) {
+    if (n.role() != wsync::v1::ROLE_SINK) continue;
+    ASSERT_FALSE(n.parent().empty()) << n.name();
+    ASSERT_NE(n.parent(), n.name());
+    ++children[n.parent()];
+  }
+  for (const auto& [p, c] : children) EXPECT_LE(c, 2) << p;
+  EXPECT_EQ(FindNode(st, "s0")->parent(), "src");
+  EXPECT_EQ(FindNode(st, "s1")->parent(), "src");
+  // s0 dies: its children are reassigned to live parents.
+  for (int step = 0; step < 3; ++step) {
+    clock.Advance(600);
+    for (const auto& n : st.nodes()) {
+      if (n.name() == "s0") continue;
+      wsync::v1::HeartbeatRequest h;
+      h.set_name(n.name());
+      ASSERT_TRUE(s->Heartbeat(h).ok()) << n.name();
+    }
+  }
+  s->Tick();
+  st = s->GetStatus();
+  EXPECT_EQ(FindNode(st, "s0")->state(), wsync::v1::NODE_DEAD);
+  for (const auto& n : st.nodes()) {
+    if (n.role() != wsync::v1::ROLE_SINK || n.name() == "s0") continue;
+    EXPECT_NE(n.parent(), "s0") << n.name();
+    EXPECT_FALSE(n.parent().empty()) << n.name();
+  }
+}
+
+TEST(CoordinatorState, WaitForChangeWakesOnPublish) {
+  FakeClock clock;
+  auto s = Make(&clock);
+  const uint64_t g = s->generation();
+  std::thread publisher([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    ASSERT_TRUE(s->Publish(V(1)).ok());
+  });
+  uint64_t now = s->WaitForChange(g, std::chrono::steady_clock::now() + std::chrono::seconds(10));
+  publisher.join();
+  EXPECT_NE(now, g);
+  EXPECT_EQ(s->head(), 1u);
+}
+
+TEST(CoordinatorState, RecoversEverythingFromItsStore) {
+  const std::string dir = ::testing::TempDir() + "/wsync_state_" + std::to_string(::getpid());
+  std::filesystem::remove_all(dir);
+  FakeClock clock;
+  CoordinatorOptions o;
+  o.compact_every = 5;  // exercise snapshot + log replay together
+  wsync::v1::StatusResponse before;
+  {
+    Recovered rec;
+    auto store = OpenLogStore(dir, &rec);
+    ASSERT_TRUE(store.ok());
+    auto s = CoordinatorState::Create(o, &clock, std::move(*store), rec);
+    ASSERT_TRUE(s.ok());
+    ASSERT_TRUE((*s)->Register(Reg("src", wsync::v1::ROLE_SOURCE)).ok());
+    ASSERT_TRUE((*s)->Register(Reg("sink", wsync::v1::ROLE_SINK)).ok());
+    for (uint64_t v = 1; v <= 7; ++v) ASSERT_TRUE((*s)->Publish(V(v)).ok());
+    ASSERT_TRUE((*s)->ReportApplied("sink", 6).ok());
+    ASSERT_TRUE((*s)->AcquireLease("sink", 6, 60'000).ok());
+    before = (*s)->GetStatus();
+  }
+  Recovered rec;
+  auto store = OpenLogStore(dir, &rec);
+  ASSERT_TRUE(store.ok());
+  auto s = CoordinatorState::Create(o, &clock, std::move(*store), rec);
+  ASSERT_TRUE(s.ok());
+  auto after = (*s)->GetStatus();
+  EXPECT_EQ(after.head_version(), 7u);
+  EXPECT_EQ(after.leases_size(), 1);
+  EXPECT_EQ(after.leases(0).version(), 6u);
+  EXPECT_EQ(FindNode(after, "sink")->applied_version(), 6u);
+  EXPECT_EQ(FindNode(after, "sink")->incarnation(), FindNode(before, "sink")->incarnation());
+  EXPECT_EQ((*s)->Publish(V(7)).status().code(), StatusCode::kFailedPrecondition);
+  // Lease ids keep growing too.
+  auto l = (*s)->AcquireLease("sink", 7, 1000);
+  ASSERT_TRUE(l.ok());
+  EXPECT_GT(l->id(), before.leases(0).id());
+  std::filesystem::remove_all(dir);
+}
+
+}  // namespace
+}  // namespace wsync::control
