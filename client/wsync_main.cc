@@ -6,12 +6,14 @@
 #include <functional>
 
 #include "codec_commands.h"
+#include "control_commands.h"
 
 int main(int argc, char** argv) {
   CLI::App app{"wsync: lossless sparse weight sync for RL training (see README.md)"};
   app.require_subcommand(1);
   std::function<wsync::Status()> run;
   wsync::cli::AddCodecCommands(app, &run);
+  wsync::cli::AddControlCommands(app, &run);
   CLI11_PARSE(app, argc, argv);
   spdlog::set_level(spdlog::level::warn);
   wsync::Status status = run ? run() : wsync::InternalError("no command");

@@ -1,0 +1,193 @@
+#include "control_commands.h"
+
+#include <google/protobuf/util/json_util.h>
+
+#include <chrono>
+#include <cinttypes>
+#include <cstdio>
+#include <cstdlib>
+#include <ctime>
+#include <memory>
+
+#include "wsync/control/client.h"
+#include "wsync/control/server.h"
+
+namespace wsync::cli {
+namespace {
+
+namespace v1 = wsync::v1;
+
+struct Connection {
+  std::string coordinator;
+  std::string token_file;
+  std::string tls_ca, tls_cert, tls_key, tls_server_name;
+  int timeout_ms = 5000;
+  bool json = false;
+};
+
+void AddConnectionFlags(CLI::App* cmd, Connection* c) {
+  cmd->add_option("--coordinator", c->coordinator, "host:port or unix:PATH (env WSYNC_COORDINATOR)");
+  cmd->add_option("--token-file", c->token_file, "bearer token file (or env WSYNC_TOKEN)");
+  cmd->add_option("--tls-ca", c->tls_ca, "CA certificate: connect with TLS");
+  cmd->add_option("--tls-cert", c->tls_cert, "client certificate (mTLS)");
+  cmd->add_option("--tls-key", c->tls_key, "client key (mTLS)");
+  cmd->add_option("--tls-server-name", c->tls_server_name, "name expected in the server certificate");
+  cmd->add_option("--timeout-ms", c->timeout_ms, "per-call deadline");
+  cmd->add_flag("--json", c->json, "machine-readable output");
+}
+
+StatusOr<std::unique_ptr<control::CoordinatorClient>> Connect(const Connection& c) {
+  control::ClientOptions o;
+  o.address = c.coordinator;
+  if (o.address.empty()) {
+    if (const char* env = std::getenv("WSYNC_COORDINATOR")) o.address = env;
+  }
+  if (!c.token_file.empty()) {
+    WSYNC_ASSIGN_OR_RETURN(o.token, control::ReadTokenFile(c.token_file));
+  } else if (const char* env = std::getenv("WSYNC_TOKEN")) {
+    o.token = env;
+  }
+  o.tls_ca_file = c.tls_ca;
+  o.tls_cert_file = c.tls_cert;
+  o.tls_key_file = c.tls_key;
+  o.tls_server_name = c.tls_server_name;
+  o.timeout_ms = c.timeout_ms;
+  return control::NewCoordinatorClient(o);
+}
+
+void PrintJson(const google::protobuf::Message& m) {
+  std::string out;
+  google::protobuf::util::JsonPrintOptions opts;
+  opts.add_whitespace = true;
+  opts.always_print_primitive_fields = true;
+  (void)google::protobuf::util::MessageToJsonString(m, &out, opts);
+  std::printf("%s", out.c_str());
+  if (out.empty() || out.back() != '\n') std::printf("\n");
+}
+
+std::string Ago(int64_t then_ms, int64_t now_ms) {
+  if (then_ms == 0) return "-";
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%.1fs ago", (now_ms - then_ms) / 1000.0);
+  return buf;
+}
+
+std::string RoleName(v1::Role r) {
+  switch (r) {
+    case v1::ROLE_SOURCE: return "source";
+    case v1::ROLE_SINK: return "sink";
+    case v1::ROLE_COORDINATOR_CLIENT: return "client";
+    default: return "?";
+  }
+}
+
+void PrintNodes(const v1::StatusResponse& s) {
+  std::printf("%-24s %-7s %-6s %-21s %8s %9s %-16s %-12s\n", "NODE", "ROLE", "STATE", "HOST", "APPLIED", "STALENESS",
+              "PARENT", "HEARTBEAT");
+  for (const auto& n : s.nodes()) {
+    const bool sink = n.role() == v1::ROLE_SINK;
+    std::printf("%-24s %-7s %-6s %-21s %8s %9s %-16s %-12s%s\n", n.name().c_str(), RoleName(n.role()).c_str(),
+                n.state() == v1::NODE_ALIVE ? "alive" : "dead", n.host().c_str(),
+                sink ? std::to_string(n.applied_version()).c_str() : "-",
+                sink ? std::to_string(n.staleness()).c_str() : "-", n.parent().empty() ? "-" : n.parent().c_str(),
+                Ago(n.last_heartbeat_unix_ms(), s.now_unix_ms()).c_str(),
+                n.resync_keyframe() ? "  (resync from keyframe)" : "");
+  }
+}
+
+void PrintLeases(const google::protobuf::RepeatedPtrField<v1::Lease>& leases, int64_t now_ms) {
+  std::printf("%-8s %-24s %8s %12s\n", "LEASE", "NODE", "VERSION", "EXPIRES IN");
+  for (const auto& l : leases) {
+    std::printf("%-8" PRIu64 " %-24s %8" PRIu64 " %11.1fs\n", l.id(), l.node().c_str(), l.version(),
+                (l.expires_unix_ms() - now_ms) / 1000.0);
+  }
+}
+
+int64_t NowMs() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+Status RunStatus(const Connection& c) {
+  WSYNC_ASSIGN_OR_RETURN(auto client, Connect(c));
+  WSYNC_ASSIGN_OR_RETURN(auto s, client->GetStatus());
+  if (c.json) {
+    PrintJson(s);
+    return Status::Ok();
+  }
+  std::printf("head version %" PRIu64 ", max staleness %s (%s), oldest needed version %" PRIu64 "\n\n",
+              s.head_version(), s.max_staleness() ? std::to_string(s.max_staleness()).c_str() : "unbounded",
+              s.policy() == v1::STALENESS_EVICT ? "evict" : "block", s.oldest_needed_version());
+  PrintNodes(s);
+  if (s.leases_size() > 0) {
+    std::printf("\n");
+    PrintLeases(s.leases(), s.now_unix_ms());
+  }
+  return Status::Ok();
+}
+
+Status RunNodes(const Connection& c) {
+  WSYNC_ASSIGN_OR_RETURN(auto client, Connect(c));
+  WSYNC_ASSIGN_OR_RETURN(auto s, client->GetStatus());
+  if (c.json) {
+    v1::StatusResponse only;
+    *only.mutable_nodes() = s.nodes();
+    only.set_now_unix_ms(s.now_unix_ms());
+    PrintJson(only);
+    return Status::Ok();
+  }
+  PrintNodes(s);
+  return Status::Ok();
+}
+
+Status RunVersions(const Connection& c, uint64_t after) {
+  WSYNC_ASSIGN_OR_RETURN(auto client, Connect(c));
+  WSYNC_ASSIGN_OR_RETURN(auto v, client->ListVersions(after));
+  if (c.json) {
+    PrintJson(v);
+    return Status::Ok();
+  }
+  std::printf("%8s %8s %-8s %14s %14s %8s %-18s %-16s\n", "VERSION", "BASE", "KIND", "PATCH BYTES", "DENSE BYTES",
+              "RATIO", "CHECKSUM", "SOURCE");
+  for (const auto& s : v.versions()) {
+    std::printf("%8" PRIu64 " %8" PRIu64 " %-8s %14" PRIu64 " %14" PRIu64 " %7.1fx %016" PRIx64 "   %-16s\n",
+                s.version(), s.base_version(), s.keyframe() ? "keyframe" : "patch", s.patch_bytes(), s.dense_bytes(),
+                s.patch_bytes() ? static_cast<double>(s.dense_bytes()) / s.patch_bytes() : 0.0, s.set_checksum(),
+                s.source().c_str());
+  }
+  return Status::Ok();
+}
+
+Status RunLeases(const Connection& c) {
+  WSYNC_ASSIGN_OR_RETURN(auto client, Connect(c));
+  WSYNC_ASSIGN_OR_RETURN(auto l, client->ListLeases());
+  if (c.json) {
+    PrintJson(l);
+    return Status::Ok();
+  }
+  std::printf("oldest leased version: %" PRIu64 "\n", l.oldest_leased_version());
+  PrintLeases(l.leases(), NowMs());
+  return Status::Ok();
+}
+
+}  // namespace
+
+void AddControlCommands(CLI::App& app, std::function<Status()>* run) {
+  auto conn = std::make_shared<Connection>();
+  auto after = std::make_shared<uint64_t>(0);
+  auto* status = app.add_subcommand("status", "nodes, roles, applied versions, staleness, leases");
+  AddConnectionFlags(status, conn.get());
+  status->callback([=] { *run = [=] { return RunStatus(*conn); }; });
+  auto* nodes = app.add_subcommand("nodes", "registered nodes");
+  AddConnectionFlags(nodes, conn.get());
+  nodes->callback([=] { *run = [=] { return RunNodes(*conn); }; });
+  auto* versions = app.add_subcommand("versions", "published versions");
+  AddConnectionFlags(versions, conn.get());
+  versions->add_option("--after", *after, "only versions above this");
+  versions->callback([=] { *run = [=] { return RunVersions(*conn, *after); }; });
+  auto* leases = app.add_subcommand("leases", "held leases");
+  AddConnectionFlags(leases, conn.get());
+  leases->callback([=] { *run = [=] { return RunLeases(*conn); }; });
+}
+
+}  // namespace wsync::cli

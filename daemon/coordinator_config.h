@@ -1,0 +1,33 @@
+// Configuration of `wsyncd coordinator`: defaults, then the TOML file, then
+// the environment, then flags. Validated once at start; every error names
+// the key and what is wrong with it.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "wsync/control/coordinator_state.h"
+#include "wsync/control/server.h"
+#include "wsync/util/status.h"
+
+namespace wsync::daemon {
+
+struct CoordinatorConfig {
+  control::CoordinatorOptions state;
+  control::ServerOptions server;
+  std::string store_dir;   // empty: in memory only
+  std::string token_file;  // read into server.token
+};
+
+// Merges the [coordinator] table of a TOML file into *config. Unknown keys,
+// wrong types and invalid values are InvalidArgument naming file and key.
+Status LoadCoordinatorToml(const std::string& path, CoordinatorConfig* config);
+
+// Parses "block" / "evict".
+StatusOr<wsync::v1::StalenessPolicy> ParsePolicy(const std::string& name);
+
+// Final checks after all sources are merged (listen addresses, TLS files
+// come in pairs, TTLs); reads the token file.
+Status FinishCoordinatorConfig(CoordinatorConfig* config);
+
+}  // namespace wsync::daemon

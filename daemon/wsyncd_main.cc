@@ -1,0 +1,129 @@
+// wsyncd: the wsync daemon. `wsyncd coordinator` runs the control plane;
+// the source and sink roles arrive with the data plane.
+#include <CLI/CLI.hpp>
+#include <spdlog/spdlog.h>
+
+#include <csignal>
+#include <cstdlib>
+#include <thread>
+
+#include "coordinator_config.h"
+#include "wsync/control/coordinator_state.h"
+#include "wsync/control/server.h"
+#include "wsync/control/store.h"
+
+namespace {
+
+using namespace wsync;
+
+int Fail(const Status& s) {
+  spdlog::critical("{}", s.ToString());
+  return 1;
+}
+
+int RunCoordinator(daemon::CoordinatorConfig config) {
+  Status s = daemon::FinishCoordinatorConfig(&config);
+  if (!s.ok()) return Fail(s);
+  control::Recovered recovered;
+  std::unique_ptr<control::Store> store;
+  if (config.store_dir.empty()) {
+    spdlog::warn("no --store-dir: state is kept in memory only and lost on restart");
+    store = control::NewNullStore();
+  } else {
+    auto opened = control::OpenLogStore(config.store_dir, &recovered);
+    if (!opened.ok()) return Fail(opened.status());
+    store = std::move(*opened);
+  }
+  auto state = control::CoordinatorState::Create(config.state, control::SystemClock(), std::move(store), recovered);
+  if (!state.ok()) return Fail(state.status());
+
+  // Block the stop signals before any thread starts; one thread waits for them.
+  sigset_t stop;
+  sigemptyset(&stop);
+  sigaddset(&stop, SIGINT);
+  sigaddset(&stop, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &stop, nullptr);
+
+  auto server = control::CoordinatorServer::Start(config.server, state->get());
+  if (!server.ok()) return Fail(server.status());
+  std::string where;
+  size_t tcp = 0;
+  for (const auto& a : config.server.listen) {
+    std::string shown = a;
+    if (a.rfind("unix:", 0) != 0) {
+      shown = a.substr(0, a.rfind(':') + 1) + std::to_string((*server)->ports()[tcp++]);
+    }
+    where += (where.empty() ? "" : ", ") + shown;
+  }
+  spdlog::info("coordinator serving on {} (head version {}, token {}, TLS {}, metrics {})", where,
+               (*state)->head(), config.server.token.empty() ? "off" : "on",
+               config.server.tls.cert_file.empty() ? "off" : (config.server.tls.client_ca_file.empty() ? "on" : "mTLS"),
+               config.server.metrics_listen.empty() ? "off" : "127.0.0.1:" + std::to_string((*server)->metrics_port()));
+  std::thread waiter([&] {
+    int sig = 0;
+    sigwait(&stop, &sig);
+    spdlog::info("signal {}: shutting down", sig);
+    (*server)->Shutdown();
+  });
+  (*server)->Wait();
+  waiter.join();
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"wsyncd: the wsync daemon"};
+  app.require_subcommand(1);
+  std::string log_level = "info";
+  app.add_option("--log-level", log_level, "trace, debug, info, warn, error")->capture_default_str();
+
+  auto* coord = app.add_subcommand("coordinator", "run the coordinator (versions, leases, staleness)");
+  daemon::CoordinatorConfig config;
+  std::string config_file, policy;
+  std::vector<std::string> listen;
+  std::optional<uint64_t> max_staleness, ttl;
+  std::optional<uint32_t> fanout;
+  coord->add_option("--config", config_file, "TOML file with a [coordinator] table")->check(CLI::ExistingFile);
+  coord->add_option("--listen", listen, "host:port or unix:PATH (repeatable)");
+  coord->add_option("--store-dir", config.store_dir, "directory of the durable store");
+  coord->add_option("--token-file", config.token_file, "file holding the bearer token (or env WSYNC_TOKEN)");
+  coord->add_option("--max-staleness", max_staleness, "bound on head - applied per sink (0: none)");
+  coord->add_option("--staleness-policy", policy, "block or evict");
+  coord->add_option("--fanout", fanout, "children per parent in the sync tree");
+  coord->add_option("--node-ttl-ms", ttl, "default node and lease TTL");
+  coord->add_option("--metrics-listen", config.server.metrics_listen, "Prometheus endpoint host:port");
+  coord->add_option("--tls-cert", config.server.tls.cert_file, "server certificate (PEM)");
+  coord->add_option("--tls-key", config.server.tls.key_file, "server key (PEM)");
+  coord->add_option("--tls-client-ca", config.server.tls.client_ca_file, "CA of client certificates: require mTLS");
+  CLI11_PARSE(app, argc, argv);
+
+  spdlog::set_level(spdlog::level::from_str(log_level));
+  spdlog::set_pattern("%Y-%m-%dT%H:%M:%S.%e %^%l%$ [%n] %v");
+  if (coord->parsed()) {
+    // Precedence: defaults < config file < environment < flags.
+    daemon::CoordinatorConfig merged;
+    if (!config_file.empty()) {
+      Status s = daemon::LoadCoordinatorToml(config_file, &merged);
+      if (!s.ok()) return Fail(s);
+    }
+    if (const char* env = std::getenv("WSYNC_TOKEN")) merged.server.token = env;
+    if (!listen.empty()) merged.server.listen = listen;
+    if (!config.store_dir.empty()) merged.store_dir = config.store_dir;
+    if (!config.token_file.empty()) merged.token_file = config.token_file;
+    if (!config.server.metrics_listen.empty()) merged.server.metrics_listen = config.server.metrics_listen;
+    if (!config.server.tls.cert_file.empty()) merged.server.tls.cert_file = config.server.tls.cert_file;
+    if (!config.server.tls.key_file.empty()) merged.server.tls.key_file = config.server.tls.key_file;
+    if (!config.server.tls.client_ca_file.empty()) merged.server.tls.client_ca_file = config.server.tls.client_ca_file;
+    if (max_staleness) merged.state.max_staleness = *max_staleness;
+    if (fanout) merged.state.fanout = *fanout;
+    if (ttl) merged.state.default_ttl_ms = *ttl;
+    if (!policy.empty()) {
+      auto p = daemon::ParsePolicy(policy);
+      if (!p.ok()) return Fail(p.status());
+      merged.state.policy = *p;
+    }
+    return RunCoordinator(merged);
+  }
+  return 0;
+}

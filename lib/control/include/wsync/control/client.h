@@ -1,0 +1,50 @@
+// A client of the coordinator service, for daemons and the CLI. The interface
+// allows fakes in tests; NewCoordinatorClient talks gRPC.
+//
+// Thread safety: a client may be used from many threads.
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "wsync/util/status.h"
+#include "wsync/v1/coordinator.pb.h"
+
+namespace wsync::control {
+
+struct ClientOptions {
+  std::string address;         // "host:port" or "unix:PATH"
+  std::string token;           // sent as "authorization: Bearer <token>"
+  std::string tls_ca_file;     // set: TLS, verifying the server against this CA
+  std::string tls_cert_file;   // client certificate for mTLS
+  std::string tls_key_file;
+  std::string tls_server_name; // override of the name checked in the server's certificate
+  int timeout_ms = 5000;       // per unary call
+};
+
+class CoordinatorClient {
+ public:
+  virtual ~CoordinatorClient() = default;
+  virtual StatusOr<wsync::v1::RegisterResponse> Register(const wsync::v1::RegisterRequest& req) = 0;
+  virtual StatusOr<wsync::v1::HeartbeatResponse> Heartbeat(const wsync::v1::HeartbeatRequest& req) = 0;
+  virtual Status Deregister(const std::string& name) = 0;
+  virtual StatusOr<uint64_t> Publish(const wsync::v1::VersionSummary& version) = 0;
+  virtual StatusOr<wsync::v1::ListVersionsResponse> ListVersions(uint64_t after) = 0;
+  // Calls on_version for every version > after, then for new ones, until
+  // on_version returns false, the stream breaks (Unavailable) or Cancel().
+  virtual Status Watch(uint64_t after, const std::function<bool(const wsync::v1::VersionSummary&)>& on_version) = 0;
+  virtual StatusOr<wsync::v1::Node> ReportApplied(const std::string& name, uint64_t version) = 0;
+  virtual StatusOr<wsync::v1::Lease> AcquireLease(const std::string& node, uint64_t version, uint64_t ttl_ms) = 0;
+  virtual StatusOr<wsync::v1::Lease> RenewLease(uint64_t id, uint64_t ttl_ms) = 0;
+  virtual Status ReleaseLease(uint64_t id) = 0;
+  virtual StatusOr<wsync::v1::ListLeasesResponse> ListLeases() = 0;
+  virtual StatusOr<wsync::v1::MayPublishResponse> MayPublish(uint64_t version, int64_t wait_ms) = 0;
+  virtual StatusOr<wsync::v1::StatusResponse> GetStatus() = 0;
+  // Ends a running Watch.
+  virtual void Cancel() = 0;
+};
+
+StatusOr<std::unique_ptr<CoordinatorClient>> NewCoordinatorClient(const ClientOptions& options);
+
+}  // namespace wsync::control

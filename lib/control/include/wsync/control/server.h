@@ -1,0 +1,52 @@
+// The coordinator's gRPC service: a thin adapter over CoordinatorState.
+// Each RPC checks the bearer token (when one is configured), forwards to the
+// state machine and maps its Status to the gRPC status with the same code.
+// grpc.health.v1 (exempt from the token) and server reflection are served
+// too, so grpcurl and grpc_health_probe work.
+//
+// Thread safety: Start/Shutdown from one thread; RPCs run on gRPC's threads.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "wsync/control/coordinator_state.h"
+#include "wsync/util/status.h"
+
+namespace wsync::control {
+
+struct TlsOptions {
+  std::string cert_file;       // server certificate chain (PEM); empty: no TLS
+  std::string key_file;        // its private key (PEM)
+  std::string client_ca_file;  // CA for client certificates (PEM); set: mTLS required
+};
+
+struct ServerOptions {
+  std::vector<std::string> listen;  // "host:port" (port 0 picks one) or "unix:PATH"
+  std::string token;                // required "authorization: Bearer <token>"; empty: none
+  TlsOptions tls;
+  std::string metrics_listen;       // Prometheus "host:port"; empty: off
+  int tick_ms = 200;                // how often TTLs are checked
+};
+
+class CoordinatorServer {
+ public:
+  // REQUIRES: state outlives the server.
+  static StatusOr<std::unique_ptr<CoordinatorServer>> Start(const ServerOptions& options, CoordinatorState* state);
+  virtual ~CoordinatorServer() = default;
+
+  // Ports actually bound for the TCP listen addresses, in order (port 0 resolved).
+  virtual std::vector<int> ports() const = 0;
+  // The metrics port (0 when off).
+  virtual int metrics_port() const = 0;
+  // Stops accepting, cancels streams, waits for handlers.
+  virtual void Shutdown() = 0;
+  // Blocks until Shutdown.
+  virtual void Wait() = 0;
+};
+
+// Reads a token file: its content without surrounding white space.
+StatusOr<std::string> ReadTokenFile(const std::string& path);
+
+}  // namespace wsync::control

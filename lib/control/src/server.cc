@@ -1,0 +1,320 @@
+#include "wsync/control/server.h"
+
+#include <grpcpp/ext/proto_server_reflection_plugin.h>
+#include <grpcpp/grpcpp.h>
+#include <grpcpp/health_check_service_interface.h>
+#include <prometheus/counter.h>
+#include <prometheus/exposer.h>
+#include <prometheus/gauge.h>
+#include <prometheus/histogram.h>
+#include <prometheus/registry.h>
+#include <spdlog/spdlog.h>
+
+#include <atomic>
+#include <chrono>
+#include <thread>
+
+#include "grpc_util.h"
+#include "wsync/util/file.h"
+#include "wsync/v1/coordinator.grpc.pb.h"
+
+namespace wsync::control {
+namespace {
+
+using grpc::ServerContext;
+namespace v1 = wsync::v1;
+
+// Constant-time comparison, so the token does not leak through timing.
+bool SameSecret(const std::string& a, const std::string& b) {
+  if (a.size() != b.size()) return false;
+  unsigned char diff = 0;
+  for (size_t i = 0; i < a.size(); ++i) diff |= static_cast<unsigned char>(a[i] ^ b[i]);
+  return diff == 0;
+}
+
+class Metrics {
+ public:
+  explicit Metrics(const std::string& listen) {
+    registry_ = std::make_shared<prometheus::Registry>();
+    exposer_ = std::make_unique<prometheus::Exposer>(listen);
+    exposer_->RegisterCollectable(registry_);
+    rpcs_ = &prometheus::BuildCounter().Name("wsync_coordinator_rpcs_total").Help("RPCs by method and code").Register(*registry_);
+    latency_ = &prometheus::BuildHistogram().Name("wsync_coordinator_rpc_seconds").Help("RPC latency").Register(*registry_);
+    head_ = &prometheus::BuildGauge().Name("wsync_head_version").Help("Newest published version").Register(*registry_);
+    nodes_ = &prometheus::BuildGauge().Name("wsync_nodes").Help("Nodes by role and state").Register(*registry_);
+    staleness_ = &prometheus::BuildGauge().Name("wsync_sink_staleness").Help("head - applied version per sink").Register(*registry_);
+  }
+  int port() const {
+    auto ports = exposer_->GetListeningPorts();
+    return ports.empty() ? 0 : ports[0];
+  }
+  void Rpc(const std::string& method, grpc::StatusCode code, double seconds) {
+    rpcs_->Add({{"method", method}, {"code", std::to_string(static_cast<int>(code))}}).Increment();
+    latency_->Add({{"method", method}}, prometheus::Histogram::BucketBoundaries{1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.5, 1})
+        .Observe(seconds);
+  }
+  void Update(const v1::StatusResponse& s) {
+    head_->Add({}).Set(static_cast<double>(s.head_version()));
+    std::map<std::pair<std::string, std::string>, int> counts;
+    for (const auto& n : s.nodes()) {
+      ++counts[{v1::Role_Name(n.role()), v1::NodeState_Name(n.state())}];
+      if (n.role() == v1::ROLE_SINK) staleness_->Add({{"sink", n.name()}}).Set(static_cast<double>(n.staleness()));
+    }
+    for (const auto& [k, c] : counts) nodes_->Add({{"role", k.first}, {"state", k.second}}).Set(c);
+  }
+
+ private:
+  std::shared_ptr<prometheus::Registry> registry_;
+  std::unique_ptr<prometheus::Exposer> exposer_;
+  prometheus::Family<prometheus::Counter>* rpcs_;
+  prometheus::Family<prometheus::Histogram>* latency_;
+  prometheus::Family<prometheus::Gauge>* head_;
+  prometheus::Family<prometheus::Gauge>* nodes_;
+  prometheus::Family<prometheus::Gauge>* staleness_;
+};
+
+class Service final : public v1::Coordinator::Service {
+ public:
+  Service(CoordinatorState* state, std::string token, Metrics* metrics)
+      : state_(state), token_(std::move(token)), metrics_(metrics) {}
+
+  void Stop() { stopping_ = true; }
+
+  grpc::Status Register(ServerContext* ctx, const v1::RegisterRequest* req, v1::RegisterResponse* resp) override {
+    return Handle("Register", ctx, [&] { return Fill(state_->Register(*req), resp); });
+  }
+  grpc::Status Heartbeat(ServerContext* ctx, const v1::HeartbeatRequest* req, v1::HeartbeatResponse* resp) override {
+    return Handle("Heartbeat", ctx, [&] { return Fill(state_->Heartbeat(*req), resp); });
+  }
+  grpc::Status Deregister(ServerContext* ctx, const v1::DeregisterRequest* req, v1::DeregisterResponse*) override {
+    return Handle("Deregister", ctx, [&] { return state_->Deregister(req->name()); });
+  }
+  grpc::Status Publish(ServerContext* ctx, const v1::PublishRequest* req, v1::PublishResponse* resp) override {
+    return Handle("Publish", ctx, [&] {
+      auto head = state_->Publish(req->version());
+      if (head.ok()) resp->set_head_version(*head);
+      return head.status();
+    });
+  }
+  grpc::Status ListVersions(ServerContext* ctx, const v1::ListVersionsRequest* req,
+                            v1::ListVersionsResponse* resp) override {
+    return Handle("ListVersions", ctx, [&] {
+      *resp = state_->ListVersions(req->after());
+      return wsync::Status::Ok();
+    });
+  }
+  grpc::Status Watch(ServerContext* ctx, const v1::WatchRequest* req,
+                     grpc::ServerWriter<v1::VersionSummary>* writer) override {
+    return Handle("Watch", ctx, [&] {
+      uint64_t after = req->after();
+      while (!ctx->IsCancelled() && !stopping_) {
+        // Read the generation first: a publish after the listing wakes us.
+        const uint64_t gen = state_->generation();
+        for (const auto& v : state_->ListVersions(after).versions()) {
+          if (!writer->Write(v)) return wsync::Status::Ok();  // client went away
+          after = v.version();
+        }
+        state_->WaitForChange(gen, std::chrono::steady_clock::now() + std::chrono::milliseconds(500));
+      }
+      return wsync::Status::Ok();
+    });
+  }
+  grpc::Status ReportApplied(ServerContext* ctx, const v1::ReportAppliedRequest* req,
+                             v1::ReportAppliedResponse* resp) override {
+    return Handle("ReportApplied", ctx, [&] {
+      auto n = state_->ReportApplied(req->name(), req->version());
+      if (n.ok()) *resp->mutable_node() = *n;
+      return n.status();
+    });
+  }
+  grpc::Status AcquireLease(ServerContext* ctx, const v1::AcquireLeaseRequest* req,
+                            v1::AcquireLeaseResponse* resp) override {
+    return Handle("AcquireLease", ctx, [&] {
+      auto l = state_->AcquireLease(req->node(), req->version(), req->ttl_ms());
+      if (l.ok()) *resp->mutable_lease() = *l;
+      return l.status();
+    });
+  }
+  grpc::Status RenewLease(ServerContext* ctx, const v1::RenewLeaseRequest* req, v1::RenewLeaseResponse* resp) override {
+    return Handle("RenewLease", ctx, [&] {
+      auto l = state_->RenewLease(req->id(), req->ttl_ms());
+      if (l.ok()) *resp->mutable_lease() = *l;
+      return l.status();
+    });
+  }
+  grpc::Status ReleaseLease(ServerContext* ctx, const v1::ReleaseLeaseRequest* req, v1::ReleaseLeaseResponse*) override {
+    return Handle("ReleaseLease", ctx, [&] { return state_->ReleaseLease(req->id()); });
+  }
+  grpc::Status ListLeases(ServerContext* ctx, const v1::ListLeasesRequest*, v1::ListLeasesResponse* resp) override {
+    return Handle("ListLeases", ctx, [&] {
+      *resp = state_->ListLeases();
+      return wsync::Status::Ok();
+    });
+  }
+  grpc::Status MayPublish(ServerContext* ctx, const v1::MayPublishRequest* req, v1::MayPublishResponse* resp) override {
+    return Handle("MayPublish", ctx, [&] {
+      const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(std::max<int64_t>(0, req->wait_ms()));
+      for (;;) {
+        const uint64_t gen = state_->generation();
+        auto r = state_->MayPublish(req->version());
+        if (!r.ok()) return r.status();
+        *resp = *r;
+        if (r->allowed() || std::chrono::steady_clock::now() >= deadline || ctx->IsCancelled() || stopping_) {
+          return wsync::Status::Ok();
+        }
+        state_->WaitForChange(gen, std::min(deadline, std::chrono::steady_clock::now() + std::chrono::milliseconds(200)));
+      }
+    });
+  }
+  grpc::Status Status(ServerContext* ctx, const v1::StatusRequest*, v1::StatusResponse* resp) override {
+    return Handle("Status", ctx, [&] {
+      *resp = state_->GetStatus();
+      return wsync::Status::Ok();
+    });
+  }
+
+ private:
+  template <typename T, typename R>
+  static wsync::Status Fill(StatusOr<T> r, R* resp) {
+    if (r.ok()) *resp = std::move(*r);
+    return r.status();
+  }
+
+  wsync::Status Authenticate(ServerContext* ctx) const {
+    if (token_.empty()) return wsync::Status::Ok();
+    const auto& md = ctx->client_metadata();
+    auto it = md.find("authorization");
+    if (it == md.end()) return UnauthenticatedError("missing bearer token");
+    const std::string value(it->second.data(), it->second.size());
+    if (value.rfind("Bearer ", 0) != 0 || !SameSecret(value.substr(7), token_)) {
+      return UnauthenticatedError("invalid bearer token");
+    }
+    return wsync::Status::Ok();
+  }
+
+  template <typename F>
+  grpc::Status Handle(const char* method, ServerContext* ctx, F&& body) {
+    const auto t0 = std::chrono::steady_clock::now();
+    wsync::Status s = Authenticate(ctx);
+    if (!s.ok()) {
+      spdlog::warn("{} from {} rejected: {}", method, ctx->peer(), s.message());
+    } else {
+      s = body();
+    }
+    grpc::Status g = ToGrpc(s);
+    if (metrics_ != nullptr) {
+      metrics_->Rpc(method, g.error_code(),
+                    std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    }
+    return g;
+  }
+
+  CoordinatorState* state_;
+  std::string token_;
+  Metrics* metrics_;
+  std::atomic<bool> stopping_{false};
+};
+
+class ServerImpl : public CoordinatorServer {
+ public:
+  ~ServerImpl() override { Shutdown(); }
+
+  std::vector<int> ports() const override { return ports_; }
+  int metrics_port() const override { return metrics_ ? metrics_->port() : 0; }
+
+  void Shutdown() override {
+    if (stopped_.exchange(true)) return;
+    service_->Stop();
+    server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+    ticker_stop_ = true;
+    if (ticker_.joinable()) ticker_.join();
+  }
+  void Wait() override { server_->Wait(); }
+
+  CoordinatorState* state_ = nullptr;
+  std::unique_ptr<Metrics> metrics_;
+  std::unique_ptr<Service> service_;
+  std::unique_ptr<grpc::Server> server_;
+  std::vector<int> ports_;
+  std::thread ticker_;
+  std::atomic<bool> ticker_stop_{false};
+  std::atomic<bool> stopped_{false};
+};
+
+}  // namespace
+
+StatusOr<std::string> ReadTokenFile(const std::string& path) {
+  WSYNC_ASSIGN_OR_RETURN(std::string token, ReadFile(path));
+  const auto first = token.find_first_not_of(" \t\r\n");
+  if (first == std::string::npos) return InvalidArgumentError("token file " + path + " is empty");
+  const auto last = token.find_last_not_of(" \t\r\n");
+  return token.substr(first, last - first + 1);
+}
+
+StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(const ServerOptions& options,
+                                                                      CoordinatorState* state) {
+  if (options.listen.empty()) return InvalidArgumentError("no listen address");
+  auto impl = std::make_unique<ServerImpl>();
+  impl->state_ = state;
+  if (!options.metrics_listen.empty()) {
+    try {
+      impl->metrics_ = std::make_unique<Metrics>(options.metrics_listen);
+    } catch (const std::exception& e) {
+      return UnavailableError("metrics listener " + options.metrics_listen + ": " + e.what());
+    }
+  }
+  impl->service_ = std::make_unique<Service>(state, options.token, impl->metrics_.get());
+
+  std::shared_ptr<grpc::ServerCredentials> creds = grpc::InsecureServerCredentials();
+  if (!options.tls.cert_file.empty()) {
+    grpc::SslServerCredentialsOptions ssl(options.tls.client_ca_file.empty()
+                                              ? GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE
+                                              : GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY);
+    WSYNC_ASSIGN_OR_RETURN(std::string cert, ReadFile(options.tls.cert_file));
+    WSYNC_ASSIGN_OR_RETURN(std::string key, ReadFile(options.tls.key_file));
+    ssl.pem_key_cert_pairs.push_back({key, cert});
+    if (!options.tls.client_ca_file.empty()) {
+      WSYNC_ASSIGN_OR_RETURN(ssl.pem_root_certs, ReadFile(options.tls.client_ca_file));
+    }
+    creds = grpc::SslServerCredentials(ssl);
+  }
+
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  std::vector<std::unique_ptr<int>> bound;
+  for (const auto& addr : options.listen) {
+    bound.push_back(std::make_unique<int>(0));
+    // Unix sockets never use TLS (local, protected by file permissions).
+    const bool unix_socket = addr.rfind("unix:", 0) == 0;
+    builder.AddListeningPort(addr, unix_socket ? grpc::InsecureServerCredentials() : creds,
+                             unix_socket ? nullptr : bound.back().get());
+  }
+  builder.RegisterService(impl->service_.get());
+  impl->server_ = builder.BuildAndStart();
+  if (!impl->server_) {
+    std::string all;
+    for (const auto& a : options.listen) all += (all.empty() ? "" : ", ") + a;
+    return UnavailableError("cannot listen on " + all + " (address in use or invalid?)");
+  }
+  for (size_t i = 0; i < options.listen.size(); ++i) {
+    if (options.listen[i].rfind("unix:", 0) != 0) {
+      if (*bound[i] == 0) {
+        return UnavailableError("cannot listen on " + options.listen[i]);
+      }
+      impl->ports_.push_back(*bound[i]);
+    }
+  }
+  impl->server_->GetHealthCheckService()->SetServingStatus(true);
+  ServerImpl* raw = impl.get();
+  impl->ticker_ = std::thread([raw, tick = options.tick_ms] {
+    while (!raw->ticker_stop_) {
+      raw->state_->Tick();
+      if (raw->metrics_) raw->metrics_->Update(raw->state_->GetStatus());
+      std::this_thread::sleep_for(std::chrono::milliseconds(tick));
+    }
+  });
+  return std::unique_ptr<CoordinatorServer>(std::move(impl));
+}
+
+}  // namespace wsync::control
