@@ -110,7 +110,8 @@ class Service final : public v1::Coordinator::Service {
       while (!ctx->IsCancelled() && !stopping_) {
         // Read the generation first: a publish after the listing wakes us.
         const uint64_t gen = state_->generation();
-        for (const auto& v : state_->ListVersions(after).versions()) {
+        const v1::ListVersionsResponse pending = state_->ListVersions(after);
+        for (const auto& v : pending.versions()) {
           if (!writer->Write(v)) return wsync::Status::Ok();  // client went away
           after = v.version();
         }

@@ -1,0 +1,223 @@
+// The coordinator over real gRPC: TCP on port 0 and a unix socket, the bearer
+// token, health checks without it, Watch with resume, MayPublish waiting,
+// TLS and mTLS with certificates generated for the test.
+#include "wsync/control/server.h"
+
+#include <grpcpp/generic/generic_stub.h>
+#include <grpcpp/grpcpp.h>
+#include <grpcpp/health_check_service_interface.h>
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <filesystem>
+#include <thread>
+
+#include "wsync/control/client.h"
+#include "wsync/util/file.h"
+
+namespace wsync::control {
+namespace {
+
+namespace v1 = wsync::v1;
+
+struct Running {
+  std::unique_ptr<CoordinatorState> state;
+  std::unique_ptr<CoordinatorServer> server;
+  std::string tcp;  // "127.0.0.1:PORT"
+};
+
+Running StartServer(ServerOptions options, CoordinatorOptions state_options = {}) {
+  Running r;
+  auto state = CoordinatorState::Create(state_options, SystemClock(), NewNullStore(), Recovered());
+  EXPECT_TRUE(state.ok());
+  r.state = std::move(*state);
+  auto server = CoordinatorServer::Start(options, r.state.get());
+  EXPECT_TRUE(server.ok()) << server.status().ToString();
+  r.server = std::move(*server);
+  if (!r.server->ports().empty()) r.tcp = "127.0.0.1:" + std::to_string(r.server->ports()[0]);
+  return r;
+}
+
+std::unique_ptr<CoordinatorClient> Client(const std::string& address, const std::string& token = "") {
+  ClientOptions o;
+  o.address = address;
+  o.token = token;
+  auto c = NewCoordinatorClient(o);
+  EXPECT_TRUE(c.ok());
+  return std::move(*c);
+}
+
+v1::VersionSummary V(uint64_t v) {
+  v1::VersionSummary s;
+  s.set_version(v);
+  s.set_keyframe(true);
+  s.set_source("trainer-0");
+  return s;
+}
+
+TEST(CoordinatorServer, ServesOnPortZeroAndUnixSocket) {
+  const std::string sock = ::testing::TempDir() + "/wsync_coord_" + std::to_string(::getpid()) + ".sock";
+  ServerOptions o;
+  o.listen = {"127.0.0.1:0", "unix:" + sock};
+  Running r = StartServer(o);
+  ASSERT_GT(r.server->ports()[0], 0);
+  auto tcp = Client(r.tcp);
+  auto local = Client("unix:" + sock);
+  v1::RegisterRequest reg;
+  reg.set_name("src");
+  reg.set_role(v1::ROLE_SOURCE);
+  reg.set_data_address(std::string("\x00\x01opaque", 8));
+  auto resp = tcp->Register(reg);
+  ASSERT_TRUE(resp.ok()) << resp.status().ToString();
+  ASSERT_TRUE(tcp->Publish(V(1)).ok());
+  auto status = local->GetStatus();
+  ASSERT_TRUE(status.ok()) << status.status().ToString();
+  EXPECT_EQ(status->head_version(), 1u);
+  ASSERT_EQ(status->nodes_size(), 1);
+  EXPECT_EQ(status->nodes(0).data_address(), std::string("\x00\x01opaque", 8));  // opaque bytes survive
+  // Errors keep their code across the wire.
+  auto again = tcp->Publish(V(1));
+  EXPECT_EQ(again.status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(again.status().message().find("versions only grow"), std::string::npos);
+  r.server->Shutdown();
+}
+
+TEST(CoordinatorServer, TokenIsRequiredExceptForHealth) {
+  ServerOptions o;
+  o.listen = {"127.0.0.1:0"};
+  o.token = "s3cret-token";
+  Running r = StartServer(o);
+  EXPECT_EQ(Client(r.tcp)->GetStatus().status().code(), StatusCode::kUnauthenticated);
+  EXPECT_EQ(Client(r.tcp, "wrong")->GetStatus().status().code(), StatusCode::kUnauthenticated);
+  EXPECT_TRUE(Client(r.tcp, "s3cret-token")->GetStatus().ok());
+  // grpc.health.v1 answers without a token.
+  auto channel = grpc::CreateChannel(r.tcp, grpc::InsecureChannelCredentials());
+  grpc::ByteBuffer request, response;
+  grpc::GenericStub stub(channel);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  // An empty HealthCheckRequest (service "") serializes to zero bytes.
+  grpc::Slice empty;
+  request = grpc::ByteBuffer(&empty, 1);
+  std::atomic<bool> done{false};
+  grpc::Status status;
+  stub.UnaryCall(&ctx, "/grpc.health.v1.Health/Check", grpc::StubOptions(), &request, &response,
+                 [&](grpc::Status s) {
+                   status = s;
+                   done = true;
+                 });
+  for (int i = 0; i < 500 && !done; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  ASSERT_TRUE(done);
+  EXPECT_TRUE(status.ok()) << status.error_message();
+}
+
+TEST(CoordinatorServer, WatchStreamsBacklogThenNewVersionsAndResumes) {
+  ServerOptions o;
+  o.listen = {"127.0.0.1:0"};
+  Running r = StartServer(o);
+  auto publisher = Client(r.tcp);
+  ASSERT_TRUE(publisher->Publish(V(1)).ok());
+  ASSERT_TRUE(publisher->Publish(V(2)).ok());
+  auto watcher = Client(r.tcp);
+  std::vector<uint64_t> seen;
+  std::thread t([&] {
+    Status s = watcher->Watch(0, [&](const v1::VersionSummary& v) {
+      seen.push_back(v.version());
+      return v.version() < 4;
+    });
+    EXPECT_TRUE(s.ok()) << s.ToString();
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  ASSERT_TRUE(publisher->Publish(V(3)).ok());
+  ASSERT_TRUE(publisher->Publish(V(4)).ok());
+  t.join();
+  EXPECT_EQ(seen, (std::vector<uint64_t>{1, 2, 3, 4}));
+  // A reconnecting watcher resumes after what it saw, missing nothing.
+  ASSERT_TRUE(publisher->Publish(V(5)).ok());
+  std::vector<uint64_t> resumed;
+  ASSERT_TRUE(watcher->Watch(4, [&](const v1::VersionSummary& v) {
+                       resumed.push_back(v.version());
+                       return false;
+                     }).ok());
+  EXPECT_EQ(resumed, (std::vector<uint64_t>{5}));
+}
+
+TEST(CoordinatorServer, MayPublishWaitsUntilTheLaggardCatchesUp) {
+  ServerOptions o;
+  o.listen = {"127.0.0.1:0"};
+  CoordinatorOptions so;
+  so.max_staleness = 1;
+  Running r = StartServer(o, so);
+  auto c = Client(r.tcp);
+  v1::RegisterRequest reg;
+  reg.set_name("sink");
+  reg.set_role(v1::ROLE_SINK);
+  ASSERT_TRUE(c->Register(reg).ok());
+  ASSERT_TRUE(c->Publish(V(1)).ok());
+  ASSERT_TRUE(c->Publish(V(2)).ok());
+  ASSERT_TRUE(c->ReportApplied("sink", 1).ok());
+  auto now = c->MayPublish(3, 0);
+  ASSERT_TRUE(now.ok());
+  EXPECT_FALSE(now->allowed());
+  ASSERT_EQ(now->blocking_size(), 1);
+  std::thread catch_up([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(150));
+    ASSERT_TRUE(Client(r.tcp)->ReportApplied("sink", 2).ok());
+  });
+  auto waited = c->MayPublish(3, 5000);
+  catch_up.join();
+  ASSERT_TRUE(waited.ok());
+  EXPECT_TRUE(waited->allowed());
+}
+
+// Certificates made with the openssl CLI: a CA, a server certificate for
+// localhost / 127.0.0.1 and a client certificate.
+class Tls : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (std::system("command -v openssl > /dev/null") != 0) GTEST_SKIP() << "openssl CLI not installed";
+    dir_ = ::testing::TempDir() + "/wsync_tls_" + std::to_string(::getpid());
+    std::filesystem::create_directories(dir_);
+    const std::string d = dir_;
+    const std::string script =
+        "set -e; cd '" + d + "';"
+        "openssl req -x509 -newkey rsa:2048 -nodes -keyout ca.key -out ca.pem -days 1 -subj /CN=wsync-test-ca 2>/dev/null;"
+        "printf 'subjectAltName=DNS:localhost,IP:127.0.0.1' > san.ext;"
+        "openssl req -newkey rsa:2048 -nodes -keyout server.key -out server.csr -subj /CN=localhost 2>/dev/null;"
+        "openssl x509 -req -in server.csr -CA ca.pem -CAkey ca.key -CAcreateserial -out server.pem -days 1 -extfile san.ext 2>/dev/null;"
+        "openssl req -newkey rsa:2048 -nodes -keyout client.key -out client.csr -subj /CN=wsync-client 2>/dev/null;"
+        "openssl x509 -req -in client.csr -CA ca.pem -CAkey ca.key -CAcreateserial -out client.pem -days 1 2>/dev/null";
+    ASSERT_EQ(std::system(("bash -c \"" + script + "\"").c_str()), 0);
+  }
+  void TearDown() override {
+    if (!dir_.empty()) std::filesystem::remove_all(dir_);
+  }
+  std::string dir_;
+};
+
+TEST_F(Tls, ServerTlsAndRequiredClientCertificates) {
+  ServerOptions o;
+  o.listen = {"127.0.0.1:0"};
+  o.tls = {dir_ + "/server.pem", dir_ + "/server.key", dir_ + "/ca.pem"};
+  Running r = StartServer(o);
+  ClientOptions c;
+  c.address = "localhost:" + std::to_string(r.server->ports()[0]);
+  c.tls_ca_file = dir_ + "/ca.pem";
+  c.timeout_ms = 3000;
+  // Without a client certificate: refused.
+  EXPECT_FALSE((*NewCoordinatorClient(c))->GetStatus().ok());
+  // Plaintext: refused.
+  ClientOptions plain;
+  plain.address = c.address;
+  plain.timeout_ms = 3000;
+  EXPECT_FALSE((*NewCoordinatorClient(plain))->GetStatus().ok());
+  // With the client certificate: served.
+  c.tls_cert_file = dir_ + "/client.pem";
+  c.tls_key_file = dir_ + "/client.key";
+  auto s = (*NewCoordinatorClient(c))->GetStatus();
+  EXPECT_TRUE(s.ok()) << s.status().ToString();
+}
+
+}  // namespace
+}  // namespace wsync::control
