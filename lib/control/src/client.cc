@@ -147,6 +147,7 @@ class GrpcClient : public CoordinatorClient {
  private:
   void Prepare(grpc::ClientContext* ctx, bool deadline, int64_t extra_ms = 0) const {
     if (!options_.token.empty()) ctx->AddMetadata("authorization", "Bearer " + options_.token);
+    ctx->set_wait_for_ready(options_.wait_for_ready);
     if (deadline) {
       ctx->set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(options_.timeout_ms + extra_ms));
     }
@@ -178,6 +179,10 @@ StatusOr<std::unique_ptr<CoordinatorClient>> NewCoordinatorClient(const ClientOp
   }
   std::shared_ptr<grpc::ChannelCredentials> creds = grpc::InsecureChannelCredentials();
   grpc::ChannelArguments args;
+  // Reconnect quickly after a coordinator restart (gRPC's default starts at 1 s).
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
+  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 2000);
   if (!options.tls_ca_file.empty() && !unix_socket) {
     grpc::SslCredentialsOptions ssl;
     WSYNC_ASSIGN_OR_RETURN(ssl.pem_root_certs, ReadFile(options.tls_ca_file));

@@ -21,6 +21,9 @@ struct ClientOptions {
   std::string tls_key_file;
   std::string tls_server_name; // override of the name checked in the server's certificate
   int timeout_ms = 5000;       // per unary call
+  // Wait (up to the call's deadline) for the coordinator to become reachable
+  // instead of failing at once: for daemons starting next to it.
+  bool wait_for_ready = false;
 };
 
 class CoordinatorClient {

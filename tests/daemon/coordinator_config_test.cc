@@ -1,0 +1,61 @@
+#include "coordinator_config.h"
+
+#include <gtest/gtest.h>
+
+#include "wsync/util/file.h"
+
+namespace wsync::daemon {
+namespace {
+
+std::string Write(const std::string& name, const std::string& text) {
+  std::string path = ::testing::TempDir() + "/wsync_cfg_" + std::to_string(::getpid()) + "_" + name;
+  EXPECT_TRUE(WriteFileAtomic(path, text).ok());
+  return path;
+}
+
+TEST(CoordinatorConfig, ExampleFileLoads) {
+  CoordinatorConfig c;
+  Status s = LoadCoordinatorToml(WSYNC_SOURCE_DIR "/config/coordinator.example.toml", &c);
+  ASSERT_TRUE(s.ok()) << s.ToString();
+  EXPECT_EQ(c.server.listen.size(), 2u);
+  EXPECT_EQ(c.state.max_staleness, 4u);
+  EXPECT_EQ(c.state.policy, wsync::v1::STALENESS_BLOCK);
+  EXPECT_EQ(c.state.fanout, 4u);
+  EXPECT_EQ(c.server.tls.client_ca_file, "/etc/wsync/tls/ca.pem");
+}
+
+TEST(CoordinatorConfig, ErrorsNameFileKeyAndProblem) {
+  CoordinatorConfig c;
+  Status s = LoadCoordinatorToml(Write("a.toml", "[coordinator]\nfanot = 3\n"), &c);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("coordinator.fanot: unknown key"), std::string::npos) << s.message();
+  s = LoadCoordinatorToml(Write("b.toml", "[coordinator]\nfanout = \"four\"\n"), &c);
+  EXPECT_NE(s.message().find("coordinator.fanout: must be an integer"), std::string::npos) << s.message();
+  s = LoadCoordinatorToml(Write("c.toml", "[coordinator]\nfanout = 0\n"), &c);
+  EXPECT_NE(s.message().find("outside"), std::string::npos) << s.message();
+  s = LoadCoordinatorToml(Write("d.toml", "[coordinator]\nstaleness_policy = \"drop\"\n"), &c);
+  EXPECT_NE(s.message().find("'drop'"), std::string::npos) << s.message();
+  s = LoadCoordinatorToml(Write("e.toml", "[coordinator\n"), &c);
+  EXPECT_NE(s.message().find(":1:"), std::string::npos) << s.message();
+  s = LoadCoordinatorToml(Write("f.toml", "[sink]\n"), &c);
+  EXPECT_NE(s.message().find("unknown table 'sink'"), std::string::npos) << s.message();
+}
+
+TEST(CoordinatorConfig, FinishChecksTheMergedResult) {
+  CoordinatorConfig c;
+  EXPECT_NE(FinishCoordinatorConfig(&c).message().find("no listen address"), std::string::npos);
+  c.server.listen = {"localhost"};
+  EXPECT_NE(FinishCoordinatorConfig(&c).message().find("not host:port"), std::string::npos);
+  c.server.listen = {"127.0.0.1:0"};
+  c.server.tls.cert_file = "x.pem";
+  EXPECT_NE(FinishCoordinatorConfig(&c).message().find("both a certificate and a key"), std::string::npos);
+  c.server.tls = {};
+  c.token_file = "/nonexistent/token";
+  EXPECT_EQ(FinishCoordinatorConfig(&c).code(), StatusCode::kNotFound);
+  c.token_file = Write("token", "  abc\n");
+  ASSERT_TRUE(FinishCoordinatorConfig(&c).ok());
+  EXPECT_EQ(c.server.token, "abc");
+}
+
+}  // namespace
+}  // namespace wsync::daemon
