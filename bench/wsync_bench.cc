@@ -11,6 +11,7 @@
 #include <filesystem>
 #include <map>
 
+#include "control_bench.h"
 #include "measure.h"
 #include "synth.h"
 #include "wsync/buffers/safetensors.h"
@@ -220,6 +221,17 @@ int main(int argc, char** argv) {
   synth->add_option("--out", out_dir, "also write the BF16 snapshots here as safetensors");
   synth->add_flag("--baselines", with_baselines, "also measure the baselines (slow at GB scale)");
   synth->callback([&] { rc = RunSynth(so, steps, with_baselines, out_dir, c); });
+
+  auto* control = app.add_subcommand("control", "coordinator RPC throughput and latency under simulated sinks");
+  ControlBenchOptions cb;
+  control->add_option("--sinks", cb.sinks, "simulated sinks")->capture_default_str();
+  control->add_option("--workers", cb.workers, "client threads")->capture_default_str();
+  control->add_option("--seconds", cb.seconds, "steady-state duration")->capture_default_str();
+  control->add_option("--coordinator", cb.address, "an external coordinator (default: in-process)");
+  control->callback([&] {
+    cb.json = c.json;
+    rc = RunControlBench(cb);
+  });
 
   CLI11_PARSE(app, argc, argv);
   return rc;

@@ -462,51 +462,76 @@ void CoordinatorState::AssignParentsLocked() {
       break;
     }
   }
-  std::map<std::string, uint32_t> children;
+  auto is_live_sink = [](const Node& n) {
+    return n.role() == wsync::v1::ROLE_SINK && n.state() == wsync::v1::NODE_ALIVE;
+  };
+  // 1. Drop parents that are gone; count children.
+  std::map<std::string, std::vector<std::string>> children;
   for (auto& [name, n] : nodes_) {
     if (n.role() != wsync::v1::ROLE_SINK) continue;
-    if (n.state() != wsync::v1::NODE_ALIVE) {
-      n.set_parent("");
-      continue;
-    }
     auto p = nodes_.find(n.parent());
-    if (p == nodes_.end() || p->second.state() != wsync::v1::NODE_ALIVE) {
-      if (!n.parent().empty()) spdlog::info("sink {} lost its parent {}", name, n.parent());
+    if (!is_live_sink(n) || p == nodes_.end() || p->second.state() != wsync::v1::NODE_ALIVE) {
+      if (is_live_sink(n) && !n.parent().empty()) spdlog::info("sink {} lost its parent {}", name, n.parent());
       n.set_parent("");
     } else {
-      ++children[n.parent()];
+      children[n.parent()].push_back(name);
     }
   }
-  for (auto& [name, n] : nodes_) {
-    if (n.role() != wsync::v1::ROLE_SINK || n.state() != wsync::v1::NODE_ALIVE || !n.parent().empty()) continue;
-    // Candidates: the source, then sinks at the head version, each with at
-    // most `fanout` children; when all are full, the least loaded.
-    std::vector<std::string> candidates;
-    if (!source.empty()) candidates.push_back(source);
-    for (const auto& [cname, c] : nodes_) {
-      if (cname == name || c.role() != wsync::v1::ROLE_SINK || c.state() != wsync::v1::NODE_ALIVE) continue;
-      if (head == 0 || c.applied_version() != head || c.resync_keyframe()) continue;
-      if (c.parent().empty() || IsDescendantLocked(cname, name)) continue;
-      candidates.push_back(cname);
+  // Parents: the source, then rooted sinks at the head version.
+  auto candidates = [&] {
+    std::vector<std::string> out;
+    if (!source.empty()) out.push_back(source);
+    for (const auto& [name, c] : nodes_) {
+      if (is_live_sink(c) && head != 0 && c.applied_version() == head && !c.resync_keyframe() && !c.parent().empty()) {
+        out.push_back(name);
+      }
     }
-    std::string chosen;
-    uint32_t least = std::numeric_limits<uint32_t>::max();
-    std::string least_loaded;
-    for (const auto& c : candidates) {
-      if (children[c] < options_.fanout) {
+    return out;
+  };
+  // 2. Rebalance: a parent above the fan-out (it took children while no
+  // sink was at head) gives its excess to parents with room.
+  {
+    const auto cands = candidates();
+    for (auto& [parent, kids] : children) {
+      if (kids.size() <= options_.fanout) continue;
+      size_t room = 0;
+      for (const auto& c : cands) {
+        if (c != parent && children[c].size() < options_.fanout) room += options_.fanout - children[c].size();
+      }
+      size_t excess = std::min(kids.size() - options_.fanout, room);
+      // Move leaves (children that are not parents themselves) first.
+      std::stable_sort(kids.begin(), kids.end(),
+                       [&](const std::string& a, const std::string& b) { return children[a].size() < children[b].size(); });
+      while (excess > 0 && kids.size() > options_.fanout) {
+        nodes_[kids.back()].set_parent("");
+        kids.pop_back();
+        --excess;
+      }
+    }
+  }
+  // 3. Attach orphans to the first parent with room, else the least loaded.
+  const auto cands = candidates();
+  for (auto& [name, n] : nodes_) {
+    if (!is_live_sink(n) || !n.parent().empty()) continue;
+    std::string chosen, least_loaded;
+    size_t least = std::numeric_limits<size_t>::max();
+    for (const auto& c : cands) {
+      if (c == name || IsDescendantLocked(c, name)) continue;
+      const size_t load = children[c].size();
+      if (load < options_.fanout) {
         chosen = c;
         break;
       }
-      if (children[c] < least) {
-        least = children[c];
+      if (load < least) {
+        least = load;
         least_loaded = c;
       }
     }
     if (chosen.empty()) chosen = least_loaded;
     if (chosen.empty()) continue;
     n.set_parent(chosen);
-    ++children[chosen];
-    spdlog::info("sink {} assigned parent {}", name, chosen);
+    children[chosen].push_back(name);
+    spdlog::debug("sink {} assigned parent {}", name, chosen);
   }
 }
 

@@ -1,0 +1,21 @@
+// Load on the coordinator: simulated sinks registering, heart-beating and
+// reporting over real gRPC while a trainer publishes; RPC throughput and
+// latency percentiles.
+#pragma once
+
+#include <string>
+
+namespace wsync::bench {
+
+struct ControlBenchOptions {
+  int sinks = 1000;
+  int workers = 8;         // client threads, each driving sinks / workers sinks
+  double seconds = 5;
+  int publish_every_ms = 100;
+  std::string address;     // empty: an in-process coordinator on 127.0.0.1:0
+  bool json = false;
+};
+
+int RunControlBench(const ControlBenchOptions& options);
+
+}  // namespace wsync::bench
