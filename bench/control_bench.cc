@@ -37,7 +37,17 @@ int RunControlBench(const ControlBenchOptions& o) {
   if (address.empty()) {
     control::CoordinatorOptions so;
     so.default_ttl_ms = 60'000;
-    auto s = control::CoordinatorState::Create(so, control::SystemClock(), control::NewNullStore(), control::Recovered());
+    control::Recovered recovered;
+    std::unique_ptr<control::Store> store = control::NewNullStore();
+    if (!o.store_dir.empty()) {
+      auto opened = control::OpenLogStore(o.store_dir, &recovered);
+      if (!opened.ok()) {
+        spdlog::error("{}", opened.status().ToString());
+        return 1;
+      }
+      store = std::move(*opened);
+    }
+    auto s = control::CoordinatorState::Create(so, control::SystemClock(), std::move(store), recovered);
     if (!s.ok()) return 1;
     state = std::move(*s);
     control::ServerOptions opts;
@@ -149,7 +159,8 @@ int RunControlBench(const ControlBenchOptions& o) {
     std::printf("%s\n", j.dump(2).c_str());
     return errors.load() == 0 ? 0 : 2;
   }
-  std::printf("== coordinator load: %d sinks over %d client threads, real gRPC on loopback\n", o.sinks, o.workers);
+  std::printf("== coordinator load: %d sinks over %d client threads, real gRPC on loopback, store: %s\n", o.sinks,
+              o.workers, o.store_dir.empty() ? "none" : o.store_dir.c_str());
   std::printf("registration: %zu RPCs in %.2f s (%.0f/s)\n", reg.size(), register_s, reg.size() / register_s);
   std::printf("steady state: %.1f s, %zu RPCs (%.0f/s), %" PRIu64 " versions published, %" PRIu64 " errors\n",
               steady_s, steady.size(), rps, head.load(), errors.load());

@@ -13,6 +13,7 @@ struct ControlBenchOptions {
   double seconds = 5;
   int publish_every_ms = 100;
   std::string address;     // empty: an in-process coordinator on 127.0.0.1:0
+  std::string store_dir;   // in-process coordinator's durable store (empty: none)
   bool json = false;
 };
 

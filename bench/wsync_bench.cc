@@ -228,6 +228,7 @@ int main(int argc, char** argv) {
   control->add_option("--workers", cb.workers, "client threads")->capture_default_str();
   control->add_option("--seconds", cb.seconds, "steady-state duration")->capture_default_str();
   control->add_option("--coordinator", cb.address, "an external coordinator (default: in-process)");
+  control->add_option("--store-dir", cb.store_dir, "durable store of the in-process coordinator (fresh directory)");
   control->callback([&] {
     cb.json = c.json;
     rc = RunControlBench(cb);

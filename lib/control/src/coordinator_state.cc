@@ -293,10 +293,13 @@ StatusOr<Node> CoordinatorState::ReportApplied(const std::string& name, uint64_t
   if (n.resync_keyframe() && (options_.max_staleness == 0 || head - version <= options_.max_staleness)) {
     n.set_resync_keyframe(false);
   }
-  Record r;
-  *r.mutable_node_registered() = ToRecord(n);
-  WSYNC_RETURN_IF_ERROR(Log(r));
-  AssignParentsLocked();
+  // A repeated report changes nothing: nothing to log.
+  if (n.applied_version() != it->second.applied_version() || n.resync_keyframe() != it->second.resync_keyframe()) {
+    Record r;
+    *r.mutable_node_registered() = ToRecord(n);
+    WSYNC_RETURN_IF_ERROR(Log(r));
+    AssignParentsLocked();
+  }
   Node out = nodes_[name];
   FillDerivedLocked(&out);
   return out;
