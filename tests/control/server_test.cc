@@ -8,6 +8,11 @@
 #include <grpcpp/health_check_service_interface.h>
 #include <gtest/gtest.h>
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <atomic>
 #include <cstdlib>
 #include <filesystem>
@@ -217,6 +222,54 @@ TEST_F(Tls, ServerTlsAndRequiredClientCertificates) {
   c.tls_key_file = dir_ + "/client.key";
   auto s = (*NewCoordinatorClient(c))->GetStatus();
   EXPECT_TRUE(s.ok()) << s.status().ToString();
+}
+
+}  // namespace
+}  // namespace wsync::control
+
+namespace wsync::control {
+namespace {
+
+// Fetches http://127.0.0.1:port/metrics with a plain socket.
+std::string HttpGet(int port, const std::string& path) {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    ::close(fd);
+    return "";
+  }
+  const std::string req = "GET " + path + " HTTP/1.0\r\nHost: localhost\r\n\r\n";
+  (void)!::write(fd, req.data(), req.size());
+  std::string out;
+  char buf[4096];
+  ssize_t n;
+  while ((n = ::read(fd, buf, sizeof(buf))) > 0) out.append(buf, static_cast<size_t>(n));
+  ::close(fd);
+  return out;
+}
+
+TEST(CoordinatorServer, ExportsPrometheusMetrics) {
+  ServerOptions o;
+  o.listen = {"127.0.0.1:0"};
+  o.metrics_listen = "127.0.0.1:0";
+  o.tick_ms = 20;
+  Running r = StartServer(o);
+  ASSERT_GT(r.server->metrics_port(), 0);
+  auto c = Client(r.tcp);
+  v1::RegisterRequest reg;
+  reg.set_name("sink-m");
+  reg.set_role(v1::ROLE_SINK);
+  ASSERT_TRUE(c->Register(reg).ok());
+  ASSERT_TRUE(c->Publish(V(7)).ok());
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  const std::string body = HttpGet(r.server->metrics_port(), "/metrics");
+  EXPECT_NE(body.find("wsync_head_version 7"), std::string::npos) << body;
+  EXPECT_NE(body.find("wsync_sink_staleness{sink=\"sink-m\"} 7"), std::string::npos) << body;
+  EXPECT_NE(body.find("wsync_coordinator_rpcs_total{code=\"0\",method=\"Publish\"} 1"), std::string::npos) << body;
+  EXPECT_NE(body.find("wsync_nodes{role=\"ROLE_SINK\",state=\"NODE_ALIVE\"} 1"), std::string::npos) << body;
 }
 
 }  // namespace

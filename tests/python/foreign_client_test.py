@@ -6,34 +6,22 @@ against a real `wsyncd coordinator`, proving the proto is usable outside C++.
     foreign_client_test.py WSYNCD PROTO_DIR
 """
 import os
-import subprocess
 import sys
-import tempfile
 import threading
-import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from wsync_testlib import Coordinator, generate_stubs  # noqa: E402
 
 
 def main():
     wsyncd, proto_dir = sys.argv[1], sys.argv[2]
-    tmp = tempfile.mkdtemp(prefix="wsync_py_")
-    subprocess.check_call([
-        "protoc", f"--proto_path={proto_dir}", f"--python_out={tmp}", f"--grpc_out={tmp}",
-        "--plugin=protoc-gen-grpc=/usr/bin/grpc_python_plugin",
-        os.path.join(proto_dir, "wsync/v1/coordinator.proto")])
-    sys.path.insert(0, tmp)
+    pb, rpc = generate_stubs(proto_dir)
     import grpc  # Debian's python3-grpcio
-    from wsync.v1 import coordinator_pb2 as pb
-    from wsync.v1 import coordinator_pb2_grpc as rpc
 
-    sock = os.path.join(tmp, "coord.sock")
     token = "py-token"
-    env = dict(os.environ, WSYNC_TOKEN=token)
-    daemon = subprocess.Popen([wsyncd, "coordinator", "--listen", f"unix:{sock}"], env=env,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    daemon = Coordinator(wsyncd, token)
     try:
-        channel = grpc.insecure_channel(f"unix:{sock}")
-        grpc.channel_ready_future(channel).result(timeout=10)
-        stub = rpc.CoordinatorStub(channel)
+        stub = rpc.CoordinatorStub(daemon.channel())
         md = [("authorization", f"Bearer {token}")]
 
         # Without the token: Unauthenticated.
@@ -75,8 +63,7 @@ def main():
         assert [n.name for n in status.nodes] == ["py-trainer"], status
         print("PASS: python client published, watched and read status")
     finally:
-        daemon.terminate()
-        daemon.wait(timeout=10)
+        daemon.stop()
 
 
 if __name__ == "__main__":
