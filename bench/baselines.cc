@@ -44,7 +44,8 @@ StatusOr<std::string> Decompress(const std::string& in) {
 class Naive : public Baseline {
  public:
   std::string name() const override { return "naive int32+raw"; }
-  std::string Encode(std::span<const codec::TensorView> base, std::span<const codec::TensorView> target) override {
+  StatusOr<std::string> Encode(std::span<const codec::TensorView> base,
+                               std::span<const codec::TensorView> target) override {
     std::string out;
     for (size_t t = 0; t < base.size(); ++t) {
       const size_t w = codec::DTypeWidth(base[t].dtype), n = base[t].NumElements();
@@ -84,7 +85,8 @@ class Naive : public Baseline {
 class Pulse : public Baseline {
  public:
   std::string name() const override { return "PULSE-style"; }
-  std::string Encode(std::span<const codec::TensorView> base, std::span<const codec::TensorView> target) override {
+  StatusOr<std::string> Encode(std::span<const codec::TensorView> base,
+                               std::span<const codec::TensorView> target) override {
     std::string raw;
     std::vector<uint64_t> idx;
     for (size_t t = 0; t < base.size(); ++t) {
@@ -144,7 +146,8 @@ class Pulse : public Baseline {
 class DenseZstd : public Baseline {
  public:
   std::string name() const override { return "zstd -3 dense"; }
-  std::string Encode(std::span<const codec::TensorView>, std::span<const codec::TensorView> target) override {
+  StatusOr<std::string> Encode(std::span<const codec::TensorView>,
+                               std::span<const codec::TensorView> target) override {
     std::string raw;
     for (const auto& t : target) raw.append(reinterpret_cast<const char*>(t.data), t.NumBytes());
     return Compress(raw, 3);

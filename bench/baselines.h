@@ -9,13 +9,14 @@
 
 namespace wsync::bench {
 
-// A lossless patch encoding with encode and apply; apply writes into dst
-// (which holds the base) in place.
+// A lossless patch encoding with encode and apply, measured side by side
+// (wsync's codec is one too); apply writes into dst (which holds the base).
 class Baseline {
  public:
   virtual ~Baseline() = default;
   virtual std::string name() const = 0;
-  virtual std::string Encode(std::span<const codec::TensorView> base, std::span<const codec::TensorView> target) = 0;
+  virtual StatusOr<std::string> Encode(std::span<const codec::TensorView> base,
+                                       std::span<const codec::TensorView> target) = 0;
   virtual Status Apply(const std::string& patch, std::span<const codec::MutableTensorView> dst) = 0;
 };
 

@@ -20,6 +20,29 @@ bool Equal(const std::vector<codec::MutableTensorView>& got, const std::vector<c
   return true;
 }
 
+// wsync's own codec behind the same interface as the baselines.
+class WsyncMethod : public Baseline {
+ public:
+  explicit WsyncMethod(const MeasureOptions& o) {
+    encode_.pool = o.pool;
+    encode_.zstd_level = o.zstd_level;
+    encode_.condition_on_base = o.condition;
+    apply_.pool = o.pool;
+  }
+  std::string name() const override { return "wsync"; }
+  StatusOr<std::string> Encode(std::span<const codec::TensorView> base,
+                               std::span<const codec::TensorView> target) override {
+    return codec::EncodePatch(base, target, encode_);
+  }
+  Status Apply(const std::string& patch, std::span<const codec::MutableTensorView> dst) override {
+    return codec::ApplyPatch(patch, dst, apply_);
+  }
+
+ private:
+  codec::EncodeOptions encode_;
+  codec::ApplyOptions apply_;
+};
+
 }  // namespace
 
 double Median(std::vector<double> v) {
@@ -58,31 +81,32 @@ PairResult MeasurePair(const std::string& label, const std::vector<codec::Tensor
     r.conditional_bytes = stats->ConditionalBits() / 8;
   }
 
-  {
+  std::vector<std::unique_ptr<Baseline>> methods;
+  methods.push_back(std::make_unique<WsyncMethod>(options));
+  if (options.baselines) {
+    methods.push_back(MakePulseBaseline());
+    methods.push_back(MakeNaiveBaseline());
+    methods.push_back(MakeDenseZstdBaseline());
+  }
+  for (auto& method : methods) {
     MethodResult m;
-    m.name = "wsync";
-    codec::EncodeOptions eo;
-    eo.pool = options.pool;
-    eo.zstd_level = options.zstd_level;
-    eo.condition_on_base = options.condition;
-    codec::ApplyOptions ao;
-    ao.pool = options.pool;
+    m.name = method->name();
     std::vector<double> enc, app;
     std::string patch;
     m.exact = true;
     for (int k = 0; k < options.repeat; ++k) {
       double t0 = Now();
-      auto p = codec::EncodePatch(base, target, eo);
+      auto p = method->Encode(base, target);
       enc.push_back(Now() - t0);
       if (!p.ok()) {
-        spdlog::error("{}: encode failed: {}", label, p.status().ToString());
+        spdlog::error("{}: {} encode failed: {}", label, m.name, p.status().ToString());
         m.exact = false;
         break;
       }
       patch = std::move(*p);
       auto dst = scratch->Reset(base);
       t0 = Now();
-      Status s = codec::ApplyPatch(patch, dst, ao);
+      Status s = method->Apply(patch, dst);
       app.push_back(Now() - t0);
       m.exact = m.exact && s.ok() && Equal(dst, target);
     }
@@ -90,30 +114,6 @@ PairResult MeasurePair(const std::string& label, const std::vector<codec::Tensor
     m.encode_s = Median(enc);
     m.apply_s = Median(app);
     r.methods.push_back(m);
-  }
-  if (options.baselines) {
-    std::unique_ptr<Baseline> baselines[] = {MakePulseBaseline(), MakeNaiveBaseline(), MakeDenseZstdBaseline()};
-    for (auto& b : baselines) {
-      MethodResult m;
-      m.name = b->name();
-      std::vector<double> enc, app;
-      std::string patch;
-      m.exact = true;
-      for (int k = 0; k < options.repeat; ++k) {
-        double t0 = Now();
-        patch = b->Encode(base, target);
-        enc.push_back(Now() - t0);
-        auto dst = scratch->Reset(base);
-        t0 = Now();
-        Status s = b->Apply(patch, dst);
-        app.push_back(Now() - t0);
-        m.exact = m.exact && s.ok() && Equal(dst, target);
-      }
-      m.bytes = patch.size();
-      m.encode_s = Median(enc);
-      m.apply_s = Median(app);
-      r.methods.push_back(m);
-    }
   }
   return r;
 }

@@ -11,24 +11,12 @@
 
 #include <nlohmann/json.hpp>
 
+#include "wsync/util/file.h"
+
 namespace wsync::buffers {
 namespace {
 
 constexpr uint64_t kMaxHeaderBytes = 100u << 20;  // the reference implementation's limit
-
-Status WriteAll(int fd, const void* data, size_t n, const std::string& path) {
-  const auto* p = static_cast<const uint8_t*>(data);
-  while (n > 0) {
-    ssize_t w = ::write(fd, p, n);
-    if (w < 0) {
-      if (errno == EINTR) continue;
-      return ErrnoToStatus(errno, "write " + path);
-    }
-    p += w;
-    n -= static_cast<size_t>(w);
-  }
-  return Status::Ok();
-}
 
 }  // namespace
 

@@ -57,18 +57,13 @@ inline bool BlockEqual(const T* a, const T* b) {
   return std::memcmp(a, b, kBlock * sizeof(T)) == 0;
 }
 
-// Computes "ge" masks of blocks for one ClassSpec: ge[t] bit j is set iff
-// exponent(x[j]) >= thr[t], t < k - 1. The masks nest (ge[t+1] is a subset of
-// ge[t]), so class(x[j]) = number of t with bit j set, and a class's members
-// are ge[c-1] & ~ge[c].
+// The "ge" masks of one full block (32 elements): ge[t] bit j is set iff
+// exponent(x[j]) >= thr[t], t < k - 1. Portable version; AVX2 below.
 template <typename T>
-class ClassScanner {
+class GeKernel {
  public:
-  explicit ClassScanner(const ClassSpec& spec) : spec_(spec) {}
-  int k() const { return spec_.k; }
-
-  // REQUIRES: 32 readable elements.
-  void Ge(const T* x, uint32_t* ge) const {
+  explicit GeKernel(const ClassSpec& spec) : spec_(spec) {}
+  void operator()(const T* x, uint32_t* ge) const {
     int e[kBlock];
     for (int j = 0; j < kBlock; ++j) e[j] = spec_.Exponent(x[j]);
     for (int t = 0; t < spec_.k - 1; ++t) {
@@ -78,46 +73,25 @@ class ClassScanner {
     }
   }
 
-  // Block b of a chunk of n elements (the last may be partial: elements past
-  // n are in no mask). Returns the mask of valid elements.
-  uint32_t BlockGe(const T* x, size_t n, size_t b, uint32_t* ge) const {
-    const size_t begin = b * kBlock;
-    if (begin + kBlock <= n) {
-      if (spec_.k > 1) Ge(x + begin, ge);
-      return ~0u;
-    }
-    const size_t len = n - begin;
-    const uint32_t valid = (1u << len) - 1;
-    if (spec_.k > 1) {
-      T tmp[kBlock] = {};
-      std::memcpy(tmp, x + begin, len * sizeof(T));
-      Ge(tmp, ge);
-      for (int t = 0; t < spec_.k - 1; ++t) ge[t] &= valid;
-    }
-    return valid;
-  }
-
  private:
   ClassSpec spec_;
 };
 
 #if defined(__AVX2__)
 template <>
-class ClassScanner<uint16_t> {
+class GeKernel<uint16_t> {
  public:
-  explicit ClassScanner(const ClassSpec& spec) : spec_(spec) {
+  explicit GeKernel(const ClassSpec& spec) : k_(spec.k) {
     shift_ = _mm_cvtsi32_si128(spec.shift);
     mask_ = _mm256_set1_epi16(static_cast<int16_t>(spec.mask));
     for (int t = 0; t < spec.k - 1; ++t) thr_[t] = _mm256_set1_epi16(static_cast<int16_t>(spec.thr[t] - 1));
   }
-  int k() const { return spec_.k; }
-
-  void Ge(const uint16_t* x, uint32_t* ge) const {
+  void operator()(const uint16_t* x, uint32_t* ge) const {
     const __m256i e0 =
         _mm256_and_si256(_mm256_srl_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)), shift_), mask_);
     const __m256i e1 = _mm256_and_si256(
         _mm256_srl_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16)), shift_), mask_);
-    for (int t = 0; t < spec_.k - 1; ++t) {
+    for (int t = 0; t < k_ - 1; ++t) {
       // Exponents fit in 15 bits, so the signed compare is exact.
       __m256i g = _mm256_packs_epi16(_mm256_cmpgt_epi16(e0, thr_[t]), _mm256_cmpgt_epi16(e1, thr_[t]));
       g = _mm256_permute4x64_epi64(g, 0xD8);  // packs interleaves 128-bit lanes
@@ -125,30 +99,46 @@ class ClassScanner<uint16_t> {
     }
   }
 
-  uint32_t BlockGe(const uint16_t* x, size_t n, size_t b, uint32_t* ge) const {
-    const size_t begin = b * kBlock;
-    if (begin + kBlock <= n) {
-      if (spec_.k > 1) Ge(x + begin, ge);
-      return ~0u;
-    }
-    const size_t len = n - begin;
-    const uint32_t valid = (1u << len) - 1;
-    if (spec_.k > 1) {
-      uint16_t tmp[kBlock] = {};
-      std::memcpy(tmp, x + begin, len * sizeof(uint16_t));
-      Ge(tmp, ge);
-      for (int t = 0; t < spec_.k - 1; ++t) ge[t] &= valid;
-    }
-    return valid;
-  }
-
  private:
-  ClassSpec spec_;
+  int k_;
   __m128i shift_;
   __m256i mask_;
   __m256i thr_[kMaxClasses - 1];
 };
 #endif
+
+// Computes the ge masks of the blocks of a chunk for one ClassSpec. The masks
+// nest (ge[t+1] is a subset of ge[t]), so class(x[j]) = number of t with bit
+// j set, and a class's members are ge[c-1] & ~ge[c].
+template <typename T>
+class ClassScanner {
+ public:
+  explicit ClassScanner(const ClassSpec& spec) : k_(spec.k), kernel_(spec) {}
+  int k() const { return k_; }
+
+  // Block b of a chunk of n elements (the last may be partial: elements past
+  // n are in no mask). Returns the mask of valid elements.
+  uint32_t BlockGe(const T* x, size_t n, size_t b, uint32_t* ge) const {
+    const size_t begin = b * kBlock;
+    if (begin + kBlock <= n) {
+      if (k_ > 1) kernel_(x + begin, ge);
+      return ~0u;
+    }
+    const size_t len = n - begin;
+    const uint32_t valid = (1u << len) - 1;
+    if (k_ > 1) {
+      T tmp[kBlock] = {};
+      std::memcpy(tmp, x + begin, len * sizeof(T));
+      kernel_(tmp, ge);
+      for (int t = 0; t < k_ - 1; ++t) ge[t] &= valid;
+    }
+    return valid;
+  }
+
+ private:
+  int k_;
+  GeKernel<T> kernel_;
+};
 
 // Members of class c in a block: between consecutive nested ge masks.
 inline uint32_t ClassMask(const uint32_t* ge, int k, uint32_t valid, int c) {

@@ -146,6 +146,17 @@ std::vector<Task> TasksOf(const std::vector<TensorEntry>& tensors) {
   return tasks;
 }
 
+// Runs body(i, entry, chunk_index, n, T{}) for every task, in parallel when a
+// pool is given, with n the chunk's elements and T its element type.
+template <typename F>
+void ForEachChunk(ThreadPool* pool, const Container& c, const std::vector<Task>& tasks, F&& body) {
+  RunParallel(pool, tasks.size(), [&](size_t i) {
+    const TensorEntry& t = c.tensors[tasks[i].tensor];
+    const size_t n = c.ChunkElements(t, tasks[i].chunk);
+    WithWidth(DTypeWidth(t.dtype), [&](auto zero) { body(i, t, tasks[i].chunk, n, zero); });
+  });
+}
+
 // Per-tensor arrays of checksum-block digests; chunks hold whole blocks.
 struct Digests {
   std::vector<std::vector<uint64_t>> blocks;
@@ -267,18 +278,13 @@ Status ApplyKeyframe(const Container& c, const std::vector<const MutableTensorVi
   Digests digests(c.tensors);
   FirstError error;
   // Pass 1: decode into scratch and verify; the destination is untouched.
-  RunParallel(options.pool, tasks.size(), [&](size_t i) {
-    const TensorEntry& t = c.tensors[tasks[i].tensor];
-    const ChunkEntry& ch = t.chunks[tasks[i].chunk];
-    const size_t n = c.ChunkElements(t, tasks[i].chunk);
-    WithWidth(DTypeWidth(t.dtype), [&](auto zero) {
-      using T = decltype(zero);
-      std::vector<T> scratch(n);
-      Status s = internal::DecodeKeyframeChunk<T>(c.PosStream(ch), n, scratch.data());
-      if (!s.ok()) return error.Record(i, s.WithContext(ChunkWhere(t, tasks[i].chunk)));
-      digests.DigestChunk(tasks[i].tensor, tasks[i].chunk, reinterpret_cast<const uint8_t*>(scratch.data()),
-                          n * sizeof(T), c.chunk_bytes);
-    });
+  ForEachChunk(options.pool, c, tasks, [&](size_t i, const TensorEntry& t, size_t chunk, size_t n, auto zero) {
+    using T = decltype(zero);
+    std::vector<T> scratch(n);
+    Status s = internal::DecodeKeyframeChunk<T>(c.PosStream(t.chunks[chunk]), n, scratch.data());
+    if (!s.ok()) return error.Record(i, s.WithContext(ChunkWhere(t, chunk)));
+    digests.DigestChunk(tasks[i].tensor, chunk, reinterpret_cast<const uint8_t*>(scratch.data()), n * sizeof(T),
+                        c.chunk_bytes);
   });
   WSYNC_RETURN_IF_ERROR(error.status());
   for (size_t t = 0; t < c.tensors.size(); ++t) {
@@ -288,15 +294,10 @@ Status ApplyKeyframe(const Container& c, const std::vector<const MutableTensorVi
     }
   }
   // Pass 2: decode into the destination (deterministic: same bytes).
-  RunParallel(options.pool, tasks.size(), [&](size_t i) {
-    const TensorEntry& t = c.tensors[tasks[i].tensor];
-    const ChunkEntry& ch = t.chunks[tasks[i].chunk];
-    const size_t n = c.ChunkElements(t, tasks[i].chunk);
-    WithWidth(DTypeWidth(t.dtype), [&](auto zero) {
-      using T = decltype(zero);
-      T* out = reinterpret_cast<T*>(dst[tasks[i].tensor]->data) + tasks[i].chunk * (c.chunk_bytes / sizeof(T));
-      error.Record(i, internal::DecodeKeyframeChunk<T>(c.PosStream(ch), n, out));
-    });
+  ForEachChunk(options.pool, c, tasks, [&](size_t i, const TensorEntry& t, size_t chunk, size_t n, auto zero) {
+    using T = decltype(zero);
+    T* out = reinterpret_cast<T*>(dst[tasks[i].tensor]->data + chunk * static_cast<size_t>(c.chunk_bytes));
+    error.Record(i, internal::DecodeKeyframeChunk<T>(c.PosStream(t.chunks[chunk]), n, out));
   });
   return error.status();
 }
@@ -310,17 +311,13 @@ Status ApplyDelta(const Container& c, const std::vector<const MutableTensorView*
     return dst[tasks[i].tensor]->data + tasks[i].chunk * static_cast<size_t>(c.chunk_bytes);
   };
   // Phase 1: decode every chunk; nothing is written.
-  RunParallel(options.pool, tasks.size(), [&](size_t i) {
-    const TensorEntry& t = c.tensors[tasks[i].tensor];
-    const ChunkEntry& ch = t.chunks[tasks[i].chunk];
-    const size_t n = c.ChunkElements(t, tasks[i].chunk);
-    WithWidth(DTypeWidth(t.dtype), [&](auto zero) {
-      using T = decltype(zero);
-      const T* base = reinterpret_cast<const T*>(chunk_ptr(i));
-      Status s = internal::DecodeChunk<T>(ch.mode, ch.changed, c.PosStream(ch), c.ValStream(ch), base, n,
-                                          ExponentFieldOf(t.dtype), &decoded[i].Get<T>());
-      error.Record(i, s.WithContext(ChunkWhere(t, tasks[i].chunk)));
-    });
+  ForEachChunk(options.pool, c, tasks, [&](size_t i, const TensorEntry& t, size_t chunk, size_t n, auto zero) {
+    using T = decltype(zero);
+    const ChunkEntry& ch = t.chunks[chunk];
+    const T* base = reinterpret_cast<const T*>(chunk_ptr(i));
+    Status s = internal::DecodeChunk<T>(ch.mode, ch.changed, c.PosStream(ch), c.ValStream(ch), base, n,
+                                        ExponentFieldOf(t.dtype), &decoded[i].Get<T>());
+    error.Record(i, s.WithContext(ChunkWhere(t, chunk)));
   });
   if (error.failed()) {
     // A patch that decodes badly against an unmodified destination: say
@@ -332,18 +329,14 @@ Status ApplyDelta(const Container& c, const std::vector<const MutableTensorView*
   // Phase 2: scatter and digest; phase 3 (on mismatch): undo.
   Digests digests(c.tensors);
   auto scatter = [&](bool undo) {
-    RunParallel(options.pool, tasks.size(), [&](size_t i) {
-      const TensorEntry& t = c.tensors[tasks[i].tensor];
-      const size_t n = c.ChunkElements(t, tasks[i].chunk);
-      WithWidth(DTypeWidth(t.dtype), [&](auto zero) {
-        using T = decltype(zero);
-        T* x = reinterpret_cast<T*>(chunk_ptr(i));
-        internal::ScatterAdd<T>(x, decoded[i].Get<T>(), undo);
-        if (!undo) {
-          digests.DigestChunk(tasks[i].tensor, tasks[i].chunk, reinterpret_cast<const uint8_t*>(x),
-                              n * sizeof(T), c.chunk_bytes);
-        }
-      });
+    ForEachChunk(options.pool, c, tasks, [&](size_t i, const TensorEntry&, size_t chunk, size_t n, auto zero) {
+      using T = decltype(zero);
+      T* x = reinterpret_cast<T*>(chunk_ptr(i));
+      internal::ScatterAdd<T>(x, decoded[i].Get<T>(), undo);
+      if (!undo) {
+        digests.DigestChunk(tasks[i].tensor, chunk, reinterpret_cast<const uint8_t*>(x), n * sizeof(T),
+                            c.chunk_bytes);
+      }
     });
   };
   scatter(false);
@@ -401,22 +394,18 @@ StatusOr<std::string> EncodePatch(std::span<const TensorView> base, std::span<co
   const std::vector<Task> tasks = TasksOf(c.tensors);
   std::vector<internal::EncodedChunk> encoded(tasks.size());
   Digests base_digests(c.tensors), target_digests(c.tensors);
-  RunParallel(options.pool, tasks.size(), [&](size_t i) {
-    const size_t ti = tasks[i].tensor, ci = tasks[i].chunk;
-    const TensorEntry& e = c.tensors[ti];
-    const size_t n = c.ChunkElements(e, ci);
-    WithWidth(DTypeWidth(e.dtype), [&](auto zero) {
-      using T = decltype(zero);
-      const size_t first = ci * (c.chunk_bytes / sizeof(T));
-      const T* b = reinterpret_cast<const T*>(base[ti].data) + first;
-      const T* t = reinterpret_cast<const T*>(target[ti].data) + first;
-      SparseDelta<T> d;
-      internal::DiffChunk(b, t, n, &d);
-      internal::ChunkCodecOptions co{options.zstd_level, options.condition_on_base, ExponentFieldOf(e.dtype)};
-      encoded[i] = internal::EncodeChunk(b, n, d, co);
-      base_digests.DigestChunk(ti, ci, reinterpret_cast<const uint8_t*>(b), n * sizeof(T), c.chunk_bytes);
-      target_digests.DigestChunk(ti, ci, reinterpret_cast<const uint8_t*>(t), n * sizeof(T), c.chunk_bytes);
-    });
+  ForEachChunk(options.pool, c, tasks, [&](size_t i, const TensorEntry& e, size_t ci, size_t n, auto zero) {
+    using T = decltype(zero);
+    const size_t ti = tasks[i].tensor;
+    const size_t offset = ci * static_cast<size_t>(c.chunk_bytes);
+    const T* b = reinterpret_cast<const T*>(base[ti].data + offset);
+    const T* t = reinterpret_cast<const T*>(target[ti].data + offset);
+    SparseDelta<T> d;
+    internal::DiffChunk(b, t, n, &d);
+    internal::ChunkCodecOptions co{options.zstd_level, options.condition_on_base, ExponentFieldOf(e.dtype)};
+    encoded[i] = internal::EncodeChunk(b, n, d, co);
+    base_digests.DigestChunk(ti, ci, reinterpret_cast<const uint8_t*>(b), n * sizeof(T), c.chunk_bytes);
+    target_digests.DigestChunk(ti, ci, reinterpret_cast<const uint8_t*>(t), n * sizeof(T), c.chunk_bytes);
   });
   std::vector<uint64_t> base_sums;
   for (size_t t = 0; t < c.tensors.size(); ++t) {
@@ -439,16 +428,12 @@ StatusOr<std::string> EncodeKeyframe(std::span<const TensorView> target, const E
   const std::vector<Task> tasks = TasksOf(c.tensors);
   std::vector<internal::EncodedChunk> encoded(tasks.size());
   Digests digests(c.tensors);
-  RunParallel(options.pool, tasks.size(), [&](size_t i) {
-    const size_t ti = tasks[i].tensor, ci = tasks[i].chunk;
-    const TensorEntry& e = c.tensors[ti];
-    const size_t n = c.ChunkElements(e, ci);
-    WithWidth(DTypeWidth(e.dtype), [&](auto zero) {
-      using T = decltype(zero);
-      const T* t = reinterpret_cast<const T*>(target[ti].data) + ci * (c.chunk_bytes / sizeof(T));
-      internal::EncodeKeyframeChunk(t, n, options.zstd_level, &encoded[i].pos);
-      digests.DigestChunk(ti, ci, reinterpret_cast<const uint8_t*>(t), n * sizeof(T), c.chunk_bytes);
-    });
+  ForEachChunk(options.pool, c, tasks, [&](size_t i, const TensorEntry&, size_t ci, size_t n, auto zero) {
+    using T = decltype(zero);
+    const size_t ti = tasks[i].tensor;
+    const T* t = reinterpret_cast<const T*>(target[ti].data + ci * static_cast<size_t>(c.chunk_bytes));
+    internal::EncodeKeyframeChunk(t, n, options.zstd_level, &encoded[i].pos);
+    digests.DigestChunk(ti, ci, reinterpret_cast<const uint8_t*>(t), n * sizeof(T), c.chunk_bytes);
   });
   for (size_t t = 0; t < c.tensors.size(); ++t) c.tensors[t].target_checksum = digests.Tensor(t);
   return Finish(c, tasks, encoded);

@@ -27,7 +27,8 @@ Status FsyncDir(const std::string& dir) {
 
 class LogStore : public Store {
  public:
-  LogStore(std::string dir, int fd, size_t records) : dir_(std::move(dir)), fd_(fd), records_(records) {}
+  LogStore(std::string dir, int fd, size_t records, off_t size)
+      : dir_(std::move(dir)), fd_(fd), records_(records), size_(size) {}
   ~LogStore() override {
     if (fd_ >= 0) ::close(fd_);
   }
@@ -41,14 +42,16 @@ class LogStore : public Store {
     std::memcpy(frame.data(), &len, 4);
     std::memcpy(frame.data() + 4, &crc, 4);
     frame += payload;
-    size_t done = 0;
-    while (done < frame.size()) {
-      ssize_t w = ::write(fd_, frame.data() + done, frame.size() - done);
-      if (w < 0 && errno == EINTR) continue;
-      if (w < 0) return ErrnoToStatus(errno, "append to " + dir_ + "/wal.log");
-      done += static_cast<size_t>(w);
+    if (broken_) return DataLossError(dir_ + "/wal.log could not be repaired after a failed write; restart");
+    Status s = WriteAll(fd_, frame.data(), frame.size(), dir_ + "/wal.log");
+    if (s.ok() && ::fdatasync(fd_) != 0) s = ErrnoToStatus(errno, "fdatasync " + dir_ + "/wal.log");
+    if (!s.ok()) {
+      // Take the partial record back, so later records do not follow garbage
+      // (recovery would cut the log there and lose them).
+      if (::ftruncate(fd_, size_) != 0) broken_ = true;
+      return s;
     }
-    if (::fdatasync(fd_) != 0) return ErrnoToStatus(errno, "fdatasync " + dir_ + "/wal.log");
+    size_ += static_cast<off_t>(frame.size());
     ++records_;
     return Status::Ok();
   }
@@ -72,6 +75,7 @@ class LogStore : public Store {
     ::close(fd_);
     fd_ = fd;
     records_ = 0;
+    size_ = 0;
     spdlog::info("store compacted: snapshot of {} bytes", bytes.size());
     return Status::Ok();
   }
@@ -82,6 +86,8 @@ class LogStore : public Store {
   std::string dir_;
   int fd_;
   size_t records_;
+  off_t size_;           // bytes of complete records in the log
+  bool broken_ = false;  // a failed write could not be taken back
 };
 
 class NullStore : public Store {
@@ -138,7 +144,7 @@ StatusOr<std::unique_ptr<Store>> OpenLogStore(const std::string& dir, Recovered*
     ::close(fd);
     return ErrnoToStatus(err, "fsync " + log_path);
   }
-  return std::unique_ptr<Store>(new LogStore(dir, fd, recovered->records.size()));
+  return std::unique_ptr<Store>(new LogStore(dir, fd, recovered->records.size(), static_cast<off_t>(pos)));
 }
 
 std::unique_ptr<Store> NewNullStore() { return std::make_unique<NullStore>(); }

@@ -33,21 +33,23 @@ StatusOr<std::string> ReadFile(const std::string& path) {
   return out;
 }
 
+Status WriteAll(int fd, const void* data, size_t n, const std::string& what) {
+  const auto* p = static_cast<const char*>(data);
+  while (n > 0) {
+    ssize_t w = ::write(fd, p, n);
+    if (w < 0 && errno == EINTR) continue;
+    if (w < 0) return ErrnoToStatus(errno, "write " + what);
+    p += w;
+    n -= static_cast<size_t>(w);
+  }
+  return Status::Ok();
+}
+
 Status WriteFileAtomic(const std::string& path, std::string_view data) {
   std::string tmp = path + ".tmp." + std::to_string(::getpid());
   int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) return ErrnoToStatus(errno, "create " + tmp);
-  Status s;
-  size_t done = 0;
-  while (done < data.size()) {
-    ssize_t w = ::write(fd, data.data() + done, data.size() - done);
-    if (w < 0 && errno == EINTR) continue;
-    if (w < 0) {
-      s = ErrnoToStatus(errno, "write " + tmp);
-      break;
-    }
-    done += static_cast<size_t>(w);
-  }
+  Status s = WriteAll(fd, data.data(), data.size(), tmp);
   if (s.ok() && ::fsync(fd) != 0) s = ErrnoToStatus(errno, "fsync " + tmp);
   if (::close(fd) != 0 && s.ok()) s = ErrnoToStatus(errno, "close " + tmp);
   if (s.ok() && ::rename(tmp.c_str(), path.c_str()) != 0) s = ErrnoToStatus(errno, "rename to " + path);

@@ -10,6 +10,9 @@ namespace wsync {
 
 StatusOr<std::string> ReadFile(const std::string& path);
 
+// Writes all n bytes to fd, retrying short writes and EINTR; errors name `what`.
+Status WriteAll(int fd, const void* data, size_t n, const std::string& what);
+
 // Writes through `path.tmp.PID` + fsync + rename: readers see the old file or
 // the new one, never a partial one.
 Status WriteFileAtomic(const std::string& path, std::string_view data);
