@@ -68,3 +68,45 @@ TEST(Safetensors, HeaderLengthBeyondFileIsRejected) {
 
 }  // namespace
 }  // namespace wsync::buffers
+
+#include "wsync/buffers/region.h"
+
+namespace wsync::buffers {
+namespace {
+
+std::string ShmName(const std::string& tag) { return "/wsync-test-" + tag + "-" + std::to_string(::getpid()); }
+
+TEST(Shm, CreatorAndDaemonShareTheBytes) {
+  const std::string name = ShmName("share");
+  auto owner = CreateShm(name, 4096, /*unlink_on_close=*/true);
+  ASSERT_TRUE(owner.ok()) << owner.status().ToString();
+  auto daemon = OpenShm(name);
+  ASSERT_TRUE(daemon.ok()) << daemon.status().ToString();
+  EXPECT_EQ((*daemon)->size(), 4096u);
+  (*owner)->data()[100] = 42;
+  EXPECT_EQ((*daemon)->data()[100], 42);
+  (*daemon)->data()[7] = 9;  // the daemon writes (a sink applying a patch)
+  EXPECT_EQ((*owner)->data()[7], 9);
+  EXPECT_EQ(CreateShm(name, 10, false).status().code(), StatusCode::kAlreadyExists);
+  owner->reset();
+  daemon->reset();
+  EXPECT_EQ(OpenShm(name).status().code(), StatusCode::kNotFound);  // unlinked
+  EXPECT_EQ(OpenShm("no-slash").status().code(), StatusCode::kInvalidArgument);
+}
+
+TEST(TensorTable, ValidationNamesTheTensor) {
+  std::vector<TensorEntry> ok = {{"a", codec::DType::kBF16, {4, 4}, 0}, {"b", codec::DType::kF32, {8}, 32}};
+  EXPECT_TRUE(ValidateTable(ok, 64).ok());
+  EXPECT_NE(ValidateTable(ok, 63).message().find("'b'"), std::string::npos);
+  std::vector<TensorEntry> overlap = {{"a", codec::DType::kBF16, {4, 4}, 0}, {"b", codec::DType::kF32, {8}, 28}};
+  EXPECT_NE(ValidateTable(overlap, 64).message().find("overlap"), std::string::npos);
+  std::vector<TensorEntry> misaligned = {{"a", codec::DType::kF32, {2}, 2}};
+  EXPECT_NE(ValidateTable(misaligned, 64).message().find("aligned"), std::string::npos);
+  std::vector<TensorEntry> twice = {{"a", codec::DType::kU8, {1}, 0}, {"a", codec::DType::kU8, {1}, 1}};
+  EXPECT_NE(ValidateTable(twice, 64).message().find("twice"), std::string::npos);
+  std::vector<TensorEntry> huge = {{"h", codec::DType::kF64, {1ull << 62}, 0}};
+  EXPECT_FALSE(ValidateTable(huge, 64).ok());
+}
+
+}  // namespace
+}  // namespace wsync::buffers

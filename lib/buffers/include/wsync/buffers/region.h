@@ -1,0 +1,62 @@
+// Memory regions that hold tensors, and the tensor table over them.
+//
+// A region is memory the owner process (trainer or inference server)
+// allocated and shares with its local daemon, which maps it and never asks
+// the owner to copy. Kinds: POSIX shared memory (hosts without a GPU and
+// every test), a safetensors file (read-only, offline use) and, with the
+// CUDA library, a CUDA IPC allocation.
+//
+// Thread safety: a Region is immutable after creation; the bytes it maps
+// are shared with the owner, who coordinates writers (the local API's holds).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "wsync/codec/codec.h"
+#include "wsync/util/status.h"
+
+namespace wsync::buffers {
+
+// One tensor of a table: where it lives in the region.
+struct TensorEntry {
+  std::string name;
+  codec::DType dtype = codec::DType::kBF16;
+  std::vector<uint64_t> shape;
+  uint64_t offset = 0;  // bytes from the start of the region
+
+  uint64_t NumBytes() const;
+};
+
+// A mapped region. Unmapped (and, for a creator of shared memory that asked
+// for it, unlinked) on destruction.
+class Region {
+ public:
+  virtual ~Region() = default;
+  virtual uint8_t* data() = 0;
+  virtual size_t size() const = 0;
+  virtual bool writable() const = 0;
+  // "shm:/name", "file:/path", ...: for logs.
+  virtual std::string description() const = 0;
+};
+
+// Creates POSIX shared memory `name` ("/wsync-trainer-0") of `size` bytes,
+// mode 0600, failing if it exists. With unlink_on_close the name is removed
+// when the Region is destroyed.
+StatusOr<std::unique_ptr<Region>> CreateShm(const std::string& name, size_t size, bool unlink_on_close);
+
+// Maps existing POSIX shared memory read-write (the daemon side).
+StatusOr<std::unique_ptr<Region>> OpenShm(const std::string& name);
+
+// Checks a table against a region: names unique and non-empty, dtypes
+// valid, every tensor inside the region, no two overlapping, aligned to its
+// element width. InvalidArgument naming the tensor otherwise.
+Status ValidateTable(const std::vector<TensorEntry>& table, size_t region_size);
+
+// Views of the table's tensors in the region. REQUIRES: ValidateTable ok.
+std::vector<codec::TensorView> TableViews(const std::vector<TensorEntry>& table, Region& region);
+std::vector<codec::MutableTensorView> TableMutableViews(const std::vector<TensorEntry>& table, Region& region);
+
+}  // namespace wsync::buffers
