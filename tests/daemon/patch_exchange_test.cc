@@ -1,0 +1,175 @@
+// Pulling patches between daemons, over the loopback transport and over UCX
+// (tcp on 127.0.0.1): bit-exact delivery, refetch of corrupted chunks,
+// errors from the provider, cut-through relaying, parent failure.
+#include "patch_exchange.h"
+
+#include <gtest/gtest.h>
+
+#include <random>
+
+#include "../codec/test_tensors.h"
+
+namespace wsync::daemon {
+namespace {
+
+using namespace std::chrono_literals;
+
+constexpr uint32_t kChunk = 4 << 10;
+
+// Serves fixed streams by (from, to).
+class MapProvider : public PatchProvider {
+ public:
+  StatusOr<std::shared_ptr<PatchStream>> Open(uint64_t from, uint64_t to) override {
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = streams.find({from, to});
+    if (it == streams.end()) {
+      return NotFoundError("no patch " + std::to_string(from) + "->" + std::to_string(to) + " here");
+    }
+    return it->second;
+  }
+  std::mutex mu;
+  std::map<std::pair<uint64_t, uint64_t>, std::shared_ptr<PatchStream>> streams;
+};
+
+// One daemon's data-plane end: transport + server + fetcher.
+struct Node {
+  ~Node() {
+    handler.Detach();
+    server.reset();
+    fetcher.reset();
+    transport.reset();
+  }
+  ExchangeHandler handler;
+  MapProvider provider;
+  std::unique_ptr<transport::Transport> transport;
+  std::unique_ptr<PatchServer> server;
+  std::unique_ptr<PatchFetcher> fetcher;
+};
+
+enum class Kind { kLoopback, kUcx };
+
+class PatchExchangeTest : public ::testing::TestWithParam<Kind> {
+ protected:
+  std::unique_ptr<Node> MakeNode(transport::TransportOptions o = {}) {
+    auto n = std::make_unique<Node>();
+    if (GetParam() == Kind::kLoopback) {
+      n->transport = fabric_.Create(o, &n->handler);
+    } else {
+      o.listen = "127.0.0.1:0";
+      auto t = transport::CreateUcxTransport(o, &n->handler);
+      EXPECT_TRUE(t.ok()) << t.status().ToString();
+      n->transport = std::move(*t);
+    }
+    n->server = std::make_unique<PatchServer>(n->transport.get(), &n->provider);
+    n->fetcher = std::make_unique<PatchFetcher>(n->transport.get());
+    n->handler.Attach(n->server.get(), n->fetcher.get());
+    return n;
+  }
+  transport::LoopbackFabric fabric_;
+};
+
+// A real patch between two random versions, and the versions.
+struct Versions {
+  std::vector<buffers::OwnedTensor> v1, v2;
+  std::string patch;
+};
+
+Versions MakeVersions() {
+  std::mt19937_64 rng(17);
+  Versions v;
+  v.v1 = {testing::RandomTensor("w", codec::DType::kBF16, {1 << 20}, rng)};
+  v.v2 = {testing::Perturb(v.v1[0], 0.05, rng)};
+  v.patch = *codec::EncodePatch(buffers::Views(v.v1), buffers::Views(v.v2), {});
+  return v;
+}
+
+void ExpectAppliesExactly(const Versions& v, const std::string& bytes) {
+  auto dst = v.v1;
+  auto views = buffers::MutableViews(dst);
+  Status s = codec::ApplyPatch(bytes, views, {});
+  ASSERT_TRUE(s.ok()) << s.ToString();
+  EXPECT_TRUE(testing::SameBits(dst, v.v2));
+}
+
+TEST_P(PatchExchangeTest, PullsAPatchBitExactly) {
+  Versions v = MakeVersions();
+  ASSERT_GT(v.patch.size(), 3 * kChunk);  // several chunks
+  auto source = MakeNode();
+  auto sink = MakeNode();
+  source->provider.streams[{1, 2}] = PatchStream::FromBytes(codec::PatchKind::kPatch, 1, 2, v.patch, kChunk);
+  auto parent = sink->transport->Connect(source->transport->LocalConnInfo());
+  ASSERT_TRUE(parent.ok());
+  auto stream = sink->fetcher->Pull(*parent, 1, 2, 10s);
+  ASSERT_TRUE(stream.ok()) << stream.status().ToString();
+  ASSERT_TRUE((*stream)->WaitComplete(std::chrono::steady_clock::now() + 20s).ok());
+  EXPECT_EQ((*stream)->Assemble(), v.patch);
+  ExpectAppliesExactly(v, (*stream)->Assemble());
+  // An unknown range: the provider's error travels back with its code.
+  auto missing = sink->fetcher->Pull(*parent, 5, 9, 10s);
+  EXPECT_EQ(missing.status().code(), StatusCode::kNotFound) << missing.status().ToString();
+  EXPECT_NE(missing.status().message().find("no patch 5->9"), std::string::npos);
+}
+
+TEST_P(PatchExchangeTest, CorruptedChunksAreFetchedAgain) {
+  Versions v = MakeVersions();
+  transport::TransportOptions bad;
+  bad.corrupt_every = 3;  // the source's link corrupts every third message
+  auto source = MakeNode(bad);
+  auto sink = MakeNode();
+  source->provider.streams[{1, 2}] = PatchStream::FromBytes(codec::PatchKind::kPatch, 1, 2, v.patch, kChunk);
+  auto parent = sink->transport->Connect(source->transport->LocalConnInfo());
+  ASSERT_TRUE(parent.ok());
+  auto stream = sink->fetcher->Pull(*parent, 1, 2, 10s);
+  ASSERT_TRUE(stream.ok()) << stream.status().ToString();
+  ASSERT_TRUE((*stream)->WaitComplete(std::chrono::steady_clock::now() + 20s).ok());
+  EXPECT_GT(sink->fetcher->refetches(), 0u);
+  ExpectAppliesExactly(v, (*stream)->Assemble());
+}
+
+TEST_P(PatchExchangeTest, RelayForwardsChunksAsTheyArrive) {
+  Versions v = MakeVersions();
+  transport::TransportOptions slow;
+  slow.rate_limit_bytes_per_s = 256 << 10;  // the source trickles: the relay overlaps
+  auto source = MakeNode(slow);
+  auto relay = MakeNode();
+  auto sink = MakeNode();
+  source->provider.streams[{1, 2}] = PatchStream::FromBytes(codec::PatchKind::kPatch, 1, 2, v.patch, kChunk);
+  auto up = relay->transport->Connect(source->transport->LocalConnInfo());
+  ASSERT_TRUE(up.ok());
+  auto incoming = relay->fetcher->Pull(*up, 1, 2, 10s);
+  ASSERT_TRUE(incoming.ok());
+  // The relay serves the stream it is still receiving.
+  relay->provider.streams[{1, 2}] = *incoming;
+  auto down = sink->transport->Connect(relay->transport->LocalConnInfo());
+  ASSERT_TRUE(down.ok());
+  auto outgoing = sink->fetcher->Pull(*down, 1, 2, 10s);
+  ASSERT_TRUE(outgoing.ok()) << outgoing.status().ToString();
+  // The sink had its first chunk before the relay had its last.
+  ASSERT_TRUE((*outgoing)->Wait(0, std::chrono::steady_clock::now() + 10s).ok());
+  EXPECT_FALSE((*incoming)->WaitComplete(std::chrono::steady_clock::now()).ok()) << "no overlap: not cut-through";
+  ASSERT_TRUE((*outgoing)->WaitComplete(std::chrono::steady_clock::now() + 30s).ok());
+  ExpectAppliesExactly(v, (*outgoing)->Assemble());
+  EXPECT_EQ(source->server->bytes_served(), v.patch.size());  // the source sent it once
+}
+
+TEST_P(PatchExchangeTest, ParentFailureFailsThePull) {
+  Versions v = MakeVersions();
+  transport::TransportOptions slow;
+  slow.rate_limit_bytes_per_s = 64 << 10;
+  auto source = MakeNode(slow);
+  auto sink = MakeNode();
+  source->provider.streams[{1, 2}] = PatchStream::FromBytes(codec::PatchKind::kPatch, 1, 2, v.patch, kChunk);
+  auto parent = sink->transport->Connect(source->transport->LocalConnInfo());
+  ASSERT_TRUE(parent.ok());
+  auto stream = sink->fetcher->Pull(*parent, 1, 2, 10s);
+  ASSERT_TRUE(stream.ok());
+  source.reset();  // the parent dies mid-transfer
+  Status s = (*stream)->WaitComplete(std::chrono::steady_clock::now() + 20s);
+  EXPECT_EQ(s.code(), StatusCode::kUnavailable) << s.ToString();
+}
+
+INSTANTIATE_TEST_SUITE_P(Both, PatchExchangeTest, ::testing::Values(Kind::kLoopback, Kind::kUcx),
+                         [](const auto& info) { return info.param == Kind::kLoopback ? "Loopback" : "Ucx"; });
+
+}  // namespace
+}  // namespace wsync::daemon
