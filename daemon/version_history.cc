@@ -1,0 +1,137 @@
+#include "version_history.h"
+
+#include <cstring>
+
+#include <spdlog/spdlog.h>
+
+namespace wsync::daemon {
+namespace {
+
+bool SameLayout(const std::vector<buffers::OwnedTensor>& have, std::span<const codec::TensorView> given) {
+  if (have.size() != given.size()) return false;
+  for (size_t i = 0; i < have.size(); ++i) {
+    if (have[i].name != given[i].name || have[i].dtype != given[i].dtype || have[i].shape != given[i].shape) {
+      return false;
+    }
+  }
+  return true;
+}
+
+Status ApplyInPlace(const std::string& patch, std::vector<buffers::OwnedTensor>& w, ThreadPool* pool) {
+  auto views = buffers::MutableViews(w);
+  codec::ApplyOptions ao;
+  ao.pool = pool;
+  return codec::ApplyPatch(patch, views, ao);
+}
+
+}  // namespace
+
+StatusOr<PublishedVersion> VersionHistory::Publish(uint64_t version, std::span<const codec::TensorView> weights) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (version <= head_) {
+    return FailedPreconditionError("version " + std::to_string(version) + " is not above the head " +
+                                   std::to_string(head_));
+  }
+  PublishedVersion out;
+  out.version = version;
+  for (const auto& t : weights) out.dense_bytes += t.NumBytes();
+  out.set_checksum = codec::SetChecksum(weights, options_.encode.pool);
+  if (head_ == 0) {
+    head_weights_ = buffers::CopyTensors(weights);
+    oldest_weights_ = head_weights_;
+    codec::EncodeOptions eo = options_.encode;
+    eo.target_version = version;
+    WSYNC_ASSIGN_OR_RETURN(std::string kf, codec::EncodeKeyframe(weights, eo));
+    out.patch_bytes = kf.size();
+    cache_[{0, version}] = PatchStream::FromBytes(codec::PatchKind::kKeyframe, 0, version, std::move(kf),
+                                                  options_.stream_chunk_bytes);
+    head_ = oldest_ = version;
+    return out;
+  }
+  if (!SameLayout(head_weights_, weights)) {
+    return InvalidArgumentError("version " + std::to_string(version) +
+                                ": tensor names, dtypes or shapes differ from the previous version");
+  }
+  codec::EncodeOptions eo = options_.encode;
+  eo.base_version = head_;
+  eo.target_version = version;
+  WSYNC_ASSIGN_OR_RETURN(std::string patch, codec::EncodePatch(buffers::Views(head_weights_), weights, eo));
+  out.base_version = head_;
+  out.patch_bytes = patch.size();
+  patches_[version] = std::move(patch);
+  for (size_t i = 0; i < weights.size(); ++i) {
+    std::memcpy(head_weights_[i].bytes.data(), weights[i].data, weights[i].NumBytes());
+  }
+  head_ = version;
+  return out;
+}
+
+Status VersionHistory::Retain(uint64_t oldest_needed) {
+  std::lock_guard<std::mutex> lock(mu_);
+  while (!patches_.empty() && patches_.begin()->first <= std::min(oldest_needed, head_)) {
+    auto it = patches_.begin();
+    WSYNC_RETURN_IF_ERROR(ApplyInPlace(it->second, oldest_weights_, options_.encode.pool));
+    oldest_ = it->first;
+    patches_.erase(it);
+  }
+  for (auto it = cache_.begin(); it != cache_.end();) {
+    const bool stale = (it->first.first != 0 && it->first.first < oldest_) || it->first.second < oldest_;
+    it = stale ? cache_.erase(it) : std::next(it);
+  }
+  return Status::Ok();
+}
+
+uint64_t VersionHistory::head() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return head_;
+}
+
+uint64_t VersionHistory::oldest() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return oldest_;
+}
+
+StatusOr<std::vector<buffers::OwnedTensor>> VersionHistory::WeightsAt(uint64_t v) {
+  if (v == head_) return head_weights_;
+  std::vector<buffers::OwnedTensor> w = oldest_weights_;
+  for (auto it = patches_.begin(); it != patches_.end() && it->first <= v; ++it) {
+    WSYNC_RETURN_IF_ERROR(ApplyInPlace(it->second, w, options_.encode.pool));
+  }
+  return w;
+}
+
+StatusOr<std::shared_ptr<PatchStream>> VersionHistory::Open(uint64_t from, uint64_t to) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (head_ == 0) return UnavailableError("nothing published yet");
+  if (to < oldest_ || to > head_ || (to != head_ && to != oldest_ && !patches_.count(to))) {
+    return NotFoundError("version " + std::to_string(to) + " is not held (held: " + std::to_string(oldest_) +
+                         ".." + std::to_string(head_) + ")");
+  }
+  const bool known = from >= oldest_ && from < to && (from == oldest_ || patches_.count(from));
+  if (!known) from = 0;  // unknown or too old: a keyframe
+  if (auto it = cache_.find({from, to}); it != cache_.end()) return it->second;
+  if (cache_.size() >= options_.cache_entries) cache_.erase(cache_.begin());
+
+  std::shared_ptr<PatchStream> stream;
+  if (from == 0) {
+    WSYNC_ASSIGN_OR_RETURN(auto weights, WeightsAt(to));
+    codec::EncodeOptions eo = options_.encode;
+    eo.target_version = to;
+    WSYNC_ASSIGN_OR_RETURN(std::string kf, codec::EncodeKeyframe(buffers::Views(weights), eo));
+    stream = PatchStream::FromBytes(codec::PatchKind::kKeyframe, 0, to, std::move(kf), options_.stream_chunk_bytes);
+  } else {
+    // Merge the chain from -> to against the weights of `from`.
+    WSYNC_ASSIGN_OR_RETURN(auto base, WeightsAt(from));
+    const auto base_views = buffers::Views(base);
+    auto it = patches_.upper_bound(from);
+    std::string merged = it->second;
+    for (++it; it != patches_.end() && it->first <= to; ++it) {
+      WSYNC_ASSIGN_OR_RETURN(merged, codec::MergePatches(merged, it->second, base_views, options_.encode));
+    }
+    stream = PatchStream::FromBytes(codec::PatchKind::kPatch, from, to, std::move(merged), options_.stream_chunk_bytes);
+  }
+  cache_[{from, to}] = stream;
+  return stream;
+}
+
+}  // namespace wsync::daemon

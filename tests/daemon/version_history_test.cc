@@ -1,0 +1,80 @@
+// The source's version history on the real RL snapshots: every (from, head)
+// pull is a patch that takes version `from` to the head bit for bit; unknown
+// or forgotten versions get a keyframe; Retain frees the past.
+#include "version_history.h"
+
+#include <gtest/gtest.h>
+
+#include <random>
+
+#include "../codec/test_tensors.h"
+#include "wsync/util/thread_pool.h"
+
+namespace wsync::daemon {
+namespace {
+
+using buffers::OwnedTensor;
+
+std::vector<std::vector<OwnedTensor>> Chain(int n) {
+  std::mt19937_64 rng(5);
+  std::vector<std::vector<OwnedTensor>> v(n);
+  v[0] = {testing::RandomTensor("a", codec::DType::kBF16, {300000}, rng),
+          testing::RandomTensor("b", codec::DType::kF32, {1000}, rng)};
+  for (int k = 1; k < n; ++k) {
+    v[k] = {testing::PerturbByExponent(v[k - 1][0], 0.01, 120, rng), testing::Perturb(v[k - 1][1], 0.01, rng)};
+  }
+  return v;
+}
+
+std::vector<OwnedTensor> ApplyStream(const PatchStream& s, std::vector<OwnedTensor> dst) {
+  auto views = buffers::MutableViews(dst);
+  Status st = codec::ApplyPatch(s.Assemble(), views, {});
+  EXPECT_TRUE(st.ok()) << st.ToString();
+  return dst;
+}
+
+TEST(VersionHistory, ServesMergedPatchesAndKeyframes) {
+  auto v = Chain(6);  // versions 1..6 are v[0..5]
+  ThreadPool pool(2);
+  VersionHistory::Options o;
+  o.encode.pool = &pool;
+  o.stream_chunk_bytes = 4096;
+  VersionHistory h(o);
+  for (int k = 0; k < 6; ++k) {
+    auto pub = h.Publish(k + 1, buffers::Views(v[k]));
+    ASSERT_TRUE(pub.ok()) << pub.status().ToString();
+    EXPECT_EQ(pub->base_version, k == 0 ? 0u : static_cast<uint64_t>(k));
+    EXPECT_EQ(pub->set_checksum, codec::SetChecksum(buffers::Views(v[k])));
+  }
+  EXPECT_EQ(h.Publish(6, buffers::Views(v[5])).status().code(), StatusCode::kFailedPrecondition);
+  for (uint64_t from = 1; from < 6; ++from) {
+    auto s = h.Open(from, 6);
+    ASSERT_TRUE(s.ok()) << s.status().ToString();
+    EXPECT_EQ((*s)->kind(), codec::PatchKind::kPatch);
+    EXPECT_TRUE(testing::SameBits(ApplyStream(**s, v[from - 1]), v[5])) << "from " << from;
+  }
+  // A keyframe for a sink that holds nothing.
+  auto kf = h.Open(0, 6);
+  ASSERT_TRUE(kf.ok());
+  EXPECT_EQ((*kf)->kind(), codec::PatchKind::kKeyframe);
+  std::vector<OwnedTensor> empty = v[0];
+  for (auto& t : empty) std::fill(t.bytes.begin(), t.bytes.end(), 0);
+  EXPECT_TRUE(testing::SameBits(ApplyStream(**kf, empty), v[5]));
+  // Forget versions before 4: from 2 now gets a keyframe, from 4 a patch.
+  ASSERT_TRUE(h.Retain(4).ok());
+  EXPECT_EQ(h.oldest(), 4u);
+  EXPECT_EQ((*h.Open(2, 6))->kind(), codec::PatchKind::kKeyframe);
+  auto p46 = h.Open(4, 6);
+  ASSERT_TRUE(p46.ok());
+  EXPECT_EQ((*p46)->kind(), codec::PatchKind::kPatch);
+  EXPECT_TRUE(testing::SameBits(ApplyStream(**p46, v[3]), v[5]));
+  // Intermediate targets too, and nothing outside what is held.
+  EXPECT_TRUE(testing::SameBits(ApplyStream(**h.Open(4, 5), v[3]), v[4]));
+  EXPECT_EQ(h.Open(1, 3).status().code(), StatusCode::kNotFound);
+  // A layout change is refused.
+  std::vector<OwnedTensor> other = {v[5][0]};
+  EXPECT_EQ(h.Publish(7, buffers::Views(other)).status().code(), StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace wsync::daemon
