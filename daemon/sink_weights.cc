@@ -1,0 +1,71 @@
+#include "sink_weights.h"
+
+#include <spdlog/spdlog.h>
+
+namespace wsync::daemon {
+
+SinkWeights::SinkWeights(std::unique_ptr<buffers::Region> region, std::vector<buffers::TensorEntry> table,
+                         ThreadPool* pool, uint64_t applied_version)
+    : region_(std::move(region)), table_(std::move(table)), pool_(pool), applied_(applied_version) {}
+
+uint64_t SinkWeights::applied() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return applied_;
+}
+
+Status SinkWeights::Apply(const PatchStream& stream) {
+  WSYNC_RETURN_IF_ERROR(stream.WaitComplete(std::chrono::steady_clock::now()).WithContext("apply"));
+  std::unique_lock<std::mutex> lock(mu_);
+  ++applies_waiting_;
+  cv_.wait(lock, [&] { return holds_ == 0 && !applying_; });
+  --applies_waiting_;
+  if (stream.kind() == codec::PatchKind::kPatch && stream.from() != applied_) {
+    cv_.notify_all();
+    return FailedPreconditionError("patch " + std::to_string(stream.from()) + "->" + std::to_string(stream.to()) +
+                                   " does not start at the applied version " + std::to_string(applied_));
+  }
+  applying_ = true;
+  lock.unlock();
+  const auto t0 = std::chrono::steady_clock::now();
+  const std::string bytes = stream.Assemble();
+  auto views = buffers::TableMutableViews(table_, *region_);
+  codec::ApplyOptions options;
+  options.pool = pool_;
+  Status s = codec::ApplyPatch(bytes, views, options);
+  lock.lock();
+  applying_ = false;
+  if (s.ok()) {
+    spdlog::info("applied {} {}->{} ({} bytes) in {:.1f} ms", stream.kind() == codec::PatchKind::kKeyframe ? "keyframe" : "patch",
+                 stream.from(), stream.to(), bytes.size(),
+                 std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+    applied_ = stream.to();
+  }
+  cv_.notify_all();
+  return s;
+}
+
+uint64_t SinkWeights::Hold() {
+  std::unique_lock<std::mutex> lock(mu_);
+  cv_.wait(lock, [&] { return !applying_ && applies_waiting_ == 0; });
+  ++holds_;
+  return applied_;
+}
+
+void SinkWeights::Release() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (holds_ > 0) --holds_;
+  cv_.notify_all();
+}
+
+Status SinkWeights::WaitForVersion(uint64_t v, std::chrono::steady_clock::time_point deadline) const {
+  std::unique_lock<std::mutex> lock(mu_);
+  if (!cv_.wait_until(lock, deadline, [&] { return applied_ >= v; })) {
+    return DeadlineExceededError("version " + std::to_string(v) + " not applied in time (applied: " +
+                                 std::to_string(applied_) + ")");
+  }
+  return Status::Ok();
+}
+
+std::vector<codec::TensorView> SinkWeights::Views() const { return buffers::TableViews(table_, *region_); }
+
+}  // namespace wsync::daemon

@@ -1,0 +1,61 @@
+// A sink's weights: the inference server's tensors in a shared region, the
+// version they hold, and the holds that keep them stable while it generates.
+//
+// Apply waits until no hold is active, then applies a complete patch or
+// keyframe under an exclusive lock (new holds wait while an apply is
+// pending, so applies are not starved). A holder therefore always sees one
+// whole version, never a half-applied one. A failed apply leaves the weights
+// and the version exactly as they were (the codec undoes).
+//
+// Thread safety: thread-safe.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "patch_exchange.h"
+#include "wsync/buffers/region.h"
+#include "wsync/util/thread_pool.h"
+
+namespace wsync::daemon {
+
+class SinkWeights {
+ public:
+  // REQUIRES: ValidateTable(table, region->size()) ok; pool may be null.
+  SinkWeights(std::unique_ptr<buffers::Region> region, std::vector<buffers::TensorEntry> table, ThreadPool* pool,
+              uint64_t applied_version = 0);
+
+  uint64_t applied() const;
+
+  // Applies `stream` (complete). A patch must start at the applied version
+  // (FailedPrecondition otherwise: the caller pulls again or asks for a
+  // keyframe); a keyframe applies over anything.
+  Status Apply(const PatchStream& stream);
+
+  // Holds the weights stable; returns the version held. Blocks while an
+  // apply runs or waits.
+  uint64_t Hold();
+  void Release();
+
+  // Blocks until the applied version is >= v; DeadlineExceeded otherwise.
+  Status WaitForVersion(uint64_t v, std::chrono::steady_clock::time_point deadline) const;
+
+  // The tensors (for dumps); read them under a Hold.
+  std::vector<codec::TensorView> Views() const;
+
+ private:
+  std::unique_ptr<buffers::Region> region_;
+  std::vector<buffers::TensorEntry> table_;
+  ThreadPool* pool_;
+  mutable std::mutex mu_;
+  mutable std::condition_variable cv_;
+  uint64_t applied_;
+  int holds_ = 0;
+  int applies_waiting_ = 0;
+  bool applying_ = false;
+};
+
+}  // namespace wsync::daemon

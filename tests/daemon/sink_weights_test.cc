@@ -1,0 +1,114 @@
+// A sink's weights in shared memory: patches apply in order into the region;
+// readers holding the weights only ever see whole versions; bad streams
+// change nothing.
+#include "sink_weights.h"
+
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <cstring>
+#include <random>
+#include <set>
+#include <thread>
+
+#include "../codec/test_tensors.h"
+#include "version_history.h"
+
+namespace wsync::daemon {
+namespace {
+
+using buffers::OwnedTensor;
+
+struct Fixture {
+  std::vector<std::vector<OwnedTensor>> versions;  // versions[k] is version k + 1
+  std::unique_ptr<VersionHistory> history;
+  std::vector<buffers::TensorEntry> table;
+  std::string shm;
+};
+
+Fixture Make(int n) {
+  Fixture s;
+  std::mt19937_64 rng(9);
+  s.versions.resize(n);
+  s.versions[0] = {testing::RandomTensor("x", codec::DType::kBF16, {200000}, rng),
+                   testing::RandomTensor("y", codec::DType::kBF16, {5000}, rng)};
+  for (int k = 1; k < n; ++k) {
+    for (const auto& t : s.versions[k - 1]) s.versions[k].push_back(testing::Perturb(t, 0.02, rng));
+  }
+  s.history = std::make_unique<VersionHistory>(VersionHistory::Options{});
+  for (int k = 0; k < n; ++k) EXPECT_TRUE(s.history->Publish(k + 1, buffers::Views(s.versions[k])).ok());
+  uint64_t offset = 0;
+  for (const auto& t : s.versions[0]) {
+    s.table.push_back({t.name, t.dtype, t.shape, offset});
+    offset += t.bytes.size();
+  }
+  s.shm = "/wsync-sink-test-" + std::to_string(::getpid());
+  return s;
+}
+
+std::unique_ptr<buffers::Region> RegionWith(const Fixture& s, const std::vector<OwnedTensor>& content) {
+  auto r = buffers::CreateShm(s.shm, 200000 * 2 + 5000 * 2, /*unlink_on_close=*/true);
+  EXPECT_TRUE(r.ok()) << r.status().ToString();
+  uint64_t offset = 0;
+  for (const auto& t : content) {
+    std::memcpy((*r)->data() + offset, t.bytes.data(), t.bytes.size());
+    offset += t.bytes.size();
+  }
+  return std::move(*r);
+}
+
+TEST(SinkWeights, HoldersOnlyEverSeeWholeVersions) {
+  constexpr int kVersions = 8;
+  Fixture s = Make(kVersions);
+  std::set<uint64_t> valid;
+  for (const auto& v : s.versions) valid.insert(codec::SetChecksum(buffers::Views(v)));
+  SinkWeights w(RegionWith(s, s.versions[0]), s.table, nullptr, 1);
+  std::atomic<bool> stop{false};
+  std::atomic<int> checks{0}, torn{0};
+  std::thread reader([&] {
+    while (!stop) {
+      const uint64_t v = w.Hold();
+      const uint64_t sum = codec::SetChecksum(w.Views());
+      if (sum != codec::SetChecksum(buffers::Views(s.versions[v - 1])) || !valid.count(sum)) ++torn;
+      ++checks;
+      w.Release();
+    }
+  });
+  for (uint64_t v = 2; v <= kVersions; ++v) {
+    auto stream = s.history->Open(v - 1, v);
+    ASSERT_TRUE(stream.ok());
+    ASSERT_TRUE(w.Apply(**stream).ok());
+    EXPECT_EQ(w.applied(), v);
+  }
+  stop = true;
+  reader.join();
+  EXPECT_GT(checks.load(), 0);
+  EXPECT_EQ(torn.load(), 0);
+  EXPECT_TRUE(w.WaitForVersion(kVersions, std::chrono::steady_clock::now()).ok());
+  EXPECT_EQ(w.WaitForVersion(kVersions + 1, std::chrono::steady_clock::now() + std::chrono::milliseconds(10)).code(),
+            StatusCode::kDeadlineExceeded);
+}
+
+TEST(SinkWeights, BadStreamsChangeNothing) {
+  Fixture s = Make(4);
+  SinkWeights w(RegionWith(s, s.versions[1]), s.table, nullptr, 2);
+  // A patch that does not start at the applied version.
+  EXPECT_EQ(w.Apply(**s.history->Open(1, 4)).code(), StatusCode::kFailedPrecondition);
+  // A corrupt patch: DataLoss, weights and version unchanged.
+  std::string bytes = (*s.history->Open(2, 4))->Assemble();
+  bytes[bytes.size() / 2] ^= 0x40;
+  auto corrupt = PatchStream::FromBytes(codec::PatchKind::kPatch, 2, 4, bytes, 4096);
+  EXPECT_EQ(w.Apply(*corrupt).code(), StatusCode::kDataLoss);
+  EXPECT_EQ(w.applied(), 2u);
+  EXPECT_EQ(codec::SetChecksum(w.Views()), codec::SetChecksum(buffers::Views(s.versions[1])));
+  // A keyframe applies over anything.
+  ASSERT_TRUE(w.Apply(**s.history->Open(0, 4)).ok());
+  EXPECT_EQ(w.applied(), 4u);
+  EXPECT_EQ(codec::SetChecksum(w.Views()), codec::SetChecksum(buffers::Views(s.versions[3])));
+  // An incomplete stream is refused.
+  PatchStream partial(codec::PatchKind::kPatch, 4, 5, 10000, 4096);
+  EXPECT_FALSE(w.Apply(partial).ok());
+}
+
+}  // namespace
+}  // namespace wsync::daemon
