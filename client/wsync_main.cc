@@ -7,6 +7,7 @@
 
 #include "codec_commands.h"
 #include "control_commands.h"
+#include "local_commands.h"
 
 int main(int argc, char** argv) {
   CLI::App app{"wsync: lossless sparse weight sync for RL training (see README.md)"};
@@ -14,6 +15,7 @@ int main(int argc, char** argv) {
   std::function<wsync::Status()> run;
   wsync::cli::AddCodecCommands(app, &run);
   wsync::cli::AddControlCommands(app, &run);
+  wsync::cli::AddLocalCommands(app, &run);
   CLI11_PARSE(app, argc, argv);
   spdlog::set_level(spdlog::level::warn);
   wsync::Status status = run ? run() : wsync::InternalError("no command");

@@ -8,6 +8,8 @@
 #include <thread>
 
 #include "coordinator_config.h"
+#include "data_daemon.h"
+#include "wsync/control/server.h"
 #include "wsync/control/coordinator_state.h"
 #include "wsync/control/server.h"
 #include "wsync/control/store.h"
@@ -70,6 +72,38 @@ int RunCoordinator(daemon::CoordinatorConfig config) {
   return 0;
 }
 
+int RunData(bool source, daemon::DataDaemonConfig config, const std::string& token_file) {
+  if (config.coordinator.address.empty()) {
+    if (const char* env = std::getenv("WSYNC_COORDINATOR")) config.coordinator.address = env;
+  }
+  if (!token_file.empty()) {
+    auto token = control::ReadTokenFile(token_file);
+    if (!token.ok()) return Fail(token.status());
+    config.coordinator.token = *token;
+  } else if (const char* env = std::getenv("WSYNC_TOKEN")) {
+    config.coordinator.token = env;
+  }
+  if (config.local_socket.rfind("unix:", 0) == 0) config.local_socket = config.local_socket.substr(5);
+  if (config.local_socket.empty()) return Fail(InvalidArgumentError("--local unix:PATH is required"));
+  if (config.name.empty()) return Fail(InvalidArgumentError("--name is required"));
+  sigset_t stop;
+  sigemptyset(&stop);
+  sigaddset(&stop, SIGINT);
+  sigaddset(&stop, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &stop, nullptr);
+  auto d = source ? daemon::StartSource(config) : daemon::StartSink(config);
+  if (!d.ok()) return Fail(d.status());
+  std::thread waiter([&] {
+    int sig = 0;
+    sigwait(&stop, &sig);
+    spdlog::info("signal {}: shutting down", sig);
+    (*d)->Shutdown();
+  });
+  (*d)->Wait();
+  waiter.join();
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -96,6 +130,25 @@ int main(int argc, char** argv) {
   coord->add_option("--tls-cert", config.server.tls.cert_file, "server certificate (PEM)");
   coord->add_option("--tls-key", config.server.tls.key_file, "server key (PEM)");
   coord->add_option("--tls-client-ca", config.server.tls.client_ca_file, "CA of client certificates: require mTLS");
+  daemon::DataDaemonConfig data;
+  std::string data_token_file;
+  auto add_data_flags = [&](CLI::App* cmd) {
+    cmd->add_option("--coordinator", data.coordinator.address, "host:port or unix:PATH (env WSYNC_COORDINATOR)");
+    cmd->add_option("--token-file", data_token_file, "bearer token file (or env WSYNC_TOKEN)");
+    cmd->add_option("--tls-ca", data.coordinator.tls_ca_file, "CA certificate: TLS to the coordinator");
+    cmd->add_option("--local", data.local_socket, "unix:PATH of the local API (mode 0600)")->required();
+    cmd->add_option("--listen", data.listen, "data-plane (UCX) listen address host:port")->capture_default_str();
+    cmd->add_option("--name", data.name, "unique node name")->required();
+    cmd->add_option("--threads", data.threads, "codec threads")->capture_default_str();
+    cmd->add_option("--node-ttl-ms", data.node_ttl_ms, "heartbeat TTL")->capture_default_str();
+    cmd->add_option("--rate-limit", data.rate_limit_bytes_per_s, "bytes/s per data-plane link (0: none)");
+    cmd->add_option("--inject-corrupt-every", data.corrupt_every, "fault injection: corrupt every Nth chunk sent")
+        ->group("");
+  };
+  auto* source = app.add_subcommand("source", "run next to a trainer: snapshot, encode, publish, serve");
+  add_data_flags(source);
+  auto* sink = app.add_subcommand("sink", "run next to an inference server: pull, verify, apply, relay");
+  add_data_flags(sink);
   CLI11_PARSE(app, argc, argv);
 
   spdlog::set_level(spdlog::level::from_str(log_level));
@@ -125,5 +178,6 @@ int main(int argc, char** argv) {
     }
     return RunCoordinator(merged);
   }
+  if (source->parsed() || sink->parsed()) return RunData(source->parsed(), data, data_token_file);
   return 0;
 }

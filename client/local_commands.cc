@@ -1,0 +1,157 @@
+#include "local_commands.h"
+
+#include <grpcpp/grpcpp.h>
+#include <unistd.h>
+
+#include <cinttypes>
+#include <csignal>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+
+#include "wsync/buffers/region.h"
+#include "wsync/buffers/safetensors.h"
+#include "wsync/v1/local.grpc.pb.h"
+
+namespace wsync::cli {
+namespace {
+
+namespace v1 = wsync::v1;
+
+Status FromGrpc(const grpc::Status& s, const std::string& what) {
+  if (s.ok()) return Status::Ok();
+  return Status(static_cast<StatusCode>(s.error_code()), what + ": " + s.error_message());
+}
+
+std::unique_ptr<v1::Local::Stub> Connect(std::string local) {
+  if (local.rfind("unix:", 0) != 0) local = "unix:" + local;
+  return v1::Local::NewStub(grpc::CreateChannel(local, grpc::InsecureChannelCredentials()));
+}
+
+void Deadline(grpc::ClientContext* ctx, int64_t ms) {
+  ctx->set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(ms));
+}
+
+// Shared memory laid out like `tensors` (8-byte aligned), and its table.
+StatusOr<std::unique_ptr<buffers::Region>> MakeRegion(const std::string& shm,
+                                                      const std::vector<codec::TensorView>& tensors,
+                                                      v1::RegisterTensorsRequest* req, bool copy) {
+  uint64_t offset = 0;
+  for (const auto& t : tensors) {
+    auto* spec = req->add_tensors();
+    spec->set_name(t.name);
+    spec->set_dtype(std::string(codec::DTypeName(t.dtype)));
+    for (uint64_t d : t.shape) spec->add_shape(d);
+    spec->set_offset(offset);
+    offset += (t.NumBytes() + 7) / 8 * 8;
+  }
+  WSYNC_ASSIGN_OR_RETURN(auto region, buffers::CreateShm(shm, std::max<uint64_t>(offset, 8), /*unlink_on_close=*/true));
+  for (int i = 0; copy && i < req->tensors_size(); ++i) {
+    std::memcpy(region->data() + req->tensors(i).offset(), tensors[i].data, tensors[i].NumBytes());
+  }
+  req->set_shm_name(shm);
+  return region;
+}
+
+Status RunPublish(const std::string& local, const std::string& file, uint64_t version, int64_t wait_ms) {
+  WSYNC_ASSIGN_OR_RETURN(auto st, buffers::SafetensorsFile::Open(file));
+  v1::RegisterTensorsRequest reg;
+  const std::string shm = "/wsync-publish-" + std::to_string(::getpid());
+  WSYNC_ASSIGN_OR_RETURN(auto region, MakeRegion(shm, st->tensors(), &reg, /*copy=*/true));
+  auto stub = Connect(local);
+  {
+    grpc::ClientContext ctx;
+    Deadline(&ctx, 30'000);
+    v1::RegisterTensorsResponse resp;
+    WSYNC_RETURN_IF_ERROR(FromGrpc(stub->RegisterTensors(&ctx, reg, &resp), "register with " + local));
+  }
+  grpc::ClientContext ctx;
+  Deadline(&ctx, 60'000 + wait_ms);
+  v1::LocalPublishRequest req;
+  req.set_version(version);
+  req.set_wait_ms(wait_ms);
+  v1::LocalPublishResponse resp;
+  WSYNC_RETURN_IF_ERROR(FromGrpc(stub->Publish(&ctx, req, &resp), "publish"));
+  std::printf("version %" PRIu64 " published: %" PRIu64 " bytes for %" PRIu64 " dense (%.1fx), encoded in %.1f ms\n",
+              resp.version(), resp.patch_bytes(), resp.dense_bytes(),
+              resp.patch_bytes() ? static_cast<double>(resp.dense_bytes()) / resp.patch_bytes() : 0.0,
+              resp.encode_ms());
+  return Status::Ok();
+}
+
+Status RunDump(const std::string& local, const std::string& out, uint64_t version, int64_t timeout_ms) {
+  auto stub = Connect(local);
+  grpc::ClientContext ctx;
+  Deadline(&ctx, timeout_ms + 30'000);
+  v1::DumpRequest req;
+  req.set_path(std::filesystem::absolute(out).string());
+  req.set_version(version);
+  req.set_timeout_ms(timeout_ms);
+  v1::DumpResponse resp;
+  WSYNC_RETURN_IF_ERROR(FromGrpc(stub->Dump(&ctx, req, &resp), "dump from " + local));
+  std::printf("%s: version %" PRIu64 "\n", out.c_str(), resp.version());
+  return Status::Ok();
+}
+
+Status RunServeBuffers(const std::string& local, const std::string& like, const std::string& shm_name) {
+  WSYNC_ASSIGN_OR_RETURN(auto st, buffers::SafetensorsFile::Open(like));
+  v1::RegisterTensorsRequest reg;
+  const std::string shm = shm_name.empty() ? "/wsync-buffers-" + std::to_string(::getpid()) : shm_name;
+  WSYNC_ASSIGN_OR_RETURN(auto region, MakeRegion(shm, st->tensors(), &reg, /*copy=*/false));
+  sigset_t stop;
+  sigemptyset(&stop);
+  sigaddset(&stop, SIGINT);
+  sigaddset(&stop, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &stop, nullptr);
+  auto stub = Connect(local);
+  grpc::ClientContext ctx;
+  Deadline(&ctx, 30'000);
+  ctx.set_wait_for_ready(true);
+  v1::RegisterTensorsResponse resp;
+  WSYNC_RETURN_IF_ERROR(FromGrpc(stub->RegisterTensors(&ctx, reg, &resp), "register with " + local));
+  std::printf("serving %d tensors in %s to %s; stop with SIGTERM\n", reg.tensors_size(), shm.c_str(), local.c_str());
+  std::fflush(stdout);
+  int sig = 0;
+  sigwait(&stop, &sig);
+  return Status::Ok();
+}
+
+}  // namespace
+
+void AddLocalCommands(CLI::App& app, std::function<Status()>* run) {
+  {
+    auto* cmd = app.add_subcommand("publish", "publish a safetensors checkpoint through a source daemon");
+    auto local = std::make_shared<std::string>(), file = std::make_shared<std::string>();
+    auto version = std::make_shared<uint64_t>(0);
+    auto wait = std::make_shared<int64_t>(0);
+    cmd->add_option("--local", *local, "the source's unix:PATH")->required();
+    cmd->add_option("FILE", *file, "safetensors checkpoint")->required()->check(CLI::ExistingFile);
+    cmd->add_option("--version", *version, "version (the trainer step; grows)")->required();
+    cmd->add_option("--wait-ms", *wait, "wait this long for lagging sinks (staleness bound)");
+    cmd->callback([=] { *run = [=] { return RunPublish(*local, *file, *version, *wait); }; });
+  }
+  {
+    auto* cmd = app.add_subcommand("dump", "write a sink's current weights to a safetensors file");
+    auto local = std::make_shared<std::string>(), out = std::make_shared<std::string>();
+    auto version = std::make_shared<uint64_t>(0);
+    auto timeout = std::make_shared<int64_t>(60'000);
+    cmd->add_option("--local", *local, "the sink's unix:PATH")->required();
+    cmd->add_option("-o,--output", *out, "safetensors file to write")->required();
+    cmd->add_option("--version", *version, "wait until at least this version is applied");
+    cmd->add_option("--timeout-ms", *timeout, "how long to wait for it")->capture_default_str();
+    cmd->callback([=] { *run = [=] { return RunDump(*local, *out, *version, *timeout); }; });
+  }
+  {
+    auto* cmd = app.add_subcommand("serve-buffers",
+                                   "own shared memory shaped like FILE for a sink (a stand-in inference server)");
+    auto local = std::make_shared<std::string>(), like = std::make_shared<std::string>(),
+         shm = std::make_shared<std::string>();
+    cmd->add_option("--local", *local, "the sink's unix:PATH")->required();
+    cmd->add_option("--like", *like, "safetensors file giving names, dtypes and shapes")->required()
+        ->check(CLI::ExistingFile);
+    cmd->add_option("--shm", *shm, "shared memory name (default /wsync-buffers-PID)");
+    cmd->callback([=] { *run = [=] { return RunServeBuffers(*local, *like, *shm); }; });
+  }
+}
+
+}  // namespace wsync::cli

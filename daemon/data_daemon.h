@@ -1,0 +1,46 @@
+// The source and sink daemons: the pieces of lib/ and daemon/ wired together.
+//
+//   wsyncd source: the trainer registers its tensors (shared memory) and
+//     calls Publish(version) through the local API; the source snapshots them
+//     into its VersionHistory, asks the coordinator whether the staleness
+//     policy allows the version, publishes it, and serves pulls.
+//   wsyncd sink: the inference server registers its tensors; the sink
+//     watches versions, pulls (applied, head) from the parent the coordinator
+//     assigned (a keyframe when it has nothing, is told to resync, or the
+//     patch does not fit), applies between the server's holds, reports the
+//     applied version, and serves what it holds or is receiving to its own
+//     children (relay, cut-through).
+//
+// Thread safety: Start/Shutdown/Wait from one thread.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "wsync/control/client.h"
+#include "wsync/util/status.h"
+
+namespace wsync::daemon {
+
+struct DataDaemonConfig {
+  std::string name;                      // unique node name
+  control::ClientOptions coordinator;    // address, token, TLS
+  std::string local_socket;              // unix socket path of the local API (mode 0600)
+  std::string listen = "127.0.0.1:0";    // data-plane (UCX) listen address
+  uint64_t node_ttl_ms = 10'000;
+  unsigned threads = 2;                  // codec threads
+  uint64_t rate_limit_bytes_per_s = 0;   // per data-plane link
+  uint64_t corrupt_every = 0;            // fault injection (tests)
+};
+
+class DataDaemon {
+ public:
+  virtual ~DataDaemon() = default;
+  virtual void Shutdown() = 0;
+  virtual void Wait() = 0;
+};
+
+StatusOr<std::unique_ptr<DataDaemon>> StartSource(const DataDaemonConfig& config);
+StatusOr<std::unique_ptr<DataDaemon>> StartSink(const DataDaemonConfig& config);
+
+}  // namespace wsync::daemon
