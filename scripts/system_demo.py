@@ -1,0 +1,167 @@
+#!/usr/bin/python3
+"""The real system on loopback: a coordinator, a source, N sinks (relay tree
+of fan-out F, so some sinks sit behind a relay), one stand-in inference
+server per sink owning its shared memory, and a trainer that publishes every
+snapshot of a directory in order through the source. After each version
+every sink's weights are dumped and compared bit for bit with the snapshot;
+per version it prints bytes on the wire, ratio to dense and sync latency.
+
+    system_demo.py --build BUILD --data DIR [--sinks 3] [--fanout 2]
+"""
+import argparse
+import glob
+import hashlib
+import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+
+
+def tensor_digest(path):
+    b = open(path, "rb").read()
+    n = struct.unpack("<Q", b[:8])[0]
+    h = json.loads(b[8:8 + n])
+    m = hashlib.sha256()
+    for k in sorted(k for k in h if k != "__metadata__"):
+        s, e = h[k]["data_offsets"]
+        m.update(k.encode())
+        m.update(h[k]["dtype"].encode())
+        m.update(str(h[k]["shape"]).encode())
+        m.update(b[8 + n + s:8 + n + e])
+    return m.hexdigest()
+
+
+class System:
+    def __init__(self, build, sinks, fanout, tmp):
+        self.wsync = os.path.join(build, "client", "wsync")
+        self.wsyncd = os.path.join(build, "daemon", "wsyncd")
+        self.tmp = tmp
+        self.env = dict(os.environ, UCX_TLS=os.environ.get("UCX_TLS", "tcp"),
+                        WSYNC_COORDINATOR=f"unix:{tmp}/coordinator.sock")
+        self.procs = []
+        self.sinks = [f"sink-{i}" for i in range(sinks)]
+        self.spawn("coordinator", [self.wsyncd, "coordinator", "--listen", f"unix:{tmp}/coordinator.sock",
+                                   "--fanout", str(fanout), "--store-dir", f"{tmp}/store"])
+        self.wait_for(lambda: self.status() is not None, "coordinator")
+        self.spawn("source", [self.wsyncd, "source", "--name", "source", "--local", f"unix:{tmp}/source.sock",
+                              "--node-ttl-ms", "3000"])
+        for s in self.sinks:
+            self.spawn(s, [self.wsyncd, "sink", "--name", s, "--local", f"unix:{tmp}/{s}.sock",
+                           "--node-ttl-ms", "3000"])
+
+    def spawn(self, name, argv):
+        log = open(os.path.join(self.tmp, name + ".log"), "w")
+        self.procs.append(subprocess.Popen(argv, env=self.env, stdout=log, stderr=subprocess.STDOUT))
+
+    def status(self):
+        p = subprocess.run([self.wsync, "status", "--json"], env=self.env, capture_output=True, text=True)
+        return json.loads(p.stdout) if p.returncode == 0 else None
+
+    def wait_for(self, pred, what, timeout=30):
+        end = time.time() + timeout
+        while time.time() < end:
+            if pred():
+                return
+            time.sleep(0.05)
+        raise RuntimeError(f"timed out waiting for {what}; logs in {self.tmp}")
+
+    def attach_buffers(self, like):
+        for s in self.sinks:
+            self.wait_for(lambda: os.path.exists(f"{self.tmp}/{s}.sock"), f"{s}'s local API")
+            self.spawn(f"{s}-buffers", [self.wsync, "serve-buffers", "--local", f"unix:{self.tmp}/{s}.sock",
+                                        "--like", like])
+
+    def applied(self):
+        st = self.status() or {}
+        return {n["name"]: int(n.get("appliedVersion", 0)) for n in st.get("nodes", []) if n["role"] == "ROLE_SINK"}
+
+    def parents(self):
+        st = self.status() or {}
+        return {n["name"]: n.get("parent", "") for n in st.get("nodes", []) if n["role"] == "ROLE_SINK"}
+
+    def publish(self, path, version):
+        p = subprocess.run([self.wsync, "publish", "--local", f"unix:{self.tmp}/source.sock", path,
+                            "--version", str(version)], env=self.env, capture_output=True, text=True)
+        if p.returncode != 0:
+            raise RuntimeError(p.stderr.strip())
+        words = p.stdout.split()
+        return int(words[3]), int(words[6])  # patch bytes, dense bytes
+
+    def dump(self, sink, out, version):
+        p = subprocess.run([self.wsync, "dump", "--local", f"unix:{self.tmp}/{sink}.sock", "-o", out,
+                            "--version", str(version), "--timeout-ms", "30000"],
+                           env=self.env, capture_output=True, text=True)
+        if p.returncode != 0:
+            raise RuntimeError(p.stderr.strip())
+
+    def stop(self):
+        for p in reversed(self.procs):
+            p.terminate()
+        for p in self.procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--build", required=True)
+    ap.add_argument("--data", required=True)
+    ap.add_argument("--sinks", type=int, default=3)
+    ap.add_argument("--fanout", type=int, default=2)
+    ap.add_argument("--keep", action="store_true", help="keep the logs")
+    args = ap.parse_args()
+    snaps = sorted(glob.glob(os.path.join(args.data, "*.safetensors")))
+    if len(snaps) < 2:
+        sys.exit(f"no snapshots in {args.data}")
+    tmp = tempfile.mkdtemp(prefix="wsync_system_")
+    system = System(args.build, args.sinks, args.fanout, tmp)
+    ok = True
+    try:
+        system.attach_buffers(snaps[0])
+        print(f"{args.sinks} sinks, fan-out {args.fanout}, {len(snaps)} snapshots of {args.data}")
+        print(f"{'version':>7} {'wire bytes':>12} {'dense bytes':>12} {'ratio':>8} {'sync ms':>8}  bit-exact")
+        for i, snap in enumerate(snaps):
+            version = i + 1
+            t0 = time.time()
+            patch, dense = system.publish(snap, version)
+            system.wait_for(lambda: all(v >= version for v in system.applied().values())
+                            and len(system.applied()) == args.sinks, f"version {version} on every sink", 60)
+            latency = (time.time() - t0) * 1000
+            want = tensor_digest(snap)
+            exact = []
+            for s in system.sinks:
+                out = os.path.join(tmp, f"{s}.v{version}.safetensors")
+                system.dump(s, out, version)
+                exact.append(tensor_digest(out) == want)
+                os.unlink(out)
+            ok = ok and all(exact)
+            print(f"{version:>7} {patch:>12} {dense:>12} {dense / patch:>7.1f}x {latency:>8.0f}  "
+                  f"{'yes' if all(exact) else 'NO: ' + str(exact)}")
+        parents = system.parents()
+        relayed = sorted(s for s, p in parents.items() if p.startswith("sink-"))
+        print("parents: " + ", ".join(f"{s} <- {p}" for s, p in sorted(parents.items())))
+        print(f"behind a relay: {', '.join(relayed) if relayed else 'none'}")
+        if args.sinks > args.fanout and not relayed:
+            ok = False
+            print("expected sinks behind a relay")
+    except Exception as e:  # noqa: BLE001
+        ok = False
+        print(f"FAILED: {e}")
+    finally:
+        system.stop()
+        if ok and not args.keep:
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            print(f"logs: {tmp}")
+    print("PASS" if ok else "FAIL")
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()
