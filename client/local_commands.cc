@@ -104,16 +104,42 @@ Status RunServeBuffers(const std::string& local, const std::string& like, const 
   sigaddset(&stop, SIGTERM);
   pthread_sigmask(SIG_BLOCK, &stop, nullptr);
   auto stub = Connect(local);
-  grpc::ClientContext ctx;
-  Deadline(&ctx, 30'000);
-  ctx.set_wait_for_ready(true);
-  v1::RegisterTensorsResponse resp;
-  WSYNC_RETURN_IF_ERROR(FromGrpc(stub->RegisterTensors(&ctx, reg, &resp), "register with " + local));
+  auto do_register = [&](uint64_t applied) {
+    grpc::ClientContext ctx;
+    Deadline(&ctx, 30'000);
+    ctx.set_wait_for_ready(true);
+    reg.set_applied_version(applied);
+    v1::RegisterTensorsResponse resp;
+    return FromGrpc(stub->RegisterTensors(&ctx, reg, &resp), "register with " + local);
+  };
+  WSYNC_RETURN_IF_ERROR(do_register(0));
   std::printf("serving %d tensors in %s to %s; stop with SIGTERM\n", reg.tensors_size(), shm.c_str(), local.c_str());
   std::fflush(stdout);
-  int sig = 0;
-  sigwait(&stop, &sig);
-  return Status::Ok();
+  // Like an inference server: when the sink daemon restarts, register the
+  // same memory again, saying which version it holds.
+  uint64_t held = 0;
+  bool sink_down = false;
+  const timespec tick{0, 200'000'000};
+  for (;;) {
+    int sig = sigtimedwait(&stop, nullptr, &tick);
+    if (sig > 0) return Status::Ok();
+    grpc::ClientContext ctx;
+    Deadline(&ctx, 1000);
+    v1::LocalStatusResponse st;
+    grpc::Status s = stub->Status(&ctx, v1::LocalStatusRequest(), &st);
+    if (!s.ok()) {
+      sink_down = true;
+      continue;
+    }
+    if (sink_down || st.tensors() == 0) {  // a new sink process knows no tensors
+      sink_down = false;
+      Status r = do_register(held);
+      std::fprintf(stderr, "sink restarted: registered again holding version %" PRIu64 ": %s\n", held,
+                   r.ToString().c_str());
+      continue;
+    }
+    held = st.version();
+  }
 }
 
 }  // namespace

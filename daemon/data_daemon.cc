@@ -293,11 +293,25 @@ class Sink : public Node, public v1::Local::Service, public PatchProvider {
     if (!region.ok()) return ToGrpc(region.status());
     wsync::Status s = buffers::ValidateTable(*table, (*region)->size());
     if (!s.ok()) return ToGrpc(s);
+    // Trust a claimed version only if the region's checksum is that version's
+    // (a sink that died mid-apply leaves torn weights: those get a keyframe).
+    uint64_t applied = req->applied_version();
+    if (applied != 0) {
+      auto versions = coordinator_->ListVersions(applied - 1);
+      const auto views = buffers::TableViews(*table, **region);
+      const bool match = versions.ok() && versions->versions_size() > 0 && versions->versions(0).version() == applied &&
+                         versions->versions(0).set_checksum() == codec::SetChecksum(views, &pool_);
+      if (!match) {
+        spdlog::warn("sink {}: the registered tensors are not version {} (checksum differs): starting from a keyframe",
+                     config_.name, applied);
+        applied = 0;
+      }
+    }
     {
       std::lock_guard<std::mutex> lock(state_mu_);
-      weights_ = std::make_shared<SinkWeights>(std::move(*region), std::move(*table), &pool_, req->applied_version());
+      weights_ = std::make_shared<SinkWeights>(std::move(*region), std::move(*table), &pool_, applied);
     }
-    spdlog::info("sink {}: tensors registered (holding version {})", config_.name, req->applied_version());
+    spdlog::info("sink {}: tensors registered (holding version {})", config_.name, applied);
     resp->set_head_version(head_.load());
     Kick();
     return grpc::Status::OK;
@@ -350,6 +364,7 @@ class Sink : public Node, public v1::Local::Service, public PatchProvider {
     resp->set_role("sink");
     resp->set_name(config_.name);
     resp->set_version(w ? w->applied() : 0);
+    resp->set_tensors(w ? w->Views().size() : 0);
     return grpc::Status::OK;
   }
 

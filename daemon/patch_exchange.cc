@@ -254,7 +254,7 @@ void PatchServer::Serve(std::shared_ptr<Request> r) {
     if (!bytes.ok()) return false;
     std::string msg = Typed(ExchangeMessage::kChunk);
     msg += *bytes;
-    if (!transport_->Send(r->peer, r->channel, i, msg).ok()) return false;
+    if (!transport_->Send(r->peer, r->channel, i + 1, msg).ok()) return false;
     bytes_served_ += bytes->size();
     return true;
   };
@@ -262,9 +262,14 @@ void PatchServer::Serve(std::shared_ptr<Request> r) {
     std::lock_guard<std::mutex> lock(r->mu);
     return std::exchange(r->refetch, {});
   };
+  // A refetch names a message by its seq: 0 is the header, i + 1 chunk i.
+  auto resend = [&](size_t seq) {
+    if (seq == 0) return transport_->Send(r->peer, r->channel, 0, header).ok();
+    return seq - 1 >= s->chunks() || send_chunk(seq - 1);
+  };
   for (size_t i = 0; i < s->chunks(); ++i) {
     for (size_t again : take_refetches()) {
-      if (again < i && !send_chunk(again)) return finish();
+      if (again <= i && !resend(again)) return finish();
     }
     if (cancelled() || !send_chunk(i)) return finish();
   }
@@ -277,8 +282,8 @@ void PatchServer::Serve(std::shared_ptr<Request> r) {
       if (!r->cv.wait_until(lock, until, [&] { return r->done || !r->refetch.empty(); }) || r->done) break;
       again = std::exchange(r->refetch, {});
     }
-    for (size_t i : again) {
-      if (i < s->chunks() && !send_chunk(i)) return finish();
+    for (size_t seq : again) {
+      if (!resend(seq)) return finish();
     }
   }
   finish();
@@ -348,11 +353,13 @@ void PatchFetcher::OnResponse(const Message& m) {
       p.header_seen = true;
       cv_.notify_all();
       if (!p.stream) return;
+    } else if (m.seq == 0) {
+      return;  // a chunk never has seq 0
     } else if (!p.stream) {
-      p.early.push_back({static_cast<size_t>(m.seq), m.payload.substr(1)});
+      p.early.push_back({static_cast<size_t>(m.seq - 1), m.payload.substr(1)});
       return;
     } else {
-      Status s = p.stream->Put(static_cast<size_t>(m.seq), m.payload.substr(1));
+      Status s = p.stream->Put(static_cast<size_t>(m.seq - 1), m.payload.substr(1));
       if (!s.ok()) spdlog::warn("peer {}: {}", m.peer, s.ToString());
     }
     if (p.stream->WaitComplete(std::chrono::steady_clock::now()).ok()) {
@@ -370,7 +377,8 @@ void PatchFetcher::OnCorrupt(PeerId peer, uint32_t channel, uint64_t seq) {
     if (it == pending_.end() || it->second->parent != peer) return;
   }
   ++refetches_;
-  spdlog::warn("peer {}: chunk {} of pull {} arrived corrupt: fetching it again", peer, seq, channel);
+  spdlog::warn("peer {}: {} of pull {} arrived corrupt: fetching it again", peer,
+               seq == 0 ? std::string("the header") : "chunk " + std::to_string(seq - 1), channel);
   (void)transport_->Send(peer, channel, seq, Typed(ExchangeMessage::kRefetch));
 }
 

@@ -36,26 +36,48 @@ def tensor_digest(path):
 
 
 class System:
-    def __init__(self, build, sinks, fanout, tmp):
+    """The processes of a wsync deployment on loopback, by name."""
+
+    def __init__(self, build, sinks, fanout, tmp, coordinator_args=(), source_args=()):
         self.wsync = os.path.join(build, "client", "wsync")
         self.wsyncd = os.path.join(build, "daemon", "wsyncd")
         self.tmp = tmp
         self.env = dict(os.environ, UCX_TLS=os.environ.get("UCX_TLS", "tcp"),
                         WSYNC_COORDINATOR=f"unix:{tmp}/coordinator.sock")
-        self.procs = []
-        self.sinks = [f"sink-{i}" for i in range(sinks)]
+        self.procs = {}  # name -> (argv, Popen)
+        self.sinks = []
         self.spawn("coordinator", [self.wsyncd, "coordinator", "--listen", f"unix:{tmp}/coordinator.sock",
-                                   "--fanout", str(fanout), "--store-dir", f"{tmp}/store"])
+                                   "--fanout", str(fanout), "--store-dir", f"{tmp}/store", *coordinator_args])
         self.wait_for(lambda: self.status() is not None, "coordinator")
         self.spawn("source", [self.wsyncd, "source", "--name", "source", "--local", f"unix:{tmp}/source.sock",
-                              "--node-ttl-ms", "3000"])
-        for s in self.sinks:
-            self.spawn(s, [self.wsyncd, "sink", "--name", s, "--local", f"unix:{tmp}/{s}.sock",
-                           "--node-ttl-ms", "3000"])
+                              "--node-ttl-ms", "3000", *source_args])
+        for i in range(sinks):
+            self.start_sink(f"sink-{i}")
+
+    def start_sink(self, name):
+        self.sinks.append(name)
+        self.spawn(name, [self.wsyncd, "sink", "--name", name, "--local", f"unix:{self.tmp}/{name}.sock",
+                          "--node-ttl-ms", "3000"])
 
     def spawn(self, name, argv):
-        log = open(os.path.join(self.tmp, name + ".log"), "w")
-        self.procs.append(subprocess.Popen(argv, env=self.env, stdout=log, stderr=subprocess.STDOUT))
+        log = open(os.path.join(self.tmp, name + ".log"), "a")
+        self.procs[name] = (argv, subprocess.Popen(argv, env=self.env, stdout=log, stderr=subprocess.STDOUT))
+
+    def kill(self, name, sig=9):
+        argv, p = self.procs[name]
+        p.send_signal(sig)
+        if sig in (9, 15):
+            p.wait(timeout=10)
+
+    def restart(self, name):
+        argv, p = self.procs[name]
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        self.spawn(name, argv)
+
+    def log(self, name):
+        return open(os.path.join(self.tmp, name + ".log")).read()
 
     def status(self):
         p = subprocess.run([self.wsync, "status", "--json"], env=self.env, capture_output=True, text=True)
@@ -69,8 +91,8 @@ class System:
             time.sleep(0.05)
         raise RuntimeError(f"timed out waiting for {what}; logs in {self.tmp}")
 
-    def attach_buffers(self, like):
-        for s in self.sinks:
+    def attach_buffers(self, like, sinks=None):
+        for s in sinks or self.sinks:
             self.wait_for(lambda: os.path.exists(f"{self.tmp}/{s}.sock"), f"{s}'s local API")
             self.spawn(f"{s}-buffers", [self.wsync, "serve-buffers", "--local", f"unix:{self.tmp}/{s}.sock",
                                         "--like", like])
@@ -83,9 +105,10 @@ class System:
         st = self.status() or {}
         return {n["name"]: n.get("parent", "") for n in st.get("nodes", []) if n["role"] == "ROLE_SINK"}
 
-    def publish(self, path, version):
+    def publish(self, path, version, wait_ms=0):
         p = subprocess.run([self.wsync, "publish", "--local", f"unix:{self.tmp}/source.sock", path,
-                            "--version", str(version)], env=self.env, capture_output=True, text=True)
+                            "--version", str(version), "--wait-ms", str(wait_ms)],
+                           env=self.env, capture_output=True, text=True)
         if p.returncode != 0:
             raise RuntimeError(p.stderr.strip())
         words = p.stdout.split()
@@ -98,10 +121,19 @@ class System:
         if p.returncode != 0:
             raise RuntimeError(p.stderr.strip())
 
+    def verify(self, sink, snap, version):
+        """Dumps `sink` once it holds `version`; True if bit-exact with `snap`."""
+        out = os.path.join(self.tmp, f"{sink}.v{version}.safetensors")
+        self.dump(sink, out, version)
+        same = tensor_digest(out) == tensor_digest(snap)
+        os.unlink(out)
+        return same
+
     def stop(self):
-        for p in reversed(self.procs):
-            p.terminate()
-        for p in self.procs:
+        for argv, p in reversed(list(self.procs.values())):
+            if p.poll() is None:
+                p.terminate()
+        for argv, p in self.procs.values():
             try:
                 p.wait(timeout=10)
             except subprocess.TimeoutExpired:
@@ -133,13 +165,7 @@ def main():
             system.wait_for(lambda: all(v >= version for v in system.applied().values())
                             and len(system.applied()) == args.sinks, f"version {version} on every sink", 60)
             latency = (time.time() - t0) * 1000
-            want = tensor_digest(snap)
-            exact = []
-            for s in system.sinks:
-                out = os.path.join(tmp, f"{s}.v{version}.safetensors")
-                system.dump(s, out, version)
-                exact.append(tensor_digest(out) == want)
-                os.unlink(out)
+            exact = [system.verify(s, snap, version) for s in system.sinks]
             ok = ok and all(exact)
             print(f"{version:>7} {patch:>12} {dense:>12} {dense / patch:>7.1f}x {latency:>8.0f}  "
                   f"{'yes' if all(exact) else 'NO: ' + str(exact)}")
