@@ -142,6 +142,17 @@ Status RunServeBuffers(const std::string& local, const std::string& like, const 
   }
 }
 
+Status RunLocalStatus(const std::string& local) {
+  auto stub = Connect(local);
+  grpc::ClientContext ctx;
+  Deadline(&ctx, 5000);
+  v1::LocalStatusResponse st;
+  WSYNC_RETURN_IF_ERROR(FromGrpc(stub->Status(&ctx, v1::LocalStatusRequest(), &st), "status of " + local));
+  std::printf("%s %s: version %" PRIu64 ", %" PRIu64 " tensors, %" PRIu64 " bytes served\n", st.role().c_str(),
+              st.name().c_str(), st.version(), st.tensors(), st.bytes_served());
+  return Status::Ok();
+}
+
 }  // namespace
 
 void AddLocalCommands(CLI::App& app, std::function<Status()>* run) {
@@ -155,6 +166,12 @@ void AddLocalCommands(CLI::App& app, std::function<Status()>* run) {
     cmd->add_option("--version", *version, "version (the trainer step; grows)")->required();
     cmd->add_option("--wait-ms", *wait, "wait this long for lagging sinks (staleness bound)");
     cmd->callback([=] { *run = [=] { return RunPublish(*local, *file, *version, *wait); }; });
+  }
+  {
+    auto* cmd = app.add_subcommand("local-status", "a local daemon's role, version and bytes served");
+    auto local = std::make_shared<std::string>();
+    cmd->add_option("--local", *local, "the daemon's unix:PATH")->required();
+    cmd->callback([=] { *run = [=] { return RunLocalStatus(*local); }; });
   }
   {
     auto* cmd = app.add_subcommand("dump", "write a sink's current weights to a safetensors file");

@@ -225,6 +225,7 @@ class Source : public Node, public v1::Local::Service {
     resp->set_name(config_.name);
     resp->set_version(history_.head());
     resp->set_tensors(table_.size());
+    resp->set_bytes_served(Node::server_ ? Node::server_->bytes_served() : 0);
     return grpc::Status::OK;
   }
 
@@ -365,6 +366,7 @@ class Sink : public Node, public v1::Local::Service, public PatchProvider {
     resp->set_name(config_.name);
     resp->set_version(w ? w->applied() : 0);
     resp->set_tensors(w ? w->Views().size() : 0);
+    resp->set_bytes_served(Node::server_ ? Node::server_->bytes_served() : 0);
     return grpc::Status::OK;
   }
 

@@ -119,10 +119,17 @@ StatusOr<std::shared_ptr<PatchStream>> VersionHistory::Open(uint64_t from, uint6
     eo.target_version = to;
     WSYNC_ASSIGN_OR_RETURN(std::string kf, codec::EncodeKeyframe(buffers::Views(weights), eo));
     stream = PatchStream::FromBytes(codec::PatchKind::kKeyframe, 0, to, std::move(kf), options_.stream_chunk_bytes);
+  } else if (auto next = patches_.upper_bound(from); next != patches_.end() && next->first == to) {
+    // One step: the patch as published, no weights needed.
+    stream = PatchStream::FromBytes(codec::PatchKind::kPatch, from, to, next->second, options_.stream_chunk_bytes);
   } else {
-    // Merge the chain from -> to against the weights of `from`.
-    WSYNC_ASSIGN_OR_RETURN(auto base, WeightsAt(from));
-    const auto base_views = buffers::Views(base);
+    // Merge the chain from -> to against the weights of `from` (conditioned
+    // patches decode only against their base).
+    std::vector<buffers::OwnedTensor> rebuilt;
+    if (from != oldest_) {
+      WSYNC_ASSIGN_OR_RETURN(rebuilt, WeightsAt(from));
+    }
+    const auto base_views = buffers::Views(from == oldest_ ? oldest_weights_ : rebuilt);
     auto it = patches_.upper_bound(from);
     std::string merged = it->second;
     for (++it; it != patches_.end() && it->first <= to; ++it) {

@@ -121,6 +121,11 @@ class System:
         if p.returncode != 0:
             raise RuntimeError(p.stderr.strip())
 
+    def source_bytes_served(self):
+        out = subprocess.run([self.wsync, "local-status", "--local", f"unix:{self.tmp}/source.sock"],
+                             env=self.env, capture_output=True, text=True).stdout.split()
+        return int(out[6]) if len(out) > 6 else 0
+
     def verify(self, sink, snap, version):
         """Dumps `sink` once it holds `version`; True if bit-exact with `snap`."""
         out = os.path.join(self.tmp, f"{sink}.v{version}.safetensors")
@@ -166,9 +171,14 @@ def main():
                             and len(system.applied()) == args.sinks, f"version {version} on every sink", 60)
             latency = (time.time() - t0) * 1000
             exact = [system.verify(s, snap, version) for s in system.sinks]
+            if version == 1:
+                served_after_keyframe = system.source_bytes_served()
             ok = ok and all(exact)
             print(f"{version:>7} {patch:>12} {dense:>12} {dense / patch:>7.1f}x {latency:>8.0f}  "
                   f"{'yes' if all(exact) else 'NO: ' + str(exact)}")
+        total_served = system.source_bytes_served()
+        print(f"bytes sent by the source: {total_served} in all, {total_served - served_after_keyframe} "
+              f"for the patches of versions 2..{len(snaps)}")
         parents = system.parents()
         relayed = sorted(s for s, p in parents.items() if p.startswith("sink-"))
         print("parents: " + ", ".join(f"{s} <- {p}" for s, p in sorted(parents.items())))
