@@ -18,7 +18,9 @@ ninja -C build -j "$jobs"
 echo "== sanitizers (ASan + UBSan, portable kernels)"
 cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=Debug -DWSYNC_SANITIZE=address,undefined \
   -DWSYNC_X86_64_V3=OFF -DWSYNC_CUDA=OFF -DWSYNC_BUILD_TESTS=ON > /dev/null
-ninja -C build-asan -j "$jobs"
+# Only the unit-test executables (the integration tiers run in the main build).
+ninja -C build-asan -j "$jobs" util_test codec_test buffers_test regress_test control_test daemon_config_test \
+  version_history_test sink_weights_test
 (cd build-asan && ctest -j "$jobs" -L unit --output-on-failure --timeout 600)
 
 echo "== fuzz the patch decoder (${WSYNC_FUZZ_SECONDS:-60} s)"
