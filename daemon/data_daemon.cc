@@ -29,13 +29,21 @@ grpc::Status ToGrpc(const Status& s) {
   return s.ok() ? grpc::Status::OK : grpc::Status(static_cast<grpc::StatusCode>(s.code()), s.message());
 }
 
-StatusOr<std::vector<buffers::TensorEntry>> ParseTable(const v1::RegisterTensorsRequest& req) {
+// The memory and table of a RegisterTensors request, mapped and validated.
+struct Registered {
+  std::unique_ptr<buffers::Region> region;
   std::vector<buffers::TensorEntry> table;
+};
+
+StatusOr<Registered> OpenRegistered(const v1::RegisterTensorsRequest& req) {
+  Registered r;
   for (const auto& t : req.tensors()) {
     WSYNC_ASSIGN_OR_RETURN(codec::DType dtype, codec::ParseDType(t.dtype()));
-    table.push_back({t.name(), dtype, {t.shape().begin(), t.shape().end()}, t.offset()});
+    r.table.push_back({t.name(), dtype, {t.shape().begin(), t.shape().end()}, t.offset()});
   }
-  return table;
+  WSYNC_ASSIGN_OR_RETURN(r.region, buffers::OpenShm(req.shm_name()));
+  WSYNC_RETURN_IF_ERROR(buffers::ValidateTable(r.table, r.region->size()));
+  return r;
 }
 
 // What source and sink share: the data-plane transport with its exchange,
@@ -168,15 +176,11 @@ class Source : public Node, public v1::Local::Service {
 
   grpc::Status RegisterTensors(grpc::ServerContext*, const v1::RegisterTensorsRequest* req,
                                v1::RegisterTensorsResponse* resp) override {
-    auto table = ParseTable(*req);
-    if (!table.ok()) return ToGrpc(table.status());
-    auto region = buffers::OpenShm(req->shm_name());
-    if (!region.ok()) return ToGrpc(region.status());
-    wsync::Status s = buffers::ValidateTable(*table, (*region)->size());
-    if (!s.ok()) return ToGrpc(s);
+    auto reg = OpenRegistered(*req);
+    if (!reg.ok()) return ToGrpc(reg.status());
     std::lock_guard<std::mutex> lock(state_mu_);
-    region_ = std::move(*region);
-    table_ = std::move(*table);
+    region_ = std::move(reg->region);
+    table_ = std::move(reg->table);
     resp->set_head_version(history_.head());
     spdlog::info("source {}: {} tensors registered in {}", config_.name, table_.size(), region_->description());
     return grpc::Status::OK;
@@ -288,18 +292,14 @@ class Sink : public Node, public v1::Local::Service, public PatchProvider {
   // --- Local API.
   grpc::Status RegisterTensors(grpc::ServerContext*, const v1::RegisterTensorsRequest* req,
                                v1::RegisterTensorsResponse* resp) override {
-    auto table = ParseTable(*req);
-    if (!table.ok()) return ToGrpc(table.status());
-    auto region = buffers::OpenShm(req->shm_name());
-    if (!region.ok()) return ToGrpc(region.status());
-    wsync::Status s = buffers::ValidateTable(*table, (*region)->size());
-    if (!s.ok()) return ToGrpc(s);
+    auto reg = OpenRegistered(*req);
+    if (!reg.ok()) return ToGrpc(reg.status());
     // Trust a claimed version only if the region's checksum is that version's
     // (a sink that died mid-apply leaves torn weights: those get a keyframe).
     uint64_t applied = req->applied_version();
     if (applied != 0) {
       auto versions = coordinator_->ListVersions(applied - 1);
-      const auto views = buffers::TableViews(*table, **region);
+      const auto views = buffers::TableViews(reg->table, *reg->region);
       const bool match = versions.ok() && versions->versions_size() > 0 && versions->versions(0).version() == applied &&
                          versions->versions(0).set_checksum() == codec::SetChecksum(views, &pool_);
       if (!match) {
@@ -310,7 +310,7 @@ class Sink : public Node, public v1::Local::Service, public PatchProvider {
     }
     {
       std::lock_guard<std::mutex> lock(state_mu_);
-      weights_ = std::make_shared<SinkWeights>(std::move(*region), std::move(*table), &pool_, applied);
+      weights_ = std::make_shared<SinkWeights>(std::move(reg->region), std::move(reg->table), &pool_, applied);
     }
     spdlog::info("sink {}: tensors registered (holding version {})", config_.name, applied);
     resp->set_head_version(head_.load());

@@ -4,6 +4,7 @@
 #include <spdlog/spdlog.h>
 
 #include <csignal>
+#include <functional>
 #include <cstdlib>
 #include <thread>
 
@@ -23,6 +24,29 @@ int Fail(const Status& s) {
   return 1;
 }
 
+// Blocks SIGINT and SIGTERM in every thread started after this; Waiter()
+// then waits for one of them on a thread of its own and calls `stop`.
+class StopSignals {
+ public:
+  StopSignals() {
+    sigemptyset(&set_);
+    sigaddset(&set_, SIGINT);
+    sigaddset(&set_, SIGTERM);
+    pthread_sigmask(SIG_BLOCK, &set_, nullptr);
+  }
+  std::thread Waiter(std::function<void()> stop) {
+    return std::thread([this, stop = std::move(stop)] {
+      int sig = 0;
+      sigwait(&set_, &sig);
+      spdlog::info("signal {}: shutting down", sig);
+      stop();
+    });
+  }
+
+ private:
+  sigset_t set_;
+};
+
 int RunCoordinator(daemon::CoordinatorConfig config) {
   Status s = daemon::FinishCoordinatorConfig(&config);
   if (!s.ok()) return Fail(s);
@@ -39,12 +63,7 @@ int RunCoordinator(daemon::CoordinatorConfig config) {
   auto state = control::CoordinatorState::Create(config.state, control::SystemClock(), std::move(store), recovered);
   if (!state.ok()) return Fail(state.status());
 
-  // Block the stop signals before any thread starts; one thread waits for them.
-  sigset_t stop;
-  sigemptyset(&stop);
-  sigaddset(&stop, SIGINT);
-  sigaddset(&stop, SIGTERM);
-  pthread_sigmask(SIG_BLOCK, &stop, nullptr);
+  StopSignals signals;  // before any thread starts
 
   auto server = control::CoordinatorServer::Start(config.server, state->get());
   if (!server.ok()) return Fail(server.status());
@@ -61,12 +80,7 @@ int RunCoordinator(daemon::CoordinatorConfig config) {
                (*state)->head(), config.server.token.empty() ? "off" : "on",
                config.server.tls.cert_file.empty() ? "off" : (config.server.tls.client_ca_file.empty() ? "on" : "mTLS"),
                config.server.metrics_listen.empty() ? "off" : "127.0.0.1:" + std::to_string((*server)->metrics_port()));
-  std::thread waiter([&] {
-    int sig = 0;
-    sigwait(&stop, &sig);
-    spdlog::info("signal {}: shutting down", sig);
-    (*server)->Shutdown();
-  });
+  std::thread waiter = signals.Waiter([&] { (*server)->Shutdown(); });
   (*server)->Wait();
   waiter.join();
   return 0;
@@ -86,19 +100,10 @@ int RunData(bool source, daemon::DataDaemonConfig config, const std::string& tok
   if (config.local_socket.rfind("unix:", 0) == 0) config.local_socket = config.local_socket.substr(5);
   if (config.local_socket.empty()) return Fail(InvalidArgumentError("--local unix:PATH is required"));
   if (config.name.empty()) return Fail(InvalidArgumentError("--name is required"));
-  sigset_t stop;
-  sigemptyset(&stop);
-  sigaddset(&stop, SIGINT);
-  sigaddset(&stop, SIGTERM);
-  pthread_sigmask(SIG_BLOCK, &stop, nullptr);
+  StopSignals signals;  // before any thread starts
   auto d = source ? daemon::StartSource(config) : daemon::StartSink(config);
   if (!d.ok()) return Fail(d.status());
-  std::thread waiter([&] {
-    int sig = 0;
-    sigwait(&stop, &sig);
-    spdlog::info("signal {}: shutting down", sig);
-    (*d)->Shutdown();
-  });
+  std::thread waiter = signals.Waiter([&] { (*d)->Shutdown(); });
   (*d)->Wait();
   waiter.join();
   return 0;
