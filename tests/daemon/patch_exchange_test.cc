@@ -83,6 +83,15 @@ Versions MakeVersions() {
   return v;
 }
 
+// `source` offers patch 1->2; `sink` connects to it and pulls it.
+StatusOr<std::shared_ptr<PatchStream>> OfferAndPull(Node& source, Node& sink, const std::string& patch,
+                                                    transport::PeerId* parent = nullptr) {
+  source.provider.streams[{1, 2}] = PatchStream::FromBytes(codec::PatchKind::kPatch, 1, 2, patch, kChunk);
+  WSYNC_ASSIGN_OR_RETURN(transport::PeerId peer, sink.transport->Connect(source.transport->LocalConnInfo()));
+  if (parent != nullptr) *parent = peer;
+  return sink.fetcher->Pull(peer, 1, 2, 10s);
+}
+
 void ExpectAppliesExactly(const Versions& v, const std::string& bytes) {
   auto dst = v.v1;
   auto views = buffers::MutableViews(dst);
@@ -96,16 +105,14 @@ TEST_P(PatchExchangeTest, PullsAPatchBitExactly) {
   ASSERT_GT(v.patch.size(), 3 * kChunk);  // several chunks
   auto source = MakeNode();
   auto sink = MakeNode();
-  source->provider.streams[{1, 2}] = PatchStream::FromBytes(codec::PatchKind::kPatch, 1, 2, v.patch, kChunk);
-  auto parent = sink->transport->Connect(source->transport->LocalConnInfo());
-  ASSERT_TRUE(parent.ok());
-  auto stream = sink->fetcher->Pull(*parent, 1, 2, 10s);
+  transport::PeerId parent = 0;
+  auto stream = OfferAndPull(*source, *sink, v.patch, &parent);
   ASSERT_TRUE(stream.ok()) << stream.status().ToString();
   ASSERT_TRUE((*stream)->WaitComplete(std::chrono::steady_clock::now() + 20s).ok());
   EXPECT_EQ((*stream)->Assemble(), v.patch);
   ExpectAppliesExactly(v, (*stream)->Assemble());
   // An unknown range: the provider's error travels back with its code.
-  auto missing = sink->fetcher->Pull(*parent, 5, 9, 10s);
+  auto missing = sink->fetcher->Pull(parent, 5, 9, 10s);
   EXPECT_EQ(missing.status().code(), StatusCode::kNotFound) << missing.status().ToString();
   EXPECT_NE(missing.status().message().find("no patch 5->9"), std::string::npos);
 }
@@ -116,10 +123,7 @@ TEST_P(PatchExchangeTest, CorruptedChunksAreFetchedAgain) {
   bad.corrupt_every = 3;  // the source's link corrupts every third message
   auto source = MakeNode(bad);
   auto sink = MakeNode();
-  source->provider.streams[{1, 2}] = PatchStream::FromBytes(codec::PatchKind::kPatch, 1, 2, v.patch, kChunk);
-  auto parent = sink->transport->Connect(source->transport->LocalConnInfo());
-  ASSERT_TRUE(parent.ok());
-  auto stream = sink->fetcher->Pull(*parent, 1, 2, 10s);
+  auto stream = OfferAndPull(*source, *sink, v.patch);
   ASSERT_TRUE(stream.ok()) << stream.status().ToString();
   ASSERT_TRUE((*stream)->WaitComplete(std::chrono::steady_clock::now() + 20s).ok());
   EXPECT_GT(sink->fetcher->refetches(), 0u);
@@ -158,10 +162,7 @@ TEST_P(PatchExchangeTest, ParentFailureFailsThePull) {
   slow.rate_limit_bytes_per_s = 64 << 10;
   auto source = MakeNode(slow);
   auto sink = MakeNode();
-  source->provider.streams[{1, 2}] = PatchStream::FromBytes(codec::PatchKind::kPatch, 1, 2, v.patch, kChunk);
-  auto parent = sink->transport->Connect(source->transport->LocalConnInfo());
-  ASSERT_TRUE(parent.ok());
-  auto stream = sink->fetcher->Pull(*parent, 1, 2, 10s);
+  auto stream = OfferAndPull(*source, *sink, v.patch);
   ASSERT_TRUE(stream.ok());
   source.reset();  // the parent dies mid-transfer
   Status s = (*stream)->WaitComplete(std::chrono::steady_clock::now() + 20s);

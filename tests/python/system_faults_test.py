@@ -115,6 +115,15 @@ def corruption(build, snaps):
         system.stop()
 
 
+def freeze_one_sink(system, snaps):
+    """Both sinks at version 1, then sink-1 frozen (SIGSTOP) while version 2 goes out."""
+    system.attach_buffers(snaps[0])
+    system.publish(snaps[0], 1)
+    synced(system, 1)
+    system.kill("sink-1", signal.SIGSTOP)
+    system.publish(snaps[1], 2)
+
+
 def staleness(build, snaps):
     # Evict: a frozen sink lags beyond the bound; the trainer goes on; the
     # sink resyncs from a keyframe when it wakes.
@@ -122,11 +131,7 @@ def staleness(build, snaps):
                                                                   "--staleness-policy", "evict",
                                                                   "--node-ttl-ms", "30000"])
     try:
-        system.attach_buffers(snaps[0])
-        system.publish(snaps[0], 1)
-        synced(system, 1)
-        system.kill("sink-1", signal.SIGSTOP)
-        system.publish(snaps[1], 2)
+        freeze_one_sink(system, snaps)
         synced(system, 2, ["sink-0"])
         system.publish(snaps[2], 3)  # sink-1 would lag by 2 > 1: evicted
         st = {n["name"]: n for n in system.status()["nodes"]}
@@ -140,11 +145,7 @@ def staleness(build, snaps):
     system = scenario("staleness-block", build, coordinator_args=["--max-staleness", "1",
                                                                   "--staleness-policy", "block"])
     try:
-        system.attach_buffers(snaps[0])
-        system.publish(snaps[0], 1)
-        synced(system, 1)
-        system.kill("sink-1", signal.SIGSTOP)
-        system.publish(snaps[1], 2)
+        freeze_one_sink(system, snaps)
         try:
             system.publish(snaps[2], 3)
             check(False, "publishing past the bound is held back")
