@@ -19,11 +19,13 @@ namespace wsync::transport::internal {
 // Frame header of every message (docs/transport.md), little-endian.
 struct FrameHeader {
   static constexpr uint32_t kMagic = 0x31545357;  // "WST1"
-  static constexpr size_t kBytes = 24;
+  static constexpr size_t kBytes = 32;
+  static constexpr size_t kLinkSeqOffset = 24;
   uint32_t channel = 0;
   uint64_t seq = 0;
   uint32_t crc = 0;  // CRC-32C of the payload
   uint32_t length = 0;
+  uint64_t link_seq = 0;  // per-connection send order (UCX may reorder across lanes and protocols)
 
   void EncodeTo(char* out) const {
     const uint32_t magic = kMagic;
@@ -32,6 +34,7 @@ struct FrameHeader {
     std::memcpy(out + 8, &seq, 8);
     std::memcpy(out + 16, &crc, 4);
     std::memcpy(out + 20, &length, 4);
+    std::memcpy(out + kLinkSeqOffset, &link_seq, 8);
   }
   // False when the bytes are not a frame header.
   bool DecodeFrom(const void* data, size_t n) {
@@ -43,6 +46,7 @@ struct FrameHeader {
     std::memcpy(&seq, in + 8, 8);
     std::memcpy(&crc, in + 16, 4);
     std::memcpy(&length, in + 20, 4);
+    std::memcpy(&link_seq, in + kLinkSeqOffset, 8);
     return magic == kMagic;
   }
 };

@@ -221,9 +221,11 @@ class UcxTransport : public Transport {
     ucp_ep_h ep = nullptr;
     std::shared_ptr<internal::Window> window;
     std::shared_ptr<internal::RateLimiter> limiter;
-    // In-order delivery: arrivals get slots (nullptr while the data is still
-    // arriving); delivered from the front once complete.
-    uint64_t next_slot = 0;
+    // In-order delivery: arrivals take the slot of their link sequence
+    // number (nullptr while the data is still arriving); delivered in order
+    // from next_deliver once complete.
+    uint64_t next_send = 0;     // link sequence of the next message posted (progress thread)
+    uint64_t next_deliver = 0;
     std::map<uint64_t, RecvOp*> slots;
   };
 
@@ -268,16 +270,21 @@ class UcxTransport : public Transport {
 
   void PostSend(SendOp* op) {
     ucp_ep_h ep = nullptr;
+    uint64_t link_seq = 0;
     {
       std::lock_guard<std::mutex> lock(mu_);
       auto it = peers_.find(op->peer);
-      if (it != peers_.end()) ep = it->second.ep;
+      if (it != peers_.end()) {
+        ep = it->second.ep;
+        link_seq = it->second.next_send++;  // posted in this order
+      }
     }
     if (ep == nullptr) {
       op->window->Fail();
       delete op;
       return;
     }
+    std::memcpy(op->header + FrameHeader::kLinkSeqOffset, &link_seq, 8);
     ucp_request_param_t param{};
     param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
     param.cb.send = &UcxTransport::OnSendDone;
@@ -377,7 +384,12 @@ class UcxTransport : public Transport {
         return UCS_OK;
       }
       Peer& p = self->peers_[peer];
-      slot = p.next_slot++;
+      slot = h.link_seq;
+      if (slot < p.next_deliver || slot > p.next_deliver + (1u << 20) || p.slots.count(slot)) {
+        spdlog::warn("transport: dropping a message with link sequence {} from peer {} (expecting {})", slot, peer,
+                     p.next_deliver);
+        return UCS_OK;
+      }
       p.slots[slot] = nullptr;
     }
     auto* op = new RecvOp{self, peer, slot, h, std::string(length, '\0')};
@@ -425,9 +437,12 @@ class UcxTransport : public Transport {
     {
       std::lock_guard<std::mutex> lock(mu_);
       for (auto& [id, p] : peers_) {
-        while (!p.slots.empty() && p.slots.begin()->second != nullptr) {
-          ready.push_back(p.slots.begin()->second);
-          p.slots.erase(p.slots.begin());
+        for (auto it = p.slots.find(p.next_deliver); it != p.slots.end() && it->first == p.next_deliver &&
+                                                     it->second != nullptr;
+             it = p.slots.find(p.next_deliver)) {
+          ready.push_back(it->second);
+          p.slots.erase(it);
+          ++p.next_deliver;
         }
       }
     }
