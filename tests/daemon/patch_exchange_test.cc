@@ -133,7 +133,7 @@ TEST_P(PatchExchangeTest, CorruptedChunksAreFetchedAgain) {
 TEST_P(PatchExchangeTest, RelayForwardsChunksAsTheyArrive) {
   Versions v = MakeVersions();
   transport::TransportOptions slow;
-  slow.rate_limit_bytes_per_s = 256 << 10;  // the source trickles: the relay overlaps
+  slow.rate_limit_bytes_per_s = 64 << 10;  // the source trickles (~0.8 s): the relay overlaps
   auto source = MakeNode(slow);
   auto relay = MakeNode();
   auto sink = MakeNode();
