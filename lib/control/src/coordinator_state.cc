@@ -105,13 +105,9 @@ void CoordinatorState::Apply(const Record& r) {
       break;
     }
     case Record::kLeaseGranted: {
-      const auto& lr = r.lease_granted();
-      Lease& l = leases_[lr.id()];
-      l.set_id(lr.id());
-      l.set_node(lr.node());
-      l.set_version(lr.version());
-      l.set_expires_unix_ms(lr.expires_unix_ms());
-      next_lease_id_ = std::max(next_lease_id_, lr.id() + 1);
+      const Lease& l = r.lease_granted();
+      leases_[l.id()] = l;
+      next_lease_id_ = std::max(next_lease_id_, l.id() + 1);
       break;
     }
     case Record::kLeaseReleased:
@@ -151,13 +147,7 @@ wsync::store::v1::Snapshot CoordinatorState::MakeSnapshot() const {
   wsync::store::v1::Snapshot snap;
   for (const auto& [name, n] : nodes_) *snap.add_nodes() = ToRecord(n);
   for (const auto& [v, vs] : versions_) *snap.add_versions() = vs;
-  for (const auto& [id, l] : leases_) {
-    auto* lr = snap.add_leases();
-    lr->set_id(l.id());
-    lr->set_node(l.node());
-    lr->set_version(l.version());
-    lr->set_expires_unix_ms(l.expires_unix_ms());
-  }
+  for (const auto& [id, l] : leases_) *snap.add_leases() = l;
   snap.set_next_lease_id(next_lease_id_);
   snap.set_next_incarnation(next_incarnation_);
   return snap;
@@ -318,15 +308,19 @@ StatusOr<Lease> CoordinatorState::AcquireLease(const std::string& node, uint64_t
   if (!versions_.count(version)) {
     return NotFoundError("version " + std::to_string(version) + " was never published");
   }
-  wsync::store::v1::LeaseRecord lr;
-  lr.set_id(next_lease_id_);
-  lr.set_node(node);
-  lr.set_version(version);
-  lr.set_expires_unix_ms(clock_->NowMs() + static_cast<int64_t>(ttl_ms ? ttl_ms : options_.default_ttl_ms));
+  return GrantLeaseLocked(next_lease_id_, node, version, ttl_ms);
+}
+
+StatusOr<Lease> CoordinatorState::GrantLeaseLocked(uint64_t id, const std::string& node, uint64_t version,
+                                                   uint64_t ttl_ms) {
   Record r;
-  *r.mutable_lease_granted() = lr;
+  Lease* l = r.mutable_lease_granted();
+  l->set_id(id);
+  l->set_node(node);
+  l->set_version(version);
+  l->set_expires_unix_ms(clock_->NowMs() + static_cast<int64_t>(ttl_ms ? ttl_ms : options_.default_ttl_ms));
   WSYNC_RETURN_IF_ERROR(Log(r));
-  return leases_.at(lr.id());
+  return leases_.at(id);
 }
 
 StatusOr<Lease> CoordinatorState::RenewLease(uint64_t id, uint64_t ttl_ms) {
@@ -335,15 +329,7 @@ StatusOr<Lease> CoordinatorState::RenewLease(uint64_t id, uint64_t ttl_ms) {
   ExpireLocked();
   auto it = leases_.find(id);
   if (it == leases_.end()) return NotFoundError("lease " + std::to_string(id) + " is not held (expired or released)");
-  wsync::store::v1::LeaseRecord lr;
-  lr.set_id(id);
-  lr.set_node(it->second.node());
-  lr.set_version(it->second.version());
-  lr.set_expires_unix_ms(clock_->NowMs() + static_cast<int64_t>(ttl_ms ? ttl_ms : options_.default_ttl_ms));
-  Record r;
-  *r.mutable_lease_granted() = lr;
-  WSYNC_RETURN_IF_ERROR(Log(r));
-  return leases_.at(id);
+  return GrantLeaseLocked(id, it->second.node(), it->second.version(), ttl_ms);
 }
 
 Status CoordinatorState::ReleaseLease(uint64_t id) {

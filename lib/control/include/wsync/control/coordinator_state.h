@@ -74,13 +74,11 @@ class CoordinatorState {
   uint64_t WaitForChange(uint64_t seen, std::chrono::steady_clock::time_point deadline) const;
 
  private:
-  struct NodeEntry {
-    wsync::v1::Node node;
-  };
-
   CoordinatorState(const CoordinatorOptions& options, const Clock* clock, std::unique_ptr<Store> store);
   void Apply(const wsync::store::v1::Record& r);       // REQUIRES: mu_ held
   Status Log(const wsync::store::v1::Record& r);       // append, apply, maybe compact
+  // Grants or renews lease `id` until now + ttl (0: default). REQUIRES: mu_ held.
+  StatusOr<wsync::v1::Lease> GrantLeaseLocked(uint64_t id, const std::string& node, uint64_t version, uint64_t ttl_ms);
   wsync::store::v1::NodeRecord ToRecord(const wsync::v1::Node& n) const;
   wsync::store::v1::Snapshot MakeSnapshot() const;
   void ExpireLocked();
