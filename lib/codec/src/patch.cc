@@ -351,6 +351,32 @@ Status ApplyDelta(const Container& c, const std::vector<const MutableTensorView*
   return Status::Ok();
 }
 
+// The change of applying `first` then `second`: the union of positions,
+// deltas added mod 2^w at common ones, zero sums dropped.
+template <typename T>
+SparseDelta<T> ComposeDeltas(const SparseDelta<T>& first, const SparseDelta<T>& second) {
+  SparseDelta<T> out;
+  size_t x = 0, y = 0;
+  while (x < first.pos.size() || y < second.pos.size()) {
+    if (y == second.pos.size() || (x < first.pos.size() && first.pos[x] < second.pos[y])) {
+      out.pos.push_back(first.pos[x]);
+      out.delta.push_back(first.delta[x++]);
+    } else if (x == first.pos.size() || second.pos[y] < first.pos[x]) {
+      out.pos.push_back(second.pos[y]);
+      out.delta.push_back(second.delta[y++]);
+    } else {
+      const T sum = static_cast<T>(first.delta[x] + second.delta[y]);
+      if (sum != 0) {
+        out.pos.push_back(first.pos[x]);
+        out.delta.push_back(sum);
+      }
+      ++x;
+      ++y;
+    }
+  }
+  return out;
+}
+
 }  // namespace
 
 uint64_t TensorView::NumElements() const { return SaturatingProduct(shape); }
@@ -504,60 +530,37 @@ StatusOr<std::string> MergePatches(std::string_view first, std::string_view seco
   const std::vector<Task> tasks = TasksOf(out.tensors);
   std::vector<internal::EncodedChunk> encoded(tasks.size());
   FirstError error;
-  RunParallel(options.pool, tasks.size(), [&](size_t i) {
-    const size_t ti = tasks[i].tensor, ci = tasks[i].chunk;
-    const TensorEntry& ea = a.tensors[ti];
-    const TensorEntry& eb = b.tensors[ti];
+  ForEachChunk(options.pool, a, tasks, [&](size_t i, const TensorEntry& ea, size_t ci, size_t n, auto zero) {
+    using T = decltype(zero);
+    const size_t ti = tasks[i].tensor;
     const ChunkEntry& ca = ea.chunks[ci];
-    const ChunkEntry& cb = eb.chunks[ci];
-    const size_t n = a.ChunkElements(ea, ci);
+    const ChunkEntry& cb = b.tensors[ti].chunks[ci];
     const ExponentField ef = ExponentFieldOf(ea.dtype);
     const std::string where = ChunkWhere(ea, ci);
-    WithWidth(DTypeWidth(ea.dtype), [&](auto zero) {
-      using T = decltype(zero);
-      SparseDelta<T> db;
-      if (keyframe) {
-        std::vector<T> values(n);
-        Status s = internal::DecodeKeyframeChunk<T>(a.PosStream(ca), n, values.data());
-        if (s.ok()) s = internal::DecodeChunk<T>(cb.mode, cb.changed, b.PosStream(cb), b.ValStream(cb), values.data(), n, ef, &db);
-        if (!s.ok()) return error.Record(i, s.WithContext(where));
-        internal::ScatterAdd(values.data(), db, false);
-        internal::EncodeKeyframeChunk(values.data(), n, options.zstd_level, &encoded[i].pos);
-        return;
-      }
-      const T* bj = have_base ? reinterpret_cast<const T*>(base_of[ti]->data) + ci * (a.chunk_bytes / sizeof(T)) : nullptr;
-      SparseDelta<T> da;
-      Status s = internal::DecodeChunk<T>(ca.mode, ca.changed, a.PosStream(ca), a.ValStream(ca), bj, n, ef, &da);
-      if (!s.ok()) return error.Record(i, s.WithContext("first patch " + where));
-      std::vector<T> version_k;
-      if (internal::ChunkNeedsBase(cb.mode, b.PosStream(cb)) && bj != nullptr) {
-        version_k.assign(bj, bj + n);
-        internal::ScatterAdd(version_k.data(), da, false);
-      }
-      s = internal::DecodeChunk<T>(cb.mode, cb.changed, b.PosStream(cb), b.ValStream(cb),
-                                   version_k.empty() ? nullptr : version_k.data(), n, ef, &db);
-      if (!s.ok()) return error.Record(i, s.WithContext("second patch " + where));
-      // Union of positions; deltas add mod 2^w; zero sums drop out.
-      SparseDelta<T> merged;
-      size_t x = 0, y = 0;
-      while (x < da.pos.size() || y < db.pos.size()) {
-        if (y == db.pos.size() || (x < da.pos.size() && da.pos[x] < db.pos[y])) {
-          merged.pos.push_back(da.pos[x]);
-          merged.delta.push_back(da.delta[x++]);
-        } else if (x == da.pos.size() || db.pos[y] < da.pos[x]) {
-          merged.pos.push_back(db.pos[y]);
-          merged.delta.push_back(db.delta[y++]);
-        } else {
-          T sum = static_cast<T>(da.delta[x++] + db.delta[y++]);
-          if (sum != 0) {
-            merged.pos.push_back(db.pos[y - 1]);
-            merged.delta.push_back(sum);
-          }
-        }
-      }
-      internal::ChunkCodecOptions co{options.zstd_level, options.condition_on_base && bj != nullptr, ef};
-      encoded[i] = internal::EncodeChunk(bj, n, merged, co);
-    });
+    SparseDelta<T> db;
+    if (keyframe) {
+      std::vector<T> values(n);
+      Status s = internal::DecodeKeyframeChunk<T>(a.PosStream(ca), n, values.data());
+      if (s.ok()) s = internal::DecodeChunk<T>(cb.mode, cb.changed, b.PosStream(cb), b.ValStream(cb), values.data(), n, ef, &db);
+      if (!s.ok()) return error.Record(i, s.WithContext(where));
+      internal::ScatterAdd(values.data(), db, false);
+      internal::EncodeKeyframeChunk(values.data(), n, options.zstd_level, &encoded[i].pos);
+      return;
+    }
+    const T* bj = have_base ? reinterpret_cast<const T*>(base_of[ti]->data) + ci * (a.chunk_bytes / sizeof(T)) : nullptr;
+    SparseDelta<T> da;
+    Status s = internal::DecodeChunk<T>(ca.mode, ca.changed, a.PosStream(ca), a.ValStream(ca), bj, n, ef, &da);
+    if (!s.ok()) return error.Record(i, s.WithContext("first patch " + where));
+    std::vector<T> version_k;
+    if (internal::ChunkNeedsBase(cb.mode, b.PosStream(cb)) && bj != nullptr) {
+      version_k.assign(bj, bj + n);
+      internal::ScatterAdd(version_k.data(), da, false);
+    }
+    s = internal::DecodeChunk<T>(cb.mode, cb.changed, b.PosStream(cb), b.ValStream(cb),
+                                 version_k.empty() ? nullptr : version_k.data(), n, ef, &db);
+    if (!s.ok()) return error.Record(i, s.WithContext("second patch " + where));
+    internal::ChunkCodecOptions co{options.zstd_level, options.condition_on_base && bj != nullptr, ef};
+    encoded[i] = internal::EncodeChunk(bj, n, ComposeDeltas(da, db), co);
   });
   WSYNC_RETURN_IF_ERROR(error.status());
   return Finish(out, tasks, encoded);
