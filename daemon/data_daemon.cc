@@ -188,8 +188,13 @@ class Source : public Node, public v1::Local::Service {
 
   grpc::Status Publish(grpc::ServerContext*, const v1::LocalPublishRequest* req,
                        v1::LocalPublishResponse* resp) override {
-    std::lock_guard<std::mutex> lock(state_mu_);
-    if (!region_) return ToGrpc(FailedPreconditionError("no tensors registered"));
+    // Publishes are serialized; the registration lock is taken only for the
+    // snapshot, so waiting on the staleness policy blocks nothing else.
+    std::lock_guard<std::mutex> publishing(publish_mu_);
+    {
+      std::lock_guard<std::mutex> lock(state_mu_);
+      if (!region_) return ToGrpc(FailedPreconditionError("no tensors registered"));
+    }
     auto may = coordinator_->MayPublish(req->version(), req->wait_ms());
     if (!may.ok()) return ToGrpc(may.status());
     if (!may->allowed()) {
@@ -199,7 +204,11 @@ class Source : public Node, public v1::Local::Service {
                                  " is held back by the staleness bound; lagging sinks: " + who));
     }
     const auto t0 = Clock::now();
-    auto pub = history_.Publish(req->version(), buffers::TableViews(table_, *region_));
+    StatusOr<PublishedVersion> pub = UnavailableError("not published");
+    {
+      std::lock_guard<std::mutex> lock(state_mu_);
+      pub = history_.Publish(req->version(), buffers::TableViews(table_, *region_));
+    }
     if (!pub.ok()) return ToGrpc(pub.status());
     const double ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
     v1::VersionSummary v;
@@ -245,7 +254,8 @@ class Source : public Node, public v1::Local::Service {
 
  private:
   VersionHistory history_;
-  std::mutex state_mu_;
+  std::mutex publish_mu_;  // one Publish at a time
+  std::mutex state_mu_;    // region_ and table_
   std::unique_ptr<buffers::Region> region_;
   std::vector<buffers::TensorEntry> table_;
 };
