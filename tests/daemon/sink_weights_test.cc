@@ -75,6 +75,12 @@ TEST(SinkWeights, HoldersOnlyEverSeeWholeVersions) {
     }
   });
   for (uint64_t v = 2; v <= kVersions; ++v) {
+    // Let the reader see each version at least once (applies are preferred
+    // over new holds, so back-to-back applies could otherwise starve it).
+    const int seen = checks.load();
+    for (int spin = 0; spin < 10000 && checks.load() == seen; ++spin) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
     auto stream = s.history->Open(v - 1, v);
     ASSERT_TRUE(stream.ok());
     ASSERT_TRUE(w.Apply(**stream).ok());
