@@ -4,8 +4,8 @@
 // 32-bit masks (bit j = element j). The class of an element is the number of
 // thresholds its exponent reaches: class(x) = #{t : exponent(x) >= thr[t]},
 // with thresholds ascending, so the class masks follow from K-1 "ge" masks.
-// These are plain functions of bits, shared by the encoder, the decoder and
-// (through the same definitions) the device kernels.
+// The portable per-block logic is in wsync/codec/block_logic.h (shared with
+// the device kernels); this adds the host's fast paths.
 #pragma once
 
 #include <bit>
@@ -17,31 +17,17 @@
 #include <immintrin.h>
 #endif
 
+#include "wsync/codec/block_logic.h"
 #include "wsync/codec/dtype.h"
 
 namespace wsync::codec::internal {
 
-inline constexpr int kBlock = 32;
-inline constexpr int kMaxClasses = 8;
-
-struct ClassSpec {
-  int k = 1;                          // number of classes, 1..kMaxClasses
-  uint16_t thr[kMaxClasses - 1] = {};  // ascending exponent thresholds
-  uint8_t shift = 0;
-  uint16_t mask = 0;
-
-  template <typename T>
-  WSYNC_HD int Exponent(T x) const {
-    return static_cast<int>((static_cast<uint64_t>(x) >> shift) & mask);
-  }
-  template <typename T>
-  WSYNC_HD int ClassOf(T x) const {
-    int e = Exponent(x);
-    int c = 0;
-    for (int t = 0; t < k - 1; ++t) c += e >= thr[t] ? 1 : 0;
-    return c;
-  }
-};
+using codec::ClassAt;
+using codec::ClassMask;
+using codec::ClassSpec;
+using codec::kBlock;
+using codec::kMaxClasses;
+using codec::SelectBit;
 
 // Bit j of the result: a[j] != b[j]. REQUIRES: 32 readable elements each.
 template <typename T>
@@ -139,38 +125,5 @@ class ClassScanner {
   int k_;
   GeKernel<T> kernel_;
 };
-
-// Members of class c in a block: between consecutive nested ge masks.
-inline uint32_t ClassMask(const uint32_t* ge, int k, uint32_t valid, int c) {
-  const uint32_t upper = c == 0 ? valid : ge[c - 1];
-  const uint32_t lower = c == k - 1 ? 0u : ge[c];
-  return upper & ~lower;
-}
-
-// Class of element j of a block from its ge masks.
-inline int ClassAt(const uint32_t* ge, int k, int j) {
-  int c = 0;
-  while (c < k - 1 && ((ge[c] >> j) & 1)) ++c;
-  return c;
-}
-
-// Index of the r-th (0-based) set bit of m. REQUIRES: popcount(m) > r.
-inline int SelectBit(uint32_t m, uint32_t r) {
-  int base = 0;
-  uint32_t c = static_cast<uint32_t>(std::popcount(m & 0xFFFFu));
-  if (r >= c) {
-    r -= c;
-    m >>= 16;
-    base += 16;
-  }
-  c = static_cast<uint32_t>(std::popcount(m & 0xFFu));
-  if (r >= c) {
-    r -= c;
-    m >>= 8;
-    base += 8;
-  }
-  for (uint32_t i = 0; i < r; ++i) m &= m - 1;
-  return base + std::countr_zero(m);
-}
 
 }  // namespace wsync::codec::internal

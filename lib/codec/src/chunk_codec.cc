@@ -13,7 +13,6 @@
 namespace wsync::codec::internal {
 namespace {
 
-constexpr int kSampleStride = 16;     // histogram every 16th block
 constexpr double kClassPenaltyBits = 48;  // learning cost of one more class
 constexpr size_t kMaxDpGroups = 64;
 
@@ -29,25 +28,21 @@ double BinaryEntropyBits(double n, double m) {
 }
 
 // Chooses exponent thresholds minimizing the estimated position cost
-// sum_c N_c * H(M_c / N_c) + penalty * K over contiguous exponent ranges.
+// sum_c N_c * H(M_c / N_c) + penalty * K over contiguous exponent ranges,
+// from the base's sampled histogram and the old values of the changes.
 template <typename T>
-ClassSpec ChooseClasses(const T* base, size_t n, const SparseDelta<T>& d,
-                        const ChunkCodecOptions& options) {
+ClassSpec ChooseClassesImpl(size_t n, const uint32_t* sample, const SparseDelta<T>& d, const T* old,
+                            const ChunkCodecOptions& options) {
   ClassSpec spec;
   spec.shift = options.exponent.shift;
   spec.mask = options.exponent.mask;
-  if (!options.condition || base == nullptr || spec.mask == 0 || d.pos.empty()) return spec;
+  if (!options.condition || old == nullptr || sample == nullptr || spec.mask == 0 || d.pos.empty()) return spec;
 
   const size_t nexp = size_t{spec.mask} + 1;
-  std::vector<uint32_t> sample(nexp, 0), changed(nexp, 0);
-  size_t blocks = n / kBlock, sampled = 0;
-  for (size_t b = 0; b < blocks; b += kSampleStride) {
-    const T* x = base + b * kBlock;
-    for (int j = 0; j < kBlock; ++j) ++sample[spec.Exponent(x[j])];
-    sampled += kBlock;
-  }
-  for (uint32_t p : d.pos) ++changed[spec.Exponent(base[p])];
-  std::vector<double> all(sample.begin(), sample.end()), chg(changed.begin(), changed.end());
+  std::vector<uint32_t> changed(nexp, 0);
+  const size_t sampled = SampledElements(n);
+  for (size_t i = 0; i < d.pos.size(); ++i) ++changed[spec.Exponent(old[i])];
+  std::vector<double> all(sample, sample + nexp), chg(changed.begin(), changed.end());
   double scale = sampled > 0 ? static_cast<double>(n) / sampled : 0.0;
 
   // Groups of consecutive present exponents, at most kMaxDpGroups.
@@ -167,12 +162,12 @@ struct ValueModels {
 };
 
 template <typename T>
-int OldSign(const T* base, uint32_t p, const ClassSpec& spec) {
-  return spec.k > 1 ? static_cast<int>((base[p] >> (kBits<T> - 1)) & 1) : 0;
+int OldSign(const T* old, size_t i, const ClassSpec& spec) {
+  return spec.k > 1 ? static_cast<int>((old[i] >> (kBits<T> - 1)) & 1) : 0;
 }
 
 template <typename T>
-void EncodeValues(const T* base, const SparseDelta<T>& d, const std::vector<uint8_t>& cls,
+void EncodeValues(const T* old, const SparseDelta<T>& d, const std::vector<uint8_t>& cls,
                   const ClassSpec& spec, std::string* out) {
   auto models = std::make_unique<ValueModels>();
   RangeEncoder enc(out);
@@ -181,7 +176,7 @@ void EncodeValues(const T* base, const SparseDelta<T>& d, const std::vector<uint
     const T delta = d.delta[i];
     const int neg = static_cast<int>((delta >> (kBits<T> - 1)) & 1);
     const T mag = neg ? static_cast<T>(T{0} - delta) : delta;
-    enc.Encode(models->sign[c][OldSign(base, d.pos[i], spec)], neg);
+    enc.Encode(models->sign[c][OldSign(old, i, spec)], neg);
     enc.Encode(models->one[c], mag != 1);
     if (mag != 1) enc.EncodeEG(models->mag[c], static_cast<uint64_t>(mag) - 2);
   }
@@ -189,7 +184,7 @@ void EncodeValues(const T* base, const SparseDelta<T>& d, const std::vector<uint
 }
 
 template <typename T>
-Status DecodeValues(std::string_view stream, const T* base, const std::vector<uint8_t>& cls,
+Status DecodeValues(std::string_view stream, const T* old, const std::vector<uint8_t>& cls,
                     const ClassSpec& spec, SparseDelta<T>* out) {
   auto models = std::make_unique<ValueModels>();
   RangeDecoder dec(stream);
@@ -197,7 +192,7 @@ Status DecodeValues(std::string_view stream, const T* base, const std::vector<ui
   out->delta.resize(out->pos.size());
   for (size_t i = 0; i < out->pos.size(); ++i) {
     const int c = cls[i];
-    const int neg = dec.Decode(models->sign[c][OldSign(base, out->pos[i], spec)]);
+    const int neg = dec.Decode(models->sign[c][OldSign(old, i, spec)]);
     uint64_t u = 0;
     if (dec.Decode(models->one[c])) {
       if (!dec.DecodeEG(models->mag[c], max, &u)) {
@@ -212,12 +207,12 @@ Status DecodeValues(std::string_view stream, const T* base, const std::vector<ui
   return Status::Ok();
 }
 
-// Classes of the changed positions (all 0 when unconditioned).
+// Classes of the changes from their old values (all 0 when unconditioned).
 template <typename T>
-std::vector<uint8_t> ClassesAt(const T* base, const std::vector<uint32_t>& pos, const ClassSpec& spec) {
-  std::vector<uint8_t> cls(pos.size(), 0);
+std::vector<uint8_t> ClassesOf(const T* old, size_t m, const ClassSpec& spec) {
+  std::vector<uint8_t> cls(m, 0);
   if (spec.k > 1) {
-    for (size_t i = 0; i < pos.size(); ++i) cls[i] = static_cast<uint8_t>(spec.ClassOf(base[pos[i]]));
+    for (size_t i = 0; i < m; ++i) cls[i] = static_cast<uint8_t>(spec.ClassOf(old[i]));
   }
   return cls;
 }
@@ -250,8 +245,8 @@ int RiceParameter(uint64_t gap_sum, uint64_t count) {
 // Per-class ranks of the changed positions, by sweeping the class masks of
 // every block.
 template <typename T>
-void RanksByClass(const T* base, size_t n, const std::vector<uint32_t>& pos, const ClassSpec& spec,
-                  std::vector<uint8_t>* cls, std::vector<uint32_t>* rank) {
+void RanksByClassImpl(const T* base, size_t n, const std::vector<uint32_t>& pos, const ClassSpec& spec,
+                      std::vector<uint8_t>* cls, std::vector<uint32_t>* rank) {
   cls->assign(pos.size(), 0);
   rank->assign(pos.size(), 0);
   if (spec.k == 1) {
@@ -284,8 +279,8 @@ void RanksByClass(const T* base, size_t n, const std::vector<uint32_t>& pos, con
   }
 }
 
-void EncodeSparsePositions(const std::vector<uint8_t>& cls, const std::vector<uint32_t>& rank,
-                           const ClassSpec& spec, std::string* out) {
+void EncodeSparsePositions(const std::vector<uint8_t>& cls, const uint32_t* rank, const ClassSpec& spec,
+                           std::string* out) {
   WriteClassHeader(spec, out);
   std::vector<uint32_t> gaps[kMaxClasses];
   uint32_t next[kMaxClasses] = {};
@@ -322,10 +317,10 @@ void EncodeSparsePositions(const std::vector<uint8_t>& cls, const std::vector<ui
   enc.Finish();
 }
 
-template <typename T>
-Status DecodeSparsePositions(std::string_view coded, const T* base, size_t n, uint64_t changed,
-                             const ClassSpec& spec, std::vector<uint32_t>* pos,
-                             std::vector<uint8_t>* cls) {
+// Decodes the per-class ranks of a sparse chunk; positions follow from
+// them alone when k == 1, else from the base (ResolveRanks).
+Status DecodeSparseRanks(std::string_view coded, size_t n, uint64_t changed, ChunkPositions* out) {
+  const ClassSpec& spec = out->spec;
   if (coded.size() < static_cast<size_t>(spec.k)) return DataLossError("position stream: truncated Rice parameters");
   int rice[kMaxClasses];
   for (int c = 0; c < spec.k; ++c) {
@@ -349,9 +344,10 @@ Status DecodeSparsePositions(std::string_view coded, const T* base, size_t n, ui
                          ", directory says " + std::to_string(changed));
   }
   // Target ranks per class, ascending.
-  std::vector<uint32_t> ranks[kMaxClasses];
+  out->class_counts.assign(counts, counts + spec.k);
+  out->ranks.resize(changed);
+  uint32_t* rank_out = out->ranks.data();
   for (int c = 0; c < spec.k; ++c) {
-    ranks[c].resize(counts[c]);
     uint64_t next = 0;
     const int r = rice[c];
     BitModel* q = models->quotient[c];
@@ -367,21 +363,41 @@ Status DecodeSparsePositions(std::string_view coded, const T* base, size_t n, ui
                              std::to_string(i) + " overruns the chunk of " + std::to_string(n) +
                              " elements");
       }
-      ranks[c][i] = static_cast<uint32_t>(next + gap);
+      *rank_out++ = static_cast<uint32_t>(next + gap);
       next = next + gap + 1;
     }
   }
   if (dec.overrun() > 4 || dec.corrupt()) return DataLossError("position stream: truncated or corrupt");
 
-  pos->clear();
-  cls->clear();
-  pos->reserve(changed);
-  cls->reserve(changed);
   if (spec.k == 1) {
-    pos->assign(ranks[0].begin(), ranks[0].end());
-    cls->assign(changed, 0);
+    out->pos = std::move(out->ranks);
+    out->ranks.clear();
+    out->class_counts.clear();
     return Status::Ok();
   }
+  out->ranked = true;
+  return Status::Ok();
+}
+
+}  // namespace
+
+template <typename T>
+Status ResolveRanks(const T* base, size_t n, ChunkPositions* cp) {
+  if (!cp->ranked) return Status::Ok();
+  const ClassSpec& spec = cp->spec;
+  std::vector<uint32_t>* pos = &cp->pos;
+  const uint32_t* ranks[kMaxClasses];
+  uint64_t counts[kMaxClasses];
+  {
+    const uint32_t* p = cp->ranks.data();
+    for (int c = 0; c < spec.k; ++c) {
+      ranks[c] = p;
+      counts[c] = cp->class_counts[c];
+      p += counts[c];
+    }
+  }
+  pos->clear();
+  pos->reserve(cp->ranks.size());
   // Sweep the blocks, turning per-class ranks into positions. left[c]: class
   // c elements still to pass before its next change.
   const ClassScanner<T> scan(spec);
@@ -396,13 +412,13 @@ Status DecodeSparsePositions(std::string_view coded, const T* base, size_t n, ui
     left[c] = counts[c] > 0 ? ranks[c][0] : INT64_MAX;
   }
   const size_t blocks = (n + kBlock - 1) / kBlock;
-  std::pair<uint32_t, uint8_t> found[kBlock];
+  uint32_t found[kBlock];
   for (size_t b = 0; b < blocks && pending > 0; ++b) {
     const uint32_t valid = scan.BlockGe(base, n, b, ge);
     int nfound = 0;
-    uint32_t upper_count = static_cast<uint32_t>(std::popcount(valid));
+    uint32_t upper_count = static_cast<uint32_t>(Popcount32(valid));
     for (int c = 0; c < k; ++c) {
-      const uint32_t lower_count = c == k - 1 ? 0u : static_cast<uint32_t>(std::popcount(ge[c]));
+      const uint32_t lower_count = c == k - 1 ? 0u : static_cast<uint32_t>(Popcount32(ge[c]));
       const uint32_t in_block = upper_count - lower_count;
       upper_count = lower_count;
       left[c] -= in_block;
@@ -410,8 +426,8 @@ Status DecodeSparsePositions(std::string_view coded, const T* base, size_t n, ui
         const uint32_t members = ClassMask(ge, k, valid, c);
         do {
           const int j = SelectBit(members, ranks[c][idx[c]] - count[c]);
-          found[nfound++] = {static_cast<uint32_t>(b * kBlock + j), static_cast<uint8_t>(c)};
-          if (++idx[c] == ranks[c].size()) {
+          found[nfound++] = static_cast<uint32_t>(b * kBlock + j);
+          if (++idx[c] == counts[c]) {
             --pending;
             left[c] = INT64_MAX;
             break;
@@ -422,22 +438,24 @@ Status DecodeSparsePositions(std::string_view coded, const T* base, size_t n, ui
       count[c] += in_block;
     }
     if (nfound > 1) std::sort(found, found + nfound);
-    for (int f = 0; f < nfound; ++f) {
-      pos->push_back(found[f].first);
-      cls->push_back(found[f].second);
-    }
+    pos->insert(pos->end(), found, found + nfound);
   }
   if (pending > 0) {
     for (int c = 0; c < spec.k; ++c) {
-      if (idx[c] < ranks[c].size()) {
+      if (idx[c] < counts[c]) {
         return DataLossError("position stream: class " + std::to_string(c) + " rank " +
                              std::to_string(ranks[c][idx[c]]) + " beyond its " +
                              std::to_string(count[c]) + " elements");
       }
     }
   }
+  cp->ranked = false;
+  cp->ranks.clear();
+  cp->class_counts.clear();
   return Status::Ok();
 }
+
+namespace {
 
 // ------------------------------------------------------------- runs mode
 
@@ -602,15 +620,48 @@ void DiffChunk(const T* base, const T* target, size_t n, SparseDelta<T>* out) {
   }
 }
 
+size_t SampledElements(size_t n) {
+  const size_t blocks = n / kBlock;
+  return (blocks + kSampleStride - 1) / kSampleStride * kBlock;
+}
+
 template <typename T>
-EncodedChunk EncodeChunk(const T* base, size_t n, const SparseDelta<T>& d,
-                         const ChunkCodecOptions& options) {
+void SampleHistogram(const T* base, size_t n, ExponentField exponent, uint32_t* hist) {
+  std::fill(hist, hist + size_t{exponent.mask} + 1, 0u);
+  if (exponent.mask == 0) return;
+  ClassSpec spec;
+  spec.shift = exponent.shift;
+  spec.mask = exponent.mask;
+  const size_t blocks = n / kBlock;
+  for (size_t b = 0; b < blocks; b += kSampleStride) {
+    const T* x = base + b * kBlock;
+    for (int j = 0; j < kBlock; ++j) ++hist[spec.Exponent(x[j])];
+  }
+}
+
+template <typename T>
+ClassSpec ChooseClasses(size_t n, const uint32_t* sample_hist, const SparseDelta<T>& d, const T* old,
+                        const ChunkCodecOptions& options) {
+  return ChooseClassesImpl(n, sample_hist, d, old, options);
+}
+
+bool NeedsRanks(size_t n, size_t m, const ClassSpec& spec) { return m > 0 && m * 2 <= n && spec.k > 1; }
+
+template <typename T>
+void RanksByClass(const T* base, size_t n, const std::vector<uint32_t>& pos, const ClassSpec& spec,
+                  std::vector<uint32_t>* rank) {
+  std::vector<uint8_t> cls;
+  RanksByClassImpl(base, n, pos, spec, &cls, rank);
+}
+
+template <typename T>
+EncodedChunk EncodeChunkStaged(size_t n, const SparseDelta<T>& d, const T* old, const ClassSpec& spec,
+                               const uint32_t* rank, int zstd_level) {
   EncodedChunk best;
   const size_t m = d.pos.size();
   best.changed = m;
   if (m == 0) return best;
 
-  const ClassSpec spec = ChooseClasses(base, n, d, options);
   const size_t runs = CountRuns(d.pos);
   const bool try_sparse = m * 2 <= n;
   const bool try_runs = runs * 4 <= m || !try_sparse;
@@ -625,18 +676,13 @@ EncodedChunk EncodeChunk(const T* base, size_t n, const SparseDelta<T>& d,
     }
   };
 
+  const std::vector<uint8_t> cls = ClassesOf(old, m, spec);
   std::string val;
-  std::vector<uint8_t> cls;
+  EncodeValues(old, d, cls, spec, &val);
   if (try_sparse) {
-    std::vector<uint32_t> rank;
-    RanksByClass(base, n, d.pos, spec, &cls, &rank);
     std::string pos;
-    EncodeSparsePositions(cls, rank, spec, &pos);
-    EncodeValues(base, d, cls, spec, &val);
+    EncodeSparsePositions(cls, spec.k > 1 ? rank : d.pos.data(), spec, &pos);
     consider(ChunkMode::kSparse, std::move(pos), val);
-  } else {
-    cls = ClassesAt(base, d.pos, spec);
-    EncodeValues(base, d, cls, spec, &val);
   }
   if (try_runs) {
     std::string pos;
@@ -645,20 +691,40 @@ EncodedChunk EncodeChunk(const T* base, size_t n, const SparseDelta<T>& d,
   }
   if (try_bitmap) {
     std::string pos;
-    EncodeBitmapPositions(d.pos, n, spec, options.zstd_level, &pos);
+    EncodeBitmapPositions(d.pos, n, spec, zstd_level, &pos);
     consider(ChunkMode::kBitmap, std::move(pos), val);
   }
   if (try_dense) {
     std::string pos;
-    EncodeDense(d, n, options.zstd_level, &pos);
+    EncodeDense(d, n, zstd_level, &pos);
     consider(ChunkMode::kDense, std::move(pos), std::string());
   }
   return best;
 }
 
 template <typename T>
-Status DecodeChunk(ChunkMode mode, uint64_t changed, std::string_view pos, std::string_view val,
-                   const T* base, size_t n, ExponentField exponent, SparseDelta<T>* out) {
+EncodedChunk EncodeChunk(const T* base, size_t n, const SparseDelta<T>& d,
+                         const ChunkCodecOptions& options) {
+  if (d.pos.empty()) return EncodedChunk{};
+  std::vector<T> old;
+  std::vector<uint32_t> hist;
+  if (base != nullptr && options.condition && options.exponent.mask != 0) {
+    old.resize(d.pos.size());
+    for (size_t i = 0; i < d.pos.size(); ++i) old[i] = base[d.pos[i]];
+    hist.resize(size_t{options.exponent.mask} + 1);
+    SampleHistogram(base, n, options.exponent, hist.data());
+  }
+  const ClassSpec spec = ChooseClasses(n, hist.empty() ? nullptr : hist.data(), d,
+                                       old.empty() ? nullptr : old.data(), options);
+  std::vector<uint32_t> rank;
+  if (NeedsRanks(n, d.pos.size(), spec)) RanksByClass(base, n, d.pos, spec, &rank);
+  return EncodeChunkStaged(n, d, old.empty() ? nullptr : old.data(), spec, rank.data(), options.zstd_level);
+}
+
+template <typename T>
+Status DecodeChunkPositions(ChunkMode mode, uint64_t changed, std::string_view pos, std::string_view val,
+                            size_t n, ExponentField exponent, ChunkPositions* cp, SparseDelta<T>* out) {
+  *cp = ChunkPositions{};
   out->Clear();
   if (changed > n) {
     return DataLossError(std::to_string(changed) + " changed elements in a chunk of " + std::to_string(n));
@@ -681,24 +747,41 @@ Status DecodeChunk(ChunkMode mode, uint64_t changed, std::string_view pos, std::
   }
   if (changed == 0) return DataLossError("non-empty chunk mode with no change");
   ByteReader r(pos, "position stream");
-  ClassSpec spec;
   std::string_view coded;
-  if (!ReadClassHeader(pos, exponent, &spec, &coded, &r)) return r.status();
-  if (spec.k > 1 && base == nullptr) {
+  if (!ReadClassHeader(pos, exponent, &cp->spec, &coded, &r)) return r.status();
+  cp->values_pending = true;
+  if (mode == ChunkMode::kSparse) return DecodeSparseRanks(coded, n, changed, cp);
+  if (mode == ChunkMode::kRuns) return DecodeRunPositions(coded, n, changed, &cp->pos);
+  return DecodeBitmapPositions(coded, n, changed, &cp->pos);
+}
+
+template <typename T>
+Status DecodeChunkValues(std::string_view val, const ChunkPositions& cp, const T* old, SparseDelta<T>* out) {
+  if (!cp.values_pending) return Status::Ok();
+  if (cp.ranked) return FailedPreconditionError("chunk positions are still ranks; resolve them first");
+  if (cp.spec.k > 1 && old == nullptr) {
     return FailedPreconditionError("chunk is coded relative to the base's exponents; the base is needed");
   }
-  std::vector<uint8_t> cls;
-  if (mode == ChunkMode::kSparse) {
-    WSYNC_RETURN_IF_ERROR(DecodeSparsePositions(coded, base, n, changed, spec, &out->pos, &cls));
-  } else {
-    if (mode == ChunkMode::kRuns) {
-      WSYNC_RETURN_IF_ERROR(DecodeRunPositions(coded, n, changed, &out->pos));
-    } else {
-      WSYNC_RETURN_IF_ERROR(DecodeBitmapPositions(coded, n, changed, &out->pos));
+  out->pos = cp.pos;
+  return DecodeValues(val, old, ClassesOf(old, cp.pos.size(), cp.spec), cp.spec, out);
+}
+
+template <typename T>
+Status DecodeChunk(ChunkMode mode, uint64_t changed, std::string_view pos, std::string_view val,
+                   const T* base, size_t n, ExponentField exponent, SparseDelta<T>* out) {
+  ChunkPositions cp;
+  WSYNC_RETURN_IF_ERROR(DecodeChunkPositions(mode, changed, pos, val, n, exponent, &cp, out));
+  if (!cp.values_pending) return Status::Ok();
+  std::vector<T> old;
+  if (cp.spec.k > 1) {
+    if (base == nullptr) {
+      return FailedPreconditionError("chunk is coded relative to the base's exponents; the base is needed");
     }
-    cls = ClassesAt(base, out->pos, spec);
+    WSYNC_RETURN_IF_ERROR(ResolveRanks(base, n, &cp));
+    old.resize(cp.pos.size());
+    for (size_t i = 0; i < cp.pos.size(); ++i) old[i] = base[cp.pos[i]];
   }
-  return DecodeValues(val, base, cls, spec, out);
+  return DecodeChunkValues(val, cp, old.empty() ? nullptr : old.data(), out);
 }
 
 bool ChunkNeedsBase(ChunkMode mode, std::string_view pos) {
@@ -734,8 +817,20 @@ Status DecodeKeyframeChunk(std::string_view stream, size_t n, T* out) {
 
 #define WSYNC_INSTANTIATE(T)                                                                        \
   template void DiffChunk<T>(const T*, const T*, size_t, SparseDelta<T>*);                          \
+  template void SampleHistogram<T>(const T*, size_t, ExponentField, uint32_t*);                      \
+  template ClassSpec ChooseClasses<T>(size_t, const uint32_t*, const SparseDelta<T>&, const T*,      \
+                                      const ChunkCodecOptions&);                                    \
+  template void RanksByClass<T>(const T*, size_t, const std::vector<uint32_t>&, const ClassSpec&,    \
+                                std::vector<uint32_t>*);                                            \
+  template EncodedChunk EncodeChunkStaged<T>(size_t, const SparseDelta<T>&, const T*,               \
+                                             const ClassSpec&, const uint32_t*, int);               \
   template EncodedChunk EncodeChunk<T>(const T*, size_t, const SparseDelta<T>&,                     \
                                        const ChunkCodecOptions&);                                   \
+  template Status DecodeChunkPositions<T>(ChunkMode, uint64_t, std::string_view, std::string_view,  \
+                                          size_t, ExponentField, ChunkPositions*, SparseDelta<T>*); \
+  template Status ResolveRanks<T>(const T*, size_t, ChunkPositions*);                               \
+  template Status DecodeChunkValues<T>(std::string_view, const ChunkPositions&, const T*,           \
+                                       SparseDelta<T>*);                                            \
   template Status DecodeChunk<T>(ChunkMode, uint64_t, std::string_view, std::string_view, const T*, \
                                  size_t, ExponentField, SparseDelta<T>*);                           \
   template void ScatterAdd<T>(T*, const SparseDelta<T>&, bool);                                     \

@@ -53,15 +53,74 @@ struct EncodedChunk {
 template <typename T>
 void DiffChunk(const T* base, const T* target, size_t n, SparseDelta<T>* out);
 
-// Encodes the change `d` of a chunk of n elements in the smallest mode.
-// base (may be null) is the chunk's old values, used for the class contexts.
+// ---- Encoding, in stages (the device codec computes the inputs of the last
+// stage on the GPU; EncodeChunk runs them all on the host).
+
+// Elements the class chooser's histogram counts in a chunk of n elements.
+size_t SampledElements(size_t n);
+
+// The base's exponent histogram over every kSampleStride-th full block;
+// hist has exponent.mask + 1 bins. Nothing for integer types (mask 0).
+template <typename T>
+void SampleHistogram(const T* base, size_t n, ExponentField exponent, uint32_t* hist);
+
+// The classes of a chunk from its sampled histogram (null: unconditioned) and
+// the base's values at the changed positions (`old`, parallel to d.pos).
+template <typename T>
+ClassSpec ChooseClasses(size_t n, const uint32_t* sample_hist, const SparseDelta<T>& d, const T* old,
+                        const ChunkCodecOptions& options);
+
+// Whether EncodeChunkStaged needs the per-class ranks of the changes.
+bool NeedsRanks(size_t n, size_t m, const ClassSpec& spec);
+
+// Rank of every change among the chunk's elements of its class.
+template <typename T>
+void RanksByClass(const T* base, size_t n, const std::vector<uint32_t>& pos, const ClassSpec& spec,
+                  std::vector<uint32_t>* rank);
+
+// Codes the change in the smallest mode. old: the base's values at d.pos
+// (may be null iff spec.k == 1); rank: from RanksByClass when NeedsRanks.
+template <typename T>
+EncodedChunk EncodeChunkStaged(size_t n, const SparseDelta<T>& d, const T* old, const ClassSpec& spec,
+                               const uint32_t* rank, int zstd_level);
+
+// All stages on the host. base (may be null) is the chunk's old values.
 template <typename T>
 EncodedChunk EncodeChunk(const T* base, size_t n, const SparseDelta<T>& d,
                          const ChunkCodecOptions& options);
 
-// Decodes a chunk into *out (cleared first). base may be null; if the chunk
-// is conditioned on the base, FailedPrecondition. Every other failure is
-// DataLoss saying what was wrong.
+// ---- Decoding, in stages.
+
+// What a chunk's position stream says without the base.
+struct ChunkPositions {
+  ClassSpec spec;
+  bool values_pending = false;  // the value stream is still to decode
+  bool ranked = false;          // positions are per-class ranks: resolve with the base
+  std::vector<uint32_t> pos;    // ascending, once known
+  std::vector<uint64_t> class_counts;  // while ranked: changes per class
+  std::vector<uint32_t> ranks;         // while ranked: ascending ranks, class by class
+};
+
+// Stage 1: checks the chunk and decodes its positions as far as possible
+// without the base. An empty or dense chunk is decoded completely into *out
+// (values_pending false).
+template <typename T>
+Status DecodeChunkPositions(ChunkMode mode, uint64_t changed, std::string_view pos, std::string_view val,
+                            size_t n, ExponentField exponent, ChunkPositions* cp, SparseDelta<T>* out);
+
+// Stage 2 (ranked chunks): turns ranks into positions by sweeping the base's
+// class masks. DataLoss when a rank lies beyond its class.
+template <typename T>
+Status ResolveRanks(const T* base, size_t n, ChunkPositions* cp);
+
+// Stage 3: decodes the values. old: the base's values at cp.pos (needed iff
+// cp.spec.k > 1).
+template <typename T>
+Status DecodeChunkValues(std::string_view val, const ChunkPositions& cp, const T* old, SparseDelta<T>* out);
+
+// All stages on the host. base may be null; if the chunk is conditioned on
+// the base, FailedPrecondition. Every other failure is DataLoss saying what
+// was wrong.
 template <typename T>
 Status DecodeChunk(ChunkMode mode, uint64_t changed, std::string_view pos, std::string_view val,
                    const T* base, size_t n, ExponentField exponent, SparseDelta<T>* out);
