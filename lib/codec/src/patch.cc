@@ -9,6 +9,7 @@
 
 #include "chunk_codec.h"
 #include "format.h"
+#include "patch_common.h"
 #include "wsync/codec/checksum.h"
 #include "wsync/codec/codec.h"
 #include "wsync/util/thread_pool.h"
@@ -21,6 +22,10 @@ using internal::ChunkMode;
 using internal::Container;
 using internal::SparseDelta;
 using internal::TensorEntry;
+
+}  // namespace
+
+namespace internal {
 
 uint64_t SaturatingProduct(const std::vector<uint64_t>& shape) {
   uint64_t n = 1;
@@ -37,17 +42,6 @@ uint64_t SaturatingBytes(uint64_t numel, DType dtype) {
   return numel > UINT64_MAX / w ? UINT64_MAX : numel * w;
 }
 
-// Calls f(T{}) with T the unsigned integer type of `width` bytes.
-template <typename F>
-decltype(auto) WithWidth(size_t width, F&& f) {
-  switch (width) {
-    case 1: return f(uint8_t{});
-    case 2: return f(uint16_t{});
-    case 4: return f(uint32_t{});
-    default: return f(uint64_t{});
-  }
-}
-
 void RunParallel(ThreadPool* pool, size_t n, const std::function<void(size_t)>& body) {
   if (pool != nullptr) {
     pool->ParallelFor(n, body);
@@ -55,33 +49,6 @@ void RunParallel(ThreadPool* pool, size_t n, const std::function<void(size_t)>& 
     for (size_t i = 0; i < n; ++i) body(i);
   }
 }
-
-// Keeps the error of the lowest task index, so errors are deterministic
-// whatever the thread interleaving.
-class FirstError {
- public:
-  void Record(size_t task, Status s) {
-    if (s.ok()) return;
-    std::lock_guard<std::mutex> lock(mu_);
-    if (status_.ok() || task < task_) {
-      status_ = std::move(s);
-      task_ = task;
-    }
-  }
-  bool failed() const {
-    std::lock_guard<std::mutex> lock(mu_);
-    return !status_.ok();
-  }
-  Status status() const {
-    std::lock_guard<std::mutex> lock(mu_);
-    return status_;
-  }
-
- private:
-  mutable std::mutex mu_;
-  Status status_;
-  size_t task_ = 0;
-};
 
 Status ValidateOptions(const EncodeOptions& o) {
   if (o.chunk_bytes < internal::kMinChunkBytes || o.chunk_bytes > internal::kMaxChunkBytes ||
@@ -95,7 +62,7 @@ Status ValidateOptions(const EncodeOptions& o) {
   return Status::Ok();
 }
 
-Status ValidateTensor(const TensorView& t) {
+Status ValidateTensor(const TensorView& t, bool need_data) {
   if (DTypeWidth(t.dtype) == 0) return InvalidArgumentError("tensor '" + t.name + "': invalid dtype");
   if (t.shape.size() > internal::kMaxDims) {
     return InvalidArgumentError("tensor '" + t.name + "': rank " + std::to_string(t.shape.size()) + " exceeds 16");
@@ -103,7 +70,7 @@ Status ValidateTensor(const TensorView& t) {
   if (t.NumBytes() > internal::kMaxTensorBytes) {
     return InvalidArgumentError("tensor '" + t.name + "': too large");
   }
-  if (t.NumBytes() > 0 && t.data == nullptr) {
+  if (need_data && t.NumBytes() > 0 && t.data == nullptr) {
     return InvalidArgumentError("tensor '" + t.name + "': no data");
   }
   if (t.name.size() > internal::kMaxNameBytes) {
@@ -112,11 +79,11 @@ Status ValidateTensor(const TensorView& t) {
   return Status::Ok();
 }
 
-Status ValidateSet(std::span<const TensorView> set) {
+Status ValidateSet(std::span<const TensorView> set, bool need_data) {
   if (set.size() > internal::kMaxTensors) return InvalidArgumentError("too many tensors");
   std::unordered_set<std::string_view> names;
   for (const TensorView& t : set) {
-    WSYNC_RETURN_IF_ERROR(ValidateTensor(t));
+    WSYNC_RETURN_IF_ERROR(ValidateTensor(t, need_data));
     if (!names.insert(t.name).second) return InvalidArgumentError("tensor '" + t.name + "' appears twice");
   }
   return Status::Ok();
@@ -133,11 +100,6 @@ TensorEntry EntryFor(const TensorView& t, uint32_t chunk_bytes) {
   return e;
 }
 
-struct Task {
-  size_t tensor;
-  size_t chunk;
-};
-
 std::vector<Task> TasksOf(const std::vector<TensorEntry>& tensors) {
   std::vector<Task> tasks;
   for (size_t t = 0; t < tensors.size(); ++t) {
@@ -145,35 +107,6 @@ std::vector<Task> TasksOf(const std::vector<TensorEntry>& tensors) {
   }
   return tasks;
 }
-
-// Runs body(i, entry, chunk_index, n, T{}) for every task, in parallel when a
-// pool is given, with n the chunk's elements and T its element type.
-template <typename F>
-void ForEachChunk(ThreadPool* pool, const Container& c, const std::vector<Task>& tasks, F&& body) {
-  RunParallel(pool, tasks.size(), [&](size_t i) {
-    const TensorEntry& t = c.tensors[tasks[i].tensor];
-    const size_t n = c.ChunkElements(t, tasks[i].chunk);
-    WithWidth(DTypeWidth(t.dtype), [&](auto zero) { body(i, t, tasks[i].chunk, n, zero); });
-  });
-}
-
-// Per-tensor arrays of checksum-block digests; chunks hold whole blocks.
-struct Digests {
-  std::vector<std::vector<uint64_t>> blocks;
-
-  explicit Digests(const std::vector<TensorEntry>& tensors) {
-    for (const auto& t : tensors) blocks.emplace_back(ChecksumBlockCount(t.nbytes));
-  }
-  // Digests the blocks of chunk c (chunk_bytes from `chunk_data`).
-  void DigestChunk(size_t tensor, size_t c, const uint8_t* chunk_data, size_t chunk_len,
-                   uint32_t chunk_bytes) {
-    const size_t first = c * (chunk_bytes / kChecksumBlockBytes);
-    for (size_t off = 0, b = first; off < chunk_len; off += kChecksumBlockBytes, ++b) {
-      blocks[tensor][b] = BlockDigest(chunk_data + off, std::min(kChecksumBlockBytes, chunk_len - off));
-    }
-  }
-  uint64_t Tensor(size_t t) const { return CombineBlockDigests(blocks[t]); }
-};
 
 std::string Concatenate(std::vector<std::string>& streams) {
   size_t total = 0;
@@ -244,6 +177,26 @@ StatusOr<std::vector<const MutableTensorView*>> MatchTensors(const Container& c,
 std::string ChunkWhere(const TensorEntry& t, size_t c) {
   return "tensor '" + t.name + "' chunk " + std::to_string(c);
 }
+
+}  // namespace internal
+
+namespace {
+
+using internal::ChunkWhere;
+using internal::Digests;
+using internal::EntryFor;
+using internal::SaturatingBytes;
+using internal::SaturatingProduct;
+using internal::ValidateOptions;
+using internal::ValidateSet;
+using internal::FirstError;
+using internal::MatchTensors;
+using internal::Finish;
+using internal::ForEachChunk;
+using internal::RunParallel;
+using internal::Task;
+using internal::TasksOf;
+using internal::WithWidth;
 
 // Type-erased decoded change of one chunk.
 struct Decoded {

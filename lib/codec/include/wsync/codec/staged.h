@@ -1,0 +1,148 @@
+// The patch codec cut at its entropy stage, for producers that compute a
+// change elsewhere: the device codec (cuda/) diffs, histograms and ranks on
+// the GPU and hands the compact results to these classes, which run the same
+// entropy coders as EncodePatch and ApplyPatch. The host functions run the
+// very same stages, so both paths give identical bytes by construction; the
+// tests check it.
+//
+// Encoding a chunk: ChooseClasses (from the base's sampled exponent
+// histogram and the old values at the changes) -> ranks of the changes within
+// their classes when NeedsRanks -> SetChunk. Decoding a chunk: DecodePositions
+// -> (ranked chunks) positions from the ranks and the base's classes ->
+// DecodeValues (with the old values when spec.k > 1).
+//
+// Element arrays are bit patterns of the chunk's width (1, 2, 4 or 8 bytes),
+// little-endian, as in the tensors.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "wsync/codec/block_logic.h"
+#include "wsync/codec/codec.h"
+
+namespace wsync::codec::staged {
+
+// A chunk of a tensor set: the unit of coding.
+struct Chunk {
+  size_t tensor = 0;         // index in the set
+  size_t index = 0;          // chunk index in the tensor
+  uint64_t first_element = 0;
+  size_t elements = 0;
+  DType dtype = DType::kBF16;
+  size_t width = 2;
+};
+
+// Bins of the sampled exponent histogram of a dtype (exponent mask + 1); 0
+// for integer types, which are never conditioned.
+size_t HistogramBins(DType dtype);
+
+// Elements counted by the sampled histogram of a chunk of n elements: the
+// full blocks b = 0, kSampleStride, 2 kSampleStride, ...
+size_t SampledElements(size_t n);
+
+// One chunk's change, in host memory.
+struct ChunkChange {
+  size_t count = 0;
+  const uint32_t* pos = nullptr;  // ascending, chunk-relative
+  const void* delta = nullptr;    // new - old mod 2^w, all nonzero
+  const void* old = nullptr;      // the base's values at pos; null: unconditioned
+};
+
+// Builds a patch chunk by chunk. SetChunk may run concurrently for distinct
+// chunks; everything else is single-threaded.
+class PatchWriter {
+ public:
+  // The layout of a patch from base to target tensors (names, dtypes,
+  // shapes; data is not read). InvalidArgument as EncodePatch.
+  static StatusOr<PatchWriter> Create(std::span<const TensorView> tensors, const EncodeOptions& options);
+  PatchWriter(PatchWriter&&) noexcept;
+  PatchWriter& operator=(PatchWriter&&) noexcept;
+  ~PatchWriter();
+
+  const std::vector<Chunk>& chunks() const;
+
+  // The classes of chunk i. hist: the base's sampled histogram
+  // (HistogramBins entries), or null for no conditioning.
+  ClassSpec ChooseClasses(size_t i, const uint32_t* hist, const ChunkChange& change) const;
+
+  // Whether SetChunk needs the ranks of the changes for this spec.
+  bool NeedsRanks(size_t i, size_t count, const ClassSpec& spec) const;
+
+  // Codes chunk i. rank[j]: elements of change j's class before it in the
+  // chunk (required when NeedsRanks). InvalidArgument on a violated contract
+  // (positions out of order or range, zero delta, missing old values/ranks).
+  Status SetChunk(size_t i, const ChunkChange& change, const ClassSpec& spec, const uint32_t* rank);
+
+  // Tensor digests (checksum.h) of the target, and of the base.
+  Status SetChecksums(std::span<const uint64_t> target, std::span<const uint64_t> base);
+
+  // The patch. REQUIRES: every chunk and the checksums set.
+  StatusOr<std::string> Finish();
+
+ private:
+  struct Impl;
+  explicit PatchWriter(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+// One chunk as decoded so far.
+struct DecodedChunk {
+  ClassSpec spec;
+  bool values_pending = false;  // DecodeValues still to run
+  bool ranked = false;          // positions are per-class ranks (resolve with the base)
+  std::vector<uint32_t> pos;    // ascending, once known
+  std::vector<uint64_t> class_counts;  // while ranked: changes per class
+  std::vector<uint32_t> ranks;         // while ranked: ascending ranks, class after class
+  std::vector<uint8_t> delta;          // once decoded: pos.size() elements of the width
+};
+
+// Reads a patch or keyframe. The bytes must outlive the reader.
+class PatchReader {
+ public:
+  static StatusOr<PatchReader> Open(std::string_view patch, bool verify_checksum = true);
+  PatchReader(PatchReader&&) noexcept;
+  PatchReader& operator=(PatchReader&&) noexcept;
+  ~PatchReader();
+
+  PatchKind kind() const;
+  uint32_t chunk_bytes() const;
+  uint64_t base_version() const;
+  uint64_t target_version() const;
+  uint64_t base_set_checksum() const;
+  size_t tensor_count() const;
+  uint64_t target_checksum(size_t tensor) const;
+  const std::string& tensor_name(size_t tensor) const;
+  const std::vector<Chunk>& chunks() const;
+
+  // For every tensor of the patch, the index of the destination tensor of
+  // the same name, with checks and errors as ApplyPatch's.
+  StatusOr<std::vector<size_t>> Match(std::span<const MutableTensorView> dst, bool allow_extra) const;
+
+  // Patches: stage 1 of chunk i (no base needed). DataLoss names the chunk.
+  Status DecodePositions(size_t i, DecodedChunk* out) const;
+  // Patches, once positions are known: the values. old: the base's values at
+  // out->pos (needed iff spec.k > 1).
+  Status DecodeValues(size_t i, const void* old, DecodedChunk* out) const;
+  // Keyframes: chunk i's values into out (elements * width bytes).
+  Status DecodeKeyframe(size_t i, void* out) const;
+
+ private:
+  struct Impl;
+  explicit PatchReader(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+// Resolves a ranked chunk whose positions were found elsewhere:
+// pos_by_class/old_by_class hold the position and old value of every rank in
+// out->ranks order. Sorts them into out->pos and *old_sorted (resized to
+// pos.size() * width bytes). DataLoss when a position repeats.
+Status MergeRankedPositions(const uint32_t* pos_by_class, const void* old_by_class, size_t width,
+                            DecodedChunk* out, std::vector<uint8_t>* old_sorted);
+
+}  // namespace wsync::codec::staged

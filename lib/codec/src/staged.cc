@@ -1,0 +1,300 @@
+// The staged codec API (wsync/codec/staged.h) over the chunk codec's stages.
+#include "wsync/codec/staged.h"
+
+#include <algorithm>
+#include <cstring>
+#include <numeric>
+
+#include "chunk_codec.h"
+#include "format.h"
+#include "patch_common.h"
+
+namespace wsync::codec::staged {
+namespace {
+
+using internal::ChunkPositions;
+using internal::Container;
+using internal::SparseDelta;
+using internal::Task;
+using internal::WithWidth;
+
+std::vector<Chunk> ChunksOf(const Container& c, const std::vector<Task>& tasks) {
+  std::vector<Chunk> chunks;
+  chunks.reserve(tasks.size());
+  for (const Task& t : tasks) {
+    const internal::TensorEntry& e = c.tensors[t.tensor];
+    Chunk ch;
+    ch.tensor = t.tensor;
+    ch.index = t.chunk;
+    ch.dtype = e.dtype;
+    ch.width = DTypeWidth(e.dtype);
+    ch.first_element = t.chunk * (c.chunk_bytes / ch.width);
+    ch.elements = c.ChunkElements(e, t.chunk);
+    chunks.push_back(ch);
+  }
+  return chunks;
+}
+
+template <typename T>
+void CopyOut(const std::vector<T>& v, std::vector<uint8_t>* out) {
+  out->resize(v.size() * sizeof(T));
+  if (!v.empty()) std::memcpy(out->data(), v.data(), out->size());
+}
+
+Status CheckSpec(const ClassSpec& spec, DType dtype) {
+  const ExponentField ef = ExponentFieldOf(dtype);
+  if (spec.k < 1 || spec.k > kMaxClasses || (spec.k > 1 && ef.mask == 0)) {
+    return InvalidArgumentError("class spec with " + std::to_string(spec.k) + " classes for " +
+                                std::string(DTypeName(dtype)));
+  }
+  if (spec.k > 1 && (spec.shift != ef.shift || spec.mask != ef.mask)) {
+    return InvalidArgumentError("class spec exponent field does not match " + std::string(DTypeName(dtype)));
+  }
+  for (int t = 0; t + 1 < spec.k; ++t) {
+    if (spec.thr[t] > ef.mask || (t > 0 && spec.thr[t] <= spec.thr[t - 1])) {
+      return InvalidArgumentError("class spec thresholds not ascending within the exponent field");
+    }
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+size_t HistogramBins(DType dtype) {
+  const ExponentField ef = ExponentFieldOf(dtype);
+  return ef.mask == 0 ? 0 : size_t{ef.mask} + 1;
+}
+
+size_t SampledElements(size_t n) { return internal::SampledElements(n); }
+
+// ------------------------------------------------------------------ writer
+
+struct PatchWriter::Impl {
+  EncodeOptions options;
+  Container c;
+  std::vector<Task> tasks;
+  std::vector<Chunk> chunks;
+  std::vector<internal::EncodedChunk> encoded;
+  std::vector<uint8_t> done;
+  bool checksums = false;
+};
+
+PatchWriter::PatchWriter(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+PatchWriter::PatchWriter(PatchWriter&&) noexcept = default;
+PatchWriter& PatchWriter::operator=(PatchWriter&&) noexcept = default;
+PatchWriter::~PatchWriter() = default;
+
+StatusOr<PatchWriter> PatchWriter::Create(std::span<const TensorView> tensors, const EncodeOptions& options) {
+  WSYNC_RETURN_IF_ERROR(internal::ValidateOptions(options));
+  auto impl = std::make_unique<Impl>();
+  impl->options = options;
+  impl->options.pool = nullptr;
+  Container& c = impl->c;
+  c.kind = PatchKind::kPatch;
+  c.chunk_bytes = options.chunk_bytes;
+  c.base_version = options.base_version;
+  c.target_version = options.target_version;
+  WSYNC_RETURN_IF_ERROR(internal::ValidateSet(tensors, /*need_data=*/false));
+  for (const TensorView& t : tensors) c.tensors.push_back(internal::EntryFor(t, c.chunk_bytes));
+  impl->tasks = internal::TasksOf(c.tensors);
+  impl->chunks = ChunksOf(c, impl->tasks);
+  impl->encoded.resize(impl->tasks.size());
+  impl->done.assign(impl->tasks.size(), 0);
+  return PatchWriter(std::move(impl));
+}
+
+const std::vector<Chunk>& PatchWriter::chunks() const { return impl_->chunks; }
+
+ClassSpec PatchWriter::ChooseClasses(size_t i, const uint32_t* hist, const ChunkChange& change) const {
+  const Chunk& ch = impl_->chunks.at(i);
+  internal::ChunkCodecOptions co{impl_->options.zstd_level, impl_->options.condition_on_base,
+                                 ExponentFieldOf(ch.dtype)};
+  return WithWidth(ch.width, [&](auto zero) {
+    using T = decltype(zero);
+    SparseDelta<T> d;
+    d.pos.assign(change.pos, change.pos + change.count);
+    return internal::ChooseClasses<T>(ch.elements, hist, d, static_cast<const T*>(change.old), co);
+  });
+}
+
+bool PatchWriter::NeedsRanks(size_t i, size_t count, const ClassSpec& spec) const {
+  return internal::NeedsRanks(impl_->chunks.at(i).elements, count, spec);
+}
+
+Status PatchWriter::SetChunk(size_t i, const ChunkChange& change, const ClassSpec& spec, const uint32_t* rank) {
+  if (i >= impl_->chunks.size()) return InvalidArgumentError("chunk " + std::to_string(i) + " out of range");
+  const Chunk& ch = impl_->chunks[i];
+  const std::string where = internal::ChunkWhere(impl_->c.tensors[ch.tensor], ch.index);
+  WSYNC_RETURN_IF_ERROR(CheckSpec(spec, ch.dtype).WithContext(where));
+  if (change.count > ch.elements) return InvalidArgumentError(where + ": more changes than elements");
+  if (change.count > 0 && (change.pos == nullptr || change.delta == nullptr)) {
+    return InvalidArgumentError(where + ": no positions or deltas");
+  }
+  if (spec.k > 1 && change.count > 0 && change.old == nullptr) {
+    return InvalidArgumentError(where + ": conditioned chunk without old values");
+  }
+  const bool needs_ranks = internal::NeedsRanks(ch.elements, change.count, spec);
+  if (needs_ranks && rank == nullptr) return InvalidArgumentError(where + ": ranks needed");
+  return WithWidth(ch.width, [&](auto zero) -> Status {
+    using T = decltype(zero);
+    SparseDelta<T> d;
+    d.pos.assign(change.pos, change.pos + change.count);
+    const T* delta = static_cast<const T*>(change.delta);
+    d.delta.assign(delta, delta + change.count);
+    for (size_t j = 0; j < change.count; ++j) {
+      if (d.pos[j] >= ch.elements || (j > 0 && d.pos[j] <= d.pos[j - 1]) || d.delta[j] == 0) {
+        return InvalidArgumentError(where + ": change " + std::to_string(j) +
+                                    " is out of order, out of range or zero");
+      }
+    }
+    impl_->encoded[i] = internal::EncodeChunkStaged<T>(ch.elements, d, static_cast<const T*>(change.old), spec,
+                                                       needs_ranks ? rank : nullptr, impl_->options.zstd_level);
+    impl_->done[i] = 1;
+    return Status::Ok();
+  });
+}
+
+Status PatchWriter::SetChecksums(std::span<const uint64_t> target, std::span<const uint64_t> base) {
+  Container& c = impl_->c;
+  if (target.size() != c.tensors.size() || base.size() != c.tensors.size()) {
+    return InvalidArgumentError("checksums for " + std::to_string(target.size()) + "/" +
+                                std::to_string(base.size()) + " tensors, the patch has " +
+                                std::to_string(c.tensors.size()));
+  }
+  for (size_t t = 0; t < c.tensors.size(); ++t) c.tensors[t].target_checksum = target[t];
+  c.base_set_checksum = internal::SetChecksumOf(std::vector<uint64_t>(base.begin(), base.end()));
+  impl_->checksums = true;
+  return Status::Ok();
+}
+
+StatusOr<std::string> PatchWriter::Finish() {
+  for (size_t i = 0; i < impl_->done.size(); ++i) {
+    if (!impl_->done[i]) return FailedPreconditionError("chunk " + std::to_string(i) + " was never set");
+  }
+  if (!impl_->checksums) return FailedPreconditionError("checksums were never set");
+  return internal::Finish(impl_->c, impl_->tasks, impl_->encoded);
+}
+
+// ------------------------------------------------------------------ reader
+
+struct PatchReader::Impl {
+  Container c;
+  std::vector<Task> tasks;
+  std::vector<Chunk> chunks;
+};
+
+PatchReader::PatchReader(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+PatchReader::PatchReader(PatchReader&&) noexcept = default;
+PatchReader& PatchReader::operator=(PatchReader&&) noexcept = default;
+PatchReader::~PatchReader() = default;
+
+StatusOr<PatchReader> PatchReader::Open(std::string_view patch, bool verify_checksum) {
+  auto impl = std::make_unique<Impl>();
+  WSYNC_ASSIGN_OR_RETURN(impl->c, internal::ReadContainer(patch, verify_checksum));
+  impl->tasks = internal::TasksOf(impl->c.tensors);
+  impl->chunks = ChunksOf(impl->c, impl->tasks);
+  return PatchReader(std::move(impl));
+}
+
+PatchKind PatchReader::kind() const { return impl_->c.kind; }
+uint32_t PatchReader::chunk_bytes() const { return impl_->c.chunk_bytes; }
+uint64_t PatchReader::base_version() const { return impl_->c.base_version; }
+uint64_t PatchReader::target_version() const { return impl_->c.target_version; }
+uint64_t PatchReader::base_set_checksum() const { return impl_->c.base_set_checksum; }
+size_t PatchReader::tensor_count() const { return impl_->c.tensors.size(); }
+uint64_t PatchReader::target_checksum(size_t t) const { return impl_->c.tensors.at(t).target_checksum; }
+const std::string& PatchReader::tensor_name(size_t t) const { return impl_->c.tensors.at(t).name; }
+const std::vector<Chunk>& PatchReader::chunks() const { return impl_->chunks; }
+
+StatusOr<std::vector<size_t>> PatchReader::Match(std::span<const MutableTensorView> dst, bool allow_extra) const {
+  WSYNC_ASSIGN_OR_RETURN(auto matched, internal::MatchTensors(impl_->c, dst, allow_extra));
+  std::vector<size_t> out;
+  for (const MutableTensorView* m : matched) out.push_back(static_cast<size_t>(m - dst.data()));
+  return out;
+}
+
+Status PatchReader::DecodePositions(size_t i, DecodedChunk* out) const {
+  const Container& c = impl_->c;
+  if (c.kind != PatchKind::kPatch) return FailedPreconditionError("a keyframe has no positions");
+  const Chunk& ch = impl_->chunks.at(i);
+  const internal::TensorEntry& e = c.tensors[ch.tensor];
+  const internal::ChunkEntry& ce = e.chunks[ch.index];
+  *out = DecodedChunk{};
+  return WithWidth(ch.width, [&](auto zero) -> Status {
+    using T = decltype(zero);
+    ChunkPositions cp;
+    SparseDelta<T> d;
+    WSYNC_RETURN_IF_ERROR(internal::DecodeChunkPositions<T>(ce.mode, ce.changed, c.PosStream(ce), c.ValStream(ce),
+                                                            ch.elements, ExponentFieldOf(e.dtype), &cp, &d)
+                              .WithContext(internal::ChunkWhere(e, ch.index)));
+    out->spec = cp.spec;
+    out->values_pending = cp.values_pending;
+    out->ranked = cp.ranked;
+    out->class_counts = std::move(cp.class_counts);
+    out->ranks = std::move(cp.ranks);
+    if (cp.values_pending) {
+      out->pos = std::move(cp.pos);
+    } else {
+      out->pos = std::move(d.pos);
+      CopyOut(d.delta, &out->delta);
+    }
+    return Status::Ok();
+  });
+}
+
+Status PatchReader::DecodeValues(size_t i, const void* old, DecodedChunk* out) const {
+  const Container& c = impl_->c;
+  const Chunk& ch = impl_->chunks.at(i);
+  const internal::TensorEntry& e = c.tensors[ch.tensor];
+  const internal::ChunkEntry& ce = e.chunks[ch.index];
+  return WithWidth(ch.width, [&](auto zero) -> Status {
+    using T = decltype(zero);
+    ChunkPositions cp;
+    cp.spec = out->spec;
+    cp.values_pending = out->values_pending;
+    cp.ranked = out->ranked;
+    cp.pos = out->pos;
+    SparseDelta<T> d;
+    WSYNC_RETURN_IF_ERROR(internal::DecodeChunkValues<T>(c.ValStream(ce), cp, static_cast<const T*>(old), &d)
+                              .WithContext(internal::ChunkWhere(e, ch.index)));
+    if (out->values_pending) CopyOut(d.delta, &out->delta);
+    out->values_pending = false;
+    return Status::Ok();
+  });
+}
+
+Status PatchReader::DecodeKeyframe(size_t i, void* out) const {
+  const Container& c = impl_->c;
+  if (c.kind != PatchKind::kKeyframe) return FailedPreconditionError("not a keyframe");
+  const Chunk& ch = impl_->chunks.at(i);
+  const internal::TensorEntry& e = c.tensors[ch.tensor];
+  return WithWidth(ch.width, [&](auto zero) -> Status {
+    using T = decltype(zero);
+    return internal::DecodeKeyframeChunk<T>(c.PosStream(e.chunks[ch.index]), ch.elements, static_cast<T*>(out))
+        .WithContext(internal::ChunkWhere(e, ch.index));
+  });
+}
+
+Status MergeRankedPositions(const uint32_t* pos_by_class, const void* old_by_class, size_t width,
+                            DecodedChunk* out, std::vector<uint8_t>* old_sorted) {
+  const size_t m = out->ranks.size();
+  std::vector<uint32_t> order(m);
+  std::iota(order.begin(), order.end(), 0u);
+  std::sort(order.begin(), order.end(), [&](uint32_t a, uint32_t b) { return pos_by_class[a] < pos_by_class[b]; });
+  out->pos.resize(m);
+  old_sorted->resize(m * width);
+  const auto* old = static_cast<const uint8_t*>(old_by_class);
+  for (size_t j = 0; j < m; ++j) {
+    out->pos[j] = pos_by_class[order[j]];
+    if (j > 0 && out->pos[j] == out->pos[j - 1]) {
+      return DataLossError("position stream: position " + std::to_string(out->pos[j]) + " decoded twice");
+    }
+    std::memcpy(old_sorted->data() + j * width, old + size_t{order[j]} * width, width);
+  }
+  out->ranked = false;
+  out->ranks.clear();
+  out->class_counts.clear();
+  return Status::Ok();
+}
+
+}  // namespace wsync::codec::staged
