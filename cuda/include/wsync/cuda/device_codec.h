@@ -1,0 +1,96 @@
+// The patch codec on a GPU: encode from and apply into device memory, with
+// the bytes and the behaviour of the host codec (codec.h). The device diffs,
+// compacts, histograms, ranks, checksums and scatters; the host runs only the
+// entropy coders on the compact streams (staged.h), so a patch made here is
+// byte-identical to codec::EncodePatch on host copies of the same tensors,
+// and applying one here equals codec::ApplyPatch, errors included.
+//
+// No CUDA header is included: a build without CUDA has the same API, and
+// Create() then returns Unavailable. Tensor views carry device pointers.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+
+#include "wsync/codec/codec.h"
+#include "wsync/util/status.h"
+
+namespace wsync::cuda {
+
+// Ok when this build has CUDA and a device can be used; else Unavailable
+// saying why (built without CUDA, no device, driver error).
+Status DeviceAvailable();
+
+class DeviceCodec {
+ public:
+  // A codec on `device` with its own streams and scratch memory (grown on
+  // demand, kept between calls). Unavailable when DeviceAvailable() is not ok.
+  static StatusOr<std::unique_ptr<DeviceCodec>> Create(int device = 0);
+  ~DeviceCodec();
+  DeviceCodec(const DeviceCodec&) = delete;
+  DeviceCodec& operator=(const DeviceCodec&) = delete;
+
+  // codec::EncodePatch over tensors in device memory. options.pool (if any)
+  // runs the host entropy stage.
+  StatusOr<std::string> EncodePatch(std::span<const codec::TensorView> base,
+                                    std::span<const codec::TensorView> target, const codec::EncodeOptions& options);
+
+  // codec::ApplyPatch (patches and keyframes) into tensors in device memory.
+  Status ApplyPatch(std::string_view patch, std::span<const codec::MutableTensorView> tensors,
+                    const codec::ApplyOptions& options);
+
+  // codec::TensorChecksum of nbytes of device memory.
+  StatusOr<uint64_t> TensorChecksum(const void* data, size_t nbytes);
+
+  // codec::CastFp32ToBf16 on device memory; returns when done.
+  Status CastFp32ToBf16(const uint32_t* src, uint16_t* dst, size_t n);
+
+  // The source pipeline. Copies `live` (e.g. a trainer's buffers, opened by
+  // CUDA IPC) tensor by tensor into `snapshot` on a copy stream, while the
+  // compute stream encodes previous -> snapshot for each tensor as soon as
+  // its copy has landed (events), so encoding overlaps the copy of the next
+  // tensor. on_snapshot (may be empty) runs once every copy is done: the
+  // trainer may then write its buffers again. Returns the patch; `previous`
+  // is left untouched (the caller swaps the roles of the two sets).
+  // REQUIRES: the three sets have equal names, dtypes and shapes.
+  StatusOr<std::string> SnapshotAndEncode(std::span<const codec::TensorView> live,
+                                          std::span<const codec::MutableTensorView> snapshot,
+                                          std::span<const codec::TensorView> previous,
+                                          const codec::EncodeOptions& options,
+                                          const std::function<void()>& on_snapshot);
+
+ private:
+  struct Impl;
+  explicit DeviceCodec(std::unique_ptr<Impl> impl);
+  StatusOr<std::string> Encode(std::span<const codec::TensorView> live,
+                               std::span<const codec::MutableTensorView> snapshot,
+                               std::span<const codec::TensorView> previous, const codec::EncodeOptions& options,
+                               const std::function<void()>& on_snapshot, std::span<const codec::TensorView> target);
+  std::unique_ptr<Impl> impl_;
+};
+
+// Device memory owned by its holder, for tools and tests.
+class DeviceBuffer {
+ public:
+  static StatusOr<DeviceBuffer> Allocate(size_t bytes, int device = 0);
+  DeviceBuffer() = default;
+  DeviceBuffer(DeviceBuffer&& other) noexcept;
+  DeviceBuffer& operator=(DeviceBuffer&& other) noexcept;
+  ~DeviceBuffer();
+
+  void* data() const { return data_; }
+  size_t size() const { return size_; }
+  Status CopyFromHost(const void* src, size_t bytes, size_t offset = 0);
+  Status CopyToHost(void* dst, size_t bytes, size_t offset = 0) const;
+
+ private:
+  void* data_ = nullptr;
+  size_t size_ = 0;
+};
+
+}  // namespace wsync::cuda

@@ -1,0 +1,82 @@
+// Launchers of the device kernels, in CUB style: each enqueues its work on
+// the given stream and returns; none allocates or synchronizes. Errors are
+// launch errors (Internal, with CUDA's message). Pointers are device
+// pointers; "width" is the element width in bytes (1, 2, 4 or 8). A library
+// built without CUDA has no launchers: use device_codec.h, which reports
+// Unavailable instead.
+//
+// The per-element logic is in logic.h (tested on the CPU); a tensor's blocks
+// and chunks are described by logic::Layout.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "wsync/codec/block_logic.h"
+#include "wsync/cuda/logic.h"
+#include "wsync/util/status.h"
+
+namespace wsync::cuda {
+
+using Stream = void*;  // a cudaStream_t; nullptr is the legacy default stream
+
+// counts[b] = elements of block b that differ between base and target, for
+// b < Blocks(); counts[Blocks()] = 0, so that an exclusive scan of
+// Blocks() + 1 entries ends with the total.
+Status LaunchDiffCounts(const void* base, const void* target, int width, logic::Layout layout, uint32_t* counts,
+                        Stream stream);
+
+// Exclusive prefix sum of n values (CUB). With temp == nullptr, sets
+// *temp_bytes to the scratch needed and enqueues nothing.
+Status ExclusiveScan(void* temp, size_t* temp_bytes, const uint32_t* in, uint32_t* out, size_t n, Stream stream);
+
+// Writes every differing element, in order, at offsets[block] + its rank in
+// the block: pos (chunk-relative), delta = target - base (mod 2^w) and old
+// = base. offsets: the exclusive scan of LaunchDiffCounts's counts.
+Status LaunchDiffScatter(const void* base, const void* target, int width, logic::Layout layout,
+                         const uint32_t* offsets, uint32_t* pos, void* delta, void* old, Stream stream);
+
+// chunk_offsets[c] = offsets[c * ChunkBlocks()] for c < Chunks(), and the
+// total at Chunks().
+Status LaunchChunkOffsets(const uint32_t* offsets, logic::Layout layout, uint32_t* chunk_offsets, Stream stream);
+
+// Per-chunk sampled exponent histograms of the base (bins per chunk; see
+// codec::kSampleStride), zeroed first.
+Status LaunchSampleHistogram(const void* base, int width, logic::Layout layout, int shift, uint32_t mask,
+                             uint32_t bins, uint32_t* hist, Stream stream);
+
+// XXH3-64 of every 1 MiB block of nbytes bytes (codec/checksum.h).
+Status LaunchBlockDigests(const void* data, size_t nbytes, uint64_t* digests, Stream stream);
+
+// counts[c * Blocks() + b]: elements of class c in block b under the block's
+// chunk's spec (specs: one per chunk), c < kMaxClasses; counts has
+// kMaxClasses * Blocks() + 1 entries (the last set to 0). Its exclusive scan
+// is the rank prefix of LaunchRanks and LaunchRankPositions.
+Status LaunchClassCounts(const void* base, int width, logic::Layout layout, const codec::ClassSpec* specs,
+                         uint32_t* counts, Stream stream);
+
+// rank[i] of change i (chunk-relative pos[i], base value old[i], in the
+// chunk found from chunk_offsets): elements of its class before it in its
+// chunk.
+Status LaunchRanks(const void* base, int width, logic::Layout layout, const codec::ClassSpec* specs,
+                   const uint32_t* prefix, const uint32_t* chunk_offsets, const uint32_t* pos, const void* old,
+                   size_t m, uint32_t* rank, Stream stream);
+
+// The inverse: entry i names chunk[i], class cls[i] and rank[i]; writes its
+// chunk-relative position and the base value there. A rank beyond its
+// class's elements sets *error to i + 1 (the first such wins).
+Status LaunchRankPositions(const void* base, int width, logic::Layout layout, const codec::ClassSpec* specs,
+                           const uint32_t* prefix, const uint32_t* chunk, const uint8_t* cls, const uint32_t* rank,
+                           size_t m, uint32_t* pos, void* old, uint32_t* error, Stream stream);
+
+// out[i] = x[index[i]].
+Status LaunchGather(const void* x, int width, const uint64_t* index, size_t m, void* out, Stream stream);
+
+// x[index[i]] += delta[i] (mod 2^w), or -= with undo. Indices are distinct.
+Status LaunchScatterAdd(void* x, int width, const uint64_t* index, const void* delta, size_t m, bool undo,
+                        Stream stream);
+
+// FP32 -> BF16, round to nearest even (codec/bf16.h), n elements.
+Status LaunchCastFp32ToBf16(const uint32_t* in, uint16_t* out, size_t n, Stream stream);
+
+}  // namespace wsync::cuda

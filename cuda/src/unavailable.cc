@@ -1,0 +1,44 @@
+// DeviceCodec in a build without CUDA: the same API, every entry point
+// reporting Unavailable, so the daemon and tools build and say why.
+#include "wsync/cuda/device_codec.h"
+
+namespace wsync::cuda {
+namespace {
+
+Status NotBuilt() {
+  return UnavailableError("wsync was built without CUDA (WSYNC_CUDA=OFF or no nvcc at build time)");
+}
+
+}  // namespace
+
+struct DeviceCodec::Impl {};
+
+Status DeviceAvailable() { return NotBuilt(); }
+
+DeviceCodec::DeviceCodec(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+DeviceCodec::~DeviceCodec() = default;
+StatusOr<std::unique_ptr<DeviceCodec>> DeviceCodec::Create(int) { return NotBuilt(); }
+StatusOr<std::string> DeviceCodec::EncodePatch(std::span<const codec::TensorView>, std::span<const codec::TensorView>,
+                                               const codec::EncodeOptions&) {
+  return NotBuilt();
+}
+Status DeviceCodec::ApplyPatch(std::string_view, std::span<const codec::MutableTensorView>, const codec::ApplyOptions&) {
+  return NotBuilt();
+}
+StatusOr<uint64_t> DeviceCodec::TensorChecksum(const void*, size_t) { return NotBuilt(); }
+Status DeviceCodec::CastFp32ToBf16(const uint32_t*, uint16_t*, size_t) { return NotBuilt(); }
+StatusOr<std::string> DeviceCodec::SnapshotAndEncode(std::span<const codec::TensorView>,
+                                                     std::span<const codec::MutableTensorView>,
+                                                     std::span<const codec::TensorView>, const codec::EncodeOptions&,
+                                                     const std::function<void()>&) {
+  return NotBuilt();
+}
+
+StatusOr<DeviceBuffer> DeviceBuffer::Allocate(size_t, int) { return NotBuilt(); }
+DeviceBuffer::DeviceBuffer(DeviceBuffer&& o) noexcept : data_(o.data_), size_(o.size_) {}
+DeviceBuffer& DeviceBuffer::operator=(DeviceBuffer&&) noexcept { return *this; }
+DeviceBuffer::~DeviceBuffer() = default;
+Status DeviceBuffer::CopyFromHost(const void*, size_t, size_t) { return NotBuilt(); }
+Status DeviceBuffer::CopyToHost(void*, size_t, size_t) const { return NotBuilt(); }
+
+}  // namespace wsync::cuda

@@ -1,0 +1,210 @@
+// DeviceCodec on a GPU against the host codec: identical patch bytes,
+// identical results and errors. Skips with a message where no GPU is usable.
+#include "wsync/cuda/device_codec.h"
+
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <random>
+
+#include "../codec/test_tensors.h"
+#include "wsync/buffers/safetensors.h"
+#include "wsync/codec/bf16.h"
+#include "wsync/codec/checksum.h"
+
+namespace wsync {
+namespace {
+
+using testing::OwnedTensor;
+
+// Device copies of a tensor set.
+struct DeviceSet {
+  std::vector<cuda::DeviceBuffer> buffers;
+  std::vector<codec::MutableTensorView> views;
+
+  static DeviceSet Of(const std::vector<OwnedTensor>& host) {
+    DeviceSet s;
+    for (const auto& t : host) {
+      auto b = cuda::DeviceBuffer::Allocate(t.bytes.size());
+      EXPECT_TRUE(b.ok()) << b.status().ToString();
+      EXPECT_TRUE(b->CopyFromHost(t.bytes.data(), t.bytes.size()).ok());
+      s.views.push_back({t.name, t.dtype, t.shape, static_cast<uint8_t*>(b->data())});
+      s.buffers.push_back(std::move(*b));
+    }
+    return s;
+  }
+  std::vector<codec::TensorView> Const() const {
+    std::vector<codec::TensorView> v;
+    for (const auto& m : views) v.push_back(m.AsConst());
+    return v;
+  }
+  std::vector<OwnedTensor> ToHost(const std::vector<OwnedTensor>& like) const {
+    std::vector<OwnedTensor> out = like;
+    for (size_t i = 0; i < out.size(); ++i) EXPECT_TRUE(buffers[i].CopyToHost(out[i].bytes.data(), out[i].bytes.size()).ok());
+    return out;
+  }
+};
+
+class DeviceCodecTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    const Status s = cuda::DeviceAvailable();
+    if (!s.ok()) GTEST_SKIP() << "no GPU: " << s.ToString();
+    auto c = cuda::DeviceCodec::Create();
+    ASSERT_TRUE(c.ok()) << c.status().ToString();
+    codec_ = std::move(*c);
+  }
+
+  // Encodes on both, compares bytes; applies on the device, compares bits.
+  void RoundTrip(const std::vector<OwnedTensor>& base, const std::vector<OwnedTensor>& target,
+                 const codec::EncodeOptions& o) {
+    auto host = codec::EncodePatch(buffers::Views(base), buffers::Views(target), o);
+    ASSERT_TRUE(host.ok()) << host.status().ToString();
+    DeviceSet b = DeviceSet::Of(base), t = DeviceSet::Of(target);
+    auto dev = codec_->EncodePatch(b.Const(), t.Const(), o);
+    ASSERT_TRUE(dev.ok()) << dev.status().ToString();
+    EXPECT_EQ(dev->size(), host->size());
+    EXPECT_TRUE(*dev == *host) << "device patch differs from the host codec's";
+    ASSERT_TRUE(codec_->ApplyPatch(*host, b.views, {}).ok());
+    EXPECT_TRUE(testing::SameBits(b.ToHost(base), target));
+  }
+
+  std::unique_ptr<cuda::DeviceCodec> codec_;
+};
+
+TEST_F(DeviceCodecTest, RandomSetsOfEveryWidthAndDensity) {
+  std::mt19937_64 rng(11);
+  for (codec::DType dtype : {codec::DType::kBF16, codec::DType::kF32, codec::DType::kF8E4M3, codec::DType::kF64,
+                             codec::DType::kI16}) {
+    for (double density : {0.0, 1e-4, 1e-2, 0.5, 1.0}) {
+      std::vector<OwnedTensor> base, target;
+      const std::vector<std::vector<uint64_t>> shapes = {{3, 700001}, {1}, {0}, {33}, {1 << 20}};
+      for (size_t i = 0; i < shapes.size(); ++i) {
+        base.push_back(testing::RandomTensor("t" + std::to_string(i), dtype, shapes[i], rng));
+        target.push_back(dtype == codec::DType::kBF16 ? testing::PerturbByExponent(base.back(), density, 118, rng)
+                                                      : testing::Perturb(base.back(), density, rng));
+      }
+      for (bool condition : {true, false}) {
+        SCOPED_TRACE(std::string(codec::DTypeName(dtype)) + " density " + std::to_string(density) +
+                     (condition ? " conditioned" : ""));
+        codec::EncodeOptions o;
+        o.condition_on_base = condition;
+        RoundTrip(base, target, o);
+      }
+    }
+  }
+}
+
+TEST_F(DeviceCodecTest, RealSnapshotsGiveTheHostBytes) {
+  const char* env = std::getenv("WSYNC_DATA_DIR");
+  const std::filesystem::path dir = env != nullptr ? env : WSYNC_SHARED_DATA_DIR "/rl-small-lr1e-6";
+  std::vector<std::filesystem::path> files;
+  if (std::filesystem::is_directory(dir)) {
+    for (const auto& e : std::filesystem::directory_iterator(dir)) {
+      if (e.path().extension() == ".safetensors") files.push_back(e.path());
+    }
+  }
+  std::sort(files.begin(), files.end());
+  if (files.size() < 2) GTEST_SKIP() << "no snapshots in " << dir;
+  for (size_t i = 0; i + 1 < files.size(); ++i) {
+    auto a = buffers::SafetensorsFile::Open(files[i].string());
+    auto b = buffers::SafetensorsFile::Open(files[i + 1].string());
+    ASSERT_TRUE(a.ok() && b.ok());
+    SCOPED_TRACE(files[i].filename().string());
+    RoundTrip(buffers::CopyTensors((*a)->tensors()), buffers::CopyTensors((*b)->tensors()), codec::EncodeOptions{});
+  }
+}
+
+TEST_F(DeviceCodecTest, SnapshotAndEncodeCopiesAndEncodesLikeTheHost) {
+  std::mt19937_64 rng(12);
+  std::vector<OwnedTensor> base, live;
+  for (int i = 0; i < 6; ++i) {
+    base.push_back(testing::RandomTensor("w" + std::to_string(i), codec::DType::kBF16, {1 << 21}, rng));
+    live.push_back(testing::PerturbByExponent(base.back(), 1e-2, 118, rng));
+  }
+  auto host = codec::EncodePatch(buffers::Views(base), buffers::Views(live), {});
+  ASSERT_TRUE(host.ok());
+  DeviceSet prev = DeviceSet::Of(base), trainer = DeviceSet::Of(live), snap = DeviceSet::Of(base);
+  int reported = 0;
+  auto patch = codec_->SnapshotAndEncode(trainer.Const(), snap.views, prev.Const(), {}, [&] { ++reported; });
+  ASSERT_TRUE(patch.ok()) << patch.status().ToString();
+  EXPECT_EQ(reported, 1);
+  EXPECT_TRUE(*patch == *host);
+  EXPECT_TRUE(testing::SameBits(snap.ToHost(live), live));
+}
+
+TEST_F(DeviceCodecTest, CorruptPatchIsDataLossAndTheDestinationIsUnchanged) {
+  std::mt19937_64 rng(13);
+  std::vector<OwnedTensor> base{testing::RandomTensor("w", codec::DType::kBF16, {1 << 20}, rng)};
+  std::vector<OwnedTensor> target{testing::PerturbByExponent(base[0], 1e-2, 118, rng)};
+  auto patch = codec::EncodePatch(buffers::Views(base), buffers::Views(target), {});
+  ASSERT_TRUE(patch.ok());
+  int data_loss = 0;
+  for (size_t at = 100; at < patch->size(); at += patch->size() / 40) {
+    std::string bad = *patch;
+    bad[at] ^= 0x5A;
+    DeviceSet d = DeviceSet::Of(base);
+    codec::ApplyOptions o;
+    o.verify_patch_checksum = false;  // reach the stream decoders and the tensor checksums
+    const Status s = codec_->ApplyPatch(bad, d.views, o);
+    const auto after = d.ToHost(base);
+    if (s.ok()) {
+      EXPECT_TRUE(testing::SameBits(after, target)) << "accepted a flip at " << at << " with wrong bits";
+    } else {
+      ++data_loss;
+      EXPECT_TRUE(testing::SameBits(after, base)) << "destination changed after: " << s.ToString();
+    }
+  }
+  EXPECT_GT(data_loss, 0);
+}
+
+TEST_F(DeviceCodecTest, WrongBaseIsFailedPrecondition) {
+  std::mt19937_64 rng(14);
+  std::vector<OwnedTensor> base{testing::RandomTensor("w", codec::DType::kBF16, {1 << 20}, rng)};
+  std::vector<OwnedTensor> target{testing::PerturbByExponent(base[0], 1e-2, 118, rng)};
+  auto patch = codec::EncodePatch(buffers::Views(base), buffers::Views(target), {});
+  ASSERT_TRUE(patch.ok());
+  DeviceSet d = DeviceSet::Of(target);  // already at the target, not the base
+  const Status s = codec_->ApplyPatch(*patch, d.views, {});
+  EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition) << s.ToString();
+  EXPECT_TRUE(testing::SameBits(d.ToHost(target), target));
+}
+
+TEST_F(DeviceCodecTest, KeyframeAppliesIntoDeviceMemory) {
+  std::mt19937_64 rng(15);
+  std::vector<OwnedTensor> target{testing::RandomTensor("w", codec::DType::kBF16, {3, 500000}, rng)};
+  auto kf = codec::EncodeKeyframe(buffers::Views(target), {});
+  ASSERT_TRUE(kf.ok());
+  std::vector<OwnedTensor> zero = target;
+  std::fill(zero[0].bytes.begin(), zero[0].bytes.end(), 0);
+  DeviceSet d = DeviceSet::Of(zero);
+  ASSERT_TRUE(codec_->ApplyPatch(*kf, d.views, {}).ok());
+  EXPECT_TRUE(testing::SameBits(d.ToHost(target), target));
+}
+
+TEST_F(DeviceCodecTest, ChecksumAndCastMatchTheHost) {
+  std::mt19937_64 rng(16);
+  std::vector<uint32_t> f32(3'000'017);
+  for (auto& v : f32) v = static_cast<uint32_t>(rng());
+  f32[0] = 0x7FC00001u;  // NaN
+  f32[1] = 0x3F808000u;  // a tie
+  auto src = cuda::DeviceBuffer::Allocate(f32.size() * 4);
+  auto dst = cuda::DeviceBuffer::Allocate(f32.size() * 2);
+  ASSERT_TRUE(src.ok() && dst.ok());
+  ASSERT_TRUE(src->CopyFromHost(f32.data(), f32.size() * 4).ok());
+  ASSERT_TRUE(codec_->CastFp32ToBf16(static_cast<uint32_t*>(src->data()), static_cast<uint16_t*>(dst->data()),
+                                     f32.size()).ok());
+  std::vector<uint16_t> got(f32.size()), want(f32.size());
+  ASSERT_TRUE(dst->CopyToHost(got.data(), got.size() * 2).ok());
+  codec::CastFp32ToBf16(f32.data(), want.data(), f32.size());
+  EXPECT_TRUE(got == want);
+  for (size_t len : {size_t{0}, size_t{5}, size_t{241}, size_t{1} << 20, f32.size() * 4}) {
+    auto sum = codec_->TensorChecksum(src->data(), len);
+    ASSERT_TRUE(sum.ok());
+    EXPECT_EQ(*sum, codec::TensorChecksum(f32.data(), len)) << len;
+  }
+}
+
+}  // namespace
+}  // namespace wsync

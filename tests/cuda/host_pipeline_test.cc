@@ -1,0 +1,244 @@
+// The device codec's data flow run on the CPU: the kernels' per-block logic
+// (wsync/cuda/logic.h) in plain loops, feeding the staged codec exactly as
+// cuda/src/device_codec.cc does. The patch must be byte-identical to
+// codec::EncodePatch and applying through the ranked-position path must
+// equal codec::ApplyPatch. Runs without a GPU.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <random>
+
+#include "../codec/test_tensors.h"
+#include "wsync/codec/checksum.h"
+#include "wsync/codec/staged.h"
+#include "wsync/cuda/logic.h"
+
+namespace wsync {
+namespace {
+
+using codec::ClassSpec;
+using codec::kBlock;
+using codec::kMaxClasses;
+using testing::OwnedTensor;
+
+// What DiffCounts + scan + DiffScatter + SampleHistogram compute for a tensor.
+struct Compact {
+  std::vector<uint32_t> chunk_off, pos;
+  std::vector<uint8_t> delta, old;
+  std::vector<uint32_t> hist;
+};
+
+template <typename T>
+Compact Diff(const T* base, const T* target, cuda::logic::Layout l, size_t bins, codec::ExponentField ef) {
+  Compact c;
+  c.chunk_off.push_back(0);
+  c.hist.assign(l.Chunks() * bins, 0);
+  for (uint64_t b = 0; b < l.Blocks(); ++b) {
+    const int len = l.BlockLen(b);
+    uint32_t m = cuda::logic::DiffMask(base + b * kBlock, target + b * kBlock, len);
+    while (m != 0) {
+      const uint64_t i = b * kBlock + codec::CountrZero32(m);
+      m &= m - 1;
+      c.pos.push_back(static_cast<uint32_t>(i % l.chunk_elems));
+      const T d = static_cast<T>(target[i] - base[i]);
+      c.delta.insert(c.delta.end(), reinterpret_cast<const uint8_t*>(&d), reinterpret_cast<const uint8_t*>(&d) + sizeof(T));
+      c.old.insert(c.old.end(), reinterpret_cast<const uint8_t*>(base + i), reinterpret_cast<const uint8_t*>(base + i) + sizeof(T));
+    }
+    if (bins > 0 && l.Sampled(b)) {
+      for (int j = 0; j < kBlock; ++j) {
+        ++c.hist[(b / l.ChunkBlocks()) * bins + ((static_cast<uint64_t>(base[b * kBlock + j]) >> ef.shift) & ef.mask)];
+      }
+    }
+    if ((b + 1) % l.ChunkBlocks() == 0 || b + 1 == l.Blocks()) c.chunk_off.push_back(static_cast<uint32_t>(c.pos.size()));
+  }
+  return c;
+}
+
+// ClassCounts + exclusive scan: the class-major rank prefix.
+template <typename T>
+std::vector<uint32_t> Prefix(const T* base, cuda::logic::Layout l, const std::vector<ClassSpec>& specs) {
+  const uint64_t blocks = l.Blocks();
+  std::vector<uint32_t> counts(kMaxClasses * blocks + 1, 0), prefix(counts.size());
+  for (uint64_t b = 0; b < blocks; ++b) {
+    uint32_t c[kMaxClasses];
+    cuda::logic::BlockClassCounts(specs[b / l.ChunkBlocks()], base + b * kBlock, l.BlockLen(b), c);
+    for (int k = 0; k < kMaxClasses; ++k) counts[k * blocks + b] = c[k];
+  }
+  uint32_t sum = 0;
+  for (size_t i = 0; i < counts.size(); ++i) {
+    prefix[i] = sum;
+    sum += counts[i];
+  }
+  return prefix;
+}
+
+template <typename T>
+std::string EncodeLikeTheDevice(const std::vector<OwnedTensor>& base, const std::vector<OwnedTensor>& target,
+                                const codec::EncodeOptions& options) {
+  auto bv = buffers::Views(base), tv = buffers::Views(target);
+  auto writer = codec::staged::PatchWriter::Create(tv, options);
+  EXPECT_TRUE(writer.ok()) << writer.status().ToString();
+  std::vector<std::vector<size_t>> ids(target.size());
+  for (size_t i = 0; i < writer->chunks().size(); ++i) ids[writer->chunks()[i].tensor].push_back(i);
+  std::vector<uint64_t> tsum, bsum;
+  for (size_t t = 0; t < target.size(); ++t) {
+    const T* b = reinterpret_cast<const T*>(base[t].bytes.data());
+    const T* x = reinterpret_cast<const T*>(target[t].bytes.data());
+    const cuda::logic::Layout l{.n = tv[t].NumElements(), .chunk_elems = options.chunk_bytes / sizeof(T)};
+    const size_t bins = options.condition_on_base ? codec::staged::HistogramBins(tv[t].dtype) : 0;
+    const Compact c = Diff(b, x, l, bins, codec::ExponentFieldOf(tv[t].dtype));
+    std::vector<ClassSpec> specs(l.Chunks());
+    std::vector<codec::staged::ChunkChange> changes(l.Chunks());
+    bool ranks = false;
+    for (uint64_t k = 0; k < l.Chunks(); ++k) {
+      auto& ch = changes[k];
+      ch.count = c.chunk_off[k + 1] - c.chunk_off[k];
+      ch.pos = c.pos.data() + c.chunk_off[k];
+      ch.delta = c.delta.data() + c.chunk_off[k] * sizeof(T);
+      ch.old = bins > 0 ? c.old.data() + c.chunk_off[k] * sizeof(T) : nullptr;
+      specs[k] = writer->ChooseClasses(ids[t][k], bins > 0 ? c.hist.data() + k * bins : nullptr, ch);
+      ranks = ranks || writer->NeedsRanks(ids[t][k], ch.count, specs[k]);
+    }
+    std::vector<uint32_t> rank(c.pos.size());
+    if (ranks) {
+      const auto prefix = Prefix(b, l, specs);
+      const uint64_t blocks = l.Blocks();
+      for (uint64_t k = 0; k < l.Chunks(); ++k) {
+        for (uint32_t i = c.chunk_off[k]; i < c.chunk_off[k + 1]; ++i) {
+          const uint64_t first = k * l.ChunkBlocks(), blk = first + c.pos[i] / kBlock;
+          const int cls = specs[k].ClassOf(reinterpret_cast<const T*>(c.old.data())[i]);
+          rank[i] = prefix[cls * blocks + blk] - prefix[cls * blocks + first] +
+                    cuda::logic::ClassCountBelow(specs[k], b + blk * kBlock, l.BlockLen(blk), cls, c.pos[i] % kBlock);
+        }
+      }
+    }
+    for (uint64_t k = 0; k < l.Chunks(); ++k) {
+      const Status s = writer->SetChunk(ids[t][k], changes[k], specs[k], rank.data() + c.chunk_off[k]);
+      EXPECT_TRUE(s.ok()) << s.ToString();
+    }
+    auto digest = [&](const std::vector<uint8_t>& bytes) {
+      std::vector<uint64_t> d;
+      for (size_t off = 0; off < bytes.size(); off += codec::kChecksumBlockBytes) {
+        d.push_back(cuda::logic::Xxh3(bytes.data() + off, std::min(codec::kChecksumBlockBytes, bytes.size() - off)));
+      }
+      return codec::CombineBlockDigests(d);
+    };
+    tsum.push_back(digest(target[t].bytes));
+    bsum.push_back(digest(base[t].bytes));
+  }
+  EXPECT_TRUE(writer->SetChecksums(tsum, bsum).ok());
+  auto out = writer->Finish();
+  EXPECT_TRUE(out.ok()) << out.status().ToString();
+  return out.ok() ? *out : std::string();
+}
+
+// Applies with positions found from ranks by the kernels' search + select.
+template <typename T>
+Status ApplyLikeTheDevice(const std::string& patch, std::vector<OwnedTensor>* dst) {
+  WSYNC_ASSIGN_OR_RETURN(auto r, codec::staged::PatchReader::Open(patch));
+  const auto& chunks = r.chunks();
+  for (size_t t = 0; t < dst->size(); ++t) {
+    T* x = reinterpret_cast<T*>((*dst)[t].bytes.data());
+    const cuda::logic::Layout l{.n = (*dst)[t].bytes.size() / sizeof(T), .chunk_elems = r.chunk_bytes() / sizeof(T)};
+    std::vector<size_t> ids;
+    for (size_t i = 0; i < chunks.size(); ++i) {
+      if (chunks[i].tensor == t) ids.push_back(i);
+    }
+    std::vector<codec::staged::DecodedChunk> dec(ids.size());
+    std::vector<ClassSpec> specs(ids.size());
+    for (size_t k = 0; k < ids.size(); ++k) {
+      WSYNC_RETURN_IF_ERROR(r.DecodePositions(ids[k], &dec[k]));
+      specs[k] = dec[k].spec;
+    }
+    const auto prefix = Prefix(x, l, specs);
+    const uint64_t blocks = l.Blocks();
+    for (size_t k = 0; k < ids.size(); ++k) {
+      auto& d = dec[k];
+      std::vector<uint8_t> old;
+      if (d.ranked) {
+        std::vector<uint32_t> pos;
+        std::vector<T> o;
+        const uint64_t first = k * l.ChunkBlocks(), end = std::min(first + l.ChunkBlocks(), blocks);
+        size_t at = 0;
+        for (int c = 0; c < d.spec.k; ++c) {
+          const uint32_t* row = prefix.data() + c * blocks;
+          for (uint64_t j = 0; j < d.class_counts[c]; ++j, ++at) {
+            const uint32_t rk = d.ranks[at];
+            if (row[end] - row[first] <= rk) return DataLossError("rank beyond its class");
+            uint64_t lo = first, hi = end;
+            while (hi - lo > 1) {
+              const uint64_t mid = (lo + hi) / 2;
+              (row[mid] - row[first] <= rk ? lo : hi) = mid;
+            }
+            const int bit = cuda::logic::ClassSelect(d.spec, x + lo * kBlock, l.BlockLen(lo), c, rk - (row[lo] - row[first]));
+            pos.push_back(static_cast<uint32_t>(lo * kBlock + bit - k * l.chunk_elems));
+            o.push_back(x[lo * kBlock + bit]);
+          }
+        }
+        WSYNC_RETURN_IF_ERROR(codec::staged::MergeRankedPositions(pos.data(), o.data(), sizeof(T), &d, &old));
+      } else if (d.values_pending && d.spec.k > 1) {
+        for (uint32_t p : d.pos) {
+          const T v = x[chunks[ids[k]].first_element + p];
+          old.insert(old.end(), reinterpret_cast<const uint8_t*>(&v), reinterpret_cast<const uint8_t*>(&v) + sizeof(T));
+        }
+      }
+      WSYNC_RETURN_IF_ERROR(r.DecodeValues(ids[k], old.empty() ? nullptr : old.data(), &d));
+    }
+    for (size_t k = 0; k < ids.size(); ++k) {
+      for (size_t j = 0; j < dec[k].pos.size(); ++j) {
+        T& v = x[chunks[ids[k]].first_element + dec[k].pos[j]];
+        v = static_cast<T>(v + reinterpret_cast<const T*>(dec[k].delta.data())[j]);
+      }
+    }
+  }
+  return Status::Ok();
+}
+
+struct Case {
+  codec::DType dtype;
+  double density;
+};
+
+class HostPipelineTest : public ::testing::TestWithParam<Case> {};
+
+template <typename T>
+void RunCase(const Case& c, bool condition) {
+  std::mt19937_64 rng(static_cast<uint64_t>(c.density * 1e6) + static_cast<int>(c.dtype) + condition);
+  std::vector<OwnedTensor> base, target;
+  const std::vector<std::vector<uint64_t>> shapes = {{3, 700001}, {1}, {0}, {33}, {1 << 19}};
+  for (size_t i = 0; i < shapes.size(); ++i) {
+    base.push_back(testing::RandomTensor("t" + std::to_string(i), c.dtype, shapes[i], rng));
+    target.push_back(c.dtype == codec::DType::kBF16 ? testing::PerturbByExponent(base.back(), c.density, 118, rng)
+                                                    : testing::Perturb(base.back(), c.density, rng));
+  }
+  codec::EncodeOptions o;
+  o.condition_on_base = condition;
+  auto host = codec::EncodePatch(buffers::Views(base), buffers::Views(target), o);
+  ASSERT_TRUE(host.ok()) << host.status().ToString();
+  EXPECT_TRUE(EncodeLikeTheDevice<T>(base, target, o) == *host) << "the device data flow gives other bytes";
+  std::vector<OwnedTensor> out = base;
+  ASSERT_TRUE(ApplyLikeTheDevice<T>(*host, &out).ok());
+  EXPECT_TRUE(testing::SameBits(out, target));
+}
+
+TEST_P(HostPipelineTest, SameBytesAndSameResultAsTheHostCodec) {
+  const Case c = GetParam();
+  for (bool condition : {true, false}) {
+    switch (codec::DTypeWidth(c.dtype)) {
+      case 1: RunCase<uint8_t>(c, condition); break;
+      case 2: RunCase<uint16_t>(c, condition); break;
+      case 4: RunCase<uint32_t>(c, condition); break;
+      default: RunCase<uint64_t>(c, condition); break;
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    WidthsAndDensities, HostPipelineTest,
+    ::testing::Values(Case{codec::DType::kBF16, 0}, Case{codec::DType::kBF16, 1e-4}, Case{codec::DType::kBF16, 1e-2},
+                      Case{codec::DType::kBF16, 0.5}, Case{codec::DType::kBF16, 1}, Case{codec::DType::kF32, 1e-2},
+                      Case{codec::DType::kF8E4M3, 1e-2}, Case{codec::DType::kF16, 0.1},
+                      Case{codec::DType::kI32, 1e-3}, Case{codec::DType::kF64, 1e-2}));
+
+}  // namespace
+}  // namespace wsync
