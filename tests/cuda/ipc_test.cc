@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -31,7 +32,8 @@ TEST(CudaIpc, TwoProcessesShareAndPatchOneAllocation) {
     dup2(from_peer[1], 1);
     close(to_peer[1]);
     close(from_peer[0]);
-    execl(PEER_BINARY, PEER_BINARY, nullptr);
+    const char* peer = std::getenv("WSYNC_IPC_PEER") != nullptr ? std::getenv("WSYNC_IPC_PEER") : PEER_BINARY;
+    execl(peer, peer, nullptr);
     _exit(127);
   }
   close(to_peer[0]);
