@@ -13,6 +13,7 @@
 
 #include "control_bench.h"
 #include "measure.h"
+#include "gpu_bench.h"
 #include "synth.h"
 #include "wsync/buffers/safetensors.h"
 
@@ -208,6 +209,14 @@ int main(int argc, char** argv) {
   codec->add_flag("--no-baselines", no_baselines, "measure wsync only");
   codec->callback([&] { rc = RunCodec(dir, gap, !no_baselines, c); });
 
+  auto* gpu = app.add_subcommand("gpu", "the device codec on synthetic steps (needs a GPU)");
+  GpuBenchOptions go;
+  gpu->add_option("--params", go.synth.params, "parameters")->capture_default_str();
+  gpu->add_option("--lr", go.synth.lr, "learning rate")->capture_default_str();
+  gpu->add_option("--steps", go.steps, "optimizer steps (pairs measured)")->capture_default_str();
+  gpu->add_option("--repeat", go.repeat, "repeats per pair")->capture_default_str();
+  gpu->add_option("--host-threads", go.host_threads, "threads of the host codec compared")->capture_default_str();
+  gpu->callback([&] { rc = RunGpuBench(go); });
   auto* synth = app.add_subcommand("synth", "generated FP32-master Adam-like steps cast to BF16");
   SynthOptions so;
   int steps = 3;

@@ -680,4 +680,10 @@ Status DeviceBuffer::CopyToHost(void* dst, size_t bytes, size_t offset) const {
   return Check(cudaMemcpy(dst, static_cast<const uint8_t*>(data_) + offset, bytes, cudaMemcpyDeviceToHost), "copy");
 }
 
+Status DeviceBuffer::CopyFromDevice(const void* src, size_t bytes) {
+  if (bytes > size_) return OutOfRangeError("copy past the device buffer's end");
+  WSYNC_RETURN_IF_ERROR(Check(cudaMemcpy(data_, src, bytes, cudaMemcpyDeviceToDevice), "copy"));
+  return Check(cudaDeviceSynchronize(), "copy");
+}
+
 }  // namespace wsync::cuda

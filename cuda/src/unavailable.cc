@@ -40,5 +40,6 @@ DeviceBuffer& DeviceBuffer::operator=(DeviceBuffer&&) noexcept { return *this; }
 DeviceBuffer::~DeviceBuffer() = default;
 Status DeviceBuffer::CopyFromHost(const void*, size_t, size_t) { return NotBuilt(); }
 Status DeviceBuffer::CopyToHost(void*, size_t, size_t) const { return NotBuilt(); }
+Status DeviceBuffer::CopyFromDevice(const void*, size_t) { return NotBuilt(); }
 
 }  // namespace wsync::cuda

@@ -87,6 +87,8 @@ class DeviceBuffer {
   size_t size() const { return size_; }
   Status CopyFromHost(const void* src, size_t bytes, size_t offset = 0);
   Status CopyToHost(void* dst, size_t bytes, size_t offset = 0) const;
+  // Device-to-device copy from `src` (bytes); returns when done.
+  Status CopyFromDevice(const void* src, size_t bytes);
 
  private:
   void* data_ = nullptr;

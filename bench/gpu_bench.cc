@@ -1,0 +1,119 @@
+#include "gpu_bench.h"
+
+#include <spdlog/spdlog.h>
+
+#include <chrono>
+#include <cstdio>
+
+#include "measure.h"
+#include "wsync/codec/codec.h"
+#include "wsync/cuda/device_codec.h"
+#include "wsync/util/thread_pool.h"
+
+namespace wsync::bench {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double Since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+struct DeviceSet {
+  std::vector<cuda::DeviceBuffer> buffers;
+  std::vector<codec::MutableTensorView> views;
+  std::vector<codec::TensorView> Const() const {
+    std::vector<codec::TensorView> v;
+    for (const auto& m : views) v.push_back(m.AsConst());
+    return v;
+  }
+};
+
+StatusOr<DeviceSet> Upload(const std::vector<buffers::OwnedTensor>& host) {
+  DeviceSet s;
+  for (const auto& t : host) {
+    WSYNC_ASSIGN_OR_RETURN(auto b, cuda::DeviceBuffer::Allocate(t.bytes.size()));
+    WSYNC_RETURN_IF_ERROR(b.CopyFromHost(t.bytes.data(), t.bytes.size()));
+    s.views.push_back({t.name, t.dtype, t.shape, static_cast<uint8_t*>(b.data())});
+    s.buffers.push_back(std::move(b));
+  }
+  return s;
+}
+
+Status Reset(DeviceSet& dst, const DeviceSet& src) {
+  for (size_t i = 0; i < dst.buffers.size(); ++i) {
+    WSYNC_RETURN_IF_ERROR(dst.buffers[i].CopyFromDevice(src.buffers[i].data(), src.buffers[i].size()));
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+int RunGpuBench(const GpuBenchOptions& o) {
+  const Status avail = cuda::DeviceAvailable();
+  if (!avail.ok()) {
+    spdlog::error("{}", avail.ToString());
+    return 2;
+  }
+  auto dc = cuda::DeviceCodec::Create();
+  if (!dc.ok()) {
+    spdlog::error("{}", dc.status().ToString());
+    return 2;
+  }
+  ThreadPool pool(o.host_threads);
+  SynthModel model(o.synth, &pool);
+  const double dense = static_cast<double>(model.params()) * 2;
+  spdlog::info("gpu bench: {:.2f} GB of BF16, lr {}", dense / 1e9, o.synth.lr);
+  std::vector<buffers::OwnedTensor> prev = model.Tensors(), cur = model.Tensors();
+  model.CastTo(&prev);
+  std::vector<double> enc, app, copy, host_enc, ratio;
+  bool identical = true;
+  for (int s = 1; s <= o.steps; ++s) {
+    model.Step();
+    model.CastTo(&cur);
+    auto base = Upload(prev), target = Upload(cur), work = Upload(prev);
+    if (!base.ok() || !target.ok() || !work.ok()) {
+      spdlog::error("upload failed");
+      return 1;
+    }
+    std::string patch;
+    for (int r = 0; r < o.repeat; ++r) {
+      auto t0 = Clock::now();
+      auto p = (*dc)->EncodePatch(base->Const(), target->Const(), {});
+      enc.push_back(Since(t0));
+      if (!p.ok()) {
+        spdlog::error("{}", p.status().ToString());
+        return 1;
+      }
+      patch = std::move(*p);
+      t0 = Clock::now();
+      if (!Reset(*work, *base).ok()) return 1;
+      copy.push_back(Since(t0));
+      t0 = Clock::now();
+      const Status a = (*dc)->ApplyPatch(patch, work->views, {});
+      app.push_back(Since(t0));
+      if (!a.ok()) {
+        spdlog::error("{}", a.ToString());
+        return 1;
+      }
+    }
+    codec::EncodeOptions eo;
+    eo.pool = &pool;
+    auto t0 = Clock::now();
+    auto host = codec::EncodePatch(buffers::Views(prev), buffers::Views(cur), eo);
+    host_enc.push_back(Since(t0));
+    identical = identical && host.ok() && *host == patch;
+    ratio.push_back(dense / patch.size());
+    std::swap(prev, cur);
+  }
+  std::printf("device codec, synthetic %.2f GB BF16 set, lr %g, %d steps x %d repeats (medians)\n", dense / 1e9,
+              o.synth.lr, o.steps, o.repeat);
+  std::printf("  patch ratio                 %10.1fx\n", Median(ratio));
+  std::printf("  device encode               %10.2f GB/s\n", dense / Median(enc) / 1e9);
+  std::printf("  device apply (verified)     %10.2f GB/s\n", dense / Median(app) / 1e9);
+  std::printf("  device memcpy D2D           %10.2f GB/s (cudaMemcpy per tensor)\n", dense / Median(copy) / 1e9);
+  std::printf("  host encode, %d threads      %10.2f GB/s\n", o.host_threads, dense / Median(host_enc) / 1e9);
+  std::printf("  device / host encode        %10.2fx\n", Median(host_enc) / Median(enc));
+  std::printf("  patch bytes identical to the host codec: %s\n", identical ? "yes" : "NO");
+  return identical ? 0 : 1;
+}
+
+}  // namespace wsync::bench
