@@ -10,6 +10,8 @@ cd "$(dirname "$0")/.."
 jobs="$(nproc)"
 
 bash scripts/install-deps.sh
+# nvcc (when installed) builds the CUDA library; its device tests skip without a GPU.
+if [ -x /usr/local/cuda/bin/nvcc ] && ! command -v nvcc > /dev/null; then export PATH="$PATH:/usr/local/cuda/bin"; fi
 
 echo "== build (gcc, RelWithDebInfo)"
 cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DWSYNC_BUILD_TESTS=ON > /dev/null
@@ -20,7 +22,7 @@ cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=Debug -DWSYNC_SANITIZE=addr
   -DWSYNC_X86_64_V3=OFF -DWSYNC_CUDA=OFF -DWSYNC_BUILD_TESTS=ON > /dev/null
 # Only the unit-test executables (the integration tiers run in the main build).
 ninja -C build-asan -j "$jobs" util_test codec_test buffers_test regress_test control_test daemon_config_test \
-  version_history_test sink_weights_test
+  version_history_test sink_weights_test cuda_logic_test
 (cd build-asan && ctest -j "$jobs" -L unit --output-on-failure --timeout 600)
 
 echo "== fuzz the patch decoder (${WSYNC_FUZZ_SECONDS:-60} s)"
