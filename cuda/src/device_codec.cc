@@ -14,6 +14,7 @@
 #include "wsync/codec/checksum.h"
 #include "wsync/codec/staged.h"
 #include "wsync/cuda/kernels.h"
+#include "wsync/util/first_error.h"
 #include "wsync/util/thread_pool.h"
 
 namespace wsync::cuda {
@@ -40,27 +41,6 @@ void ParallelFor(ThreadPool* pool, size_t n, const std::function<void(size_t)>& 
   }
 }
 
-// Keeps the error of the lowest index (deterministic under threads).
-class FirstError {
- public:
-  void Record(size_t i, Status s) {
-    if (s.ok()) return;
-    std::lock_guard<std::mutex> lock(mu_);
-    if (status_.ok() || i < index_) {
-      status_ = std::move(s);
-      index_ = i;
-    }
-  }
-  Status status() const {
-    std::lock_guard<std::mutex> lock(mu_);
-    return status_;
-  }
-
- private:
-  mutable std::mutex mu_;
-  Status status_;
-  size_t index_ = 0;
-};
 
 // A growable device allocation. Grow() synchronizes the device before it
 // frees the old block, so no enqueued work still uses it.

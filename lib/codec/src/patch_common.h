@@ -12,6 +12,7 @@
 #include "format.h"
 #include "wsync/codec/checksum.h"
 #include "wsync/codec/codec.h"
+#include "wsync/util/first_error.h"
 #include "wsync/util/thread_pool.h"
 
 namespace wsync::codec::internal {
@@ -32,32 +33,8 @@ uint64_t SaturatingBytes(uint64_t numel, DType dtype);
 
 void RunParallel(ThreadPool* pool, size_t n, const std::function<void(size_t)>& body);
 
-// Keeps the error of the lowest task index, so errors are deterministic
-// whatever the thread interleaving.
-class FirstError {
- public:
-  void Record(size_t task, Status s) {
-    if (s.ok()) return;
-    std::lock_guard<std::mutex> lock(mu_);
-    if (status_.ok() || task < task_) {
-      status_ = std::move(s);
-      task_ = task;
-    }
-  }
-  bool failed() const {
-    std::lock_guard<std::mutex> lock(mu_);
-    return !status_.ok();
-  }
-  Status status() const {
-    std::lock_guard<std::mutex> lock(mu_);
-    return status_;
-  }
+using wsync::FirstError;
 
- private:
-  mutable std::mutex mu_;
-  Status status_;
-  size_t task_ = 0;
-};
 
 Status ValidateOptions(const EncodeOptions& o);
 // need_data: a tensor of nonzero size must have a data pointer.
