@@ -11,6 +11,8 @@
 
 #include "wsync/buffers/region.h"
 #include "wsync/buffers/safetensors.h"
+#include "wsync/cuda/device_codec.h"
+#include "wsync/cuda/ipc.h"
 #include "wsync/v1/local.grpc.pb.h"
 
 namespace wsync::cli {
@@ -32,10 +34,18 @@ void Deadline(grpc::ClientContext* ctx, int64_t ms) {
   ctx->set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(ms));
 }
 
-// Shared memory laid out like `tensors` (8-byte aligned), and its table.
-StatusOr<std::unique_ptr<buffers::Region>> MakeRegion(const std::string& shm,
-                                                      const std::vector<codec::TensorView>& tensors,
-                                                      v1::RegisterTensorsRequest* req, bool copy) {
+// The memory a stand-in trainer or inference server shares with its daemon:
+// POSIX shared memory, or (device >= 0) one device allocation exported over
+// CUDA IPC, as a PyTorch caching-allocator segment would be.
+struct LocalBuffers {
+  std::unique_ptr<buffers::Region> shm;
+  cuda::DeviceBuffer device;
+};
+
+// Memory laid out like `tensors` (256-byte aligned), its table in *req, and
+// (copy) the tensors' bytes in it.
+StatusOr<LocalBuffers> MakeBuffers(const std::string& shm, int device, const std::vector<codec::TensorView>& tensors,
+                                   v1::RegisterTensorsRequest* req, bool copy) {
   uint64_t offset = 0;
   for (const auto& t : tensors) {
     auto* spec = req->add_tensors();
@@ -43,21 +53,32 @@ StatusOr<std::unique_ptr<buffers::Region>> MakeRegion(const std::string& shm,
     spec->set_dtype(std::string(codec::DTypeName(t.dtype)));
     for (uint64_t d : t.shape) spec->add_shape(d);
     spec->set_offset(offset);
-    offset += (t.NumBytes() + 7) / 8 * 8;
+    offset += (t.NumBytes() + 255) / 256 * 256;
   }
-  WSYNC_ASSIGN_OR_RETURN(auto region, buffers::CreateShm(shm, std::max<uint64_t>(offset, 8), /*unlink_on_close=*/true));
+  const uint64_t size = std::max<uint64_t>(offset, 256);
+  LocalBuffers b;
+  if (device < 0) {
+    WSYNC_ASSIGN_OR_RETURN(b.shm, buffers::CreateShm(shm, size, /*unlink_on_close=*/true));
+    for (int i = 0; copy && i < req->tensors_size(); ++i) {
+      std::memcpy(b.shm->data() + req->tensors(i).offset(), tensors[i].data, tensors[i].NumBytes());
+    }
+    req->set_shm_name(shm);
+    return b;
+  }
+  WSYNC_ASSIGN_OR_RETURN(b.device, cuda::DeviceBuffer::Allocate(size, device));
   for (int i = 0; copy && i < req->tensors_size(); ++i) {
-    std::memcpy(region->data() + req->tensors(i).offset(), tensors[i].data, tensors[i].NumBytes());
+    WSYNC_RETURN_IF_ERROR(b.device.CopyFromHost(tensors[i].data, tensors[i].NumBytes(), req->tensors(i).offset()));
   }
-  req->set_shm_name(shm);
-  return region;
+  WSYNC_ASSIGN_OR_RETURN(cuda::IpcHandle h, cuda::ExportDeviceMemory(b.device.data(), size));
+  req->set_cuda_ipc_handle(h.ToString());
+  return b;
 }
 
-Status RunPublish(const std::string& local, const std::string& file, uint64_t version, int64_t wait_ms) {
+Status RunPublish(const std::string& local, const std::string& file, uint64_t version, int64_t wait_ms, int device) {
   WSYNC_ASSIGN_OR_RETURN(auto st, buffers::SafetensorsFile::Open(file));
   v1::RegisterTensorsRequest reg;
   const std::string shm = "/wsync-publish-" + std::to_string(::getpid());
-  WSYNC_ASSIGN_OR_RETURN(auto region, MakeRegion(shm, st->tensors(), &reg, /*copy=*/true));
+  WSYNC_ASSIGN_OR_RETURN(auto region, MakeBuffers(shm, device, st->tensors(), &reg, /*copy=*/true));
   auto stub = Connect(local);
   {
     grpc::ClientContext ctx;
@@ -93,11 +114,11 @@ Status RunDump(const std::string& local, const std::string& out, uint64_t versio
   return Status::Ok();
 }
 
-Status RunServeBuffers(const std::string& local, const std::string& like, const std::string& shm_name) {
+Status RunServeBuffers(const std::string& local, const std::string& like, const std::string& shm_name, int device) {
   WSYNC_ASSIGN_OR_RETURN(auto st, buffers::SafetensorsFile::Open(like));
   v1::RegisterTensorsRequest reg;
   const std::string shm = shm_name.empty() ? "/wsync-buffers-" + std::to_string(::getpid()) : shm_name;
-  WSYNC_ASSIGN_OR_RETURN(auto region, MakeRegion(shm, st->tensors(), &reg, /*copy=*/false));
+  WSYNC_ASSIGN_OR_RETURN(auto region, MakeBuffers(shm, device, st->tensors(), &reg, /*copy=*/false));
   sigset_t stop;
   sigemptyset(&stop);
   sigaddset(&stop, SIGINT);
@@ -113,7 +134,8 @@ Status RunServeBuffers(const std::string& local, const std::string& like, const 
     return FromGrpc(stub->RegisterTensors(&ctx, reg, &resp), "register with " + local);
   };
   WSYNC_RETURN_IF_ERROR(do_register(0));
-  std::printf("serving %d tensors in %s to %s; stop with SIGTERM\n", reg.tensors_size(), shm.c_str(), local.c_str());
+  std::printf("serving %d tensors in %s to %s; stop with SIGTERM\n", reg.tensors_size(),
+              device < 0 ? shm.c_str() : ("device " + std::to_string(device)).c_str(), local.c_str());
   std::fflush(stdout);
   // Like an inference server: when the sink daemon restarts, register the
   // same memory again, saying which version it holds.
@@ -165,7 +187,9 @@ void AddLocalCommands(CLI::App& app, std::function<Status()>* run) {
     cmd->add_option("FILE", *file, "safetensors checkpoint")->required()->check(CLI::ExistingFile);
     cmd->add_option("--version", *version, "version (the trainer step; grows)")->required();
     cmd->add_option("--wait-ms", *wait, "wait this long for lagging sinks (staleness bound)");
-    cmd->callback([=] { *run = [=] { return RunPublish(*local, *file, *version, *wait); }; });
+    auto device = std::make_shared<int>(-1);
+    cmd->add_option("--device", *device, "put the weights in this GPU's memory (CUDA IPC) instead of shared memory");
+    cmd->callback([=] { *run = [=] { return RunPublish(*local, *file, *version, *wait, *device); }; });
   }
   {
     auto* cmd = app.add_subcommand("local-status", "a local daemon's role, version and bytes served");
@@ -193,7 +217,9 @@ void AddLocalCommands(CLI::App& app, std::function<Status()>* run) {
     cmd->add_option("--like", *like, "safetensors file giving names, dtypes and shapes")->required()
         ->check(CLI::ExistingFile);
     cmd->add_option("--shm", *shm, "shared memory name (default /wsync-buffers-PID)");
-    cmd->callback([=] { *run = [=] { return RunServeBuffers(*local, *like, *shm); }; });
+    auto device = std::make_shared<int>(-1);
+    cmd->add_option("--device", *device, "own this GPU's memory (CUDA IPC) instead of shared memory");
+    cmd->callback([=] { *run = [=] { return RunServeBuffers(*local, *like, *shm, *device); }; });
   }
 }
 

@@ -11,9 +11,11 @@
 #include <map>
 #include <thread>
 
+#include "device_weights.h"
 #include "patch_exchange.h"
 #include "sink_weights.h"
 #include "version_history.h"
+#include "wsync/buffers/device_region.h"
 #include "wsync/buffers/region.h"
 #include "wsync/buffers/safetensors.h"
 #include "wsync/util/thread_pool.h"
@@ -41,7 +43,14 @@ StatusOr<Registered> OpenRegistered(const v1::RegisterTensorsRequest& req) {
     WSYNC_ASSIGN_OR_RETURN(codec::DType dtype, codec::ParseDType(t.dtype()));
     r.table.push_back({t.name(), dtype, {t.shape().begin(), t.shape().end()}, t.offset()});
   }
-  WSYNC_ASSIGN_OR_RETURN(r.region, buffers::OpenShm(req.shm_name()));
+  if (req.shm_name().empty() == req.cuda_ipc_handle().empty()) {
+    return InvalidArgumentError("RegisterTensors needs exactly one of shm_name and cuda_ipc_handle");
+  }
+  if (!req.shm_name().empty()) {
+    WSYNC_ASSIGN_OR_RETURN(r.region, buffers::OpenShm(req.shm_name()));
+  } else {
+    WSYNC_ASSIGN_OR_RETURN(r.region, buffers::OpenCudaIpc(req.cuda_ipc_handle()));
+  }
   WSYNC_RETURN_IF_ERROR(buffers::ValidateTable(r.table, r.region->size()));
   return r;
 }
@@ -179,6 +188,16 @@ class Source : public Node, public v1::Local::Service {
     auto reg = OpenRegistered(*req);
     if (!reg.ok()) return ToGrpc(reg.status());
     std::lock_guard<std::mutex> lock(state_mu_);
+    if (reg->region->on_device()) {
+      const auto views = buffers::TableViews(reg->table, *reg->region);
+      if (!device_ || !device_->Matches(views, reg->region->device())) {
+        auto d = DeviceSource::Create(views, reg->region->device());
+        if (!d.ok()) return ToGrpc(d.status());
+        device_ = std::move(*d);
+      }
+    } else {
+      device_.reset();
+    }
     region_ = std::move(reg->region);
     table_ = std::move(reg->table);
     resp->set_head_version(history_.head());
@@ -207,7 +226,8 @@ class Source : public Node, public v1::Local::Service {
     StatusOr<PublishedVersion> pub = UnavailableError("not published");
     {
       std::lock_guard<std::mutex> lock(state_mu_);
-      pub = history_.Publish(req->version(), buffers::TableViews(table_, *region_));
+      const auto views = buffers::TableViews(table_, *region_);
+      pub = device_ ? history_.Publish(req->version(), device_->Next(views)) : history_.Publish(req->version(), views);
     }
     if (!pub.ok()) return ToGrpc(pub.status());
     const double ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
@@ -258,6 +278,7 @@ class Source : public Node, public v1::Local::Service {
   std::mutex state_mu_;    // region_ and table_
   std::unique_ptr<buffers::Region> region_;
   std::vector<buffers::TensorEntry> table_;
+  std::unique_ptr<DeviceSource> device_;  // set for device regions
 };
 
 // -------------------------------------------------------------------- sink
@@ -290,7 +311,13 @@ class Sink : public Node, public v1::Local::Service, public PatchProvider {
     codec::EncodeOptions eo;
     eo.pool = &pool_;
     eo.target_version = v;
-    auto kf = codec::EncodeKeyframe(weights->Views(), eo);
+    StatusOr<std::string> kf = UnavailableError("no keyframe");
+    if (weights->on_device()) {
+      auto host = weights->HostCopy();
+      kf = host.ok() ? codec::EncodeKeyframe(buffers::Views(*host), eo) : StatusOr<std::string>(host.status());
+    } else {
+      kf = codec::EncodeKeyframe(weights->Views(), eo);
+    }
     weights->Release();
     if (!kf.ok()) return kf.status();
     auto stream = PatchStream::FromBytes(codec::PatchKind::kKeyframe, 0, v, std::move(*kf), 1u << 20);
@@ -310,17 +337,25 @@ class Sink : public Node, public v1::Local::Service, public PatchProvider {
     if (applied != 0) {
       auto versions = coordinator_->ListVersions(applied - 1);
       const auto views = buffers::TableViews(reg->table, *reg->region);
+      auto sum = RegionSetChecksum(views, *reg->region, &pool_);
       const bool match = versions.ok() && versions->versions_size() > 0 && versions->versions(0).version() == applied &&
-                         versions->versions(0).set_checksum() == codec::SetChecksum(views, &pool_);
+                         sum.ok() && versions->versions(0).set_checksum() == *sum;
       if (!match) {
         spdlog::warn("sink {}: the registered tensors are not version {} (checksum differs): starting from a keyframe",
                      config_.name, applied);
         applied = 0;
       }
     }
+    std::unique_ptr<cuda::DeviceCodec> device;
+    if (reg->region->on_device()) {
+      auto dc = cuda::DeviceCodec::Create(reg->region->device());
+      if (!dc.ok()) return ToGrpc(dc.status());
+      device = std::move(*dc);
+    }
     {
       std::lock_guard<std::mutex> lock(state_mu_);
-      weights_ = std::make_shared<SinkWeights>(std::move(reg->region), std::move(reg->table), &pool_, applied);
+      weights_ = std::make_shared<SinkWeights>(std::move(reg->region), std::move(reg->table), &pool_, applied,
+                                               std::move(device));
     }
     spdlog::info("sink {}: tensors registered (holding version {})", config_.name, applied);
     resp->set_head_version(head_.load());
@@ -364,7 +399,14 @@ class Sink : public Node, public v1::Local::Service, public PatchProvider {
       if (!s.ok()) return ToGrpc(s);
     }
     const uint64_t v = w->Hold();
-    wsync::Status s = buffers::WriteSafetensors(req->path(), w->Views(), {{"wsync_version", std::to_string(v)}});
+    wsync::Status s;
+    if (w->on_device()) {
+      auto host = w->HostCopy();
+      s = host.ok() ? buffers::WriteSafetensors(req->path(), buffers::Views(*host), {{"wsync_version", std::to_string(v)}})
+                    : host.status();
+    } else {
+      s = buffers::WriteSafetensors(req->path(), w->Views(), {{"wsync_version", std::to_string(v)}});
+    }
     w->Release();
     resp->set_version(v);
     return ToGrpc(s);

@@ -5,8 +5,14 @@
 namespace wsync::daemon {
 
 SinkWeights::SinkWeights(std::unique_ptr<buffers::Region> region, std::vector<buffers::TensorEntry> table,
-                         ThreadPool* pool, uint64_t applied_version)
-    : region_(std::move(region)), table_(std::move(table)), pool_(pool), applied_(applied_version) {}
+                         ThreadPool* pool, uint64_t applied_version, std::unique_ptr<cuda::DeviceCodec> device)
+    : region_(std::move(region)),
+      table_(std::move(table)),
+      pool_(pool),
+      device_(std::move(device)),
+      applied_(applied_version) {}
+
+SinkWeights::~SinkWeights() = default;
 
 uint64_t SinkWeights::applied() const {
   std::lock_guard<std::mutex> lock(mu_);
@@ -31,7 +37,7 @@ Status SinkWeights::Apply(const PatchStream& stream) {
   auto views = buffers::TableMutableViews(table_, *region_);
   codec::ApplyOptions options;
   options.pool = pool_;
-  Status s = codec::ApplyPatch(bytes, views, options);
+  Status s = device_ ? device_->ApplyPatch(bytes, views, options) : codec::ApplyPatch(bytes, views, options);
   lock.lock();
   applying_ = false;
   if (s.ok()) {
@@ -67,5 +73,17 @@ Status SinkWeights::WaitForVersion(uint64_t v, std::chrono::steady_clock::time_p
 }
 
 std::vector<codec::TensorView> SinkWeights::Views() const { return buffers::TableViews(table_, *region_); }
+
+StatusOr<std::vector<buffers::OwnedTensor>> SinkWeights::HostCopy() const {
+  const auto views = Views();
+  if (!device_) return buffers::CopyTensors(views);
+  std::vector<buffers::OwnedTensor> out;
+  for (const auto& t : views) {
+    buffers::OwnedTensor o{t.name, t.dtype, t.shape, std::vector<uint8_t>(t.NumBytes())};
+    WSYNC_RETURN_IF_ERROR(cuda::CopyDeviceToHost(o.bytes.data(), t.data, o.bytes.size()));
+    out.push_back(std::move(o));
+  }
+  return out;
+}
 
 }  // namespace wsync::daemon

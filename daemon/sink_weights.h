@@ -18,15 +18,19 @@
 
 #include "patch_exchange.h"
 #include "wsync/buffers/region.h"
+#include "wsync/buffers/safetensors.h"
+#include "wsync/cuda/device_codec.h"
 #include "wsync/util/thread_pool.h"
 
 namespace wsync::daemon {
 
 class SinkWeights {
  public:
-  // REQUIRES: ValidateTable(table, region->size()) ok; pool may be null.
+  // REQUIRES: ValidateTable(table, region->size()) ok; pool may be null;
+  // `device` (the device codec) is set iff the region is device memory.
   SinkWeights(std::unique_ptr<buffers::Region> region, std::vector<buffers::TensorEntry> table, ThreadPool* pool,
-              uint64_t applied_version = 0);
+              uint64_t applied_version = 0, std::unique_ptr<cuda::DeviceCodec> device = nullptr);
+  ~SinkWeights();
 
   uint64_t applied() const;
 
@@ -43,13 +47,18 @@ class SinkWeights {
   // Blocks until the applied version is >= v; DeadlineExceeded otherwise.
   Status WaitForVersion(uint64_t v, std::chrono::steady_clock::time_point deadline) const;
 
-  // The tensors (for dumps); read them under a Hold.
+  // The tensors; read them under a Hold. Device pointers when on_device():
+  // use HostCopy() to read them on the host.
   std::vector<codec::TensorView> Views() const;
+  bool on_device() const { return device_ != nullptr; }
+  // Host copies of the tensors (under a Hold), for dumps and keyframes.
+  StatusOr<std::vector<buffers::OwnedTensor>> HostCopy() const;
 
  private:
   std::unique_ptr<buffers::Region> region_;
   std::vector<buffers::TensorEntry> table_;
   ThreadPool* pool_;
+  std::unique_ptr<cuda::DeviceCodec> device_;
   mutable std::mutex mu_;
   mutable std::condition_variable cv_;
   uint64_t applied_;

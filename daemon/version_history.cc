@@ -27,6 +27,19 @@ Status ApplyInPlace(const std::string& patch, std::vector<buffers::OwnedTensor>&
 }  // namespace
 
 StatusOr<PublishedVersion> VersionHistory::Publish(uint64_t version, std::span<const codec::TensorView> weights) {
+  NewVersion next;
+  next.layout = weights;
+  next.encode = [&](std::span<const codec::TensorView> head, const codec::EncodeOptions& eo) {
+    return codec::EncodePatch(head, weights, eo);
+  };
+  next.fill = [&](std::vector<buffers::OwnedTensor>& head) {
+    for (size_t i = 0; i < weights.size(); ++i) std::memcpy(head[i].bytes.data(), weights[i].data, weights[i].NumBytes());
+    return Status::Ok();
+  };
+  return Publish(version, next);
+}
+
+StatusOr<PublishedVersion> VersionHistory::Publish(uint64_t version, const NewVersion& next) {
   std::lock_guard<std::mutex> lock(mu_);
   if (version <= head_) {
     return FailedPreconditionError("version " + std::to_string(version) + " is not above the head " +
@@ -34,34 +47,44 @@ StatusOr<PublishedVersion> VersionHistory::Publish(uint64_t version, std::span<c
   }
   PublishedVersion out;
   out.version = version;
-  for (const auto& t : weights) out.dense_bytes += t.NumBytes();
-  out.set_checksum = codec::SetChecksum(weights, options_.encode.pool);
+  for (const auto& t : next.layout) out.dense_bytes += t.NumBytes();
   if (head_ == 0) {
-    head_weights_ = buffers::CopyTensors(weights);
-    oldest_weights_ = head_weights_;
+    std::vector<buffers::OwnedTensor> first;
+    for (const auto& t : next.layout) first.push_back({t.name, t.dtype, t.shape, std::vector<uint8_t>(t.NumBytes())});
+    WSYNC_RETURN_IF_ERROR(next.fill(first));
     codec::EncodeOptions eo = options_.encode;
     eo.target_version = version;
-    WSYNC_ASSIGN_OR_RETURN(std::string kf, codec::EncodeKeyframe(weights, eo));
+    WSYNC_ASSIGN_OR_RETURN(std::string kf, codec::EncodeKeyframe(buffers::Views(first), eo));
+    WSYNC_ASSIGN_OR_RETURN(codec::PatchInfo info, codec::InspectPatch(kf));
+    out.set_checksum = info.target_set_checksum;
     out.patch_bytes = kf.size();
+    head_weights_ = std::move(first);
+    oldest_weights_ = head_weights_;
     cache_[{0, version}] = PatchStream::FromBytes(codec::PatchKind::kKeyframe, 0, version, std::move(kf),
                                                   options_.stream_chunk_bytes);
     head_ = oldest_ = version;
     return out;
   }
-  if (!SameLayout(head_weights_, weights)) {
+  if (!SameLayout(head_weights_, next.layout)) {
     return InvalidArgumentError("version " + std::to_string(version) +
                                 ": tensor names, dtypes or shapes differ from the previous version");
   }
   codec::EncodeOptions eo = options_.encode;
   eo.base_version = head_;
   eo.target_version = version;
-  WSYNC_ASSIGN_OR_RETURN(std::string patch, codec::EncodePatch(buffers::Views(head_weights_), weights, eo));
+  WSYNC_ASSIGN_OR_RETURN(std::string patch, next.encode(buffers::Views(head_weights_), eo));
+  WSYNC_ASSIGN_OR_RETURN(codec::PatchInfo info, codec::InspectPatch(patch));
+  if (Status filled = next.fill(head_weights_); !filled.ok()) {
+    // The head copy may be torn: rebuild it from the oldest copy and the chain.
+    std::vector<buffers::OwnedTensor> w = oldest_weights_;
+    for (const auto& [v, p] : patches_) WSYNC_RETURN_IF_ERROR(ApplyInPlace(p, w, options_.encode.pool));
+    head_weights_ = std::move(w);
+    return filled.WithContext("version " + std::to_string(version));
+  }
   out.base_version = head_;
   out.patch_bytes = patch.size();
+  out.set_checksum = info.target_set_checksum;
   patches_[version] = std::move(patch);
-  for (size_t i = 0; i < weights.size(); ++i) {
-    std::memcpy(head_weights_[i].bytes.data(), weights[i].data, weights[i].NumBytes());
-  }
   head_ = version;
   return out;
 }

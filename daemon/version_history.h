@@ -10,6 +10,7 @@
 // Thread safety: thread-safe; Publish and Retain are serialized with pulls.
 #pragma once
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -44,6 +45,19 @@ class VersionHistory : public PatchProvider {
   // `version`, which must be above the head, with the head's names, dtypes
   // and shapes.
   StatusOr<PublishedVersion> Publish(uint64_t version, std::span<const codec::TensorView> weights);
+
+  // Where a new version comes from, for weights the history cannot read
+  // directly (device memory: daemon/device_source.h).
+  struct NewVersion {
+    std::span<const codec::TensorView> layout;  // names, dtypes, shapes (data unused)
+    // The patch from the head (host copy `head`) to the new weights; not
+    // called for the first version.
+    std::function<StatusOr<std::string>(std::span<const codec::TensorView> head, const codec::EncodeOptions&)>
+        encode;
+    // Overwrites the host copy of the head with the new weights (after encode).
+    std::function<Status(std::vector<buffers::OwnedTensor>& head)> fill;
+  };
+  StatusOr<PublishedVersion> Publish(uint64_t version, const NewVersion& next);
 
   // Forgets what only versions older than `oldest_needed` need: the oldest
   // copy moves forward along the chain (never past the head).

@@ -38,10 +38,13 @@ def tensor_digest(path):
 class System:
     """The processes of a wsync deployment on loopback, by name."""
 
-    def __init__(self, build, sinks, fanout, tmp, coordinator_args=(), source_args=()):
+    def __init__(self, build, sinks, fanout, tmp, coordinator_args=(), source_args=(), device=-1):
         self.wsync = os.path.join(build, "client", "wsync")
         self.wsyncd = os.path.join(build, "daemon", "wsyncd")
         self.tmp = tmp
+        # device >= 0: the stand-in trainer and inference servers keep their
+        # weights in that GPU's memory and share it over CUDA IPC.
+        self.device_args = ["--device", str(device)] if device >= 0 else []
         self.env = dict(os.environ, UCX_TLS=os.environ.get("UCX_TLS", "tcp"),
                         WSYNC_COORDINATOR=f"unix:{tmp}/coordinator.sock")
         self.procs = {}  # name -> (argv, Popen)
@@ -95,7 +98,7 @@ class System:
         for s in sinks or self.sinks:
             self.wait_for(lambda: os.path.exists(f"{self.tmp}/{s}.sock"), f"{s}'s local API")
             self.spawn(f"{s}-buffers", [self.wsync, "serve-buffers", "--local", f"unix:{self.tmp}/{s}.sock",
-                                        "--like", like])
+                                        "--like", like, *self.device_args])
 
     def applied(self):
         st = self.status() or {}
@@ -107,7 +110,7 @@ class System:
 
     def publish(self, path, version, wait_ms=0):
         p = subprocess.run([self.wsync, "publish", "--local", f"unix:{self.tmp}/source.sock", path,
-                            "--version", str(version), "--wait-ms", str(wait_ms)],
+                            "--version", str(version), "--wait-ms", str(wait_ms), *self.device_args],
                            env=self.env, capture_output=True, text=True)
         if p.returncode != 0:
             raise RuntimeError(p.stderr.strip())
@@ -145,6 +148,11 @@ class System:
                 p.kill()
 
 
+def gpu_present():
+    return shutil.which("nvidia-smi") is not None and \
+        subprocess.run(["nvidia-smi", "-L"], capture_output=True).returncode == 0
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--build", required=True)
@@ -152,16 +160,22 @@ def main():
     ap.add_argument("--sinks", type=int, default=3)
     ap.add_argument("--fanout", type=int, default=2)
     ap.add_argument("--keep", action="store_true", help="keep the logs")
+    ap.add_argument("--device", type=int, default=-1,
+                    help="GPU whose memory holds the trainer's and servers' weights (CUDA IPC); default: shared memory")
     args = ap.parse_args()
+    if args.device >= 0 and not gpu_present():
+        print("SKIP: no GPU (nvidia-smi finds none)")
+        sys.exit(0)
     snaps = sorted(glob.glob(os.path.join(args.data, "*.safetensors")))
     if len(snaps) < 2:
         sys.exit(f"no snapshots in {args.data}")
     tmp = tempfile.mkdtemp(prefix="wsync_system_")
-    system = System(args.build, args.sinks, args.fanout, tmp)
+    system = System(args.build, args.sinks, args.fanout, tmp, device=args.device)
     ok = True
     try:
         system.attach_buffers(snaps[0])
-        print(f"{args.sinks} sinks, fan-out {args.fanout}, {len(snaps)} snapshots of {args.data}")
+        where = f"GPU {args.device} (CUDA IPC)" if args.device >= 0 else "shared memory"
+        print(f"{args.sinks} sinks, fan-out {args.fanout}, {len(snaps)} snapshots of {args.data}, weights in {where}")
         print(f"{'version':>7} {'wire bytes':>12} {'dense bytes':>12} {'ratio':>8} {'sync ms':>8}  bit-exact")
         for i, snap in enumerate(snaps):
             version = i + 1

@@ -619,6 +619,22 @@ Status DeviceCodec::CastFp32ToBf16(const uint32_t* src, uint16_t* dst, size_t n)
   return Check(cudaStreamSynchronize(impl_->compute), "cast");
 }
 
+Status CopyDeviceToHost(void* dst, const void* src, size_t bytes) {
+  if (bytes == 0) return Status::Ok();
+  return Check(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost), "copy to host");
+}
+
+Status CopyHostToDevice(void* dst, const void* src, size_t bytes) {
+  if (bytes == 0) return Status::Ok();
+  return Check(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice), "copy to device");
+}
+
+Status CopyDeviceToDevice(void* dst, const void* src, size_t bytes) {
+  if (bytes == 0) return Status::Ok();
+  WSYNC_RETURN_IF_ERROR(Check(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToDevice), "device copy"));
+  return Check(cudaDeviceSynchronize(), "device copy");
+}
+
 // ------------------------------------------------------------ DeviceBuffer
 
 StatusOr<DeviceBuffer> DeviceBuffer::Allocate(size_t bytes, int device) {

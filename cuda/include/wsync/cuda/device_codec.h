@@ -74,6 +74,12 @@ class DeviceCodec {
   std::unique_ptr<Impl> impl_;
 };
 
+// Synchronous copies between device memory (any pointer cudaMemcpy accepts,
+// IPC mappings included) and host or device memory.
+Status CopyDeviceToHost(void* dst, const void* src, size_t bytes);
+Status CopyHostToDevice(void* dst, const void* src, size_t bytes);
+Status CopyDeviceToDevice(void* dst, const void* src, size_t bytes);
+
 // Device memory owned by its holder, for tools and tests.
 class DeviceBuffer {
  public:

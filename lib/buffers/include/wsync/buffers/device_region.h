@@ -12,6 +12,7 @@
 #include <map>
 #include <vector>
 
+#include "wsync/buffers/region.h"
 #include "wsync/cuda/ipc.h"
 #include "wsync/util/status.h"
 
@@ -55,5 +56,11 @@ class DeviceRegionMapper {
   Opener opener_;
   std::map<Key, Mapping> open_;
 };
+
+// A Region over an exported device range, given the handle's text form
+// (cuda/ipc.h). Maps through one process-wide mapper (CUDA allows one
+// mapping per allocation per process); the region unmaps on destruction.
+// Unavailable without CUDA; InvalidArgument for a malformed handle.
+StatusOr<std::unique_ptr<Region>> OpenCudaIpc(const std::string& handle_text);
 
 }  // namespace wsync::buffers

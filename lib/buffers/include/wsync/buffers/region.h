@@ -40,6 +40,11 @@ class Region {
   virtual bool writable() const = 0;
   // "shm:/name", "file:/path", ...: for logs.
   virtual std::string description() const = 0;
+  // True when data() is device memory (a CUDA IPC region): only device code
+  // and cudaMemcpy may touch it.
+  virtual bool on_device() const { return false; }
+  // The CUDA device ordinal of device memory; -1 for host memory.
+  virtual int device() const { return -1; }
 };
 
 // Creates POSIX shared memory `name` ("/wsync-trainer-0") of `size` bytes,

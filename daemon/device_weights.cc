@@ -1,0 +1,100 @@
+#include "device_weights.h"
+
+#include <spdlog/spdlog.h>
+
+#include "wsync/codec/staged.h"
+
+namespace wsync::daemon {
+
+std::vector<codec::TensorView> DeviceSource::Set::Const() const {
+  std::vector<codec::TensorView> v;
+  for (const auto& m : views) v.push_back(m.AsConst());
+  return v;
+}
+
+StatusOr<DeviceSource::Set> DeviceSource::Allocate(std::span<const codec::TensorView> layout, int device) {
+  size_t total = 0;
+  for (const auto& t : layout) total += (t.NumBytes() + 255) / 256 * 256;
+  Set s;
+  WSYNC_ASSIGN_OR_RETURN(s.memory, cuda::DeviceBuffer::Allocate(total, device));
+  size_t at = 0;
+  for (const auto& t : layout) {
+    s.views.push_back({t.name, t.dtype, t.shape, static_cast<uint8_t*>(s.memory.data()) + at});
+    at += (t.NumBytes() + 255) / 256 * 256;
+  }
+  return s;
+}
+
+StatusOr<std::unique_ptr<DeviceSource>> DeviceSource::Create(std::span<const codec::TensorView> layout, int device) {
+  std::unique_ptr<DeviceSource> d(new DeviceSource());
+  d->device_ = device;
+  WSYNC_ASSIGN_OR_RETURN(d->codec_, cuda::DeviceCodec::Create(device));
+  WSYNC_ASSIGN_OR_RETURN(d->previous_, Allocate(layout, device));
+  WSYNC_ASSIGN_OR_RETURN(d->snapshot_, Allocate(layout, device));
+  return d;
+}
+
+Status DeviceSource::CopyDown(const Set& set, std::vector<buffers::OwnedTensor>& head) const {
+  for (size_t i = 0; i < head.size(); ++i) {
+    WSYNC_RETURN_IF_ERROR(cuda::CopyDeviceToHost(head[i].bytes.data(), set.views[i].data, head[i].bytes.size()));
+  }
+  return Status::Ok();
+}
+
+bool DeviceSource::Matches(std::span<const codec::TensorView> layout, int device) const {
+  if (device != device_ || layout.size() != previous_.views.size()) return false;
+  for (size_t i = 0; i < layout.size(); ++i) {
+    const auto& a = layout[i];
+    const auto& b = previous_.views[i];
+    if (a.name != b.name || a.dtype != b.dtype || a.shape != b.shape) return false;
+  }
+  return true;
+}
+
+VersionHistory::NewVersion DeviceSource::Next(std::span<const codec::TensorView> live) {
+  VersionHistory::NewVersion next;
+  next.layout = live;
+  encoded_ = false;
+  next.encode = [this, live](std::span<const codec::TensorView> head,
+                             const codec::EncodeOptions& eo) -> StatusOr<std::string> {
+    if (!primed_) {
+      // Created after earlier versions (the trainer registered again): the
+      // history's host copy of the head becomes `previous`.
+      for (size_t i = 0; i < head.size(); ++i) {
+        WSYNC_RETURN_IF_ERROR(cuda::CopyHostToDevice(previous_.views[i].data, head[i].data, head[i].NumBytes()));
+      }
+      primed_ = true;
+    }
+    encoded_ = true;
+    return codec_->SnapshotAndEncode(live, snapshot_.views, previous_.Const(), eo, {});
+  };
+  next.fill = [this, live](std::vector<buffers::OwnedTensor>& head) -> Status {
+    if (!encoded_) {
+      // The first version: snapshot straight into `previous`.
+      for (size_t i = 0; i < live.size(); ++i) {
+        WSYNC_RETURN_IF_ERROR(cuda::CopyDeviceToDevice(previous_.views[i].data, live[i].data, live[i].NumBytes()));
+      }
+      WSYNC_RETURN_IF_ERROR(CopyDown(previous_, head));
+      primed_ = true;
+      return Status::Ok();
+    }
+    WSYNC_RETURN_IF_ERROR(CopyDown(snapshot_, head));
+    std::swap(previous_, snapshot_);
+    return Status::Ok();
+  };
+  return next;
+}
+
+StatusOr<uint64_t> RegionSetChecksum(std::span<const codec::TensorView> views, const buffers::Region& region,
+                                     ThreadPool* pool) {
+  if (!region.on_device()) return codec::SetChecksum(views, pool);
+  WSYNC_ASSIGN_OR_RETURN(auto dc, cuda::DeviceCodec::Create(region.device()));
+  std::vector<uint64_t> sums;
+  for (const auto& t : views) {
+    WSYNC_ASSIGN_OR_RETURN(uint64_t sum, dc->TensorChecksum(t.data, t.NumBytes()));
+    sums.push_back(sum);
+  }
+  return codec::staged::SetChecksumOf(sums);
+}
+
+}  // namespace wsync::daemon

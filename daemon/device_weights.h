@@ -1,0 +1,60 @@
+// Weights in device memory, for the source and sink daemons (issue #5).
+//
+// DeviceSource keeps, on the trainer's GPU, the last published version
+// ("previous") and a snapshot buffer, and turns a publish into a
+// VersionHistory::NewVersion: the trainer's live tensors are snapshotted by
+// device-to-device copies on a copy stream while the device codec encodes
+// previous -> snapshot tensor by tensor (DeviceCodec::SnapshotAndEncode);
+// only the compact streams cross to the host, then the new version is copied
+// down once into the history's host copy (keyframes and merges for late
+// sinks are made on the host). On success the two device buffers swap roles.
+// Costs twice the model's size in device memory.
+//
+// Thread safety: one publish at a time (the source serializes them).
+#pragma once
+
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "version_history.h"
+#include "wsync/buffers/region.h"
+#include "wsync/cuda/device_codec.h"
+
+namespace wsync::daemon {
+
+class DeviceSource {
+ public:
+  // Device buffers shaped like `layout` on `device`.
+  static StatusOr<std::unique_ptr<DeviceSource>> Create(std::span<const codec::TensorView> layout, int device);
+
+  // Whether this state serves tensors of this layout on this device.
+  bool Matches(std::span<const codec::TensorView> layout, int device) const;
+
+  // The next version from `live` (device memory of the same layout).
+  // REQUIRES: `live` outlives the VersionHistory::Publish call.
+  VersionHistory::NewVersion Next(std::span<const codec::TensorView> live);
+
+ private:
+  DeviceSource() = default;
+  struct Set {
+    cuda::DeviceBuffer memory;
+    std::vector<codec::MutableTensorView> views;
+    std::vector<codec::TensorView> Const() const;
+  };
+  static StatusOr<Set> Allocate(std::span<const codec::TensorView> layout, int device);
+  Status CopyDown(const Set& set, std::vector<buffers::OwnedTensor>& head) const;
+
+  std::unique_ptr<cuda::DeviceCodec> codec_;
+  Set previous_, snapshot_;
+  int device_ = 0;
+  bool primed_ = false;   // previous_ holds the head
+  bool encoded_ = false;  // this round encoded (else it is the first version)
+};
+
+// The set checksum (codec::SetChecksum) of tensors in a region, on the
+// device for device regions.
+StatusOr<uint64_t> RegionSetChecksum(std::span<const codec::TensorView> views, const buffers::Region& region,
+                                     ThreadPool* pool);
+
+}  // namespace wsync::daemon
