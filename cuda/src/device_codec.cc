@@ -115,6 +115,27 @@ Status DeviceAvailable() {
   return Status::Ok();
 }
 
+// A tensor's compact change on the host, ready for the entropy stage.
+struct TensorChange {
+  std::vector<size_t> chunk_ids;   // the writer's chunk indices
+  std::vector<uint32_t> chunk_off; // changes of chunk c: [chunk_off[c], chunk_off[c + 1])
+  std::vector<uint32_t> pos, rank;
+  std::vector<uint8_t> delta, old;
+  std::vector<ClassSpec> specs;
+  size_t width = 0;
+  bool conditioned = false;
+
+  ChunkChange Change(size_t c) const {
+    ChunkChange ch;
+    ch.count = chunk_off[c + 1] - chunk_off[c];
+    ch.pos = pos.data() + chunk_off[c];
+    ch.delta = delta.data() + size_t{chunk_off[c]} * width;
+    ch.old = conditioned ? old.data() + size_t{chunk_off[c]} * width : nullptr;
+    return ch;
+  }
+  const uint32_t* Ranks(size_t c) const { return rank.empty() ? nullptr : rank.data() + chunk_off[c]; }
+};
+
 struct DeviceCodec::Impl {
   int device = 0;
   cudaStream_t compute = nullptr;
@@ -162,10 +183,12 @@ struct DeviceCodec::Impl {
     return bytes;
   }
 
-  // Encodes one tensor's chunks into the writer; base/target digests out.
-  Status EncodeTensor(codec::staged::PatchWriter& writer, const std::vector<size_t>& chunk_ids,
-                      const TensorView& base, const TensorView& target, uint32_t chunk_bytes, bool condition,
-                      ThreadPool* pool, std::vector<uint64_t>* base_digests, std::vector<uint64_t>* target_digests);
+  // The device part of encoding one tensor: digests, compact change, class
+  // choice (host, small) and ranks. The entropy stage runs later over all
+  // chunks of the set at once.
+  Status CompactTensor(const codec::staged::PatchWriter& writer, const TensorView& base, const TensorView& target,
+                       uint32_t chunk_bytes, bool condition, ThreadPool* pool, TensorChange* out,
+                       std::vector<uint64_t>* base_digests, std::vector<uint64_t>* target_digests);
 
   Status ApplyDelta(const codec::staged::PatchReader& r, std::span<const MutableTensorView> dst,
                     const std::vector<size_t>& match, const codec::ApplyOptions& options);
@@ -175,16 +198,17 @@ struct DeviceCodec::Impl {
                            const std::vector<size_t>& match);
 };
 
-Status DeviceCodec::Impl::EncodeTensor(codec::staged::PatchWriter& writer, const std::vector<size_t>& chunk_ids,
-                                       const TensorView& base, const TensorView& target, uint32_t chunk_bytes,
-                                       bool condition, ThreadPool* pool, std::vector<uint64_t>* base_digests,
-                                       std::vector<uint64_t>* target_digests) {
+Status DeviceCodec::Impl::CompactTensor(const codec::staged::PatchWriter& writer, const TensorView& base,
+                                        const TensorView& target, uint32_t chunk_bytes, bool condition,
+                                        ThreadPool* pool, TensorChange* out, std::vector<uint64_t>* base_digests,
+                                        std::vector<uint64_t>* target_digests) {
+  const std::vector<size_t>& chunk_ids = out->chunk_ids;
   const size_t width = codec::DTypeWidth(target.dtype);
   const size_t nbytes = target.NumBytes();
   const logic::Layout l = LayoutOf(target.NumElements(), width, chunk_bytes);
-  WSYNC_RETURN_IF_ERROR(Digests(base.data, nbytes, base_digests));
-  WSYNC_RETURN_IF_ERROR(Digests(target.data, nbytes, target_digests));
   if (nbytes == 0) {
+    base_digests->clear();
+    target_digests->clear();
     return Status::Ok();
   }
   const uint64_t blocks = l.Blocks();
@@ -201,7 +225,12 @@ Status DeviceCodec::Impl::EncodeTensor(codec::staged::PatchWriter& writer, const
   const size_t o_hist = carve.Add<uint32_t>(conditioned ? chunks * bins : 1);
   const size_t o_specs = carve.Add<ClassSpec>(chunks);
   const size_t o_temp = carve.Add<uint8_t>(scan_bytes);
+  const size_t ndigests = codec::ChecksumBlockCount(nbytes);
+  const size_t o_bdig = carve.Add<uint64_t>(ndigests);
+  const size_t o_tdig = carve.Add<uint64_t>(ndigests);
   WSYNC_ASSIGN_OR_RETURN(void* mem, scratch.Get(carve.bytes()));
+  WSYNC_RETURN_IF_ERROR(LaunchBlockDigests(base.data, nbytes, At<uint64_t>(mem, o_bdig), compute));
+  WSYNC_RETURN_IF_ERROR(LaunchBlockDigests(target.data, nbytes, At<uint64_t>(mem, o_tdig), compute));
   auto* counts = At<uint32_t>(mem, o_counts);
   auto* offsets = At<uint32_t>(mem, o_offsets);
   auto* chunk_offsets = At<uint32_t>(mem, o_chunks);
@@ -218,11 +247,16 @@ Status DeviceCodec::Impl::EncodeTensor(codec::staged::PatchWriter& writer, const
     WSYNC_RETURN_IF_ERROR(LaunchSampleHistogram(base.data, w, l, ef.shift, ef.mask, static_cast<uint32_t>(bins),
                                                 hist, compute));
   }
-  std::vector<uint32_t> chunk_off, hist_host;
+  std::vector<uint32_t>& chunk_off = out->chunk_off;
+  std::vector<uint32_t> hist_host;
   WSYNC_RETURN_IF_ERROR(CopyDown(&chunk_off, chunk_offsets, chunks + 1, compute));
   if (conditioned) WSYNC_RETURN_IF_ERROR(CopyDown(&hist_host, hist, chunks * bins, compute));
+  WSYNC_RETURN_IF_ERROR(CopyDown(base_digests, At<uint64_t>(mem, o_bdig), ndigests, compute));
+  WSYNC_RETURN_IF_ERROR(CopyDown(target_digests, At<uint64_t>(mem, o_tdig), ndigests, compute));
   WSYNC_RETURN_IF_ERROR(Check(cudaStreamSynchronize(compute), "diff"));
   const size_t m = chunk_off[chunks];
+  out->width = width;
+  out->conditioned = conditioned;
 
   // The compact change: positions, deltas, old values.
   Carver cc;
@@ -233,45 +267,31 @@ Status DeviceCodec::Impl::EncodeTensor(codec::staged::PatchWriter& writer, const
   WSYNC_ASSIGN_OR_RETURN(void* cmem, changes.Get(cc.bytes()));
   WSYNC_RETURN_IF_ERROR(LaunchDiffScatter(base.data, target.data, w, l, offsets, At<uint32_t>(cmem, o_pos),
                                           At<uint8_t>(cmem, o_delta), At<uint8_t>(cmem, o_old), compute));
-  std::vector<uint32_t> pos;
-  std::vector<uint8_t> delta, old;
-  WSYNC_RETURN_IF_ERROR(CopyDown(&pos, At<uint32_t>(cmem, o_pos), m, compute));
-  WSYNC_RETURN_IF_ERROR(CopyDown(&delta, At<uint8_t>(cmem, o_delta), m * width, compute));
-  WSYNC_RETURN_IF_ERROR(CopyDown(&old, At<uint8_t>(cmem, o_old), m * width, compute));
+  WSYNC_RETURN_IF_ERROR(CopyDown(&out->pos, At<uint32_t>(cmem, o_pos), m, compute));
+  WSYNC_RETURN_IF_ERROR(CopyDown(&out->delta, At<uint8_t>(cmem, o_delta), m * width, compute));
+  WSYNC_RETURN_IF_ERROR(CopyDown(&out->old, At<uint8_t>(cmem, o_old), m * width, compute));
   WSYNC_RETURN_IF_ERROR(Check(cudaStreamSynchronize(compute), "compaction"));
 
   // Classes on the host (small), ranks on the device when any chunk needs them.
-  auto change_of = [&](uint64_t c) {
-    ChunkChange ch;
-    ch.count = chunk_off[c + 1] - chunk_off[c];
-    ch.pos = pos.data() + chunk_off[c];
-    ch.delta = delta.data() + size_t{chunk_off[c]} * width;
-    ch.old = conditioned ? old.data() + size_t{chunk_off[c]} * width : nullptr;
-    return ch;
-  };
-  std::vector<ClassSpec> specs(chunks);
+  std::vector<ClassSpec>& specs = out->specs;
+  specs.resize(chunks);
+  ParallelFor(pool, chunks, [&](size_t c) {
+    specs[c] = writer.ChooseClasses(chunk_ids[c], conditioned ? hist_host.data() + c * bins : nullptr, out->Change(c));
+  });
   bool need_ranks = false;
   for (uint64_t c = 0; c < chunks; ++c) {
-    const ChunkChange ch = change_of(c);
-    specs[c] = writer.ChooseClasses(chunk_ids[c], conditioned ? hist_host.data() + c * bins : nullptr, ch);
-    need_ranks = need_ranks || writer.NeedsRanks(chunk_ids[c], ch.count, specs[c]);
+    need_ranks = need_ranks || writer.NeedsRanks(chunk_ids[c], out->Change(c).count, specs[c]);
   }
-  std::vector<uint32_t> rank;
   if (need_ranks) {
     WSYNC_RETURN_IF_ERROR(RankPrefix(base.data, width, l, specs, At<ClassSpec>(mem, o_specs), counts, offsets, temp,
                                      scan_bytes));
     WSYNC_RETURN_IF_ERROR(LaunchRanks(base.data, w, l, At<ClassSpec>(mem, o_specs), offsets, chunk_offsets,
                                       At<uint32_t>(cmem, o_pos), At<uint8_t>(cmem, o_old), m,
                                       At<uint32_t>(cmem, o_rank), compute));
-    WSYNC_RETURN_IF_ERROR(CopyDown(&rank, At<uint32_t>(cmem, o_rank), m, compute));
+    WSYNC_RETURN_IF_ERROR(CopyDown(&out->rank, At<uint32_t>(cmem, o_rank), m, compute));
     WSYNC_RETURN_IF_ERROR(Check(cudaStreamSynchronize(compute), "ranks"));
   }
-  FirstError error;
-  ParallelFor(pool, chunks, [&](size_t c) {
-    const uint32_t* r = need_ranks ? rank.data() + chunk_off[c] : nullptr;
-    error.Record(c, writer.SetChunk(chunk_ids[c], change_of(c), specs[c], r));
-  });
-  return error.status();
+  return Status::Ok();
 }
 
 DeviceCodec::DeviceCodec(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -372,13 +392,15 @@ StatusOr<std::string> DeviceCodec::Encode(std::span<const TensorView> live,
   };
 
   std::vector<uint64_t> target_sums(target.size()), base_sums(target.size());
+  std::vector<TensorChange> changes(target.size());
   Status status;
   for (size_t t = 0; t < target.size() && status.ok(); ++t) {
     if (snapshotting) status = Check(cudaStreamWaitEvent(d.compute, landed[t], 0), "wait for snapshot");
     std::vector<uint64_t> bd, td;
+    changes[t].chunk_ids = by_tensor[t];
     if (status.ok()) {
-      status = d.EncodeTensor(writer, by_tensor[t], previous[t], target[t], options.chunk_bytes,
-                              options.condition_on_base, options.pool, &bd, &td);
+      status = d.CompactTensor(writer, previous[t], target[t], options.chunk_bytes, options.condition_on_base,
+                               options.pool, &changes[t], &bd, &td);
     }
     if (status.ok()) {
       base_sums[t] = codec::CombineBlockDigests(bd);
@@ -391,6 +413,19 @@ StatusOr<std::string> DeviceCodec::Encode(std::span<const TensorView> live,
   cudaStreamSynchronize(d.copy);
   destroy();
   WSYNC_RETURN_IF_ERROR(status);
+  // The entropy stage over every chunk of the set at once.
+  std::vector<std::pair<size_t, size_t>> all;  // (tensor, chunk in tensor)
+  for (size_t t = 0; t < changes.size(); ++t) {
+    for (size_t c = 0; c < changes[t].chunk_ids.size(); ++c) all.emplace_back(t, c);
+  }
+  FirstError error;
+  ParallelFor(options.pool, all.size(), [&](size_t i) {
+    const TensorChange& tc = changes[all[i].first];
+    const size_t c = all[i].second;
+    error.Record(i, tc.chunk_off.empty() ? Status::Ok()
+                                         : writer.SetChunk(tc.chunk_ids[c], tc.Change(c), tc.specs[c], tc.Ranks(c)));
+  });
+  WSYNC_RETURN_IF_ERROR(error.status());
   WSYNC_RETURN_IF_ERROR(writer.SetChecksums(target_sums, base_sums));
   return writer.Finish();
 }

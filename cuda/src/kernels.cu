@@ -96,19 +96,44 @@ __global__ void SampleHistogramKernel(const T* base, Layout l, int shift, uint32
   atomicAdd(&hist[(t / l.chunk_elems) * bins + e], 1u);
 }
 
-// Eight threads per digest, one per XXH3 accumulator lane.
-__global__ void BlockDigestsKernel(const uint8_t* data, size_t nbytes, size_t count, uint64_t* digests) {
-  const uint64_t t = blockIdx.x * static_cast<uint64_t>(blockDim.x) + threadIdx.x;
-  const uint64_t d = t / 8;
-  const int lane = static_cast<int>(t % 8);
-  const bool valid = d < count;
-  const size_t begin = valid ? d * codec::kChecksumBlockBytes : 0;
-  const size_t len = valid ? min(codec::kChecksumBlockBytes, nbytes - begin) : 0;
-  const uint64_t acc = valid && len > 240 ? logic::Xxh3LongLane(data + begin, len, lane) : 0;
-  uint64_t all[8];
-  for (int j = 0; j < 8; ++j) all[j] = __shfl_sync(kFullWarp, acc, j, 8);
-  if (!valid || lane != 0) return;
-  digests[d] = len > 240 ? logic::Xxh3Merge(all, len) : logic::Xxh3Short(data + begin, len);
+// One CTA per 1 MiB digest block. Its threads sum the 1 KiB blocks' stripe
+// contributions (logic::Xxh3BlockSum) for all eight lanes in parallel; eight
+// threads then run the short sequential chain of scrambles, the tail and
+// the merge.
+constexpr int kDigestThreads = 256;
+
+__global__ void BlockDigestsKernel(const uint8_t* data, size_t nbytes, uint64_t* digests) {
+  const size_t d = blockIdx.x;
+  const int tid = threadIdx.x;
+  const size_t begin = d * codec::kChecksumBlockBytes;
+  const size_t len = min(codec::kChecksumBlockBytes, nbytes - begin);
+  const uint8_t* in = data + begin;
+  if (len <= 240) {
+    if (tid == 0) digests[d] = logic::Xxh3Short(in, len);
+    return;
+  }
+  __shared__ uint64_t sums[kDigestThreads][8];
+  __shared__ uint64_t acc[8];
+  if (tid < 8) acc[tid] = logic::Xxh3InitAcc(tid);
+  const size_t blocks = logic::Xxh3FullBlocks(len);
+  for (size_t first = 0; first < blocks; first += kDigestThreads) {
+    const size_t b = first + tid;
+    if (b < blocks) {
+      for (int lane = 0; lane < 8; ++lane) sums[tid][lane] = logic::Xxh3BlockSum(in + b * logic::kHashBlockBytes, lane);
+    }
+    __syncthreads();
+    if (tid < 8) {
+      const uint64_t key = logic::Xxh3ScrambleKey(tid);
+      uint64_t a = acc[tid];
+      const size_t n = min(static_cast<size_t>(kDigestThreads), blocks - first);
+      for (size_t j = 0; j < n; ++j) a = logic::Xxh3Scramble(a + sums[j][tid], key);
+      acc[tid] = a;
+    }
+    __syncthreads();
+  }
+  if (tid < 8) acc[tid] = logic::Xxh3TailLane(acc[tid], in, len, tid);
+  __syncthreads();
+  if (tid == 0) digests[d] = logic::Xxh3Merge(acc, len);
 }
 
 template <typename T>
@@ -245,8 +270,8 @@ Status LaunchSampleHistogram(const void* base, int width, Layout l, int shift, u
 Status LaunchBlockDigests(const void* data, size_t nbytes, uint64_t* digests, Stream s) {
   const size_t count = codec::ChecksumBlockCount(nbytes);
   if (count == 0) return Status::Ok();
-  BlockDigestsKernel<<<GridFor(count * 8), kThreads, 0, S(s)>>>(static_cast<const uint8_t*>(data), nbytes, count,
-                                                                digests);
+  BlockDigestsKernel<<<static_cast<unsigned>(count), kDigestThreads, 0, S(s)>>>(static_cast<const uint8_t*>(data),
+                                                                                nbytes, digests);
   return LastError("block digests");
 }
 

@@ -45,6 +45,21 @@ TEST(Xxh3Logic, LanesMergeToTheChecksumBlockDigest) {
   }
 }
 
+TEST(Xxh3Logic, BlockSumsAndScrambleChainGiveTheLanes) {
+  const auto data = RandomBytes(codec::kChecksumBlockBytes, 5);
+  for (size_t len : {size_t{241}, size_t{1024}, size_t{1025}, size_t{4096} + 65, codec::kChecksumBlockBytes}) {
+    uint64_t acc[8];
+    for (int lane = 0; lane < 8; ++lane) {
+      uint64_t a = Xxh3InitAcc(lane);
+      for (size_t b = 0; b < Xxh3FullBlocks(len); ++b) {
+        a = Xxh3Scramble(a + Xxh3BlockSum(data.data() + b * kHashBlockBytes, lane), Xxh3ScrambleKey(lane));
+      }
+      acc[lane] = Xxh3TailLane(a, data.data(), len, lane);
+    }
+    EXPECT_EQ(Xxh3Merge(acc, len), XXH3_64bits(data.data(), len)) << len;
+  }
+}
+
 TEST(BlockLogic, ClassCountsRanksAndSelectAgree) {
   std::mt19937 rng(4);
   codec::ClassSpec spec;

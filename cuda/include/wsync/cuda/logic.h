@@ -184,22 +184,43 @@ WSYNC_HD inline uint64_t Xxh3StripeLane(uint64_t acc, const uint8_t* stripe, con
   return acc;
 }
 
-// Accumulator `lane` (0..7) of XXH3-64's long path over len > 240 bytes.
-WSYNC_HD inline uint64_t Xxh3LongLane(const uint8_t* in, size_t len, int lane) {
+// The long path's accumulator only adds stripe contributions between the
+// scrambles that end each 1 KiB block, so a block's contribution to lane
+// `lane` is a sum that threads compute independently; the chain of
+// scrambles is then cheap and sequential:
+//   acc = init; for each full block b: acc = Scramble(acc + BlockSum(b));
+//   acc = TailLane(acc, ...);   (== Xxh3LongLane)
+WSYNC_HD inline uint64_t Xxh3BlockSum(const uint8_t* block, int lane) {
   const uint8_t* s = Secret();
-  uint64_t acc = Xxh3InitAcc(lane);
-  const size_t blocks = (len - 1) / kHashBlockBytes;
-  for (size_t b = 0; b < blocks; ++b) {
-    const uint8_t* block = in + b * kHashBlockBytes;
-    for (size_t st = 0; st < kStripesPerBlock; ++st) acc = Xxh3StripeLane(acc, block + st * kStripeBytes, s + st * 8, lane);
-    acc ^= acc >> 47;
-    acc ^= Read64(s + kSecretBytes - kStripeBytes + 8 * lane);
-    acc *= kPrime32_1;
-  }
+  uint64_t sum = 0;
+  for (size_t st = 0; st < kStripesPerBlock; ++st) sum = Xxh3StripeLane(sum, block + st * kStripeBytes, s + st * 8, lane);
+  return sum;
+}
+WSYNC_HD inline uint64_t Xxh3ScrambleKey(int lane) { return Read64(Secret() + kSecretBytes - kStripeBytes + 8 * lane); }
+WSYNC_HD inline uint64_t Xxh3Scramble(uint64_t acc, uint64_t key) {
+  acc ^= acc >> 47;
+  acc ^= key;
+  return acc * kPrime32_1;
+}
+// Number of full (scrambled) 1 KiB blocks of the long path for len > 240.
+WSYNC_HD inline size_t Xxh3FullBlocks(size_t len) { return (len - 1) / kHashBlockBytes; }
+// What follows the full blocks: the remaining stripes and the last stripe.
+WSYNC_HD inline uint64_t Xxh3TailLane(uint64_t acc, const uint8_t* in, size_t len, int lane) {
+  const uint8_t* s = Secret();
+  const size_t blocks = Xxh3FullBlocks(len);
   const size_t stripes = ((len - 1) - blocks * kHashBlockBytes) / kStripeBytes;
   const uint8_t* last = in + blocks * kHashBlockBytes;
   for (size_t st = 0; st < stripes; ++st) acc = Xxh3StripeLane(acc, last + st * kStripeBytes, s + st * 8, lane);
   return Xxh3StripeLane(acc, in + len - kStripeBytes, s + kSecretBytes - kStripeBytes - 7, lane);
+}
+
+// Accumulator `lane` (0..7) of XXH3-64's long path over len > 240 bytes.
+WSYNC_HD inline uint64_t Xxh3LongLane(const uint8_t* in, size_t len, int lane) {
+  uint64_t acc = Xxh3InitAcc(lane);
+  const uint64_t key = Xxh3ScrambleKey(lane);
+  const size_t blocks = Xxh3FullBlocks(len);
+  for (size_t b = 0; b < blocks; ++b) acc = Xxh3Scramble(acc + Xxh3BlockSum(in + b * kHashBlockBytes, lane), key);
+  return Xxh3TailLane(acc, in, len, lane);
 }
 
 // XXH3-64 of len > 240 bytes from its eight lanes' accumulators.
