@@ -566,22 +566,26 @@ Status DeviceCodec::Impl::ApplyDelta(const codec::staged::PatchReader& r, std::s
                                  std::to_string(e_rank[e]) + " beyond its elements"));
       break;
     }
-    size_t e_at = 0, g_at = 0;
-    for (size_t c = 0; c < by_tensor[t].size(); ++c) {
+    // Where each chunk's entries start, then the merges in parallel.
+    std::vector<size_t> e_start(by_tensor[t].size()), g_start(by_tensor[t].size());
+    for (size_t c = 0, e_at = 0, g_at = 0; c < by_tensor[t].size(); ++c) {
+      const DecodedChunk& dc = decoded[by_tensor[t][c]];
+      e_start[c] = e_at;
+      g_start[c] = g_at;
+      if (!dc.values_pending || dc.spec.k == 1) continue;
+      (dc.ranked ? e_at : g_at) += dc.ranked ? dc.ranks.size() : dc.pos.size();
+    }
+    ParallelFor(options.pool, by_tensor[t].size(), [&](size_t c) {
       const size_t i = by_tensor[t][c];
       DecodedChunk& dc = decoded[i];
-      if (!dc.values_pending || dc.spec.k == 1) continue;
+      if (!dc.values_pending || dc.spec.k == 1) return;
       if (dc.ranked) {
-        const size_t m = dc.ranks.size();
-        error.Record(i, codec::staged::MergeRankedPositions(e_pos.data() + e_at, e_old.data() + e_at * width, width,
-                                                             &dc, &old[i]));
-        e_at += m;
+        error.Record(i, codec::staged::MergeRankedPositions(e_pos.data() + e_start[c],
+                                                             e_old.data() + e_start[c] * width, width, &dc, &old[i]));
       } else {
-        const size_t m = dc.pos.size();
-        old[i].assign(g_old.begin() + g_at * width, g_old.begin() + (g_at + m) * width);
-        g_at += m;
+        old[i].assign(g_old.begin() + g_start[c] * width, g_old.begin() + (g_start[c] + dc.pos.size()) * width);
       }
-    }
+    });
   }
   // Stage 3 on the host: the values.
   if (error.status().ok()) {
@@ -598,13 +602,13 @@ Status DeviceCodec::Impl::ApplyDelta(const codec::staged::PatchReader& r, std::s
   // Scatter every tensor, then verify every tensor; undo all on a mismatch.
   std::vector<std::vector<uint64_t>> index(match.size());
   std::vector<std::vector<uint8_t>> deltas(match.size());
-  for (size_t t = 0; t < match.size(); ++t) {
+  ParallelFor(options.pool, match.size(), [&](size_t t) {
     for (size_t i : by_tensor[t]) {
       const DecodedChunk& dc = decoded[i];
       for (uint32_t p : dc.pos) index[t].push_back(chunks[i].first_element + p);
       deltas[t].insert(deltas[t].end(), dc.delta.begin(), dc.delta.end());
     }
-  }
+  });
   auto scatter = [&](size_t t, bool undo) -> Status {
     const MutableTensorView& v = dst[match[t]];
     const size_t m = index[t].size();

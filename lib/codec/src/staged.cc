@@ -3,7 +3,6 @@
 
 #include <algorithm>
 #include <cstring>
-#include <numeric>
 
 #include "chunk_codec.h"
 #include "format.h"
@@ -282,18 +281,33 @@ Status PatchReader::DecodeKeyframe(size_t i, void* out) const {
 Status MergeRankedPositions(const uint32_t* pos_by_class, const void* old_by_class, size_t width,
                             DecodedChunk* out, std::vector<uint8_t>* old_sorted) {
   const size_t m = out->ranks.size();
-  std::vector<uint32_t> order(m);
-  std::iota(order.begin(), order.end(), 0u);
-  std::sort(order.begin(), order.end(), [&](uint32_t a, uint32_t b) { return pos_by_class[a] < pos_by_class[b]; });
+  // Each class's positions ascend (its ranks do): merge the k lists.
+  const int k = static_cast<int>(out->class_counts.size());
+  size_t at[kMaxClasses], end[kMaxClasses];
+  size_t start = 0;
+  for (int c = 0; c < k; ++c) {
+    at[c] = start;
+    start += out->class_counts[c];
+    end[c] = start;
+  }
+  if (start != m) return DataLossError("position stream: class counts do not sum to the changes");
   out->pos.resize(m);
   old_sorted->resize(m * width);
   const auto* old = static_cast<const uint8_t*>(old_by_class);
   for (size_t j = 0; j < m; ++j) {
-    out->pos[j] = pos_by_class[order[j]];
+    int best = -1;
+    for (int c = 0; c < k; ++c) {
+      if (at[c] < end[c] && (best < 0 || pos_by_class[at[c]] < pos_by_class[at[best]])) best = c;
+    }
+    const size_t from = at[best]++;
+    if (at[best] < end[best] && pos_by_class[at[best]] <= pos_by_class[from]) {
+      return DataLossError("position stream: class " + std::to_string(best) + " positions do not ascend");
+    }
+    out->pos[j] = pos_by_class[from];
     if (j > 0 && out->pos[j] == out->pos[j - 1]) {
       return DataLossError("position stream: position " + std::to_string(out->pos[j]) + " decoded twice");
     }
-    std::memcpy(old_sorted->data() + j * width, old + size_t{order[j]} * width, width);
+    std::memcpy(old_sorted->data() + j * width, old + from * width, width);
   }
   out->ranked = false;
   out->ranks.clear();

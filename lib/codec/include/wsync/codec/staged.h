@@ -144,8 +144,9 @@ class PatchReader {
 
 // Resolves a ranked chunk whose positions were found elsewhere:
 // pos_by_class/old_by_class hold the position and old value of every rank in
-// out->ranks order. Sorts them into out->pos and *old_sorted (resized to
-// pos.size() * width bytes). DataLoss when a position repeats.
+// out->ranks order (so each class's positions ascend). Merges them into
+// out->pos and *old_sorted (resized to pos.size() * width bytes). DataLoss
+// when a position repeats or a class's positions do not ascend.
 Status MergeRankedPositions(const uint32_t* pos_by_class, const void* old_by_class, size_t width,
                             DecodedChunk* out, std::vector<uint8_t>* old_sorted);
 
