@@ -188,15 +188,18 @@ class Source : public Node, public v1::Local::Service {
     auto reg = OpenRegistered(*req);
     if (!reg.ok()) return ToGrpc(reg.status());
     std::lock_guard<std::mutex> lock(state_mu_);
-    if (reg->region->on_device()) {
-      const auto views = buffers::TableViews(reg->table, *reg->region);
-      if (!device_ || !device_->Matches(views, reg->region->device())) {
-        auto d = DeviceSource::Create(views, reg->region->device());
-        if (!d.ok()) return ToGrpc(d.status());
-        device_ = std::move(*d);
-      }
-    } else {
+    const auto views = buffers::TableViews(reg->table, *reg->region);
+    const bool keep = reg->region->on_device() && device_ && device_->Matches(views, reg->region->device());
+    if (device_ && !keep) {
+      // The device state goes: the history's head copy must not depend on it.
+      wsync::Status s = history_.MaterializeHead();
+      if (!s.ok()) return ToGrpc(s);
       device_.reset();
+    }
+    if (reg->region->on_device() && !device_) {
+      auto d = DeviceSource::Create(views, reg->region->device());
+      if (!d.ok()) return ToGrpc(d.status());
+      device_ = std::move(*d);
     }
     region_ = std::move(reg->region);
     table_ = std::move(reg->table);

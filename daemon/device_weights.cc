@@ -54,7 +54,6 @@ bool DeviceSource::Matches(std::span<const codec::TensorView> layout, int device
 VersionHistory::NewVersion DeviceSource::Next(std::span<const codec::TensorView> live) {
   VersionHistory::NewVersion next;
   next.layout = live;
-  encoded_ = false;
   next.encode = [this, live](std::span<const codec::TensorView> head,
                              const codec::EncodeOptions& eo) -> StatusOr<std::string> {
     if (!primed_) {
@@ -65,23 +64,23 @@ VersionHistory::NewVersion DeviceSource::Next(std::span<const codec::TensorView>
       }
       primed_ = true;
     }
-    encoded_ = true;
-    return codec_->SnapshotAndEncode(live, snapshot_.views, previous_.Const(), eo, {});
+    WSYNC_ASSIGN_OR_RETURN(std::string patch,
+                           codec_->SnapshotAndEncode(live, snapshot_.views, previous_.Const(), eo, {}));
+    std::swap(previous_, snapshot_);  // the new version is the head now
+    return patch;
   };
+  // The first version: snapshot straight into `previous`, and down to the
+  // host for the keyframe.
   next.fill = [this, live](std::vector<buffers::OwnedTensor>& head) -> Status {
-    if (!encoded_) {
-      // The first version: snapshot straight into `previous`.
-      for (size_t i = 0; i < live.size(); ++i) {
-        WSYNC_RETURN_IF_ERROR(cuda::CopyDeviceToDevice(previous_.views[i].data, live[i].data, live[i].NumBytes()));
-      }
-      WSYNC_RETURN_IF_ERROR(CopyDown(previous_, head));
-      primed_ = true;
-      return Status::Ok();
+    for (size_t i = 0; i < live.size(); ++i) {
+      WSYNC_RETURN_IF_ERROR(cuda::CopyDeviceToDevice(previous_.views[i].data, live[i].data, live[i].NumBytes()));
     }
-    WSYNC_RETURN_IF_ERROR(CopyDown(snapshot_, head));
-    std::swap(previous_, snapshot_);
+    WSYNC_RETURN_IF_ERROR(CopyDown(previous_, head));
+    primed_ = true;
     return Status::Ok();
   };
+  // Later versions stay on the device until the host needs the head.
+  next.load_head = [this](std::vector<buffers::OwnedTensor>& head) { return CopyDown(previous_, head); };
   return next;
 }
 

@@ -5,9 +5,10 @@
 // VersionHistory::NewVersion: the trainer's live tensors are snapshotted by
 // device-to-device copies on a copy stream while the device codec encodes
 // previous -> snapshot tensor by tensor (DeviceCodec::SnapshotAndEncode);
-// only the compact streams cross to the host, then the new version is copied
-// down once into the history's host copy (keyframes and merges for late
-// sinks are made on the host). On success the two device buffers swap roles.
+// only the compact streams cross to the host. The history's host copy of the
+// head is loaded from the device only when a keyframe of the head is asked
+// for (a late or torn sink); merges for lagging sinks use the host's oldest
+// copy and the patch chain. On success the two device buffers swap roles.
 // Costs twice the model's size in device memory.
 //
 // Thread safety: one publish at a time (the source serializes them).
@@ -48,8 +49,7 @@ class DeviceSource {
   std::unique_ptr<cuda::DeviceCodec> codec_;
   Set previous_, snapshot_;
   int device_ = 0;
-  bool primed_ = false;   // previous_ holds the head
-  bool encoded_ = false;  // this round encoded (else it is the first version)
+  bool primed_ = false;  // previous_ holds the head
 };
 
 // The set checksum (codec::SetChecksum) of tensors in a region, on the

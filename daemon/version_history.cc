@@ -48,6 +48,10 @@ StatusOr<PublishedVersion> VersionHistory::Publish(uint64_t version, const NewVe
   PublishedVersion out;
   out.version = version;
   for (const auto& t : next.layout) out.dense_bytes += t.NumBytes();
+  if (head_ == 0 || (head_stale_ && !next.load_head)) {
+    // A first version, or a host publish after lazy device ones.
+    WSYNC_RETURN_IF_ERROR(LoadHeadLocked());
+  }
   if (head_ == 0) {
     std::vector<buffers::OwnedTensor> first;
     for (const auto& t : next.layout) first.push_back({t.name, t.dtype, t.shape, std::vector<uint8_t>(t.NumBytes())});
@@ -74,7 +78,10 @@ StatusOr<PublishedVersion> VersionHistory::Publish(uint64_t version, const NewVe
   eo.target_version = version;
   WSYNC_ASSIGN_OR_RETURN(std::string patch, next.encode(buffers::Views(head_weights_), eo));
   WSYNC_ASSIGN_OR_RETURN(codec::PatchInfo info, codec::InspectPatch(patch));
-  if (Status filled = next.fill(head_weights_); !filled.ok()) {
+  if (next.load_head) {
+    head_stale_ = true;
+    head_loader_ = next.load_head;
+  } else if (Status filled = next.fill(head_weights_); !filled.ok()) {
     // The head copy may be torn: rebuild it from the oldest copy and the chain.
     std::vector<buffers::OwnedTensor> w = oldest_weights_;
     for (const auto& [v, p] : patches_) WSYNC_RETURN_IF_ERROR(ApplyInPlace(p, w, options_.encode.pool));
@@ -114,8 +121,24 @@ uint64_t VersionHistory::oldest() const {
   return oldest_;
 }
 
+Status VersionHistory::LoadHeadLocked() {
+  if (!head_stale_) return Status::Ok();
+  WSYNC_RETURN_IF_ERROR(head_loader_(head_weights_).WithContext("loading the head version"));
+  head_stale_ = false;
+  head_loader_ = nullptr;
+  return Status::Ok();
+}
+
+Status VersionHistory::MaterializeHead() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return LoadHeadLocked();
+}
+
 StatusOr<std::vector<buffers::OwnedTensor>> VersionHistory::WeightsAt(uint64_t v) {
-  if (v == head_) return head_weights_;
+  if (v == head_) {
+    WSYNC_RETURN_IF_ERROR(LoadHeadLocked());
+    return head_weights_;
+  }
   std::vector<buffers::OwnedTensor> w = oldest_weights_;
   for (auto it = patches_.begin(); it != patches_.end() && it->first <= v; ++it) {
     WSYNC_RETURN_IF_ERROR(ApplyInPlace(it->second, w, options_.encode.pool));

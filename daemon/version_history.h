@@ -54,14 +54,23 @@ class VersionHistory : public PatchProvider {
     // called for the first version.
     std::function<StatusOr<std::string>(std::span<const codec::TensorView> head, const codec::EncodeOptions&)>
         encode;
-    // Overwrites the host copy of the head with the new weights (after encode).
+    // Overwrites the host copy of the head with the new weights (after
+    // encode). Always called for the first version.
     std::function<Status(std::vector<buffers::OwnedTensor>& head)> fill;
+    // When set, later versions skip `fill`: the host copy of the head is
+    // loaded through load_head only when something needs it (a keyframe of
+    // the head), so a publish moves only the patch across PCIe.
+    std::function<Status(std::vector<buffers::OwnedTensor>& head)> load_head;
   };
   StatusOr<PublishedVersion> Publish(uint64_t version, const NewVersion& next);
 
   // Forgets what only versions older than `oldest_needed` need: the oldest
   // copy moves forward along the chain (never past the head).
   Status Retain(uint64_t oldest_needed);
+
+  // Loads a lazily kept head copy now (before whatever load_head reads from
+  // goes away).
+  Status MaterializeHead();
 
   uint64_t head() const;
   uint64_t oldest() const;
@@ -76,6 +85,9 @@ class VersionHistory : public PatchProvider {
   mutable std::mutex mu_;
   uint64_t head_ = 0, oldest_ = 0;
   std::vector<buffers::OwnedTensor> head_weights_, oldest_weights_;
+  bool head_stale_ = false;  // head_weights_ is behind: load through head_loader_
+  std::function<Status(std::vector<buffers::OwnedTensor>&)> head_loader_;
+  Status LoadHeadLocked();  // REQUIRES: mu_ held
   std::map<uint64_t, std::string> patches_;  // version -> patch from the previous version
   std::map<std::pair<uint64_t, uint64_t>, std::shared_ptr<PatchStream>> cache_;
 };

@@ -76,5 +76,44 @@ TEST(VersionHistory, ServesMergedPatchesAndKeyframes) {
   EXPECT_EQ(h.Publish(7, buffers::Views(other)).status().code(), StatusCode::kInvalidArgument);
 }
 
+// Versions whose weights live elsewhere (the device path): the head's host
+// copy is loaded only when a keyframe of the head is needed.
+TEST(VersionHistory, LoadsALazyHeadOnlyForKeyframes) {
+  auto v = Chain(4);
+  VersionHistory h({});
+  int loads = 0;
+  for (int k = 0; k < 4; ++k) {
+    const auto views = buffers::Views(v[k]);
+    VersionHistory::NewVersion next;
+    next.layout = views;
+    next.encode = [&](std::span<const codec::TensorView> head, const codec::EncodeOptions& eo) {
+      return codec::EncodePatch(buffers::Views(v[k - 1]), views, eo);  // what the device computes
+    };
+    next.fill = [&](std::vector<OwnedTensor>& head) {
+      head = v[k];
+      return Status::Ok();
+    };
+    next.load_head = [&, k](std::vector<OwnedTensor>& head) {
+      ++loads;
+      head = v[k];
+      return Status::Ok();
+    };
+    ASSERT_TRUE(h.Publish(k + 1, next).ok());
+  }
+  EXPECT_EQ(loads, 0);
+  auto merged = h.Open(2, 4);  // from the chain: no head copy needed
+  ASSERT_TRUE(merged.ok());
+  EXPECT_TRUE(testing::SameBits(ApplyStream(**merged, v[1]), v[3]));
+  EXPECT_EQ(loads, 0);
+  auto kf = h.Open(0, 4);
+  ASSERT_TRUE(kf.ok());
+  EXPECT_EQ(loads, 1);
+  std::vector<OwnedTensor> zero = v[0];
+  for (auto& t : zero) std::fill(t.bytes.begin(), t.bytes.end(), 0);
+  EXPECT_TRUE(testing::SameBits(ApplyStream(**kf, zero), v[3]));
+  EXPECT_TRUE(h.MaterializeHead().ok());
+  EXPECT_EQ(loads, 1);
+}
+
 }  // namespace
 }  // namespace wsync::daemon
