@@ -30,7 +30,9 @@ def check(cond, what):
 def scenario(name, build, fanout=2, sinks=2, coordinator_args=(), source_args=()):
     tmp = tempfile.mkdtemp(prefix=f"wsync_{name}_")
     print(f"== {name}")
-    return System(build, sinks, fanout, tmp, coordinator_args, source_args)
+    # WSYNC_TEST_DEVICE=N: the weights live in GPU N's memory (CUDA IPC).
+    device = int(os.environ.get("WSYNC_TEST_DEVICE", "-1"))
+    return System(build, sinks, fanout, tmp, coordinator_args, source_args, device=device)
 
 
 def synced(system, version, names=None):
