@@ -18,7 +18,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "scripts"))
-from system_demo import System  # noqa: E402
+from system_demo import System, gpu_present  # noqa: E402
 
 
 def check(cond, what):
@@ -163,6 +163,9 @@ def staleness(build, snaps):
 
 def main():
     build, data = sys.argv[1], sys.argv[2]
+    if int(os.environ.get("WSYNC_TEST_DEVICE", "-1")) >= 0 and not gpu_present():
+        print("SKIP: no GPU (nvidia-smi finds none)")
+        return
     snaps = sorted(glob.glob(os.path.join(data, "*.safetensors")))
     if len(snaps) < 5:
         print(f"SKIP: fewer than 5 snapshots in {data}")
