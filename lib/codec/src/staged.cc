@@ -184,6 +184,18 @@ struct PatchReader::Impl {
   Container c;
   std::vector<Task> tasks;
   std::vector<Chunk> chunks;
+
+  // Chunk i with its tensor's and its own directory entries.
+  struct Ref {
+    const Chunk& chunk;
+    const internal::TensorEntry& tensor;
+    const internal::ChunkEntry& entry;
+  };
+  Ref At(size_t i) const {
+    const Chunk& ch = chunks.at(i);
+    const internal::TensorEntry& e = c.tensors[ch.tensor];
+    return {ch, e, e.chunks[ch.index]};
+  }
 };
 
 PatchReader::PatchReader(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -219,9 +231,7 @@ StatusOr<std::vector<size_t>> PatchReader::Match(std::span<const MutableTensorVi
 Status PatchReader::DecodePositions(size_t i, DecodedChunk* out) const {
   const Container& c = impl_->c;
   if (c.kind != PatchKind::kPatch) return FailedPreconditionError("a keyframe has no positions");
-  const Chunk& ch = impl_->chunks.at(i);
-  const internal::TensorEntry& e = c.tensors[ch.tensor];
-  const internal::ChunkEntry& ce = e.chunks[ch.index];
+  const auto [ch, e, ce] = impl_->At(i);
   *out = DecodedChunk{};
   return WithWidth(ch.width, [&](auto zero) -> Status {
     using T = decltype(zero);
@@ -247,9 +257,7 @@ Status PatchReader::DecodePositions(size_t i, DecodedChunk* out) const {
 
 Status PatchReader::DecodeValues(size_t i, const void* old, DecodedChunk* out) const {
   const Container& c = impl_->c;
-  const Chunk& ch = impl_->chunks.at(i);
-  const internal::TensorEntry& e = c.tensors[ch.tensor];
-  const internal::ChunkEntry& ce = e.chunks[ch.index];
+  const auto [ch, e, ce] = impl_->At(i);
   return WithWidth(ch.width, [&](auto zero) -> Status {
     using T = decltype(zero);
     ChunkPositions cp;
