@@ -231,7 +231,10 @@ StatusOr<std::vector<size_t>> PatchReader::Match(std::span<const MutableTensorVi
 Status PatchReader::DecodePositions(size_t i, DecodedChunk* out) const {
   const Container& c = impl_->c;
   if (c.kind != PatchKind::kPatch) return FailedPreconditionError("a keyframe has no positions");
-  const auto [ch, e, ce] = impl_->At(i);
+  const Impl::Ref ref = impl_->At(i);
+  const Chunk& ch = ref.chunk;
+  const internal::TensorEntry& e = ref.tensor;
+  const internal::ChunkEntry& ce = ref.entry;
   *out = DecodedChunk{};
   return WithWidth(ch.width, [&](auto zero) -> Status {
     using T = decltype(zero);
@@ -257,7 +260,10 @@ Status PatchReader::DecodePositions(size_t i, DecodedChunk* out) const {
 
 Status PatchReader::DecodeValues(size_t i, const void* old, DecodedChunk* out) const {
   const Container& c = impl_->c;
-  const auto [ch, e, ce] = impl_->At(i);
+  const Impl::Ref ref = impl_->At(i);
+  const Chunk& ch = ref.chunk;
+  const internal::TensorEntry& e = ref.tensor;
+  const internal::ChunkEntry& ce = ref.entry;
   return WithWidth(ch.width, [&](auto zero) -> Status {
     using T = decltype(zero);
     ChunkPositions cp;
