@@ -33,14 +33,6 @@ Status Check(cudaError_t e, const char* what) {
   return InternalError(std::string("CUDA ") + what + ": " + cudaGetErrorString(e));
 }
 
-void ParallelFor(ThreadPool* pool, size_t n, const std::function<void(size_t)>& body) {
-  if (pool != nullptr) {
-    pool->ParallelFor(n, body);
-  } else {
-    for (size_t i = 0; i < n; ++i) body(i);
-  }
-}
-
 
 // A growable device allocation. Grow() synchronizes the device before it
 // frees the old block, so no enqueued work still uses it.

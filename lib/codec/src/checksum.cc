@@ -26,11 +26,7 @@ uint64_t TensorChecksum(const void* data, size_t nbytes, ThreadPool* pool) {
     size_t len = std::min(kChecksumBlockBytes, nbytes - begin);
     digests[i] = BlockDigest(bytes + begin, len);
   };
-  if (pool != nullptr) {
-    pool->ParallelFor(digests.size(), one);
-  } else {
-    for (size_t i = 0; i < digests.size(); ++i) one(i);
-  }
+  ParallelFor(pool, digests.size(), one);
   return CombineBlockDigests(digests);
 }
 

@@ -42,14 +42,6 @@ uint64_t SaturatingBytes(uint64_t numel, DType dtype) {
   return numel > UINT64_MAX / w ? UINT64_MAX : numel * w;
 }
 
-void RunParallel(ThreadPool* pool, size_t n, const std::function<void(size_t)>& body) {
-  if (pool != nullptr) {
-    pool->ParallelFor(n, body);
-  } else {
-    for (size_t i = 0; i < n; ++i) body(i);
-  }
-}
-
 Status ValidateOptions(const EncodeOptions& o) {
   if (o.chunk_bytes < internal::kMinChunkBytes || o.chunk_bytes > internal::kMaxChunkBytes ||
       (o.chunk_bytes & (o.chunk_bytes - 1)) != 0) {
@@ -193,7 +185,6 @@ using internal::FirstError;
 using internal::MatchTensors;
 using internal::Finish;
 using internal::ForEachChunk;
-using internal::RunParallel;
 using internal::Task;
 using internal::TasksOf;
 using internal::WithWidth;

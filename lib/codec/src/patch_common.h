@@ -31,8 +31,6 @@ decltype(auto) WithWidth(size_t width, F&& f) {
 uint64_t SaturatingProduct(const std::vector<uint64_t>& shape);
 uint64_t SaturatingBytes(uint64_t numel, DType dtype);
 
-void RunParallel(ThreadPool* pool, size_t n, const std::function<void(size_t)>& body);
-
 using wsync::FirstError;
 
 
@@ -53,7 +51,7 @@ std::vector<Task> TasksOf(const std::vector<TensorEntry>& tensors);
 // pool is given, with n the chunk's elements and T its element type.
 template <typename F>
 void ForEachChunk(ThreadPool* pool, const Container& c, const std::vector<Task>& tasks, F&& body) {
-  RunParallel(pool, tasks.size(), [&](size_t i) {
+  ParallelFor(pool, tasks.size(), [&](size_t i) {
     const TensorEntry& t = c.tensors[tasks[i].tensor];
     const size_t n = c.ChunkElements(t, tasks[i].chunk);
     WithWidth(DTypeWidth(t.dtype), [&](auto zero) { body(i, t, tasks[i].chunk, n, zero); });

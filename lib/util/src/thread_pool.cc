@@ -85,4 +85,12 @@ void ThreadPool::ParallelFor(size_t n, const std::function<void(size_t)>& body) 
   rep_->body = nullptr;
 }
 
+void ParallelFor(ThreadPool* pool, size_t n, const std::function<void(size_t)>& body) {
+  if (pool != nullptr) {
+    pool->ParallelFor(n, body);
+  } else {
+    for (size_t i = 0; i < n; ++i) body(i);
+  }
+}
+
 }  // namespace wsync

@@ -32,4 +32,8 @@ class ThreadPool {
   std::unique_ptr<Rep> rep_;
 };
 
+// pool->ParallelFor(n, body), or body(0..n-1) in order on this thread when
+// pool is null.
+void ParallelFor(ThreadPool* pool, size_t n, const std::function<void(size_t)>& body);
+
 }  // namespace wsync
