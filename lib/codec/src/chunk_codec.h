@@ -10,6 +10,7 @@
 
 #include "block_ops.h"
 #include "wsync/codec/dtype.h"
+#include "wsync/codec/staged.h"
 #include "wsync/util/status.h"
 
 namespace wsync::codec::internal {
@@ -91,15 +92,9 @@ EncodedChunk EncodeChunk(const T* base, size_t n, const SparseDelta<T>& d,
 
 // ---- Decoding, in stages.
 
-// What a chunk's position stream says without the base.
-struct ChunkPositions {
-  ClassSpec spec;
-  bool values_pending = false;  // the value stream is still to decode
-  bool ranked = false;          // positions are per-class ranks: resolve with the base
-  std::vector<uint32_t> pos;    // ascending, once known
-  std::vector<uint64_t> class_counts;  // while ranked: changes per class
-  std::vector<uint32_t> ranks;         // while ranked: ascending ranks, class by class
-};
+// What a chunk's position stream says without the base: the staged API's
+// DecodedChunk (its delta field unused at this level).
+using ChunkPositions = staged::DecodedChunk;
 
 // Stage 1: checks the chunk and decodes its positions as far as possible
 // without the base. An empty or dense chunk is decoded completely into *out

@@ -11,7 +11,6 @@
 namespace wsync::codec::staged {
 namespace {
 
-using internal::ChunkPositions;
 using internal::Container;
 using internal::SparseDelta;
 using internal::Task;
@@ -231,26 +230,15 @@ StatusOr<std::vector<size_t>> PatchReader::Match(std::span<const MutableTensorVi
 Status PatchReader::DecodePositions(size_t i, DecodedChunk* out) const {
   const Container& c = impl_->c;
   if (c.kind != PatchKind::kPatch) return FailedPreconditionError("a keyframe has no positions");
-  const Impl::Ref ref = impl_->At(i);
-  const Chunk& ch = ref.chunk;
-  const internal::TensorEntry& e = ref.tensor;
-  const internal::ChunkEntry& ce = ref.entry;
-  *out = DecodedChunk{};
-  return WithWidth(ch.width, [&](auto zero) -> Status {
+  const Impl::Ref r = impl_->At(i);
+  return WithWidth(r.chunk.width, [&](auto zero) -> Status {
     using T = decltype(zero);
-    ChunkPositions cp;
-    SparseDelta<T> d;
-    WSYNC_RETURN_IF_ERROR(internal::DecodeChunkPositions<T>(ce.mode, ce.changed, c.PosStream(ce), c.ValStream(ce),
-                                                            ch.elements, ExponentFieldOf(e.dtype), &cp, &d)
-                              .WithContext(internal::ChunkWhere(e, ch.index)));
-    out->spec = cp.spec;
-    out->values_pending = cp.values_pending;
-    out->ranked = cp.ranked;
-    out->class_counts = std::move(cp.class_counts);
-    out->ranks = std::move(cp.ranks);
-    if (cp.values_pending) {
-      out->pos = std::move(cp.pos);
-    } else {
+    SparseDelta<T> d;  // empty and dense chunks decode completely here
+    WSYNC_RETURN_IF_ERROR(internal::DecodeChunkPositions<T>(r.entry.mode, r.entry.changed, c.PosStream(r.entry),
+                                                            c.ValStream(r.entry), r.chunk.elements,
+                                                            ExponentFieldOf(r.tensor.dtype), out, &d)
+                              .WithContext(internal::ChunkWhere(r.tensor, r.chunk.index)));
+    if (!out->values_pending) {
       out->pos = std::move(d.pos);
       CopyOut(d.delta, &out->delta);
     }
@@ -259,22 +247,15 @@ Status PatchReader::DecodePositions(size_t i, DecodedChunk* out) const {
 }
 
 Status PatchReader::DecodeValues(size_t i, const void* old, DecodedChunk* out) const {
-  const Container& c = impl_->c;
-  const Impl::Ref ref = impl_->At(i);
-  const Chunk& ch = ref.chunk;
-  const internal::TensorEntry& e = ref.tensor;
-  const internal::ChunkEntry& ce = ref.entry;
-  return WithWidth(ch.width, [&](auto zero) -> Status {
+  const Impl::Ref r = impl_->At(i);
+  return WithWidth(r.chunk.width, [&](auto zero) -> Status {
     using T = decltype(zero);
-    ChunkPositions cp;
-    cp.spec = out->spec;
-    cp.values_pending = out->values_pending;
-    cp.ranked = out->ranked;
-    cp.pos = out->pos;
+    if (!out->values_pending) return Status::Ok();
     SparseDelta<T> d;
-    WSYNC_RETURN_IF_ERROR(internal::DecodeChunkValues<T>(c.ValStream(ce), cp, static_cast<const T*>(old), &d)
-                              .WithContext(internal::ChunkWhere(e, ch.index)));
-    if (out->values_pending) CopyOut(d.delta, &out->delta);
+    WSYNC_RETURN_IF_ERROR(
+        internal::DecodeChunkValues<T>(impl_->c.ValStream(r.entry), *out, static_cast<const T*>(old), &d)
+            .WithContext(internal::ChunkWhere(r.tensor, r.chunk.index)));
+    CopyOut(d.delta, &out->delta);
     out->values_pending = false;
     return Status::Ok();
   });
@@ -283,12 +264,11 @@ Status PatchReader::DecodeValues(size_t i, const void* old, DecodedChunk* out) c
 Status PatchReader::DecodeKeyframe(size_t i, void* out) const {
   const Container& c = impl_->c;
   if (c.kind != PatchKind::kKeyframe) return FailedPreconditionError("not a keyframe");
-  const Chunk& ch = impl_->chunks.at(i);
-  const internal::TensorEntry& e = c.tensors[ch.tensor];
-  return WithWidth(ch.width, [&](auto zero) -> Status {
+  const Impl::Ref r = impl_->At(i);
+  return WithWidth(r.chunk.width, [&](auto zero) -> Status {
     using T = decltype(zero);
-    return internal::DecodeKeyframeChunk<T>(c.PosStream(e.chunks[ch.index]), ch.elements, static_cast<T*>(out))
-        .WithContext(internal::ChunkWhere(e, ch.index));
+    return internal::DecodeKeyframeChunk<T>(c.PosStream(r.entry), r.chunk.elements, static_cast<T*>(out))
+        .WithContext(internal::ChunkWhere(r.tensor, r.chunk.index));
   });
 }
 
