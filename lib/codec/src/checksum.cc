@@ -3,8 +3,14 @@
 #include <bit>
 #include <vector>
 
+// The hash is compiled into this file, so it uses the vector extensions the
+// codec is built for (AVX2 on x86-64-v3) rather than the shared library's
+// baseline; the digests are the same, XXH3 is defined bit for bit.
+#define XXH_INLINE_ALL
+#define XXH_STATIC_LINKING_ONLY
 #include <xxhash.h>
 
+#include "block_hasher.h"
 #include "wsync/util/thread_pool.h"
 
 namespace wsync::codec {
@@ -32,4 +38,26 @@ uint64_t TensorChecksum(const void* data, size_t nbytes, ThreadPool* pool) {
 
 uint64_t Hash64(const void* data, size_t nbytes) { return XXH3_64bits(data, nbytes); }
 
+namespace internal {
+namespace {
+
+static_assert(sizeof(XXH3_state_t) <= 640 && alignof(XXH3_state_t) <= 64);
+
+XXH3_state_t* State(unsigned char* storage) { return reinterpret_cast<XXH3_state_t*>(storage); }
+const XXH3_state_t* State(const unsigned char* storage) { return reinterpret_cast<const XXH3_state_t*>(storage); }
+
+}  // namespace
+
+BlockHasher::BlockHasher() { Reset(); }
+
+void BlockHasher::Reset() {
+  XXH3_INITSTATE(State(state_));
+  XXH3_64bits_reset(State(state_));
+}
+
+void BlockHasher::Update(const void* data, size_t nbytes) { XXH3_64bits_update(State(state_), data, nbytes); }
+
+uint64_t BlockHasher::Digest() const { return XXH3_64bits_digest(State(state_)); }
+
+}  // namespace internal
 }  // namespace wsync::codec
