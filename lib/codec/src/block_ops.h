@@ -13,7 +13,7 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AVX2__)
+#if defined(__AVX2__) || defined(__BMI2__)
 #include <immintrin.h>
 #endif
 
@@ -29,6 +29,15 @@ using codec::kBlock;
 using codec::kMaxClasses;
 using codec::SelectBit;
 
+// SelectBit with BMI2's bit deposit where the host has it.
+inline int SelectBitFast(uint32_t m, uint32_t r) {
+#if defined(__BMI2__)
+  return std::countr_zero(_pdep_u32(uint32_t{1} << r, m));
+#else
+  return SelectBit(m, r);
+#endif
+}
+
 // Bit j of the result: a[j] != b[j]. REQUIRES: 32 readable elements each.
 template <typename T>
 inline uint32_t NeMask(const T* a, const T* b) {
@@ -36,6 +45,18 @@ inline uint32_t NeMask(const T* a, const T* b) {
   for (int j = 0; j < kBlock; ++j) m |= static_cast<uint32_t>(a[j] != b[j]) << j;
   return m;
 }
+
+#if defined(__AVX2__)
+template <>
+inline uint32_t NeMask<uint16_t>(const uint16_t* a, const uint16_t* b) {
+  const auto* va = reinterpret_cast<const __m256i*>(a);
+  const auto* vb = reinterpret_cast<const __m256i*>(b);
+  const __m256i eq0 = _mm256_cmpeq_epi16(_mm256_loadu_si256(va), _mm256_loadu_si256(vb));
+  const __m256i eq1 = _mm256_cmpeq_epi16(_mm256_loadu_si256(va + 1), _mm256_loadu_si256(vb + 1));
+  const __m256i eq = _mm256_permute4x64_epi64(_mm256_packs_epi16(eq0, eq1), 0xD8);
+  return ~static_cast<uint32_t>(_mm256_movemask_epi8(eq));
+}
+#endif
 
 // True when the 32 elements are equal (the fast path of the diff).
 template <typename T>
@@ -49,6 +70,8 @@ template <typename T>
 class GeKernel {
  public:
   explicit GeKernel(const ClassSpec& spec) : spec_(spec) {}
+  template <int K>
+  void Fixed(const T* x, uint32_t* ge) const { (*this)(x, ge); }
   void operator()(const T* x, uint32_t* ge) const {
     int e[kBlock];
     for (int j = 0; j < kBlock; ++j) e[j] = spec_.Exponent(x[j]);
@@ -64,32 +87,50 @@ class GeKernel {
 };
 
 #if defined(__AVX2__)
+// 16-bit floats (BF16, FP16) have exponents of at most 8 bits: they are
+// packed into bytes once and compared against every threshold as bytes.
 template <>
 class GeKernel<uint16_t> {
  public:
   explicit GeKernel(const ClassSpec& spec) : k_(spec.k) {
     shift_ = _mm_cvtsi32_si128(spec.shift);
-    mask_ = _mm256_set1_epi16(static_cast<int16_t>(spec.mask));
-    for (int t = 0; t < spec.k - 1; ++t) thr_[t] = _mm256_set1_epi16(static_cast<int16_t>(spec.thr[t] - 1));
+    mask_ = _mm256_set1_epi16(static_cast<int16_t>(spec.mask & 0xFF));
+    // Unsigned byte compare e >= thr as signed e ^ 0x80 > (thr - 1) ^ 0x80.
+    // A threshold above 255 (not produced for these types) is never reached.
+    // Threshold 0 (every element) and thresholds above 255 (no element; not
+    // produced for these types, but a spec is data) compare against a
+    // constant that no byte exceeds; 0 then sets every bit by or_.
+    for (int t = 0; t < spec.k - 1; ++t) {
+      const int thr = spec.thr[t];
+      const bool compared = thr > 0 && thr <= 255;
+      thr_[t] = _mm256_set1_epi8(static_cast<char>(compared ? ((thr - 1) ^ 0x80) & 0xFF : 0x7F));
+      or_[t] = thr == 0 ? ~0u : 0u;
+    }
   }
-  void operator()(const uint16_t* x, uint32_t* ge) const {
-    const __m256i e0 =
-        _mm256_and_si256(_mm256_srl_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)), shift_), mask_);
-    const __m256i e1 = _mm256_and_si256(
-        _mm256_srl_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16)), shift_), mask_);
-    for (int t = 0; t < k_ - 1; ++t) {
-      // Exponents fit in 15 bits, so the signed compare is exact.
-      __m256i g = _mm256_packs_epi16(_mm256_cmpgt_epi16(e0, thr_[t]), _mm256_cmpgt_epi16(e1, thr_[t]));
-      g = _mm256_permute4x64_epi64(g, 0xD8);  // packs interleaves 128-bit lanes
-      ge[t] = static_cast<uint32_t>(_mm256_movemask_epi8(g));
+  void operator()(const uint16_t* x, uint32_t* ge) const { Masks(x, ge, k_); }
+  // With the class count known at compile time (the sweeps' inner loops).
+  template <int K>
+  void Fixed(const uint16_t* x, uint32_t* ge) const { Masks(x, ge, K); }
+
+ private:
+  __attribute__((always_inline)) void Masks(const uint16_t* x, uint32_t* ge, int k) const {
+    const auto* v = reinterpret_cast<const __m256i*>(x);
+    const __m256i e0 = _mm256_and_si256(_mm256_srl_epi16(_mm256_loadu_si256(v), shift_), mask_);
+    const __m256i e1 = _mm256_and_si256(_mm256_srl_epi16(_mm256_loadu_si256(v + 1), shift_), mask_);
+    // packus interleaves 128-bit lanes; the permute restores element order.
+    const __m256i e = _mm256_xor_si256(_mm256_permute4x64_epi64(_mm256_packus_epi16(e0, e1), 0xD8),
+                                       _mm256_set1_epi8(static_cast<char>(0x80)));
+#pragma GCC unroll 8
+    for (int t = 0; t < k - 1; ++t) {
+      ge[t] = static_cast<uint32_t>(_mm256_movemask_epi8(_mm256_cmpgt_epi8(e, thr_[t]))) | or_[t];
     }
   }
 
- private:
   int k_;
   __m128i shift_;
   __m256i mask_;
   __m256i thr_[kMaxClasses - 1];
+  uint32_t or_[kMaxClasses - 1] = {};  // all ones for threshold 0
 };
 #endif
 

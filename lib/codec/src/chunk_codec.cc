@@ -2,12 +2,14 @@
 
 #include <algorithm>
 #include <array>
+#include <bit>
 #include <cmath>
 #include <limits>
 #include <memory>
 
 #include "bytes.h"
 #include "range_coder.h"
+#include "sweep.h"
 #include "zstd_util.h"
 
 namespace wsync::codec::internal {
@@ -27,9 +29,31 @@ double BinaryEntropyBits(double n, double m) {
   return -n * (p * std::log2(p) + (1 - p) * std::log2(1 - p));
 }
 
-// Chooses exponent thresholds minimizing the estimated position cost
-// sum_c N_c * H(M_c / N_c) + penalty * K over contiguous exponent ranges,
-// from the base's sampled histogram and the old values of the changes.
+// Magnitude buckets of the value-cost estimate: the bit length of |delta|.
+constexpr int kMagBuckets = 32;
+
+template <typename T>
+int MagnitudeBucket(T delta) {
+  const T mag = (delta >> (kBits<T> - 1)) & 1 ? static_cast<T>(T{0} - delta) : delta;
+  return std::min<int>(std::bit_width(static_cast<uint64_t>(mag)), kMagBuckets - 1);
+}
+
+// Bits of coding `counts` (summing to `total`) at their own frequencies.
+double MixEntropyBits(const double* counts, double total) {
+  if (total <= 0) return 0;
+  double bits = 0;
+  for (int k = 0; k < kMagBuckets; ++k) {
+    if (counts[k] > 0) bits -= counts[k] * std::log2(counts[k] / total);
+  }
+  return bits;
+}
+
+// Chooses exponent thresholds minimizing the estimated cost of a class
+// split over contiguous exponent ranges: per class, its positions
+// N_c * H(M_c / N_c) plus its deltas' magnitudes at the class's own mix
+// (the value coder's contexts are per class, and how far a weight moves
+// depends on its magnitude), plus a penalty per class; from the base's
+// sampled histogram and the old values and deltas of the changes.
 template <typename T>
 ClassSpec ChooseClassesImpl(size_t n, const uint32_t* sample, const SparseDelta<T>& d, const T* old,
                             const ChunkCodecOptions& options) {
@@ -38,17 +62,35 @@ ClassSpec ChooseClassesImpl(size_t n, const uint32_t* sample, const SparseDelta<
   spec.mask = options.exponent.mask;
   if (!options.condition || old == nullptr || sample == nullptr || spec.mask == 0 || d.pos.empty()) return spec;
 
+  // The evidence: the histogram's sampled blocks, and in a large chunk the
+  // changes in those blocks (both scaled to the chunk; the host encoder then
+  // knows the classes before its single sweep), in a small one every change.
   const size_t nexp = size_t{spec.mask} + 1;
   std::vector<uint32_t> changed(nexp, 0);
+  std::vector<uint32_t> magnitudes(nexp * kMagBuckets, 0);  // [exponent][bucket]
   const size_t sampled = SampledElements(n);
-  for (size_t i = 0; i < d.pos.size(); ++i) ++changed[spec.Exponent(old[i])];
-  std::vector<double> all(sample, sample + nexp), chg(changed.begin(), changed.end());
-  double scale = sampled > 0 ? static_cast<double>(n) / sampled : 0.0;
+  const size_t full_blocks = n / kBlock;
+  const bool sampled_changes = ClassesFromSampledChanges(n);
+  size_t evidence = 0;
+  for (size_t i = 0; i < d.pos.size(); ++i) {
+    const size_t block = d.pos[i] / kBlock;
+    if (sampled_changes && (block % kSampleStride != 0 || block >= full_blocks)) continue;
+    const int e = spec.Exponent(old[i]);
+    ++changed[e];
+    if (!d.delta.empty()) ++magnitudes[e * kMagBuckets + MagnitudeBucket(d.delta[i])];
+    ++evidence;
+  }
+  if (evidence == 0) return spec;
+  const double scale = sampled > 0 ? static_cast<double>(n) / sampled : 0.0;
+  std::vector<double> all(sample, sample + nexp), chg(nexp);
+  const double change_scale = sampled_changes ? scale : 1.0;
+  for (size_t e = 0; e < nexp; ++e) chg[e] = changed[e] * change_scale;
 
   // Groups of consecutive present exponents, at most kMaxDpGroups.
   struct Group {
     int first_exp;
     double all, chg;
+    double mag[kMagBuckets];
   };
   std::vector<Group> groups;
   double total = 0;
@@ -63,25 +105,35 @@ ClassSpec ChooseClassesImpl(size_t n, const uint32_t* sample, const SparseDelta<
       // A new group where the last is full, and at every exponent that
       // changed, so that change-rate boundaries stay choosable.
       if (groups.size() < kMaxDpGroups || groups.empty()) {
-        groups.push_back({static_cast<int>(e), 0, 0});
+        groups.push_back({static_cast<int>(e), 0, 0, {}});
       }
     }
     groups.back().all += all[e];
     groups.back().chg += chg[e];
+    for (int k = 0; k < kMagBuckets; ++k) groups.back().mag[k] += magnitudes[e * kMagBuckets + k] * change_scale;
   }
   const size_t g = groups.size();
   if (g <= 1) return spec;
 
-  std::vector<double> pa(g + 1, 0), pc(g + 1, 0);
+  std::vector<double> pa(g + 1, 0), pc(g + 1, 0), pm((g + 1) * kMagBuckets, 0);
   for (size_t i = 0; i < g; ++i) {
     pa[i + 1] = pa[i] + groups[i].all;
     pc[i + 1] = pc[i] + groups[i].chg;
+    for (int k = 0; k < kMagBuckets; ++k) {
+      pm[(i + 1) * kMagBuckets + k] = pm[i * kMagBuckets + k] + groups[i].mag[k];
+    }
   }
   // cost[a * (g + 1) + b]: bits of groups [a, b) as one class.
   std::vector<double> cost_table((g + 1) * (g + 1), 0.0);
   for (size_t a = 0; a < g; ++a) {
     for (size_t b = a + 1; b <= g; ++b) {
-      cost_table[a * (g + 1) + b] = BinaryEntropyBits(pa[b] - pa[a], pc[b] - pc[a]);
+      double mix[kMagBuckets];
+      double mags = 0;
+      for (int k = 0; k < kMagBuckets; ++k) {
+        mix[k] = pm[b * kMagBuckets + k] - pm[a * kMagBuckets + k];
+        mags += mix[k];
+      }
+      cost_table[a * (g + 1) + b] = BinaryEntropyBits(pa[b] - pa[a], pc[b] - pc[a]) + MixEntropyBits(mix, mags);
     }
   }
   auto cost = [&](size_t a, size_t b) { return cost_table[a * (g + 1) + b]; };
@@ -212,7 +264,9 @@ template <typename T>
 std::vector<uint8_t> ClassesOf(const T* old, size_t m, const ClassSpec& spec) {
   std::vector<uint8_t> cls(m, 0);
   if (spec.k > 1) {
-    for (size_t i = 0; i < m; ++i) cls[i] = static_cast<uint8_t>(spec.ClassOf(old[i]));
+    std::vector<uint8_t> class_of(size_t{spec.mask} + 1);  // exponent -> class
+    for (size_t e = 0; e < class_of.size(); ++e) class_of[e] = static_cast<uint8_t>(spec.ClassOf(e << spec.shift));
+    for (size_t i = 0; i < m; ++i) cls[i] = class_of[spec.Exponent(old[i])];
   }
   return cls;
 }
@@ -282,27 +336,37 @@ void RanksByClassImpl(const T* base, size_t n, const std::vector<uint32_t>& pos,
 void EncodeSparsePositions(const std::vector<uint8_t>& cls, const uint32_t* rank, const ClassSpec& spec,
                            std::string* out) {
   WriteClassHeader(spec, out);
-  std::vector<uint32_t> gaps[kMaxClasses];
+  // The gaps bucketed by class (a counting sort: class after class, each
+  // in position order).
+  size_t count[kMaxClasses] = {};
+  for (uint8_t c : cls) ++count[c];
+  size_t start[kMaxClasses + 1] = {};
+  for (int c = 0; c < kMaxClasses; ++c) start[c + 1] = start[c] + count[c];
+  std::vector<uint32_t> gaps(cls.size());
+  size_t fill[kMaxClasses];
+  std::copy(start, start + kMaxClasses, fill);
   uint32_t next[kMaxClasses] = {};
   uint64_t sum[kMaxClasses] = {};
   for (size_t i = 0; i < cls.size(); ++i) {
     const int c = cls[i];
-    gaps[c].push_back(rank[i] - next[c]);
-    sum[c] += rank[i] - next[c];
+    const uint32_t g = rank[i] - next[c];
+    gaps[fill[c]++] = g;
+    sum[c] += g;
     next[c] = rank[i] + 1;
   }
   int rice[kMaxClasses];
   for (int c = 0; c < spec.k; ++c) {
-    rice[c] = RiceParameter(sum[c], gaps[c].size());
+    rice[c] = RiceParameter(sum[c], count[c]);
     out->push_back(static_cast<char>(rice[c]));
   }
   auto models = std::make_unique<SparseModels>();
   RangeEncoder enc(out);
-  for (int c = 0; c < spec.k; ++c) enc.EncodeEG(models->count, gaps[c].size());
+  for (int c = 0; c < spec.k; ++c) enc.EncodeEG(models->count, count[c]);
   for (int c = 0; c < spec.k; ++c) {
     const int r = rice[c];
     BitModel* q = models->quotient[c];
-    for (uint32_t g : gaps[c]) {
+    for (size_t gi = start[c]; gi < start[c + 1]; ++gi) {
+      const uint32_t g = gaps[gi];
       const uint32_t quotient = g >> r;
       const uint32_t unary = quotient < kUnary ? quotient : kUnary;
       for (uint32_t j = 0; j < unary; ++j) enc.Encode(q[j], 1);
@@ -385,67 +449,25 @@ template <typename T>
 Status ResolveRanks(const T* base, size_t n, ChunkPositions* cp) {
   if (!cp->ranked) return Status::Ok();
   const ClassSpec& spec = cp->spec;
-  std::vector<uint32_t>* pos = &cp->pos;
-  const uint32_t* ranks[kMaxClasses];
-  uint64_t counts[kMaxClasses];
+  std::vector<const uint32_t*> ranks(spec.k);
   {
     const uint32_t* p = cp->ranks.data();
     for (int c = 0; c < spec.k; ++c) {
       ranks[c] = p;
-      counts[c] = cp->class_counts[c];
-      p += counts[c];
+      p += cp->class_counts[c];
     }
   }
-  pos->clear();
-  pos->reserve(cp->ranks.size());
-  // Sweep the blocks, turning per-class ranks into positions. left[c]: class
-  // c elements still to pass before its next change.
-  const ClassScanner<T> scan(spec);
-  const int k = spec.k;
-  int64_t left[kMaxClasses];
-  uint32_t count[kMaxClasses] = {};
-  size_t idx[kMaxClasses] = {};
-  uint32_t ge[kMaxClasses - 1] = {};
-  int pending = 0;
-  for (int c = 0; c < k; ++c) {
-    pending += counts[c] > 0 ? 1 : 0;
-    left[c] = counts[c] > 0 ? ranks[c][0] : INT64_MAX;
-  }
-  const size_t blocks = (n + kBlock - 1) / kBlock;
-  uint32_t found[kBlock];
-  for (size_t b = 0; b < blocks && pending > 0; ++b) {
-    const uint32_t valid = scan.BlockGe(base, n, b, ge);
-    int nfound = 0;
-    uint32_t upper_count = static_cast<uint32_t>(Popcount32(valid));
-    for (int c = 0; c < k; ++c) {
-      const uint32_t lower_count = c == k - 1 ? 0u : static_cast<uint32_t>(Popcount32(ge[c]));
-      const uint32_t in_block = upper_count - lower_count;
-      upper_count = lower_count;
-      left[c] -= in_block;
-      if (left[c] < 0) {
-        const uint32_t members = ClassMask(ge, k, valid, c);
-        do {
-          const int j = SelectBit(members, ranks[c][idx[c]] - count[c]);
-          found[nfound++] = static_cast<uint32_t>(b * kBlock + j);
-          if (++idx[c] == counts[c]) {
-            --pending;
-            left[c] = INT64_MAX;
-            break;
-          }
-          left[c] = static_cast<int64_t>(ranks[c][idx[c]]) - (count[c] + in_block);
-        } while (left[c] < 0);
-      }
-      count[c] += in_block;
-    }
-    if (nfound > 1) std::sort(found, found + nfound);
-    pos->insert(pos->end(), found, found + nfound);
-  }
-  if (pending > 0) {
+  std::vector<uint32_t> seen(spec.k);
+  std::vector<uint64_t> done(spec.k);
+  cp->pos.resize(cp->ranks.size());
+  const size_t found = ResolveRankSweep(base, n, spec, ranks.data(), cp->class_counts.data(), cp->pos.data(),
+                                        seen.data(), done.data());
+  if (found != cp->ranks.size()) {
     for (int c = 0; c < spec.k; ++c) {
-      if (idx[c] < counts[c]) {
+      if (done[c] < cp->class_counts[c]) {
         return DataLossError("position stream: class " + std::to_string(c) + " rank " +
-                             std::to_string(ranks[c][idx[c]]) + " beyond its " +
-                             std::to_string(count[c]) + " elements");
+                             std::to_string(ranks[c][done[c]]) + " beyond its " + std::to_string(seen[c]) +
+                             " elements");
       }
     }
   }
@@ -632,11 +654,21 @@ void SampleHistogram(const T* base, size_t n, ExponentField exponent, uint32_t* 
   ClassSpec spec;
   spec.shift = exponent.shift;
   spec.mask = exponent.mask;
+  // Four interleaved histograms: runs of equal exponents (the common case)
+  // would otherwise wait on each other's increments.
+  const size_t bins = size_t{exponent.mask} + 1;
+  std::vector<uint32_t> part(4 * bins, 0);
   const size_t blocks = n / kBlock;
   for (size_t b = 0; b < blocks; b += kSampleStride) {
     const T* x = base + b * kBlock;
-    for (int j = 0; j < kBlock; ++j) ++hist[spec.Exponent(x[j])];
+    for (int j = 0; j < kBlock; j += 4) {
+      ++part[spec.Exponent(x[j])];
+      ++part[bins + spec.Exponent(x[j + 1])];
+      ++part[2 * bins + spec.Exponent(x[j + 2])];
+      ++part[3 * bins + spec.Exponent(x[j + 3])];
+    }
   }
+  for (size_t e = 0; e < bins; ++e) hist[e] = part[e] + part[bins + e] + part[2 * bins + e] + part[3 * bins + e];
 }
 
 template <typename T>
@@ -719,6 +751,34 @@ EncodedChunk EncodeChunk(const T* base, size_t n, const SparseDelta<T>& d,
   std::vector<uint32_t> rank;
   if (NeedsRanks(n, d.pos.size(), spec)) RanksByClass(base, n, d.pos, spec, &rank);
   return EncodeChunkStaged(n, d, old.empty() ? nullptr : old.data(), spec, rank.data(), options.zstd_level);
+}
+
+template <typename T>
+EncodedChunk EncodeChunkPair(const T* base, const T* target, size_t n, const ChunkCodecOptions& options,
+                             const std::function<void(size_t, size_t)>& segment_done) {
+  ClassSpec spec;
+  spec.shift = options.exponent.shift;
+  spec.mask = options.exponent.mask;
+  if (options.condition && options.exponent.mask != 0) {
+    std::vector<uint32_t> hist(size_t{options.exponent.mask} + 1);
+    SampleHistogram(base, n, options.exponent, hist.data());
+    SparseDelta<T> evidence;
+    std::vector<T> old;
+    if (ClassesFromSampledChanges(n)) {
+      SampleChanges(base, target, n, &evidence, &old);
+    } else {
+      // A small chunk (in cache): every change, then the sweep below.
+      DiffChunk(base, target, n, &evidence);
+      old.resize(evidence.pos.size());
+      for (size_t i = 0; i < old.size(); ++i) old[i] = base[evidence.pos[i]];
+    }
+    spec = ChooseClasses(n, hist.data(), evidence, old.data(), options);
+  }
+  ChunkSweep<T> sweep;
+  SweepChunk(base, target, n, spec, &sweep, segment_done);
+  if (sweep.d.pos.empty()) return EncodedChunk{};
+  return EncodeChunkStaged(n, sweep.d, spec.k > 1 ? sweep.old.data() : nullptr, spec, sweep.rank.data(),
+                           options.zstd_level);
 }
 
 template <typename T>
@@ -826,6 +886,8 @@ Status DecodeKeyframeChunk(std::string_view stream, size_t n, T* out) {
                                              const ClassSpec&, const uint32_t*, int);               \
   template EncodedChunk EncodeChunk<T>(const T*, size_t, const SparseDelta<T>&,                     \
                                        const ChunkCodecOptions&);                                   \
+  template EncodedChunk EncodeChunkPair<T>(const T*, const T*, size_t, const ChunkCodecOptions&,     \
+                                           const std::function<void(size_t, size_t)>&);             \
   template Status DecodeChunkPositions<T>(ChunkMode, uint64_t, std::string_view, std::string_view,  \
                                           size_t, ExponentField, ChunkPositions*, SparseDelta<T>*); \
   template Status ResolveRanks<T>(const T*, size_t, ChunkPositions*);                               \

@@ -4,6 +4,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -65,8 +66,15 @@ size_t SampledElements(size_t n);
 template <typename T>
 void SampleHistogram(const T* base, size_t n, ExponentField exponent, uint32_t* hist);
 
+// Chunks of at least this many elements choose their classes from the
+// changes in the sampled blocks (enough of them for an estimate); smaller
+// ones from every change.
+inline constexpr size_t kSampledChoiceElements = size_t{1} << 17;
+inline bool ClassesFromSampledChanges(size_t n) { return n >= kSampledChoiceElements; }
+
 // The classes of a chunk from its sampled histogram (null: unconditioned) and
-// the base's values at the changed positions (`old`, parallel to d.pos).
+// the base's values at the changed positions (`old`, parallel to d.pos; of a
+// large chunk only those in sampled blocks count).
 template <typename T>
 ClassSpec ChooseClasses(size_t n, const uint32_t* sample_hist, const SparseDelta<T>& d, const T* old,
                         const ChunkCodecOptions& options);
@@ -89,6 +97,14 @@ EncodedChunk EncodeChunkStaged(size_t n, const SparseDelta<T>& d, const T* old, 
 template <typename T>
 EncodedChunk EncodeChunk(const T* base, size_t n, const SparseDelta<T>& d,
                          const ChunkCodecOptions& options);
+
+// All stages on the host from base and target in one sweep (sweep.h): the
+// classes from the sampled blocks, then diff and ranks together.
+// segment_done(begin, len) runs after each swept segment of the chunk, while
+// it is in cache (the caller digests it).
+template <typename T>
+EncodedChunk EncodeChunkPair(const T* base, const T* target, size_t n, const ChunkCodecOptions& options,
+                             const std::function<void(size_t, size_t)>& segment_done);
 
 // ---- Decoding, in stages.
 

@@ -250,43 +250,44 @@ Status ApplyDelta(const Container& c, const std::vector<const MutableTensorView*
                   const ApplyOptions& options) {
   const std::vector<Task> tasks = TasksOf(c.tensors);
   std::vector<Decoded> decoded(tasks.size());
+  std::vector<uint8_t> applied(tasks.size(), 0);
+  Digests digests(c.tensors);
   FirstError error;
   auto chunk_ptr = [&](size_t i) {
     return dst[tasks[i].tensor]->data + tasks[i].chunk * static_cast<size_t>(c.chunk_bytes);
   };
-  // Phase 1: decode every chunk; nothing is written.
+  // One pass, chunk by chunk while the chunk is in cache: decode (reading
+  // the base), add the deltas, digest the result. A chunk that fails to
+  // decode is left untouched.
   ForEachChunk(options.pool, c, tasks, [&](size_t i, const TensorEntry& t, size_t chunk, size_t n, auto zero) {
     using T = decltype(zero);
     const ChunkEntry& ch = t.chunks[chunk];
-    const T* base = reinterpret_cast<const T*>(chunk_ptr(i));
-    Status s = internal::DecodeChunk<T>(ch.mode, ch.changed, c.PosStream(ch), c.ValStream(ch), base, n,
-                                        ExponentFieldOf(t.dtype), &decoded[i].Get<T>());
-    error.Record(i, s.WithContext(ChunkWhere(t, chunk)));
+    T* x = reinterpret_cast<T*>(chunk_ptr(i));
+    SparseDelta<T>& d = decoded[i].Get<T>();
+    Status s = internal::DecodeChunk<T>(ch.mode, ch.changed, c.PosStream(ch), c.ValStream(ch), x, n,
+                                        ExponentFieldOf(t.dtype), &d);
+    if (!s.ok()) return error.Record(i, s.WithContext(ChunkWhere(t, chunk)));
+    internal::ScatterAdd<T>(x, d, /*undo=*/false);
+    applied[i] = 1;
+    digests.DigestChunk(tasks[i].tensor, chunk, reinterpret_cast<const uint8_t*>(x), n * sizeof(T), c.chunk_bytes);
   });
+  // Undoes every chunk applied so far: the destination is as it was.
+  auto undo = [&] {
+    ForEachChunk(options.pool, c, tasks, [&](size_t i, const TensorEntry&, size_t, size_t, auto zero) {
+      using T = decltype(zero);
+      if (applied[i]) internal::ScatterAdd<T>(reinterpret_cast<T*>(chunk_ptr(i)), decoded[i].Get<T>(), true);
+    });
+  };
   if (error.failed()) {
-    // A patch that decodes badly against an unmodified destination: say
-    // whether the destination is the wrong version or the patch is bad.
+    // A patch that decodes badly: say whether the destination is the wrong
+    // version or the patch is bad.
+    undo();
     if (!HoldsBase(c, dst, options.pool)) return WrongBase(c);
     return error.status();
   }
-
-  // Phase 2: scatter and digest; phase 3 (on mismatch): undo.
-  Digests digests(c.tensors);
-  auto scatter = [&](bool undo) {
-    ForEachChunk(options.pool, c, tasks, [&](size_t i, const TensorEntry&, size_t chunk, size_t n, auto zero) {
-      using T = decltype(zero);
-      T* x = reinterpret_cast<T*>(chunk_ptr(i));
-      internal::ScatterAdd<T>(x, decoded[i].Get<T>(), undo);
-      if (!undo) {
-        digests.DigestChunk(tasks[i].tensor, chunk, reinterpret_cast<const uint8_t*>(x), n * sizeof(T),
-                            c.chunk_bytes);
-      }
-    });
-  };
-  scatter(false);
   for (size_t t = 0; t < c.tensors.size(); ++t) {
     if (digests.Tensor(t) == c.tensors[t].target_checksum) continue;
-    scatter(true);
+    undo();
     if (!HoldsBase(c, dst, options.pool)) return WrongBase(c);
     return DataLossError("tensor '" + c.tensors[t].name +
                          "': result does not match the patch's checksum (the patch is corrupted); "
@@ -370,12 +371,15 @@ StatusOr<std::string> EncodePatch(std::span<const TensorView> base, std::span<co
     const size_t offset = ci * static_cast<size_t>(c.chunk_bytes);
     const T* b = reinterpret_cast<const T*>(base[ti].data + offset);
     const T* t = reinterpret_cast<const T*>(target[ti].data + offset);
-    SparseDelta<T> d;
-    internal::DiffChunk(b, t, n, &d);
     internal::ChunkCodecOptions co{options.zstd_level, options.condition_on_base, ExponentFieldOf(e.dtype)};
-    encoded[i] = internal::EncodeChunk(b, n, d, co);
-    base_digests.DigestChunk(ti, ci, reinterpret_cast<const uint8_t*>(b), n * sizeof(T), c.chunk_bytes);
-    target_digests.DigestChunk(ti, ci, reinterpret_cast<const uint8_t*>(t), n * sizeof(T), c.chunk_bytes);
+    internal::ChunkDigester base_digest(&base_digests, ti, ci, c.chunk_bytes);
+    internal::ChunkDigester target_digest(&target_digests, ti, ci, c.chunk_bytes);
+    encoded[i] = internal::EncodeChunkPair(b, t, n, co, [&](size_t begin, size_t len) {
+      base_digest.Update(reinterpret_cast<const uint8_t*>(b + begin), len * sizeof(T));
+      target_digest.Update(reinterpret_cast<const uint8_t*>(t + begin), len * sizeof(T));
+    });
+    base_digest.Finish();
+    target_digest.Finish();
   });
   std::vector<uint64_t> base_sums;
   for (size_t t = 0; t < c.tensors.size(); ++t) {

@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "block_hasher.h"
 #include "format.h"
 #include "wsync/codec/checksum.h"
 #include "wsync/codec/codec.h"
@@ -74,6 +75,39 @@ struct Digests {
     }
   }
   uint64_t Tensor(size_t t) const { return CombineBlockDigests(blocks[t]); }
+};
+
+// Digests the checksum blocks of one chunk from consecutive pieces of it
+// (a sweep's segments), into Digests.
+class ChunkDigester {
+ public:
+  ChunkDigester(Digests* digests, size_t tensor, size_t chunk, uint32_t chunk_bytes)
+      : blocks_(&digests->blocks[tensor]), next_(chunk * (chunk_bytes / kChecksumBlockBytes)) {}
+  void Update(const uint8_t* data, size_t len) {
+    while (len > 0) {
+      const size_t take = std::min(len, kChecksumBlockBytes - filled_);
+      hasher_.Update(data, take);
+      data += take;
+      len -= take;
+      filled_ += take;
+      if (filled_ == kChecksumBlockBytes) Flush();
+    }
+  }
+  // Digests the last (short) block. REQUIRES: every byte of the chunk fed.
+  void Finish() {
+    if (filled_ > 0) Flush();
+  }
+
+ private:
+  void Flush() {
+    (*blocks_)[next_++] = hasher_.Digest();
+    hasher_.Reset();
+    filled_ = 0;
+  }
+  std::vector<uint64_t>* blocks_;
+  size_t next_;
+  size_t filled_ = 0;
+  BlockHasher hasher_;
 };
 
 // Fills chunk entries from encoded chunks in task order and writes the file.

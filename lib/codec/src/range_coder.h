@@ -26,14 +26,14 @@ struct BitModel {
   uint16_t slow = 1u << (kProbBits - 1);
   // Probability that the next bit is 0, in units of 2^-16; in [71, 65465].
   uint32_t P0() const { return (uint32_t{fast} + slow) >> 1; }
-  void Update(int bit) {
-    if (bit) {
-      fast -= fast >> 4;
-      slow -= slow >> 7;
-    } else {
-      fast += (65536u - fast) >> 4;
-      slow += (65536u - slow) >> 7;
-    }
+  // Both outcomes are computed and one is selected, so that coding a bit
+  // costs no branch (coded bits are unpredictable by nature).
+  __attribute__((always_inline)) void Update(int bit) {
+    const uint32_t f = fast, s = slow;
+    const uint32_t f1 = f - (f >> 4), s1 = s - (s >> 7);
+    const uint32_t f0 = f + ((65536u - f) >> 4), s0 = s + ((65536u - s) >> 7);
+    fast = static_cast<uint16_t>(bit ? f1 : f0);
+    slow = static_cast<uint16_t>(bit ? s1 : s0);
   }
 };
 
@@ -49,14 +49,11 @@ class RangeEncoder {
  public:
   explicit RangeEncoder(std::string* out) : out_(out) {}
 
-  void Encode(BitModel& m, int bit) {
-    uint32_t bound = (range_ >> kProbBits) * m.P0();
-    if (bit == 0) {
-      range_ = bound;
-    } else {
-      low_ += bound;
-      range_ -= bound;
-    }
+  __attribute__((always_inline)) void Encode(BitModel& m, int bit) {
+    const uint32_t bound = (range_ >> kProbBits) * m.P0();
+    const uint32_t mask = 0u - static_cast<uint32_t>(bit != 0);
+    low_ += bound & mask;
+    range_ = bit ? range_ - bound : bound;
     m.Update(bit);
     Normalize();
   }
@@ -102,7 +99,7 @@ class RangeEncoder {
  private:
   static int Ctx(int i) { return i < EGModel::kPrefixContexts ? i : EGModel::kPrefixContexts - 1; }
 
-  void Normalize() {
+  __attribute__((always_inline)) void Normalize() {
     while (range_ < (1u << 24)) {
       range_ <<= 8;
       ShiftLow();
@@ -138,17 +135,12 @@ class RangeDecoder {
     for (int i = 0; i < 4; ++i) code_ = (code_ << 8) | NextByte();
   }
 
-  int Decode(BitModel& m) {
-    uint32_t bound = (range_ >> kProbBits) * m.P0();
-    int bit;
-    if (code_ < bound) {
-      range_ = bound;
-      bit = 0;
-    } else {
-      code_ -= bound;
-      range_ -= bound;
-      bit = 1;
-    }
+  __attribute__((always_inline)) int Decode(BitModel& m) {
+    const uint32_t bound = (range_ >> kProbBits) * m.P0();
+    const int bit = code_ >= bound;
+    const uint32_t mask = 0u - static_cast<uint32_t>(bit);
+    code_ -= bound & mask;
+    range_ = bit ? range_ - bound : bound;
     m.Update(bit);
     Normalize();
     return bit;
@@ -211,7 +203,7 @@ class RangeDecoder {
     return 0;
   }
 
-  void Normalize() {
+  __attribute__((always_inline)) void Normalize() {
     while (range_ < (1u << 24)) {
       range_ <<= 8;
       code_ = (code_ << 8) | NextByte();

@@ -115,6 +115,10 @@ ClassSpec PatchWriter::ChooseClasses(size_t i, const uint32_t* hist, const Chunk
     using T = decltype(zero);
     SparseDelta<T> d;
     d.pos.assign(change.pos, change.pos + change.count);
+    if (change.delta != nullptr) {
+      const T* delta = static_cast<const T*>(change.delta);
+      d.delta.assign(delta, delta + change.count);
+    }
     return internal::ChooseClasses<T>(ch.elements, hist, d, static_cast<const T*>(change.old), co);
   });
 }

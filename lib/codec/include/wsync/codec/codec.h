@@ -92,9 +92,11 @@ struct ApplyOptions {
 };
 
 // Applies a patch or a keyframe in place. Tensors are matched by name; each
-// must have the patch's dtype and shape. A patch is decoded completely, then
-// applied, then every tensor is verified against its checksum; on mismatch
-// the change is undone and DataLoss names the tensor. A keyframe is decoded
+// must have the patch's dtype and shape. A patch is decoded and applied
+// chunk by chunk, then every tensor is verified against its checksum; when a
+// chunk fails to decode or a checksum differs, every applied chunk is undone
+// (the destination is as before) and the error names the chunk or tensor.
+// The destination must not be read while this runs. A keyframe is decoded
 // and verified before the first byte of the destination is written. A
 // destination that does not hold the patch's base version is reported as
 // FailedPrecondition (a sink then needs a keyframe); a corrupt patch as

@@ -72,7 +72,9 @@ class PatchWriter {
   const std::vector<Chunk>& chunks() const;
 
   // The classes of chunk i. hist: the base's sampled histogram
-  // (HistogramBins entries), or null for no conditioning.
+  // (HistogramBins entries), or null for no conditioning. The change's
+  // positions, old values and deltas are the evidence (of a chunk of at
+  // least 2^17 elements, only those in the sampled blocks count).
   ClassSpec ChooseClasses(size_t i, const uint32_t* hist, const ChunkChange& change) const;
 
   // Whether SetChunk needs the ranks of the changes for this spec.
