@@ -443,33 +443,46 @@ Status DecodeSparseRanks(std::string_view coded, size_t n, uint64_t changed, Chu
   return Status::Ok();
 }
 
+// Elements of class c in a chunk (for error messages).
+template <typename T>
+size_t ClassSize(const T* base, size_t n, const ClassSpec& spec, int c) {
+  size_t count = 0;
+  for (size_t i = 0; i < n; ++i) count += spec.ClassOf(base[i]) == c;
+  return count;
+}
+
 }  // namespace
 
 template <typename T>
 Status ResolveRanks(const T* base, size_t n, ChunkPositions* cp) {
   if (!cp->ranked) return Status::Ok();
   const ClassSpec& spec = cp->spec;
+  // Each class's ranks followed by the sweep's end marker.
+  std::vector<uint32_t> marked(cp->ranks.size() + spec.k);
   std::vector<const uint32_t*> ranks(spec.k);
   {
-    const uint32_t* p = cp->ranks.data();
+    const uint32_t* from = cp->ranks.data();
+    uint32_t* to = marked.data();
     for (int c = 0; c < spec.k; ++c) {
-      ranks[c] = p;
-      p += cp->class_counts[c];
+      ranks[c] = to;
+      to = std::copy(from, from + cp->class_counts[c], to);
+      from += cp->class_counts[c];
+      *to++ = kNoRank;
     }
   }
-  std::vector<uint32_t> seen(spec.k);
   std::vector<uint64_t> done(spec.k);
-  cp->pos.resize(cp->ranks.size());
-  const size_t found = ResolveRankSweep(base, n, spec, ranks.data(), cp->class_counts.data(), cp->pos.data(),
-                                        seen.data(), done.data());
+  cp->pos.resize(cp->ranks.size() + 1);
+  const size_t found = ResolveRankSweep(base, n, spec, ranks.data(), cp->ranks.size(), cp->pos.data(), done.data());
+  cp->pos.resize(found);
   if (found != cp->ranks.size()) {
     for (int c = 0; c < spec.k; ++c) {
       if (done[c] < cp->class_counts[c]) {
         return DataLossError("position stream: class " + std::to_string(c) + " rank " +
-                             std::to_string(ranks[c][done[c]]) + " beyond its " + std::to_string(seen[c]) +
-                             " elements");
+                             std::to_string(ranks[c][done[c]]) + " beyond its " +
+                             std::to_string(ClassSize(base, n, spec, c)) + " elements");
       }
     }
+    return DataLossError("position stream: ranks beyond their classes");
   }
   cp->ranked = false;
   cp->ranks.clear();

@@ -47,7 +47,14 @@ struct EGModel {
 
 class RangeEncoder {
  public:
-  explicit RangeEncoder(std::string* out) : out_(out) {}
+  // Appends to *out. The string is grown ahead and trimmed by Finish(), so
+  // that the coding loop writes bytes through a pointer.
+  explicit RangeEncoder(std::string* out) : out_(out) {
+    const size_t used = out_->size();
+    out_->resize(used + 256);
+    cur_ = out_->data() + used;
+    end_ = out_->data() + out_->size();
+  }
 
   __attribute__((always_inline)) void Encode(BitModel& m, int bit) {
     const uint32_t bound = (range_ >> kProbBits) * m.P0();
@@ -94,6 +101,7 @@ class RangeEncoder {
 
   void Finish() {
     for (int i = 0; i < 5; ++i) ShiftLow();
+    out_->resize(static_cast<size_t>(cur_ - out_->data()));
   }
 
  private:
@@ -106,12 +114,14 @@ class RangeEncoder {
     }
   }
 
+  // LZMA's byte output: a byte is held back (cache_) while a carry may
+  // still reach it.
   void ShiftLow() {
     if (static_cast<uint32_t>(low_) < 0xFF000000u || (low_ >> 32) != 0) {
-      uint8_t carry = static_cast<uint8_t>(low_ >> 32);
+      const uint8_t carry = static_cast<uint8_t>(low_ >> 32);
       uint8_t temp = cache_;
       do {
-        if (!first_) out_->push_back(static_cast<char>(static_cast<uint8_t>(temp + carry)));
+        if (!first_) Put(static_cast<uint8_t>(temp + carry));
         first_ = false;
         temp = 0xFF;
       } while (--cache_size_ != 0);
@@ -121,7 +131,21 @@ class RangeEncoder {
     low_ = (low_ & 0x00FFFFFFu) << 8;
   }
 
+  void Put(uint8_t byte) {
+    if (cur_ == end_) Grow();
+    *cur_++ = static_cast<char>(byte);
+  }
+
+  __attribute__((noinline)) void Grow() {
+    const size_t used = static_cast<size_t>(cur_ - out_->data());
+    out_->resize(used * 2);
+    cur_ = out_->data() + used;
+    end_ = out_->data() + out_->size();
+  }
+
   std::string* out_;
+  char* cur_;
+  char* end_;
   uint64_t low_ = 0;
   uint32_t range_ = 0xFFFFFFFFu;
   uint8_t cache_ = 0;

@@ -53,12 +53,11 @@ void SweepChunkK(const T* base, const T* target, size_t n, const ClassSpec& spec
   };
   auto s = std::make_unique_for_overwrite<Scratch>();
 
-  // count[c]: elements of class c before the current block; member[c]: the
-  // block's members of class c. A change of class c at bit j has rank
-  // count[c] + popcount(member[c] below j).
-  uint32_t count[kMaxClasses] = {};
-  uint32_t member[kMaxClasses] = {};
-  uint32_t ge[kMaxClasses] = {};
+  // at[c]: the block's elements of class >= c (at[0] the valid ones, at[k]
+  // none); reach[c]: such elements before the block. A change of class c at
+  // bit j has rank reach[c] - reach[c+1] + popcount(at[c] & ~at[c+1] below j).
+  uint32_t reach[K + 1] = {};
+  uint32_t at[K + 1] = {};
   std::vector<uint8_t> class_of;  // exponent -> class
   if (ranked) {
     class_of.resize(size_t{spec.mask} + 1);
@@ -71,28 +70,23 @@ void SweepChunkK(const T* base, const T* target, size_t n, const ClassSpec& spec
     for (size_t b = seg; b < seg_end; b += kBlock) {
       // emit() reads base and target directly, within the block's mask.
       uint32_t ne;
-      uint32_t valid = ~0u;
       if (b + kBlock <= seg_end) {
         ne = NeMask(base + b, target + b);
-        if constexpr (ranked) ge_kernel.template Fixed<K>(base + b, ge);
+        at[0] = ~0u;
+        if constexpr (ranked) ge_kernel.template Fixed<K>(base + b, at + 1);
       } else {
         const size_t len = seg_end - b;
         T bx[kBlock] = {}, by[kBlock] = {};
         std::memcpy(bx, base + b, len * sizeof(T));
         std::memcpy(by, target + b, len * sizeof(T));
-        valid = (1u << len) - 1;
+        const uint32_t valid = (1u << len) - 1;
         ne = NeMask(bx, by) & valid;
-        if constexpr (ranked) ge_kernel.template Fixed<K>(bx, ge);
-      }
-      if constexpr (ranked) {
-        // Nested ge masks to class members: c has ge[c-1] & ~ge[c].
-        uint32_t upper = valid;
-        #pragma GCC unroll 8
-        for (int c = 0; c < k - 1; ++c) {
-          member[c] = upper & ~ge[c];
-          upper = ge[c] & valid;
+        at[0] = valid;
+        if constexpr (ranked) {
+          ge_kernel.template Fixed<K>(bx, at + 1);
+#pragma GCC unroll 8
+          for (int c = 1; c < k; ++c) at[c] &= valid;
         }
-        member[k - 1] = upper;
       }
 
       // Writes change j of the block at slot m; the caller decides whether
@@ -106,7 +100,7 @@ void SweepChunkK(const T* base, const T* target, size_t n, const ClassSpec& spec
         if constexpr (ranked) {
           const int c = class_of[spec.Exponent(old)];
           const uint32_t below = (uint32_t{1} << j) - 1u;
-          s->rank[m] = count[c] + static_cast<uint32_t>(std::popcount(member[c] & below));
+          s->rank[m] = reach[c] - reach[c + 1] + static_cast<uint32_t>(std::popcount(at[c] & ~at[c + 1] & below));
         }
       };
       // The first change without a branch (slot m is written even when the
@@ -121,8 +115,8 @@ void SweepChunkK(const T* base, const T* target, size_t n, const ClassSpec& spec
         ne &= ne - 1;
       }
       if constexpr (ranked) {
-        #pragma GCC unroll 8
-        for (int c = 0; c < k; ++c) count[c] += static_cast<uint32_t>(std::popcount(member[c]));
+#pragma GCC unroll 8
+        for (int c = 0; c < k; ++c) reach[c] += static_cast<uint32_t>(std::popcount(at[c]));
       }
     }
     out->d.pos.insert(out->d.pos.end(), s->pos, s->pos + m);
@@ -180,28 +174,44 @@ void SampleChanges(const T* base, const T* target, size_t n, SparseDelta<T>* d, 
 
 namespace wsync::codec::internal {
 
+// The end of a class's ranks in ResolveRankSweep's input.
+inline constexpr uint32_t kNoRank = 0xFFFFFFFFu;
+
 // ResolveRankSweep with the class count a constant.
 template <int K, typename T>
 size_t ResolveRankSweepK(const T* base, size_t n, const ClassSpec& spec, const uint32_t* const* ranks,
-                         const uint64_t* counts, uint32_t* pos, uint32_t* seen_out, uint64_t* done_out) {
+                         size_t total, uint32_t* pos, uint64_t* done_out) {
   const GeKernel<T> ge_kernel(spec);
-  // For class c: want[c] is the rank of its next change (UINT64_MAX when
-  // none is left), seen[c] its elements before the current block.
-  uint64_t want[K];
-  uint64_t done[K] = {};
-  uint32_t seen[K] = {};
-  int pending = 0;
-  #pragma GCC unroll 8
+  // Class K is a dummy that never has a change, so that the branch-free
+  // step below may pick it when the block has none.
+  static constexpr uint32_t kDummyRanks[2] = {kNoRank, kNoRank};
+  const uint32_t* rank[K + 1];
+  uint32_t next[K + 1];  // index of the class's next change in rank[c]
+  uint32_t left[K + 1];  // its index among the class's members from this block on
   for (int c = 0; c < K; ++c) {
-    want[c] = counts[c] > 0 ? ranks[c][0] : UINT64_MAX;
-    pending += counts[c] > 0;
+    rank[c] = ranks[c];
+    next[c] = 0;
+    left[c] = ranks[c][0];
   }
+  rank[K] = kDummyRanks;
+  next[K] = 0;
+  left[K] = kNoRank;
   uint32_t ge[K] = {};
-  uint32_t member[K];
-  uint32_t in_block[K];
+  uint32_t member[K + 1] = {};
+  uint32_t in_block[K + 1] = {};
+
+  // Takes class c's next change: its bit in the block, then the class's
+  // following change (kNoRank - r is huge: never in a block).
+  auto take = [&](int c, uint64_t* changed) {
+    *changed |= uint64_t{1} << SelectBitFast(member[c], left[c] & (kBlock - 1));
+    const uint32_t r = rank[c][next[c]];
+    ++next[c];
+    left[c] += rank[c][next[c]] - r;
+  };
+
   size_t found = 0;
   const size_t blocks = (n + kBlock - 1) / kBlock;
-  for (size_t b = 0; b < blocks && pending > 0; ++b) {
+  for (size_t b = 0; b < blocks && found < total; ++b) {
     const size_t first = b * kBlock;
     uint32_t valid = ~0u;
     if (first + kBlock <= n) {
@@ -214,63 +224,65 @@ size_t ResolveRankSweepK(const T* base, size_t n, const ClassSpec& spec, const u
       ge_kernel.template Fixed<K>(tmp, ge);
     }
     uint32_t upper = valid;
-    uint32_t hits = 0;  // classes with a change in this block
-    #pragma GCC unroll 8
+#pragma GCC unroll 8
     for (int c = 0; c < K - 1; ++c) {
       member[c] = upper & ~ge[c];
       upper = ge[c] & valid;
     }
     member[K - 1] = upper;
-    #pragma GCC unroll 8
+    uint32_t hits = 0;  // classes with a change in this block
+#pragma GCC unroll 8
     for (int c = 0; c < K; ++c) {
       in_block[c] = static_cast<uint32_t>(std::popcount(member[c]));
-      hits |= static_cast<uint32_t>(want[c] < uint64_t{seen[c]} + in_block[c]) << c;
+      hits |= static_cast<uint32_t>(left[c] < in_block[c]) << c;
     }
-    if (hits != 0) {
-      // Changes of one class come in rank order, so a class's positions in
-      // the block ascend; the union of all is taken as a bit mask.
-      uint32_t changed = 0;
+    // The first class with a change, without a branch (the dummy when
+    // none); then any others, and further changes of the same class.
+    uint64_t changed = 0;
+    const int c0 = std::countr_zero(hits | (uint32_t{1} << K));
+    take(c0, &changed);
+    next[K] = 0;  // the dummy stays at its sentinel
+    hits &= hits - 1;
+    hits |= static_cast<uint32_t>(left[c0] < in_block[c0]) << c0;
+    while (hits != 0) {
+      const int c = std::countr_zero(hits);
+      hits &= hits - 1;
       do {
-        const int c = std::countr_zero(hits);
-        hits &= hits - 1;
-        do {
-          changed |= uint32_t{1} << SelectBitFast(member[c], static_cast<uint32_t>(want[c] - seen[c]));
-          want[c] = ++done[c] < counts[c] ? ranks[c][done[c]] : UINT64_MAX;
-          pending -= done[c] == counts[c];
-        } while (want[c] < uint64_t{seen[c]} + in_block[c]);
-      } while (hits != 0);
-      do {
-        pos[found++] = static_cast<uint32_t>(first) + static_cast<uint32_t>(std::countr_zero(changed));
-        changed &= changed - 1;
-      } while (changed != 0);
+        take(c, &changed);
+      } while (left[c] < in_block[c]);
     }
-    #pragma GCC unroll 8
-    for (int c = 0; c < K; ++c) seen[c] += in_block[c];
+    // Changes of different classes interleave in position: the mask orders them.
+    uint32_t bits = static_cast<uint32_t>(changed);
+    pos[found] = static_cast<uint32_t>(first) + (static_cast<uint32_t>(std::countr_zero(bits)) & (kBlock - 1));
+    found += bits != 0;
+    bits &= bits - 1;
+    while (bits != 0) {
+      pos[found++] = static_cast<uint32_t>(first) + static_cast<uint32_t>(std::countr_zero(bits));
+      bits &= bits - 1;
+    }
+#pragma GCC unroll 8
+    for (int c = 0; c < K; ++c) left[c] -= in_block[c];
   }
-  #pragma GCC unroll 8
-  for (int c = 0; c < K; ++c) {
-    seen_out[c] = seen[c];
-    done_out[c] = done[c];
-  }
+  for (int c = 0; c < K; ++c) done_out[c] = next[c];
   return found;
 }
 
 // Turns per-class ranks into positions by sweeping the base's classes:
-// ranks[c] holds counts[c] ascending ranks of class c. Writes the positions,
-// ascending, to pos and returns how many were found; fewer than the ranks
-// when one lies beyond its class (then seen[c] is class c's size and done[c]
-// the index of its first rank not found).
+// ranks[c] holds class c's ascending ranks followed by kNoRank; total is the
+// number of ranks. Writes the positions, ascending, to pos (room for total
+// + 1) and returns how many were found: fewer when a rank lies beyond its
+// class, and then done[c] is the index of class c's first rank not found.
 template <typename T>
-size_t ResolveRankSweep(const T* base, size_t n, const ClassSpec& spec, const uint32_t* const* ranks,
-                        const uint64_t* counts, uint32_t* pos, uint32_t* seen, uint64_t* done) {
+size_t ResolveRankSweep(const T* base, size_t n, const ClassSpec& spec, const uint32_t* const* ranks, size_t total,
+                        uint32_t* pos, uint64_t* done) {
   switch (spec.k) {
-    case 2: return ResolveRankSweepK<2>(base, n, spec, ranks, counts, pos, seen, done);
-    case 3: return ResolveRankSweepK<3>(base, n, spec, ranks, counts, pos, seen, done);
-    case 4: return ResolveRankSweepK<4>(base, n, spec, ranks, counts, pos, seen, done);
-    case 5: return ResolveRankSweepK<5>(base, n, spec, ranks, counts, pos, seen, done);
-    case 6: return ResolveRankSweepK<6>(base, n, spec, ranks, counts, pos, seen, done);
-    case 7: return ResolveRankSweepK<7>(base, n, spec, ranks, counts, pos, seen, done);
-    default: return ResolveRankSweepK<8>(base, n, spec, ranks, counts, pos, seen, done);
+    case 2: return ResolveRankSweepK<2>(base, n, spec, ranks, total, pos, done);
+    case 3: return ResolveRankSweepK<3>(base, n, spec, ranks, total, pos, done);
+    case 4: return ResolveRankSweepK<4>(base, n, spec, ranks, total, pos, done);
+    case 5: return ResolveRankSweepK<5>(base, n, spec, ranks, total, pos, done);
+    case 6: return ResolveRankSweepK<6>(base, n, spec, ranks, total, pos, done);
+    case 7: return ResolveRankSweepK<7>(base, n, spec, ranks, total, pos, done);
+    default: return ResolveRankSweepK<8>(base, n, spec, ranks, total, pos, done);
   }
 }
 
