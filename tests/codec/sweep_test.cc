@@ -1,0 +1,187 @@
+// The host codec's fused sweeps against brute-force references: the encode
+// sweep (diff, old values, class ranks, segments), rank resolution (ranks
+// back to positions, ranks beyond their class), the class-mask kernels
+// (hostile thresholds included) and the streaming block digest.
+#include "sweep.h"
+
+#include <gtest/gtest.h>
+
+#include <random>
+#include <vector>
+
+#include "block_hasher.h"
+#include "wsync/codec/checksum.h"
+
+namespace wsync::codec::internal {
+namespace {
+
+// A spec over the exponent field of T's float of the same width (the
+// integer widths use a made-up field), with k classes and random ascending
+// thresholds; threshold 0 now and then.
+template <typename T>
+ClassSpec RandomSpec(int k, std::mt19937_64& rng) {
+  ClassSpec spec;
+  if constexpr (sizeof(T) == 2) {
+    spec.shift = 7;
+    spec.mask = 0xFF;
+  } else if constexpr (sizeof(T) == 4) {
+    spec.shift = 23;
+    spec.mask = 0xFF;
+  } else {
+    spec.shift = 3;
+    spec.mask = 0xF;
+  }
+  spec.k = k;
+  std::vector<int> thr;
+  while (static_cast<int>(thr.size()) < k - 1) {
+    const int t = rng() % 5 == 0 ? 0 : static_cast<int>(rng() % (spec.mask + 1));
+    if (std::find(thr.begin(), thr.end(), t) == thr.end()) thr.push_back(t);
+  }
+  std::sort(thr.begin(), thr.end());
+  for (int t = 0; t < k - 1; ++t) spec.thr[t] = static_cast<uint16_t>(thr[t]);
+  return spec;
+}
+
+// Values whose exponents crowd around the thresholds' range, and a target
+// that differs from them at the given density.
+template <typename T>
+void RandomPair(size_t n, double density, std::mt19937_64& rng, std::vector<T>* base, std::vector<T>* target) {
+  base->resize(n);
+  target->resize(n);
+  std::bernoulli_distribution change(density);
+  for (size_t i = 0; i < n; ++i) {
+    (*base)[i] = static_cast<T>(rng());
+    T t = (*base)[i];
+    if (change(rng)) t = static_cast<T>(t + 1 + rng() % 7);
+    (*target)[i] = t;
+  }
+}
+
+template <typename T>
+void CheckSweep(size_t n, double density, int k, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::vector<T> base, target;
+  RandomPair(n, density, rng, &base, &target);
+  const ClassSpec spec = RandomSpec<T>(k, rng);
+  ChunkSweep<T> got;
+  size_t next_segment = 0;
+  SweepChunk(base.data(), target.data(), n, spec, &got, [&](size_t begin, size_t len) {
+    ASSERT_EQ(begin, next_segment);
+    ASSERT_GT(len, 0u);
+    next_segment = begin + len;
+  });
+  EXPECT_EQ(next_segment, n);
+
+  std::vector<uint32_t> seen(k, 0);
+  size_t m = 0;
+  for (size_t i = 0; i < n; ++i) {
+    const int c = spec.ClassOf(base[i]);
+    if (base[i] != target[i]) {
+      ASSERT_LT(m, got.d.pos.size()) << "n " << n << " change at " << i << " missing";
+      ASSERT_EQ(got.d.pos[m], i);
+      ASSERT_EQ(got.d.delta[m], static_cast<T>(target[i] - base[i]));
+      if (k > 1) {
+        ASSERT_EQ(got.old[m], base[i]);
+        ASSERT_EQ(got.rank[m], seen[c]) << "n " << n << " k " << k << " position " << i;
+      }
+      ++m;
+    }
+    ++seen[c];
+  }
+  EXPECT_EQ(got.d.pos.size(), m);
+  EXPECT_EQ(got.d.delta.size(), m);
+  if (k == 1) {
+    EXPECT_TRUE(got.old.empty());
+    EXPECT_TRUE(got.rank.empty());
+  }
+
+  if (k > 1) {
+    // The ranks back to positions, class after class.
+    std::vector<std::vector<uint32_t>> by_class(k);
+    for (size_t i = 0; i < m; ++i) by_class[spec.ClassOf(got.old[i])].push_back(got.rank[i]);
+    std::vector<const uint32_t*> ranks(k);
+    for (int c = 0; c < k; ++c) {
+      by_class[c].push_back(kNoRank);
+      ranks[c] = by_class[c].data();
+    }
+    std::vector<uint32_t> pos(m + 1);
+    std::vector<uint64_t> done(k);
+    const size_t found = ResolveRankSweep(base.data(), n, spec, ranks.data(), m, pos.data(), done.data());
+    ASSERT_EQ(found, m);
+    pos.resize(m);
+    EXPECT_EQ(pos, got.d.pos);
+  }
+}
+
+TEST(Sweep, MatchesBruteForceOverSizesDensitiesAndClassCounts) {
+  uint64_t seed = 1;
+  for (size_t n : {size_t{0}, size_t{1}, size_t{31}, size_t{32}, size_t{33}, size_t{1000}, kSweepSegment - 1,
+                   kSweepSegment, kSweepSegment + 1, 2 * kSweepSegment + 77}) {
+    for (double density : {0.0, 1e-3, 0.02, 0.5, 1.0}) {
+      for (int k = 1; k <= kMaxClasses; ++k) {
+        SCOPED_TRACE("n " + std::to_string(n) + " density " + std::to_string(density) + " k " + std::to_string(k));
+        CheckSweep<uint16_t>(n, density, k, seed++);
+        CheckSweep<uint8_t>(n, density, std::min(k, 4), seed++);
+        CheckSweep<uint32_t>(n, density, k, seed++);
+      }
+    }
+  }
+}
+
+TEST(Sweep, RankBeyondItsClassIsReported) {
+  std::mt19937_64 rng(7);
+  std::vector<uint16_t> base, target;
+  RandomPair<uint16_t>(5000, 0.05, rng, &base, &target);
+  ClassSpec spec = RandomSpec<uint16_t>(3, rng);
+  spec.thr[0] = 100;
+  spec.thr[1] = 150;
+  size_t size[3] = {};
+  for (uint16_t x : base) ++size[spec.ClassOf(x)];
+  // Class 1: its first rank is fine, its second one past its last member.
+  std::vector<uint32_t> r0 = {kNoRank}, r1 = {0, static_cast<uint32_t>(size[1]), kNoRank}, r2 = {kNoRank};
+  const uint32_t* ranks[3] = {r0.data(), r1.data(), r2.data()};
+  std::vector<uint32_t> pos(3);
+  uint64_t done[3];
+  const size_t found = ResolveRankSweep(base.data(), base.size(), spec, ranks, 2, pos.data(), done);
+  EXPECT_EQ(found, 1u);
+  EXPECT_EQ(done[1], 1u);
+}
+
+TEST(Sweep, ClassMaskKernelMatchesPortableLogic) {
+  std::mt19937_64 rng(3);
+  for (int trial = 0; trial < 2000; ++trial) {
+    const ClassSpec spec = RandomSpec<uint16_t>(2 + trial % (kMaxClasses - 1), rng);
+    uint16_t x[kBlock];
+    for (auto& v : x) v = static_cast<uint16_t>(rng());
+    if (trial % 3 == 0) {
+      for (auto& v : x) v = static_cast<uint16_t>((v & 0x807F) | ((spec.thr[trial % (spec.k - 1)] + rng() % 3 - 1) & 0xFF) << 7);
+    }
+    uint32_t want[kMaxClasses - 1], got[kMaxClasses - 1];
+    BlockGeMasks(spec, x, kBlock, want);
+    const GeKernel<uint16_t> kernel(spec);
+    kernel(x, got);
+    for (int t = 0; t < spec.k - 1; ++t) ASSERT_EQ(got[t], want[t]) << "trial " << trial << " threshold " << spec.thr[t];
+  }
+}
+
+TEST(BlockHasher, PiecesDigestLikeTheWholeBlock) {
+  std::mt19937_64 rng(5);
+  std::vector<uint8_t> data(3 * 1000 * 1000);
+  for (auto& b : data) b = static_cast<uint8_t>(rng());
+  for (size_t len : {size_t{0}, size_t{1}, size_t{240}, size_t{1024}, size_t{1} << 20, data.size()}) {
+    BlockHasher h;
+    size_t at = 0;
+    while (at < len) {
+      const size_t take = std::min<size_t>(len - at, 1 + rng() % 70000);
+      h.Update(data.data() + at, take);
+      at += take;
+    }
+    EXPECT_EQ(h.Digest(), BlockDigest(data.data(), len)) << len;
+    h.Reset();
+    h.Update(data.data(), len);
+    EXPECT_EQ(h.Digest(), BlockDigest(data.data(), len)) << len;
+  }
+}
+
+}  // namespace
+}  // namespace wsync::codec::internal
