@@ -8,6 +8,7 @@
 
 #include "test_tensors.h"
 #include "wsync/codec/codec.h"
+#include "wsync/util/thread_pool.h"
 
 namespace wsync::codec {
 namespace {
@@ -113,6 +114,37 @@ TEST(Corruption, ErrorsNameWhatIsWrong) {
   std::string padded = f.patch + "x";
   s = ApplyPatch(padded, views, {});
   EXPECT_NE(s.message().find("truncated or padded"), std::string::npos) << s.message();
+}
+
+// Apply goes chunk by chunk in parallel and undoes what it applied when any
+// chunk fails: with many chunks and threads, a corrupt patch still leaves
+// the destination exactly as it was.
+TEST(Corruption, ManyChunksOnThreadsAreAllOrNothing) {
+  std::mt19937_64 rng(17);
+  std::vector<OwnedTensor> base = {testing::RandomTensor("big", DType::kBF16, {size_t{3} << 19}, rng),
+                                   testing::RandomTensor("small", DType::kBF16, {5000}, rng)};
+  std::vector<OwnedTensor> target = {testing::Perturb(base[0], 0.02, rng), testing::Perturb(base[1], 0.05, rng)};
+  ThreadPool pool(4);
+  EncodeOptions eo;
+  eo.pool = &pool;
+  const std::string patch = *EncodePatch(buffers::Views(base), buffers::Views(target), eo);
+  ApplyOptions options;
+  options.pool = &pool;
+  options.verify_patch_checksum = false;
+  for (int trial = 0; trial < 300; ++trial) {
+    std::string bad = patch;
+    const size_t at = rng() % bad.size();
+    bad[at] = static_cast<char>(bad[at] ^ (1 + rng() % 255));
+    std::vector<OwnedTensor> dst = base;
+    auto views = buffers::MutableViews(dst);
+    Status s = ApplyPatch(bad, views, options);
+    if (s.ok()) {
+      ASSERT_TRUE(testing::SameBits(dst, target)) << "byte " << at << ": accepted with wrong bits";
+    } else {
+      ASSERT_TRUE(testing::SameBits(dst, base)) << "byte " << at << ": rejected (" << s.ToString()
+                                                << ") but destination modified";
+    }
+  }
 }
 
 TEST(Corruption, MergeOfCorruptInputNeverCrashes) {

@@ -48,7 +48,8 @@ struct EGModel {
 class RangeEncoder {
  public:
   // Appends to *out. The string is grown ahead and trimmed by Finish(), so
-  // that the coding loop writes bytes through a pointer.
+  // that the coding loop writes bytes through a pointer: until Finish(),
+  // which every use must call, *out ends in scratch bytes.
   explicit RangeEncoder(std::string* out) : out_(out) {
     const size_t used = out_->size();
     out_->resize(used + 256);
