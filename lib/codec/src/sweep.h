@@ -182,31 +182,53 @@ template <int K, typename T>
 size_t ResolveRankSweepK(const T* base, size_t n, const ClassSpec& spec, const uint32_t* const* ranks,
                          size_t total, uint32_t* pos, uint64_t* done_out) {
   const GeKernel<T> ge_kernel(spec);
-  // Class K is a dummy that never has a change, so that the branch-free
-  // step below may pick it when the block has none.
-  static constexpr uint32_t kDummyRanks[2] = {kNoRank, kNoRank};
-  const uint32_t* rank[K + 1];
-  uint32_t next[K + 1];  // index of the class's next change in rank[c]
-  uint32_t left[K + 1];  // its index among the class's members from this block on
+  // Per class c: rank[c] its ranks, next[c] the index of its next change
+  // there, left[c] that change's index among the class's members from the
+  // current block on. A class whose ranks are exhausted has left[c] huge
+  // (kNoRank - r: never inside a block). With AVX2 the left[] of all classes
+  // live in one vector, so the per-block test and update are one operation
+  // each; the portable form keeps an array.
+  const uint32_t* rank[K];
+  uint32_t next[K];
+  uint32_t ge[K] = {};
+  uint32_t member[K] = {};
+  uint32_t in_block[8] = {};  // [K, 8): 0
+#if defined(__AVX2__)
+  static_assert(K <= 8);
+  alignas(32) uint32_t init[8];
+  for (int c = 0; c < 8; ++c) init[c] = c < K ? ranks[c][0] : kNoRank;
+  __m256i left = _mm256_load_si256(reinterpret_cast<const __m256i*>(init));
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  auto left_of = [&](int c) {
+    return static_cast<uint32_t>(_mm256_cvtsi256_si32(_mm256_permutevar8x32_epi32(left, _mm256_set1_epi32(c))));
+  };
+  auto add_left = [&](int c, uint32_t delta) {
+    const __m256i at = _mm256_cmpeq_epi32(lane, _mm256_set1_epi32(c));
+    left = _mm256_add_epi32(left, _mm256_and_si256(at, _mm256_set1_epi32(static_cast<int>(delta))));
+  };
+#else
+  uint32_t left_array[K];
+  for (int c = 0; c < K; ++c) left_array[c] = ranks[c][0];
+  auto left_of = [&](int c) { return left_array[c]; };
+  auto add_left = [&](int c, uint32_t delta) { left_array[c] += delta; };
+#endif
   for (int c = 0; c < K; ++c) {
     rank[c] = ranks[c];
     next[c] = 0;
-    left[c] = ranks[c][0];
   }
-  rank[K] = kDummyRanks;
-  next[K] = 0;
-  left[K] = kNoRank;
-  uint32_t ge[K] = {};
-  uint32_t member[K + 1] = {};
-  uint32_t in_block[K + 1] = {};
 
-  // Takes class c's next change: its bit in the block, then the class's
-  // following change (kNoRank - r is huge: never in a block).
-  auto take = [&](int c, uint64_t* changed) {
-    *changed |= uint64_t{1} << SelectBitFast(member[c], left[c] & (kBlock - 1));
+  // Takes class c's next change when `take` (else changes nothing): its bit
+  // in the block, then the class's following change. Returns the class's
+  // new left.
+  auto step = [&](int c, uint32_t take, uint64_t* changed) {
+    const uint32_t l = left_of(c);
+    const uint32_t mask = 0u - take;
+    *changed |= (uint64_t{1} << SelectBitFast(member[c], l & (kBlock - 1))) & (uint64_t{0} - take);
     const uint32_t r = rank[c][next[c]];
-    ++next[c];
-    left[c] += rank[c][next[c]] - r;
+    const uint32_t delta = (rank[c][next[c] + take] - r) & mask;
+    next[c] += take;
+    add_left(c, delta);
+    return l + delta;
   };
 
   size_t found = 0;
@@ -230,26 +252,34 @@ size_t ResolveRankSweepK(const T* base, size_t n, const ClassSpec& spec, const u
       upper = ge[c] & valid;
     }
     member[K - 1] = upper;
-    uint32_t hits = 0;  // classes with a change in this block
 #pragma GCC unroll 8
-    for (int c = 0; c < K; ++c) {
-      in_block[c] = static_cast<uint32_t>(std::popcount(member[c]));
-      hits |= static_cast<uint32_t>(left[c] < in_block[c]) << c;
-    }
-    // The first class with a change, without a branch (the dummy when
-    // none); then any others, and further changes of the same class.
+    for (int c = 0; c < K; ++c) in_block[c] = static_cast<uint32_t>(std::popcount(member[c]));
+    // hits: the classes with a change in this block (left < in_block).
+#if defined(__AVX2__)
+    const auto* in_lanes = reinterpret_cast<const int*>(in_block);  // lanes from K on stay 0
+    const __m256i in = _mm256_setr_epi32(in_lanes[0], in_lanes[1], in_lanes[2], in_lanes[3], in_lanes[4],
+                                         in_lanes[5], in_lanes[6], in_lanes[7]);
+    const __m256i at_least = _mm256_cmpeq_epi32(_mm256_max_epu32(left, in), left);  // left >= in
+    uint32_t hits = ~static_cast<uint32_t>(_mm256_movemask_ps(_mm256_castsi256_ps(at_least))) & ((1u << K) - 1);
+#else
+    uint32_t hits = 0;
+#pragma GCC unroll 8
+    for (int c = 0; c < K; ++c) hits |= static_cast<uint32_t>(left_array[c] < in_block[c]) << c;
+#endif
+    // The first class with a change without a branch (a step that takes
+    // nothing when there is none); then any others, and further changes of
+    // the same class.
     uint64_t changed = 0;
-    const int c0 = std::countr_zero(hits | (uint32_t{1} << K));
-    take(c0, &changed);
-    next[K] = 0;  // the dummy stays at its sentinel
+    const uint32_t any = hits != 0;
+    const int c0 = std::countr_zero(hits | (uint32_t{1} << (K - 1)));
+    const uint32_t l0 = step(c0, any, &changed);
     hits &= hits - 1;
-    hits |= static_cast<uint32_t>(left[c0] < in_block[c0]) << c0;
+    hits |= static_cast<uint32_t>(any & (l0 < in_block[c0])) << c0;
     while (hits != 0) {
       const int c = std::countr_zero(hits);
       hits &= hits - 1;
-      do {
-        take(c, &changed);
-      } while (left[c] < in_block[c]);
+      while (step(c, 1, &changed) < in_block[c]) {
+      }
     }
     // Changes of different classes interleave in position: the mask orders them.
     uint32_t bits = static_cast<uint32_t>(changed);
@@ -260,8 +290,12 @@ size_t ResolveRankSweepK(const T* base, size_t n, const ClassSpec& spec, const u
       pos[found++] = static_cast<uint32_t>(first) + static_cast<uint32_t>(std::countr_zero(bits));
       bits &= bits - 1;
     }
+#if defined(__AVX2__)
+    left = _mm256_sub_epi32(left, in);
+#else
 #pragma GCC unroll 8
-    for (int c = 0; c < K; ++c) left[c] -= in_block[c];
+    for (int c = 0; c < K; ++c) left_array[c] -= in_block[c];
+#endif
   }
   for (int c = 0; c < K; ++c) done_out[c] = next[c];
   return found;
