@@ -1,13 +1,18 @@
-// The host encoder's fused sweep of a chunk (private): the diff, the base's
-// exponent classes and the class rank of every change in one pass over base
-// and target, segment by segment, so that the caller can digest each segment
-// while it is still in cache. The result is what the staged chunk encoder
-// takes (chunk_codec.h): positions, deltas, old values and ranks, the same
-// numbers DiffChunk + RanksByClass compute in separate passes.
+// The host codec's block sweeps (private).
 //
-// Changes are taken out of a block's mask without data-dependent branches
-// for the first two (the common case at RL change rates, 0.1-10%), so the
-// sweep does not pay a misprediction per block.
+// Encoding: the diff, the base's exponent classes and the class rank of
+// every change in one pass over base and target, segment by segment, so
+// that the caller can digest each segment while it is still in cache. The
+// result is what the staged chunk encoder takes (chunk_codec.h): positions,
+// deltas, old values and ranks, the same numbers DiffChunk + RanksByClass
+// compute in separate passes.
+//
+// Decoding: per-class ranks back to positions (ResolveRankSweep), one pass
+// over the base.
+//
+// Both take the first change (or rank hit) of a block without a
+// data-dependent branch: at RL change rates (0.1-10%) about half the blocks
+// have none, and a branch on it would mispredict every other block.
 #pragma once
 
 #include <algorithm>
@@ -43,8 +48,8 @@ void SweepChunkK(const T* base, const T* target, size_t n, const ClassSpec& spec
   constexpr bool ranked = K > 1;
   const GeKernel<T> ge_kernel(spec);
 
-  // Per-segment output, appended to *out at the segment's end; two spare
-  // slots for the unconditional writes of the branch-free extraction.
+  // Per-segment output, appended to *out at the segment's end; spare slots
+  // for the unconditional write of the branch-free extraction.
   struct Scratch {
     uint32_t pos[kSweepSegment + 2];
     T delta[kSweepSegment + 2];
@@ -169,10 +174,6 @@ void SampleChanges(const T* base, const T* target, size_t n, SparseDelta<T>* d, 
     }
   }
 }
-
-}  // namespace wsync::codec::internal
-
-namespace wsync::codec::internal {
 
 // The end of a class's ranks in ResolveRankSweep's input.
 inline constexpr uint32_t kNoRank = 0xFFFFFFFFu;
