@@ -12,6 +12,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #if defined(__AVX2__) || defined(__BMI2__)
 #include <immintrin.h>
@@ -28,6 +29,14 @@ using codec::ClassSpec;
 using codec::kBlock;
 using codec::kMaxClasses;
 using codec::SelectBit;
+
+// The class of every exponent of a spec (mask + 1 entries): a lookup per
+// element instead of a comparison per threshold.
+inline std::vector<uint8_t> ClassTable(const ClassSpec& spec) {
+  std::vector<uint8_t> table(size_t{spec.mask} + 1);
+  for (size_t e = 0; e < table.size(); ++e) table[e] = static_cast<uint8_t>(spec.ClassOf(e << spec.shift));
+  return table;
+}
 
 // SelectBit with BMI2's bit deposit where the host has it.
 inline int SelectBitFast(uint32_t m, uint32_t r) {

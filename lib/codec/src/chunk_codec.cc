@@ -264,8 +264,7 @@ template <typename T>
 std::vector<uint8_t> ClassesOf(const T* old, size_t m, const ClassSpec& spec) {
   std::vector<uint8_t> cls(m, 0);
   if (spec.k > 1) {
-    std::vector<uint8_t> class_of(size_t{spec.mask} + 1);  // exponent -> class
-    for (size_t e = 0; e < class_of.size(); ++e) class_of[e] = static_cast<uint8_t>(spec.ClassOf(e << spec.shift));
+    const std::vector<uint8_t> class_of = ClassTable(spec);
     for (size_t i = 0; i < m; ++i) cls[i] = class_of[spec.Exponent(old[i])];
   }
   return cls;

@@ -67,13 +67,7 @@ struct Digests {
     for (const auto& t : tensors) blocks.emplace_back(ChecksumBlockCount(t.nbytes));
   }
   // Digests the blocks of chunk c (chunk_bytes from `chunk_data`).
-  void DigestChunk(size_t tensor, size_t c, const uint8_t* chunk_data, size_t chunk_len,
-                   uint32_t chunk_bytes) {
-    const size_t first = c * (chunk_bytes / kChecksumBlockBytes);
-    for (size_t off = 0, b = first; off < chunk_len; off += kChecksumBlockBytes, ++b) {
-      blocks[tensor][b] = BlockDigest(chunk_data + off, std::min(kChecksumBlockBytes, chunk_len - off));
-    }
-  }
+  void DigestChunk(size_t tensor, size_t c, const uint8_t* chunk_data, size_t chunk_len, uint32_t chunk_bytes);
   uint64_t Tensor(size_t t) const { return CombineBlockDigests(blocks[t]); }
 };
 
@@ -109,6 +103,13 @@ class ChunkDigester {
   size_t filled_ = 0;
   BlockHasher hasher_;
 };
+
+inline void Digests::DigestChunk(size_t tensor, size_t c, const uint8_t* chunk_data, size_t chunk_len,
+                                 uint32_t chunk_bytes) {
+  ChunkDigester digester(this, tensor, c, chunk_bytes);
+  digester.Update(chunk_data, chunk_len);
+  digester.Finish();
+}
 
 // Fills chunk entries from encoded chunks in task order and writes the file.
 std::string Finish(Container& c, const std::vector<Task>& tasks, std::vector<EncodedChunk>& encoded);

@@ -63,11 +63,7 @@ void SweepChunkK(const T* base, const T* target, size_t n, const ClassSpec& spec
   // bit j has rank reach[c] - reach[c+1] + popcount(at[c] & ~at[c+1] below j).
   uint32_t reach[K + 1] = {};
   uint32_t at[K + 1] = {};
-  std::vector<uint8_t> class_of;  // exponent -> class
-  if (ranked) {
-    class_of.resize(size_t{spec.mask} + 1);
-    for (size_t e = 0; e < class_of.size(); ++e) class_of[e] = static_cast<uint8_t>(spec.ClassOf(e << spec.shift));
-  }
+  const std::vector<uint8_t> class_of = ranked ? ClassTable(spec) : std::vector<uint8_t>();
 
   for (size_t seg = 0; seg < n; seg += kSweepSegment) {
     const size_t seg_end = std::min(n, seg + kSweepSegment);
