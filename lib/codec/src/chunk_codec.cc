@@ -746,20 +746,35 @@ EncodedChunk EncodeChunkStaged(size_t n, const SparseDelta<T>& d, const T* old, 
   return best;
 }
 
+namespace {
+
+// The base's values at the given positions.
+template <typename T>
+std::vector<T> GatherAt(const T* base, const std::vector<uint32_t>& pos) {
+  std::vector<T> out(pos.size());
+  for (size_t i = 0; i < pos.size(); ++i) out[i] = base[pos[i]];
+  return out;
+}
+
+// ChooseClasses on the base's sampled histogram.
+template <typename T>
+ClassSpec ChooseClassesOnBase(const T* base, size_t n, const SparseDelta<T>& evidence, const T* old,
+                              const ChunkCodecOptions& options) {
+  std::vector<uint32_t> hist(size_t{options.exponent.mask} + 1);
+  SampleHistogram(base, n, options.exponent, hist.data());
+  return ChooseClasses(n, hist.data(), evidence, old, options);
+}
+
+}  // namespace
+
 template <typename T>
 EncodedChunk EncodeChunk(const T* base, size_t n, const SparseDelta<T>& d,
                          const ChunkCodecOptions& options) {
   if (d.pos.empty()) return EncodedChunk{};
-  std::vector<T> old;
-  std::vector<uint32_t> hist;
-  if (base != nullptr && options.condition && options.exponent.mask != 0) {
-    old.resize(d.pos.size());
-    for (size_t i = 0; i < d.pos.size(); ++i) old[i] = base[d.pos[i]];
-    hist.resize(size_t{options.exponent.mask} + 1);
-    SampleHistogram(base, n, options.exponent, hist.data());
-  }
-  const ClassSpec spec = ChooseClasses(n, hist.empty() ? nullptr : hist.data(), d,
-                                       old.empty() ? nullptr : old.data(), options);
+  const bool conditioned = base != nullptr && options.condition && options.exponent.mask != 0;
+  const std::vector<T> old = conditioned ? GatherAt(base, d.pos) : std::vector<T>();
+  const ClassSpec spec = conditioned ? ChooseClassesOnBase(base, n, d, old.data(), options)
+                                     : ChooseClasses<T>(n, nullptr, d, nullptr, options);
   std::vector<uint32_t> rank;
   if (NeedsRanks(n, d.pos.size(), spec)) RanksByClass(base, n, d.pos, spec, &rank);
   return EncodeChunkStaged(n, d, old.empty() ? nullptr : old.data(), spec, rank.data(), options.zstd_level);
@@ -768,12 +783,8 @@ EncodedChunk EncodeChunk(const T* base, size_t n, const SparseDelta<T>& d,
 template <typename T>
 EncodedChunk EncodeChunkPair(const T* base, const T* target, size_t n, const ChunkCodecOptions& options,
                              const std::function<void(size_t, size_t)>& segment_done) {
-  ClassSpec spec;
-  spec.shift = options.exponent.shift;
-  spec.mask = options.exponent.mask;
+  ClassSpec spec = ChooseClasses<T>(n, nullptr, SparseDelta<T>{}, nullptr, options);  // unconditioned
   if (options.condition && options.exponent.mask != 0) {
-    std::vector<uint32_t> hist(size_t{options.exponent.mask} + 1);
-    SampleHistogram(base, n, options.exponent, hist.data());
     SparseDelta<T> evidence;
     std::vector<T> old;
     if (ClassesFromSampledChanges(n)) {
@@ -781,10 +792,9 @@ EncodedChunk EncodeChunkPair(const T* base, const T* target, size_t n, const Chu
     } else {
       // A small chunk (in cache): every change, then the sweep below.
       DiffChunk(base, target, n, &evidence);
-      old.resize(evidence.pos.size());
-      for (size_t i = 0; i < old.size(); ++i) old[i] = base[evidence.pos[i]];
+      old = GatherAt(base, evidence.pos);
     }
-    spec = ChooseClasses(n, hist.data(), evidence, old.data(), options);
+    spec = ChooseClassesOnBase(base, n, evidence, old.data(), options);
   }
   ChunkSweep<T> sweep;
   SweepChunk(base, target, n, spec, &sweep, segment_done);
@@ -850,8 +860,7 @@ Status DecodeChunk(ChunkMode mode, uint64_t changed, std::string_view pos, std::
       return FailedPreconditionError("chunk is coded relative to the base's exponents; the base is needed");
     }
     WSYNC_RETURN_IF_ERROR(ResolveRanks(base, n, &cp));
-    old.resize(cp.pos.size());
-    for (size_t i = 0; i < cp.pos.size(); ++i) old[i] = base[cp.pos[i]];
+    old = GatherAt(base, cp.pos);
   }
   return DecodeChunkValues(val, cp, old.empty() ? nullptr : old.data(), out);
 }
