@@ -104,7 +104,7 @@ void CheckSweep(size_t n, double density, int k, uint64_t seed) {
       by_class[c].push_back(kNoRank);
       ranks[c] = by_class[c].data();
     }
-    std::vector<uint32_t> pos(m + 1);
+    std::vector<uint32_t> pos(m + 2);
     std::vector<uint64_t> done(k);
     const size_t found = ResolveRankSweep(base.data(), n, spec, ranks.data(), m, pos.data(), done.data());
     ASSERT_EQ(found, m);
@@ -140,7 +140,7 @@ TEST(Sweep, RankBeyondItsClassIsReported) {
   // Class 1: its first rank is fine, its second one past its last member.
   std::vector<uint32_t> r0 = {kNoRank}, r1 = {0, static_cast<uint32_t>(size[1]), kNoRank}, r2 = {kNoRank};
   const uint32_t* ranks[3] = {r0.data(), r1.data(), r2.data()};
-  std::vector<uint32_t> pos(3);
+  std::vector<uint32_t> pos(4);
   uint64_t done[3];
   const size_t found = ResolveRankSweep(base.data(), base.size(), spec, ranks, 2, pos.data(), done);
   EXPECT_EQ(found, 1u);

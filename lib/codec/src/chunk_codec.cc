@@ -470,7 +470,7 @@ Status ResolveRanks(const T* base, size_t n, ChunkPositions* cp) {
     }
   }
   std::vector<uint64_t> done(spec.k);
-  cp->pos.resize(cp->ranks.size() + 1);
+  cp->pos.resize(cp->ranks.size() + 2);
   const size_t found = ResolveRankSweep(base, n, spec, ranks.data(), cp->ranks.size(), cp->pos.data(), done.data());
   cp->pos.resize(found);
   if (found != cp->ranks.size()) {

@@ -10,9 +10,10 @@
 // Decoding: per-class ranks back to positions (ResolveRankSweep), one pass
 // over the base.
 //
-// Both take the first change (or rank hit) of a block without a
-// data-dependent branch: at RL change rates (0.1-10%) about half the blocks
-// have none, and a branch on it would mispredict every other block.
+// Both take the first change of a block (or of a class in a word) without a
+// data-dependent branch where changes are common: at RL change rates
+// (0.1-10%) about half the blocks have none, and a branch on it would
+// mispredict every other block.
 #pragma once
 
 #include <algorithm>
@@ -21,6 +22,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <type_traits>
 #include <vector>
 
 #include "block_ops.h"
@@ -174,134 +176,134 @@ void SampleChanges(const T* base, const T* target, size_t n, SparseDelta<T>* d, 
 // The end of a class's ranks in ResolveRankSweep's input.
 inline constexpr uint32_t kNoRank = 0xFFFFFFFFu;
 
-// ResolveRankSweep with the class count a constant.
+// 64-element words per ResolveRankSweep segment: the segment's class masks
+// (8 KiB at 8 classes) stay in L1 between the phases.
+inline constexpr size_t kResolveWords = 128;
+
+// The low popcount(m) bits of v, deposited at the set bits of m (in order).
+inline uint64_t DepositBits(uint64_t v, uint64_t m) {
+#if defined(__BMI2__)
+  return _pdep_u64(v, m);
+#else
+  uint64_t out = 0;
+  for (; m != 0; m &= m - 1, v >>= 1) out |= (v & 1) ? (m & (0 - m)) : 0;
+  return out;
+#endif
+}
+
+// ResolveRankSweep with the class count a constant. Each class's ranks are
+// first set as bits of a bitmap over the class's members (bit r: its r-th
+// member changed). Then, segment by segment: every class's member mask of
+// every 64-element word (no dependency between words); then class by class,
+// each word's mask takes the class's next popcount(mask) bitmap bits by a
+// bit deposit -- the word's changes of that class, without a branch however
+// many there are; last, the segment's change bitmap in position order.
 template <int K, typename T>
 size_t ResolveRankSweepK(const T* base, size_t n, const ClassSpec& spec, const uint32_t* const* ranks,
                          size_t total, uint32_t* pos, uint64_t* done_out) {
   const GeKernel<T> ge_kernel(spec);
-  // Per class c: rank[c] its ranks, next[c] the index of its next change
-  // there, left[c] that change's index among the class's members from the
-  // current block on. A class whose ranks are exhausted has left[c] huge
-  // (kNoRank - r: never inside a block). With AVX2 the left[] of all classes
-  // live in one vector, so the per-block test and update are one operation
-  // each; the portable form keeps an array.
-  const uint32_t* rank[K];
-  uint32_t next[K];
-  uint32_t ge[K] = {};
-  uint32_t member[K] = {};
-  uint32_t in_block[8] = {};  // [K, 8): 0
-#if defined(__AVX2__)
-  static_assert(K <= 8);
-  alignas(32) uint32_t init[8];
-  for (int c = 0; c < 8; ++c) init[c] = c < K ? ranks[c][0] : kNoRank;
-  __m256i left = _mm256_load_si256(reinterpret_cast<const __m256i*>(init));
-  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  auto left_of = [&](int c) {
-    return static_cast<uint32_t>(_mm256_cvtsi256_si32(_mm256_permutevar8x32_epi32(left, _mm256_set1_epi32(c))));
-  };
-  auto add_left = [&](int c, uint32_t delta) {
-    const __m256i at = _mm256_cmpeq_epi32(lane, _mm256_set1_epi32(c));
-    left = _mm256_add_epi32(left, _mm256_and_si256(at, _mm256_set1_epi32(static_cast<int>(delta))));
-  };
-#else
-  uint32_t left_array[K];
-  for (int c = 0; c < K; ++c) left_array[c] = ranks[c][0];
-  auto left_of = [&](int c) { return left_array[c]; };
-  auto add_left = [&](int c, uint32_t delta) { left_array[c] += delta; };
-#endif
+  // Class c's bitmap is words [offset[c], offset[c + 1]): its ranks' bits
+  // and a zero word past them (the extraction reads two words).
+  size_t count[K], offset[K + 1] = {};
   for (int c = 0; c < K; ++c) {
-    rank[c] = ranks[c];
-    next[c] = 0;
+    count[c] = 0;
+    while (ranks[c][count[c]] != kNoRank) ++count[c];
+    const size_t bits = count[c] == 0 ? 0 : size_t{ranks[c][count[c] - 1]} + 1;
+    offset[c + 1] = offset[c] + (bits + 63) / 64 + 1;
+  }
+  std::vector<uint64_t> rank_bits(offset[K], 0);
+  for (int c = 0; c < K; ++c) {
+    uint64_t* bits = rank_bits.data() + offset[c];
+    for (size_t i = 0; i < count[c]; ++i) bits[ranks[c][i] >> 6] |= uint64_t{1} << (ranks[c][i] & 63);
   }
 
-  // Takes class c's next change when `take` (else changes nothing): its bit
-  // in the block, then the class's following change. Returns the class's
-  // new left.
-  auto step = [&](int c, uint32_t take, uint64_t* changed) {
-    const uint32_t l = left_of(c);
-    const uint32_t mask = 0u - take;
-    *changed |= (uint64_t{1} << SelectBitFast(member[c], l & (kBlock - 1))) & (uint64_t{0} - take);
-    const uint32_t r = rank[c][next[c]];
-    const uint32_t delta = (rank[c][next[c] + take] - r) & mask;
-    next[c] += take;
-    add_left(c, delta);
-    return l + delta;
-  };
-
+  alignas(64) uint64_t member[K][kResolveWords];
+  alignas(64) uint64_t changed[kResolveWords];
+  // Class c's members before the word being read; once past the bitmap
+  // (every rank below it) the class is done and no longer counted.
+  uint64_t seen[K] = {};
   size_t found = 0;
-  const size_t blocks = (n + kBlock - 1) / kBlock;
-  for (size_t b = 0; b < blocks && found < total; ++b) {
-    const size_t first = b * kBlock;
-    uint32_t valid = ~0u;
-    if (first + kBlock <= n) {
-      __builtin_prefetch(base + first + 1024);
-      ge_kernel.template Fixed<K>(base + first, ge);
-    } else {
-      T tmp[kBlock] = {};
-      std::memcpy(tmp, base + first, (n - first) * sizeof(T));
-      valid = (1u << (n - first)) - 1;
-      ge_kernel.template Fixed<K>(tmp, ge);
+  for (size_t seg = 0; seg < n && found < total; seg += kResolveWords * 64) {
+    const size_t seg_n = std::min(n - seg, kResolveWords * 64);
+    const size_t words = (seg_n + 63) / 64;
+    const T* x = base + seg;
+    for (size_t w = 0; w < words; ++w) {
+      uint32_t half[2][K];
+      for (int h = 0; h < 2; ++h) {
+        const size_t first = w * 64 + static_cast<size_t>(h) * kBlock;
+        uint32_t ge[K] = {};
+        uint32_t valid = ~0u;
+        if (first + kBlock <= seg_n) {
+          ge_kernel.template Fixed<K>(x + first, ge);
+        } else if (first < seg_n) {
+          T tmp[kBlock] = {};
+          std::memcpy(tmp, x + first, (seg_n - first) * sizeof(T));
+          valid = (1u << (seg_n - first)) - 1;
+          ge_kernel.template Fixed<K>(tmp, ge);
+        } else {
+          valid = 0;
+        }
+        uint32_t upper = valid;
+#pragma GCC unroll 8
+        for (int c = 0; c < K - 1; ++c) {
+          half[h][c] = upper & ~ge[c];
+          upper = ge[c] & valid;
+        }
+        half[h][K - 1] = upper;
+      }
+#pragma GCC unroll 8
+      for (int c = 0; c < K; ++c) member[c][w] = uint64_t{half[0][c]} | (uint64_t{half[1][c]} << 32);
+      changed[w] = 0;
     }
-    uint32_t upper = valid;
-#pragma GCC unroll 8
-    for (int c = 0; c < K - 1; ++c) {
-      member[c] = upper & ~ge[c];
-      upper = ge[c] & valid;
+
+    for (int c = 0; c < K; ++c) {
+      const uint64_t* bits = rank_bits.data() + offset[c];
+      const uint64_t limit = (offset[c + 1] - offset[c] - 1) * 64;
+      const uint64_t* mc = member[c];
+      uint64_t at = seen[c];
+      for (size_t w = 0; w < words && at < limit; ++w) {
+        const uint64_t m = mc[w];
+        const size_t i = at >> 6;
+        const unsigned sh = at & 63;
+        // The 64 bitmap bits from `at` on (the high word's shift in two
+        // steps: a shift by 64 is undefined).
+        const uint64_t next = (bits[i] >> sh) | ((bits[i + 1] << 1) << (63 - sh));
+        changed[w] |= DepositBits(next, m);
+        at += static_cast<uint64_t>(std::popcount(m));
+      }
+      seen[c] = at;
     }
-    member[K - 1] = upper;
-#pragma GCC unroll 8
-    for (int c = 0; c < K; ++c) in_block[c] = static_cast<uint32_t>(std::popcount(member[c]));
-    // hits: the classes with a change in this block (left < in_block).
-#if defined(__AVX2__)
-    const auto* in_lanes = reinterpret_cast<const int*>(in_block);  // lanes from K on stay 0
-    const __m256i in = _mm256_setr_epi32(in_lanes[0], in_lanes[1], in_lanes[2], in_lanes[3], in_lanes[4],
-                                         in_lanes[5], in_lanes[6], in_lanes[7]);
-    const __m256i at_least = _mm256_cmpeq_epi32(_mm256_max_epu32(left, in), left);  // left >= in
-    uint32_t hits = ~static_cast<uint32_t>(_mm256_movemask_ps(_mm256_castsi256_ps(at_least))) & ((1u << K) - 1);
-#else
-    uint32_t hits = 0;
-#pragma GCC unroll 8
-    for (int c = 0; c < K; ++c) hits |= static_cast<uint32_t>(left_array[c] < in_block[c]) << c;
-#endif
-    // The first class with a change without a branch (a step that takes
-    // nothing when there is none); then any others, and further changes of
-    // the same class.
-    uint64_t changed = 0;
-    const uint32_t any = hits != 0;
-    const int c0 = std::countr_zero(hits | (uint32_t{1} << (K - 1)));
-    const uint32_t l0 = step(c0, any, &changed);
-    hits &= hits - 1;
-    hits |= static_cast<uint32_t>(any & (l0 < in_block[c0])) << c0;
-    while (hits != 0) {
-      const int c = std::countr_zero(hits);
-      hits &= hits - 1;
-      while (step(c, 1, &changed) < in_block[c]) {
+
+    // The first two changes of a word without a branch: pos has room for
+    // two past the last.
+    for (size_t w = 0; w < words; ++w) {
+      uint64_t bits = changed[w];
+      const uint32_t at = static_cast<uint32_t>(seg + w * 64);
+      const int changes = std::popcount(bits);
+      pos[found] = at + (static_cast<uint32_t>(std::countr_zero(bits)) & 63);
+      bits &= bits - 1;
+      pos[found + 1] = at + (static_cast<uint32_t>(std::countr_zero(bits)) & 63);
+      bits &= bits - 1;
+      found += static_cast<size_t>(std::min(changes, 2));
+      while (bits != 0) {
+        pos[found++] = at + static_cast<uint32_t>(std::countr_zero(bits));
+        bits &= bits - 1;
       }
     }
-    // Changes of different classes interleave in position: the mask orders them.
-    uint32_t bits = static_cast<uint32_t>(changed);
-    pos[found] = static_cast<uint32_t>(first) + (static_cast<uint32_t>(std::countr_zero(bits)) & (kBlock - 1));
-    found += bits != 0;
-    bits &= bits - 1;
-    while (bits != 0) {
-      pos[found++] = static_cast<uint32_t>(first) + static_cast<uint32_t>(std::countr_zero(bits));
-      bits &= bits - 1;
-    }
-#if defined(__AVX2__)
-    left = _mm256_sub_epi32(left, in);
-#else
-#pragma GCC unroll 8
-    for (int c = 0; c < K; ++c) left_array[c] -= in_block[c];
-#endif
   }
-  for (int c = 0; c < K; ++c) done_out[c] = next[c];
+  // A class's ranks below its size were found (all of them once the sweep
+  // stopped early, or the class's walk did).
+  for (int c = 0; c < K; ++c) {
+    done_out[c] = found == total ? count[c]
+                                 : static_cast<uint64_t>(std::lower_bound(ranks[c], ranks[c] + count[c], seen[c]) - ranks[c]);
+  }
   return found;
 }
 
 // Turns per-class ranks into positions by sweeping the base's classes:
 // ranks[c] holds class c's ascending ranks followed by kNoRank; total is the
 // number of ranks. Writes the positions, ascending, to pos (room for total
-// + 1) and returns how many were found: fewer when a rank lies beyond its
+// + 2) and returns how many were found: fewer when a rank lies beyond its
 // class, and then done[c] is the index of class c's first rank not found.
 template <typename T>
 size_t ResolveRankSweep(const T* base, size_t n, const ClassSpec& spec, const uint32_t* const* ranks, size_t total,
