@@ -147,6 +147,26 @@ TEST(Sweep, RankBeyondItsClassIsReported) {
   EXPECT_EQ(done[1], 1u);
 }
 
+// The bit deposit the rank resolution uses, against its definition (and
+// both forms, where the host has pdep).
+TEST(Sweep, DepositBitsMatchesDefinition) {
+  std::mt19937_64 rng(11);
+  for (int trial = 0; trial < 20000; ++trial) {
+    uint64_t m = rng(), v = rng();
+    if (trial % 4 == 1) m &= rng() & rng();   // sparse masks
+    if (trial % 4 == 2) m |= rng() | rng();   // dense ones
+    if (trial % 16 == 3) m = trial % 32 == 3 ? 0 : ~uint64_t{0};
+    uint64_t want = 0;
+    int taken = 0;
+    for (int j = 0; j < 64; ++j) {
+      if ((m >> j) & 1) want |= ((v >> taken++) & 1) << j;
+    }
+    ASSERT_EQ(DepositBitsPortable(v, m), want) << "m " << m << " v " << v;
+    ASSERT_EQ(DepositBits(v, m, true), want);
+    ASSERT_EQ(DepositBits(v, m, false), want);
+  }
+}
+
 TEST(Sweep, ClassMaskKernelMatchesPortableLogic) {
   std::mt19937_64 rng(3);
   for (int trial = 0; trial < 2000; ++trial) {

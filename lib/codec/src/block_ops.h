@@ -38,13 +38,33 @@ inline std::vector<uint8_t> ClassTable(const ClassSpec& spec) {
   return table;
 }
 
-// SelectBit with BMI2's bit deposit where the host has it.
-inline int SelectBitFast(uint32_t m, uint32_t r) {
+// The low popcount(m) bits of v deposited, in order, at the set bits of m
+// (BMI2's pdep), one set bit of v at a time: for hosts without a fast pdep.
+inline uint64_t DepositBitsPortable(uint64_t v, uint64_t m) {
+  const int n = std::popcount(m);
+  if (n < 64) v &= (uint64_t{1} << n) - 1;
+  uint64_t out = 0;
+  const uint32_t low = static_cast<uint32_t>(std::popcount(static_cast<uint32_t>(m)));
+  for (; v != 0; v &= v - 1) {
+    const uint32_t r = static_cast<uint32_t>(std::countr_zero(v));
+    const int j = r < low ? SelectBit(static_cast<uint32_t>(m), r)
+                          : 32 + SelectBit(static_cast<uint32_t>(m >> 32), r - low);
+    out |= uint64_t{1} << j;
+  }
+  return out;
+}
+
+// True when the CPU runs pdep in hardware: x86 with BMI2, except AMD before
+// Zen 3 (family 0x19), whose microcoded pdep takes hundreds of cycles.
+bool HasFastDeposit();
+
+// DepositBitsPortable's result; pdep where fast (`fast`: HasFastDeposit()).
+inline uint64_t DepositBits(uint64_t v, uint64_t m, bool fast) {
 #if defined(__BMI2__)
-  return std::countr_zero(_pdep_u32(uint32_t{1} << r, m));
-#else
-  return SelectBit(m, r);
+  if (fast) return _pdep_u64(v, m);
 #endif
+  (void)fast;
+  return DepositBitsPortable(v, m);
 }
 
 // Bit j of the result: a[j] != b[j]. REQUIRES: 32 readable elements each.

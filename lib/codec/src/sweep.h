@@ -180,17 +180,6 @@ inline constexpr uint32_t kNoRank = 0xFFFFFFFFu;
 // (8 KiB at 8 classes) stay in L1 between the phases.
 inline constexpr size_t kResolveWords = 128;
 
-// The low popcount(m) bits of v, deposited at the set bits of m (in order).
-inline uint64_t DepositBits(uint64_t v, uint64_t m) {
-#if defined(__BMI2__)
-  return _pdep_u64(v, m);
-#else
-  uint64_t out = 0;
-  for (; m != 0; m &= m - 1, v >>= 1) out |= (v & 1) ? (m & (0 - m)) : 0;
-  return out;
-#endif
-}
-
 // ResolveRankSweep with the class count a constant. Each class's ranks are
 // first set as bits of a bitmap over the class's members (bit r: its r-th
 // member changed). Then, segment by segment: every class's member mask of
@@ -202,6 +191,7 @@ template <int K, typename T>
 size_t ResolveRankSweepK(const T* base, size_t n, const ClassSpec& spec, const uint32_t* const* ranks,
                          size_t total, uint32_t* pos, uint64_t* done_out) {
   const GeKernel<T> ge_kernel(spec);
+  static const bool fast_deposit = HasFastDeposit();
   // Class c's bitmap is words [offset[c], offset[c + 1]): its ranks' bits
   // and a zero word past them (the extraction reads two words).
   size_t count[K], offset[K + 1] = {};
@@ -268,7 +258,7 @@ size_t ResolveRankSweepK(const T* base, size_t n, const ClassSpec& spec, const u
         // The 64 bitmap bits from `at` on (the high word's shift in two
         // steps: a shift by 64 is undefined).
         const uint64_t next = (bits[i] >> sh) | ((bits[i + 1] << 1) << (63 - sh));
-        changed[w] |= DepositBits(next, m);
+        changed[w] |= DepositBits(next, m, fast_deposit);
         at += static_cast<uint64_t>(std::popcount(m));
       }
       seen[c] = at;
