@@ -526,12 +526,15 @@ class Sink : public Node, public v1::Local::Service, public PatchProvider {
       while (streams_.size() > 16) streams_.erase(streams_.begin());
     }
     WSYNC_RETURN_IF_ERROR(stream->WaitComplete(Clock::now() + std::chrono::minutes(5)));
+    const auto received = Clock::now();
     WSYNC_RETURN_IF_ERROR(w->Apply(*stream));
     auto node = coordinator_->ReportApplied(config_.name, w->applied());
     if (!node.ok()) spdlog::warn("sink {}: report: {}", config_.name, node.status().ToString());
-    spdlog::info("sink {}: version {} applied from {} ({} {} bytes, {:.1f} ms)", config_.name, w->applied(), parent,
-                 stream->kind() == codec::PatchKind::kKeyframe ? "keyframe" : "patch", stream->total_bytes(),
-                 std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
+    using Ms = std::chrono::duration<double, std::milli>;
+    spdlog::info("sink {}: version {} applied from {} ({} {} bytes, {:.1f} ms: transfer {:.1f} ms, apply {:.1f} ms)",
+                 config_.name, w->applied(), parent, stream->kind() == codec::PatchKind::kKeyframe ? "keyframe" : "patch",
+                 stream->total_bytes(), Ms(Clock::now() - t0).count(), Ms(received - t0).count(),
+                 Ms(Clock::now() - received).count());
     return wsync::Status::Ok();
   }
 

@@ -1,8 +1,11 @@
 #include "version_history.h"
 
+#include <algorithm>
 #include <cstring>
 
 #include <spdlog/spdlog.h>
+
+#include "wsync/util/thread_pool.h"
 
 namespace wsync::daemon {
 namespace {
@@ -33,7 +36,23 @@ StatusOr<PublishedVersion> VersionHistory::Publish(uint64_t version, std::span<c
     return codec::EncodePatch(head, weights, eo);
   };
   next.fill = [&](std::vector<buffers::OwnedTensor>& head) {
-    for (size_t i = 0; i < weights.size(); ++i) std::memcpy(head[i].bytes.data(), weights[i].data, weights[i].NumBytes());
+    // In pieces over the pool: one thread does not reach the memory's
+    // bandwidth, and the trainer waits for this copy.
+    constexpr size_t kPiece = size_t{16} << 20;
+    struct Piece {
+      uint8_t* to;
+      const uint8_t* from;
+      size_t bytes;
+    };
+    std::vector<Piece> pieces;
+    for (size_t i = 0; i < weights.size(); ++i) {
+      const auto* from = static_cast<const uint8_t*>(weights[i].data);
+      for (size_t at = 0; at < weights[i].NumBytes(); at += kPiece) {
+        pieces.push_back({head[i].bytes.data() + at, from + at, std::min(kPiece, weights[i].NumBytes() - at)});
+      }
+    }
+    wsync::ParallelFor(options_.encode.pool, pieces.size(),
+                [&](size_t p) { std::memcpy(pieces[p].to, pieces[p].from, pieces[p].bytes); });
     return Status::Ok();
   };
   return Publish(version, next);

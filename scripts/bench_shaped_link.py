@@ -11,6 +11,7 @@ of the same snapshot over the same link (TCP). Needs root (ip netns, tc).
 import argparse
 import json
 import os
+import re
 import shutil
 import socket
 import statistics
@@ -46,6 +47,18 @@ def setup_link(rate):
 def teardown_link():
     sh("ip", "netns", "del", NS_A, check=False)
     sh("ip", "netns", "del", NS_B, check=False)
+
+
+# The sink's log line for an applied version (daemon/data_daemon.cc).
+APPLIED = re.compile(r"version (\d+) applied from \S+ \(\w+ \d+ bytes, ([\d.]+) ms: transfer ([\d.]+) ms, "
+                     r"apply ([\d.]+) ms\)")
+
+
+def link_bits_per_second(rate):
+    m = re.fullmatch(r"([\d.]+)([kmg]?)bit", rate.lower())
+    if not m:
+        raise ValueError(f"rate {rate}: expected e.g. 1gbit, 500mbit")
+    return float(m.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[m.group(2)]
 
 
 def dense_copy_seconds(path):
@@ -145,31 +158,41 @@ def main():
             words = p.stdout.split()
             wire, encode_ms = int(words[3]), float(words[-2])
             wait_applied(v)
-            sync_ms = None
+            sync = None
             for line in open(os.path.join(tmp, "sink.log")):
-                if f"version {v} applied from" in line:
-                    sync_ms = float(line.rsplit(",", 1)[1].split()[0])
-            rows.append((v, wire, encode_ms / 1000, sync_ms / 1000))
-        p = subprocess.run([wsync, "dump", "--local", f"unix:{tmp}/sink.sock", "-o", f"{tmp}/last.safetensors",
-                            "--version", str(len(snaps))], env=env, capture_output=True, text=True)
-        exact = p.returncode == 0 and subprocess.run(
-            ["cmp", "-s", "-n", "0", f"{tmp}/last.safetensors", snaps[-1]]).returncode == 0
-        last = subprocess.run([wsync, "diff", f"{tmp}/last.safetensors", snaps[-1], "-o", f"{tmp}/zero"],
-                              capture_output=True, text=True)
+                m = APPLIED.search(line)
+                if m and int(m.group(1)) == v:
+                    sync = [float(m.group(i)) / 1000 for i in (2, 3, 4)]
+            if sync is None:
+                raise RuntimeError(f"no 'version {v} applied' line in {tmp}/sink.log")
+            rows.append((v, wire, encode_ms / 1000, *sync))
+        last = subprocess.run([wsync, "dump", "--local", f"unix:{tmp}/sink.sock", "-o", f"{tmp}/last.safetensors",
+                               "--version", str(len(snaps))], env=env, capture_output=True, text=True)
+        if last.returncode != 0:
+            raise RuntimeError(last.stderr)
+        subprocess.run([wsync, "diff", f"{tmp}/last.safetensors", snaps[-1], "-o", f"{tmp}/zero"],
+                       check=True, capture_output=True, text=True)
         zero = json.loads(subprocess.run([wsync, "inspect", f"{tmp}/zero", "--json"], capture_output=True,
                                          text=True).stdout)["changed"] == 0
         dense_s = [dense_copy_seconds(snaps[-1]) for _ in range(2)]
         dense_t = statistics.median(dense_s)
         patch_rows = rows[1:]
-        wsync_t = statistics.median(r[2] + r[3] for r in patch_rows)
-        pull_t = statistics.median(r[3] for r in patch_rows)
+        med = lambda f: statistics.median(f(r) for r in patch_rows)
+        wsync_t = med(lambda r: r[2] + r[3])
+        transfer_t = med(lambda r: r[4])
+        cpu_t = med(lambda r: r[2] + r[5])
+        wire_t = med(lambda r: r[1] * 8 / link_bits_per_second(args.rate))
         print(f"link: veth + tbf {args.rate}; model: {dense / 1e9:.2f} GB BF16 ({args.params} parameters), lr {args.lr}")
-        print(f"{'version':>7} {'wire bytes':>12} {'encode s':>9} {'pull+apply s':>13} {'total s':>8}")
-        for v, wire, enc, sync in rows:
-            print(f"{v:>7} {wire:>12} {enc:>9.2f} {sync:>13.2f} {enc + sync:>8.2f}{'  (keyframe)' if v == 1 else ''}")
+        print(f"{'version':>7} {'wire bytes':>12} {'encode s':>9} {'transfer s':>11} {'apply s':>8} {'total s':>8}")
+        for v, wire, enc, sync, transfer, apply in rows:
+            print(f"{v:>7} {wire:>12} {enc:>9.2f} {transfer:>11.2f} {apply:>8.2f} {enc + sync:>8.2f}"
+                  f"{'  (keyframe)' if v == 1 else ''}")
         print(f"dense full copy over the same link: {dense_t:.2f} s (median of {len(dense_s)})")
         print(f"wsync per version (median over {len(patch_rows)} patches): {wsync_t:.2f} s "
-              f"-> {dense_t / wsync_t:.1f}x less time; pull + apply alone: {pull_t:.2f} s -> {dense_t / pull_t:.1f}x")
+              f"-> {dense_t / wsync_t:.1f}x less time")
+        print(f"  transfer (request to last byte): {transfer_t:.2f} s -> {dense_t / transfer_t:.1f}x less than dense; "
+              f"the patch at the link rate alone: {wire_t:.2f} s")
+        print(f"  encode + apply (CPU, {os.cpu_count()} cores shared by source and sink): {cpu_t:.2f} s")
         print(f"last version on the sink bit-exact: {'yes' if zero else 'NO'}")
     finally:
         for p in reversed(procs):
