@@ -74,7 +74,8 @@ StatusOr<LocalBuffers> MakeBuffers(const std::string& shm, int device, const std
   return b;
 }
 
-Status RunPublish(const std::string& local, const std::string& file, uint64_t version, int64_t wait_ms, int device) {
+Status RunPublish(const std::string& local, const std::string& file, uint64_t version, int64_t wait_ms, int device,
+                  bool after_copy) {
   WSYNC_ASSIGN_OR_RETURN(auto st, buffers::SafetensorsFile::Open(file));
   v1::RegisterTensorsRequest reg;
   const std::string shm = "/wsync-publish-" + std::to_string(::getpid());
@@ -91,8 +92,14 @@ Status RunPublish(const std::string& local, const std::string& file, uint64_t ve
   v1::LocalPublishRequest req;
   req.set_version(version);
   req.set_wait_ms(wait_ms);
+  req.set_return_after_copy(after_copy);
   v1::LocalPublishResponse resp;
   WSYNC_RETURN_IF_ERROR(FromGrpc(stub->Publish(&ctx, req, &resp), "publish"));
+  if (resp.pending()) {
+    std::printf("version %" PRIu64 " copied: %" PRIu64 " dense bytes in %.1f ms; encoded and announced in the background\n",
+                resp.version(), resp.dense_bytes(), resp.copy_ms());
+    return Status::Ok();
+  }
   std::printf("version %" PRIu64 " published: %" PRIu64 " bytes for %" PRIu64 " dense (%.1fx), encoded in %.1f ms\n",
               resp.version(), resp.patch_bytes(), resp.dense_bytes(),
               resp.patch_bytes() ? static_cast<double>(resp.dense_bytes()) / resp.patch_bytes() : 0.0,
@@ -189,7 +196,11 @@ void AddLocalCommands(CLI::App& app, std::function<Status()>* run) {
     cmd->add_option("--wait-ms", *wait, "wait this long for lagging sinks (staleness bound)");
     auto device = std::make_shared<int>(-1);
     cmd->add_option("--device", *device, "put the weights in this GPU's memory (CUDA IPC) instead of shared memory");
-    cmd->callback([=] { *run = [=] { return RunPublish(*local, *file, *version, *wait, *device); }; });
+    auto after_copy = std::make_shared<bool>(false);
+    cmd->add_flag("--after-copy", *after_copy,
+                  "return once the source has copied the weights (host regions); it encodes and announces the "
+                  "version in the background, and the next publish reports a failure");
+    cmd->callback([=] { *run = [=] { return RunPublish(*local, *file, *version, *wait, *device, *after_copy); }; });
   }
   {
     auto* cmd = app.add_subcommand("local-status", "a local daemon's role, version and bytes served");

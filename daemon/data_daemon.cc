@@ -10,6 +10,7 @@
 #include <condition_variable>
 #include <map>
 #include <thread>
+#include <utility>
 
 #include "device_weights.h"
 #include "patch_exchange.h"
@@ -181,6 +182,9 @@ class Source : public Node, public v1::Local::Service {
           return o;
         }()) {}
 
+  // Stops here, while the members StopRole joins are alive.
+  ~Source() override { Shutdown(); }
+
   wsync::Status Start() { return StartCommon(&history_, this); }
 
   grpc::Status RegisterTensors(grpc::ServerContext*, const v1::RegisterTensorsRequest* req,
@@ -213,6 +217,10 @@ class Source : public Node, public v1::Local::Service {
     // Publishes are serialized; the registration lock is taken only for the
     // snapshot, so waiting on the staleness policy blocks nothing else.
     std::lock_guard<std::mutex> publishing(publish_mu_);
+    // Once StopRole has joined the background publisher, none may start.
+    if (stopping_) return ToGrpc(UnavailableError("the source is shutting down"));
+    // A version copied by an earlier Publish is announced first.
+    if (wsync::Status s = JoinBackground(); !s.ok()) return ToGrpc(s);
     {
       std::lock_guard<std::mutex> lock(state_mu_);
       if (!region_) return ToGrpc(FailedPreconditionError("no tensors registered"));
@@ -230,23 +238,35 @@ class Source : public Node, public v1::Local::Service {
     {
       std::lock_guard<std::mutex> lock(state_mu_);
       const auto views = buffers::TableViews(table_, *region_);
+      if (req->return_after_copy() && !device_) {
+        // Checked now, so that the trainer hears of a bad version at once.
+        if (wsync::Status s = history_.Accepts(req->version(), views); !s.ok()) return ToGrpc(s);
+        if (!buffers::SameLayout(snapshot_, views)) {
+          snapshot_ = buffers::CopyTensors(views);
+        } else if (wsync::Status s = buffers::CopyInto(views, snapshot_, &copy_pool_); !s.ok()) {
+          return ToGrpc(s);
+        }
+        resp->set_version(req->version());
+        resp->set_base_version(history_.head());
+        for (const auto& t : views) resp->set_dense_bytes(resp->dense_bytes() + t.NumBytes());
+        resp->set_pending(true);
+        resp->set_copy_ms(MillisecondsSince(t0));
+        publisher_ = std::thread([this, version = req->version(), t0] {
+          auto published = history_.Publish(version, &snapshot_);
+          wsync::Status s = published.ok() ? Announce(*published, MillisecondsSince(t0)) : published.status();
+          if (!s.ok()) {
+            s = s.WithContext("version " + std::to_string(version) + ", copied and published in the background");
+            spdlog::error("source {}: {}", config_.name, s.ToString());
+          }
+          background_status_ = std::move(s);
+        });
+        return grpc::Status::OK;
+      }
       pub = device_ ? history_.Publish(req->version(), device_->Next(views)) : history_.Publish(req->version(), views);
     }
     if (!pub.ok()) return ToGrpc(pub.status());
-    const double ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
-    v1::VersionSummary v;
-    v.set_version(pub->version);
-    v.set_base_version(pub->base_version);
-    v.set_patch_bytes(pub->patch_bytes);
-    v.set_dense_bytes(pub->dense_bytes);
-    v.set_set_checksum(pub->set_checksum);
-    v.set_keyframe(pub->base_version == 0);
-    v.set_source(config_.name);
-    auto head = coordinator_->Publish(v);
-    if (!head.ok()) return ToGrpc(head.status());
-    spdlog::info("source {}: version {} published: {} patch bytes for {} dense ({:.1f}x), encoded in {:.1f} ms",
-                 config_.name, pub->version, pub->patch_bytes, pub->dense_bytes,
-                 pub->patch_bytes ? static_cast<double>(pub->dense_bytes) / pub->patch_bytes : 0.0, ms);
+    const double ms = MillisecondsSince(t0);
+    if (wsync::Status s = Announce(*pub, ms); !s.ok()) return ToGrpc(s);
     resp->set_version(pub->version);
     resp->set_base_version(pub->base_version);
     resp->set_patch_bytes(pub->patch_bytes);
@@ -266,6 +286,11 @@ class Source : public Node, public v1::Local::Service {
   }
 
  protected:
+  void StopRole() override {
+    std::lock_guard<std::mutex> publishing(publish_mu_);
+    (void)JoinBackground();
+  }
+
   void OnHeartbeat(const v1::HeartbeatResponse&) override {
     // Keep what leased or live sinks need; with none, only the head.
     auto status = coordinator_->GetStatus();
@@ -276,8 +301,46 @@ class Source : public Node, public v1::Local::Service {
   }
 
  private:
+  static double MillisecondsSince(Clock::time_point t0) {
+    return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+  }
+
+  // Tells the coordinator of a version the history holds (`ms`: since the
+  // publish began, for the log).
+  wsync::Status Announce(const PublishedVersion& pub, double ms) {
+    v1::VersionSummary v;
+    v.set_version(pub.version);
+    v.set_base_version(pub.base_version);
+    v.set_patch_bytes(pub.patch_bytes);
+    v.set_dense_bytes(pub.dense_bytes);
+    v.set_set_checksum(pub.set_checksum);
+    v.set_keyframe(pub.base_version == 0);
+    v.set_source(config_.name);
+    auto head = coordinator_->Publish(v);
+    if (!head.ok()) return head.status();
+    spdlog::info("source {}: version {} published: {} patch bytes for {} dense ({:.1f}x), encoded in {:.1f} ms",
+                 config_.name, pub.version, pub.patch_bytes, pub.dense_bytes,
+                 pub.patch_bytes ? static_cast<double>(pub.dense_bytes) / pub.patch_bytes : 0.0, ms);
+    return wsync::Status::Ok();
+  }
+
+  // Waits for a version being published in the background; returns (once)
+  // what became of it. REQUIRES: publish_mu_ held, or the daemon stopping.
+  wsync::Status JoinBackground() {
+    if (publisher_.joinable()) publisher_.join();
+    return std::exchange(background_status_, wsync::Status::Ok());
+  }
+
   VersionHistory history_;
   std::mutex publish_mu_;  // one Publish at a time
+  // Return-after-copy publishes: the copy of the version being published in
+  // the background (afterwards the previous head's buffers, for the next
+  // copy), the thread publishing it and its outcome (all under publish_mu_).
+  std::vector<buffers::OwnedTensor> snapshot_;
+  std::thread publisher_;
+  wsync::Status background_status_;
+  // The copy's own threads: the codec's pool may be busy serving a merge.
+  ThreadPool copy_pool_{config_.threads};
   std::mutex state_mu_;    // region_ and table_
   std::unique_ptr<buffers::Region> region_;
   std::vector<buffers::TensorEntry> table_;
@@ -289,6 +352,8 @@ class Source : public Node, public v1::Local::Service {
 class Sink : public Node, public v1::Local::Service, public PatchProvider {
  public:
   explicit Sink(DataDaemonConfig config) : Node(std::move(config), v1::ROLE_SINK) {}
+  // Stops here, while the threads StopRole joins are alive.
+  ~Sink() override { Shutdown(); }
 
   wsync::Status Start() {
     WSYNC_RETURN_IF_ERROR(StartCommon(this, this));

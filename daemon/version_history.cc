@@ -1,24 +1,11 @@
 #include "version_history.h"
 
-#include <algorithm>
-#include <cstring>
+#include <utility>
 
 #include <spdlog/spdlog.h>
 
-#include "wsync/util/thread_pool.h"
-
 namespace wsync::daemon {
 namespace {
-
-bool SameLayout(const std::vector<buffers::OwnedTensor>& have, std::span<const codec::TensorView> given) {
-  if (have.size() != given.size()) return false;
-  for (size_t i = 0; i < have.size(); ++i) {
-    if (have[i].name != given[i].name || have[i].dtype != given[i].dtype || have[i].shape != given[i].shape) {
-      return false;
-    }
-  }
-  return true;
-}
 
 Status ApplyInPlace(const std::string& patch, std::vector<buffers::OwnedTensor>& w, ThreadPool* pool) {
   auto views = buffers::MutableViews(w);
@@ -36,34 +23,45 @@ StatusOr<PublishedVersion> VersionHistory::Publish(uint64_t version, std::span<c
     return codec::EncodePatch(head, weights, eo);
   };
   next.fill = [&](std::vector<buffers::OwnedTensor>& head) {
-    // In pieces over the pool: one thread does not reach the memory's
-    // bandwidth, and the trainer waits for this copy.
-    constexpr size_t kPiece = size_t{16} << 20;
-    struct Piece {
-      uint8_t* to;
-      const uint8_t* from;
-      size_t bytes;
-    };
-    std::vector<Piece> pieces;
-    for (size_t i = 0; i < weights.size(); ++i) {
-      const auto* from = static_cast<const uint8_t*>(weights[i].data);
-      for (size_t at = 0; at < weights[i].NumBytes(); at += kPiece) {
-        pieces.push_back({head[i].bytes.data() + at, from + at, std::min(kPiece, weights[i].NumBytes() - at)});
-      }
-    }
-    wsync::ParallelFor(options_.encode.pool, pieces.size(),
-                [&](size_t p) { std::memcpy(pieces[p].to, pieces[p].from, pieces[p].bytes); });
+    return buffers::CopyInto(weights, head, options_.encode.pool);
+  };
+  return Publish(version, next);
+}
+
+StatusOr<PublishedVersion> VersionHistory::Publish(uint64_t version, std::vector<buffers::OwnedTensor>* weights) {
+  const std::vector<codec::TensorView> views = buffers::Views(*weights);
+  NewVersion next;
+  next.layout = views;
+  next.encode = [&](std::span<const codec::TensorView> head, const codec::EncodeOptions& eo) {
+    return codec::EncodePatch(head, views, eo);
+  };
+  next.fill = [&](std::vector<buffers::OwnedTensor>& head) {
+    std::swap(head, *weights);
     return Status::Ok();
   };
   return Publish(version, next);
 }
 
-StatusOr<PublishedVersion> VersionHistory::Publish(uint64_t version, const NewVersion& next) {
+Status VersionHistory::Accepts(uint64_t version, std::span<const codec::TensorView> layout) const {
   std::lock_guard<std::mutex> lock(mu_);
+  return AcceptsLocked(version, layout);
+}
+
+Status VersionHistory::AcceptsLocked(uint64_t version, std::span<const codec::TensorView> layout) const {
   if (version <= head_) {
     return FailedPreconditionError("version " + std::to_string(version) + " is not above the head " +
                                    std::to_string(head_));
   }
+  if (head_ != 0 && !buffers::SameLayout(head_weights_, layout)) {
+    return InvalidArgumentError("version " + std::to_string(version) +
+                                ": tensor names, dtypes or shapes differ from the previous version");
+  }
+  return Status::Ok();
+}
+
+StatusOr<PublishedVersion> VersionHistory::Publish(uint64_t version, const NewVersion& next) {
+  std::lock_guard<std::mutex> lock(mu_);
+  WSYNC_RETURN_IF_ERROR(AcceptsLocked(version, next.layout));
   PublishedVersion out;
   out.version = version;
   for (const auto& t : next.layout) out.dense_bytes += t.NumBytes();
@@ -87,10 +85,6 @@ StatusOr<PublishedVersion> VersionHistory::Publish(uint64_t version, const NewVe
                                                   options_.stream_chunk_bytes);
     head_ = oldest_ = version;
     return out;
-  }
-  if (!SameLayout(head_weights_, next.layout)) {
-    return InvalidArgumentError("version " + std::to_string(version) +
-                                ": tensor names, dtypes or shapes differ from the previous version");
   }
   codec::EncodeOptions eo = options_.encode;
   eo.base_version = head_;

@@ -46,6 +46,16 @@ class VersionHistory : public PatchProvider {
   // and shapes.
   StatusOr<PublishedVersion> Publish(uint64_t version, std::span<const codec::TensorView> weights);
 
+  // Publishes a copy the caller took (`weights`): it becomes the head's copy
+  // without another copy, and *weights receives the previous head's buffers
+  // (the same layout; zeros after the first version) to take the next copy
+  // into. On error *weights is unchanged.
+  StatusOr<PublishedVersion> Publish(uint64_t version, std::vector<buffers::OwnedTensor>* weights);
+
+  // Ok when Publish would take `version` with this layout (names, dtypes,
+  // shapes): above the head, and the head's layout if there is one.
+  Status Accepts(uint64_t version, std::span<const codec::TensorView> layout) const;
+
   // Where a new version comes from, for weights the history cannot read
   // directly (device memory: daemon/device_source.h).
   struct NewVersion {
@@ -78,6 +88,7 @@ class VersionHistory : public PatchProvider {
   StatusOr<std::shared_ptr<PatchStream>> Open(uint64_t from, uint64_t to) override;
 
  private:
+  Status AcceptsLocked(uint64_t version, std::span<const codec::TensorView> layout) const;  // REQUIRES: mu_ held
   // Weights of version v (oldest <= v <= head), rebuilt from the oldest copy.
   StatusOr<std::vector<buffers::OwnedTensor>> WeightsAt(uint64_t v);  // REQUIRES: mu_ held
 

@@ -108,14 +108,19 @@ class System:
         st = self.status() or {}
         return {n["name"]: n.get("parent", "") for n in st.get("nodes", []) if n["role"] == "ROLE_SINK"}
 
-    def publish(self, path, version, wait_ms=0):
+    def publish(self, path, version, wait_ms=0, after_copy=False):
+        """Returns (patch bytes, dense bytes); patch bytes are 0 when the
+        source returned after its copy (after_copy) and encodes in the background."""
         p = subprocess.run([self.wsync, "publish", "--local", f"unix:{self.tmp}/source.sock", path,
-                            "--version", str(version), "--wait-ms", str(wait_ms), *self.device_args],
+                            "--version", str(version), "--wait-ms", str(wait_ms), *self.device_args,
+                            *(["--after-copy"] if after_copy else [])],
                            env=self.env, capture_output=True, text=True)
         if p.returncode != 0:
             raise RuntimeError(p.stderr.strip())
         words = p.stdout.split()
-        return int(words[3]), int(words[6])  # patch bytes, dense bytes
+        if words[2] == "copied:":
+            return 0, int(words[3])
+        return int(words[3]), int(words[6])
 
     def dump(self, sink, out, version):
         p = subprocess.run([self.wsync, "dump", "--local", f"unix:{self.tmp}/{sink}.sock", "-o", out,

@@ -76,6 +76,41 @@ TEST(VersionHistory, ServesMergedPatchesAndKeyframes) {
   EXPECT_EQ(h.Publish(7, buffers::Views(other)).status().code(), StatusCode::kInvalidArgument);
 }
 
+// Publishing copies the caller owns (the source's return-after-copy path):
+// the same patches as publishing views, the previous head's buffers come
+// back for the next copy, and a refused publish leaves the copy alone.
+TEST(VersionHistory, OwnedCopiesBecomeTheHeadWithoutAnotherCopy) {
+  auto v = Chain(4);
+  VersionHistory::Options o;
+  VersionHistory by_view(o), by_copy(o);
+  std::vector<OwnedTensor> spare;
+  for (int k = 0; k < 4; ++k) {
+    ASSERT_TRUE(by_view.Publish(k + 1, buffers::Views(v[k])).ok());
+    std::vector<OwnedTensor> copy = spare.empty() ? buffers::CopyTensors(buffers::Views(v[k])) : std::move(spare);
+    ASSERT_TRUE(buffers::CopyInto(buffers::Views(v[k]), copy, nullptr).ok());
+    const uint8_t* taken = copy[0].bytes.data();
+    auto pub = by_copy.Publish(k + 1, &copy);
+    ASSERT_TRUE(pub.ok()) << pub.status().ToString();
+    EXPECT_EQ(pub->set_checksum, codec::SetChecksum(buffers::Views(v[k])));
+    ASSERT_TRUE(buffers::SameLayout(copy, buffers::Views(v[k])));
+    EXPECT_NE(copy[0].bytes.data(), taken);  // the old head's buffers, not ours
+    spare = std::move(copy);
+  }
+  for (uint64_t from = 1; from < 4; ++from) {
+    EXPECT_EQ((*by_copy.Open(from, 4))->Assemble(), (*by_view.Open(from, 4))->Assemble()) << "from " << from;
+  }
+  // Refused (not above the head): the copy is untouched.
+  std::vector<OwnedTensor> again = v[3];
+  const uint8_t* mine = again[0].bytes.data();
+  EXPECT_EQ(by_copy.Publish(4, &again).status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_EQ(again[0].bytes.data(), mine);
+  EXPECT_TRUE(testing::SameBits(again, v[3]));
+  // CopyInto refuses another layout and copies nothing.
+  std::vector<OwnedTensor> other = {v[3][0]};
+  EXPECT_EQ(buffers::CopyInto(buffers::Views(v[0]), other, nullptr).code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(testing::SameBits(other, {v[3][0]}));
+}
+
 // Versions whose weights live elsewhere (the device path): the head's host
 // copy is loaded only when a keyframe of the head is needed.
 TEST(VersionHistory, LoadsALazyHeadOnlyForKeyframes) {

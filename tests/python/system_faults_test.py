@@ -4,7 +4,9 @@ UCX over tcp): a late sink gets a keyframe; a sink killed with SIGKILL and
 restarted catches up with one merged patch; a source restart and a
 coordinator restart lose nothing and versions keep growing; injected chunk
 corruption is detected and re-fetched; a sink lagging beyond max_staleness
-is evicted to a keyframe (evict policy) or holds the trainer back (block).
+is evicted to a keyframe (evict policy) or holds the trainer back (block);
+a trainer that returns after the source's copy (publish --after-copy)
+publishes back to back and every sink ends bit-exact.
 
     system_faults_test.py BUILD DATA_DIR
 """
@@ -161,6 +163,28 @@ def staleness(build, snaps):
         system.stop()
 
 
+def publish_after_copy(build, snaps):
+    # The trainer goes on as soon as its weights are copied: versions
+    # published back to back that way reach every sink bit-exactly, and a
+    # version that is not above the head is refused at once.
+    system = scenario("publish-after-copy", build)
+    try:
+        system.attach_buffers(snaps[0])
+        last = len(snaps)
+        for v in range(1, last + 1):
+            system.publish(snaps[v - 1], v, after_copy=True)
+        synced(system, last)
+        check(all(system.verify(s, snaps[-1], last) for s in system.sinks), "every sink bit-exact at the last version")
+        check("in the background:" not in system.log("source"), "no background publish failed")
+        try:
+            system.publish(snaps[0], last, after_copy=True)
+            check(False, "a version not above the head is refused")
+        except RuntimeError as e:
+            check("not above the head" in str(e), "a version not above the head is refused at once")
+    finally:
+        system.stop()
+
+
 def main():
     build, data = sys.argv[1], sys.argv[2]
     if int(os.environ.get("WSYNC_TEST_DEVICE", "-1")) >= 0 and not gpu_present():
@@ -170,7 +194,7 @@ def main():
     if len(snaps) < 5:
         print(f"SKIP: fewer than 5 snapshots in {data}")
         return
-    for test in (late_join_and_sigkill, restarts, corruption, staleness):
+    for test in (late_join_and_sigkill, restarts, corruption, staleness, publish_after_copy):
         test(build, snaps)
     print("PASS")
 

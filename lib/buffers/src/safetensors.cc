@@ -172,6 +172,33 @@ std::vector<OwnedTensor> CopyTensors(std::span<const codec::TensorView> tensors)
   return out;
 }
 
+bool SameLayout(const std::vector<OwnedTensor>& to, std::span<const codec::TensorView> from) {
+  if (to.size() != from.size()) return false;
+  for (size_t i = 0; i < to.size(); ++i) {
+    if (to[i].name != from[i].name || to[i].dtype != from[i].dtype || to[i].shape != from[i].shape) return false;
+  }
+  return true;
+}
+
+Status CopyInto(std::span<const codec::TensorView> from, std::vector<OwnedTensor>& to, ThreadPool* pool) {
+  if (!SameLayout(to, from)) return InvalidArgumentError("copy: tensor names, dtypes or shapes differ");
+  constexpr size_t kPiece = size_t{16} << 20;
+  struct Piece {
+    uint8_t* to;
+    const uint8_t* from;
+    size_t bytes;
+  };
+  std::vector<Piece> pieces;
+  for (size_t i = 0; i < from.size(); ++i) {
+    const size_t n = from[i].NumBytes();
+    for (size_t at = 0; at < n; at += kPiece) {
+      pieces.push_back({to[i].bytes.data() + at, from[i].data + at, std::min(kPiece, n - at)});
+    }
+  }
+  ParallelFor(pool, pieces.size(), [&](size_t p) { std::memcpy(pieces[p].to, pieces[p].from, pieces[p].bytes); });
+  return Status::Ok();
+}
+
 std::vector<codec::TensorView> Views(const std::vector<OwnedTensor>& tensors) {
   std::vector<codec::TensorView> out;
   for (const auto& t : tensors) out.push_back(t.View());

@@ -18,6 +18,7 @@
 
 #include "wsync/codec/codec.h"
 #include "wsync/util/status.h"
+#include "wsync/util/thread_pool.h"
 
 namespace wsync::buffers {
 
@@ -65,6 +66,14 @@ struct OwnedTensor {
 
 // Copies of the tensors of a file, e.g. as a destination to apply into.
 std::vector<OwnedTensor> CopyTensors(std::span<const codec::TensorView> tensors);
+
+// True when `to` has the names, dtypes and shapes of `from`, in order.
+bool SameLayout(const std::vector<OwnedTensor>& to, std::span<const codec::TensorView> from);
+
+// Copies `from` into `to` (same layout, else InvalidArgument and nothing is
+// copied), in pieces over the pool (nullptr: this thread): one thread does
+// not reach the memory's bandwidth.
+Status CopyInto(std::span<const codec::TensorView> from, std::vector<OwnedTensor>& to, ThreadPool* pool);
 std::vector<codec::TensorView> Views(const std::vector<OwnedTensor>& tensors);
 std::vector<codec::MutableTensorView> MutableViews(std::vector<OwnedTensor>& tensors);
 
