@@ -55,7 +55,8 @@ inline uint64_t DepositBitsPortable(uint64_t v, uint64_t m) {
 }
 
 // True when the CPU runs pdep in hardware: x86 with BMI2, except AMD before
-// Zen 3 (family 0x19), whose microcoded pdep takes hundreds of cycles.
+// Zen 3 (family 0x19) and Hygon, whose microcoded pdep takes hundreds of
+// cycles.
 bool HasFastDeposit();
 
 // DepositBitsPortable's result; pdep where fast (`fast`: HasFastDeposit()).

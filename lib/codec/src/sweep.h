@@ -10,10 +10,10 @@
 // Decoding: per-class ranks back to positions (ResolveRankSweep), one pass
 // over the base.
 //
-// Both take the first change of a block (or of a class in a word) without a
-// data-dependent branch where changes are common: at RL change rates
-// (0.1-10%) about half the blocks have none, and a branch on it would
-// mispredict every other block.
+// Neither branches on whether a block has a change: at RL change rates
+// (0.1-10%) about half the blocks have none, and such a branch would
+// mispredict every other block. The encode sweep takes the first change of
+// a block without a branch; the resolution deposits bits (no branch at all).
 #pragma once
 
 #include <algorithm>
@@ -22,7 +22,6 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
-#include <type_traits>
 #include <vector>
 
 #include "block_ops.h"
