@@ -74,6 +74,7 @@ bool SameLayout(const std::vector<OwnedTensor>& to, std::span<const codec::Tenso
 // copied), in pieces over the pool (nullptr: this thread): one thread does
 // not reach the memory's bandwidth.
 Status CopyInto(std::span<const codec::TensorView> from, std::vector<OwnedTensor>& to, ThreadPool* pool);
+
 std::vector<codec::TensorView> Views(const std::vector<OwnedTensor>& tensors);
 std::vector<codec::MutableTensorView> MutableViews(std::vector<OwnedTensor>& tensors);
 
