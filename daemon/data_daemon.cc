@@ -308,6 +308,9 @@ class Source : public Node, public v1::Local::Service {
   // Tells the coordinator of a version the history holds (`ms`: since the
   // publish began, for the log).
   wsync::Status Announce(const PublishedVersion& pub, double ms) {
+    if (pub.version == config_.fail_announce) {
+      return UnavailableError("announcing version " + std::to_string(pub.version) + ": injected failure");
+    }
     v1::VersionSummary v;
     v.set_version(pub.version);
     v.set_base_version(pub.base_version);

@@ -31,6 +31,7 @@ struct DataDaemonConfig {
   unsigned threads = 2;                  // codec threads
   uint64_t rate_limit_bytes_per_s = 0;   // per data-plane link
   uint64_t corrupt_every = 0;            // fault injection (tests)
+  uint64_t fail_announce = 0;            // fault injection (tests): announcing this version fails
 };
 
 class DataDaemon {

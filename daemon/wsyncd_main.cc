@@ -149,6 +149,9 @@ int main(int argc, char** argv) {
     cmd->add_option("--rate-limit", data.rate_limit_bytes_per_s, "bytes/s per data-plane link (0: none)");
     cmd->add_option("--inject-corrupt-every", data.corrupt_every, "fault injection: corrupt every Nth chunk sent")
         ->group("");
+    cmd->add_option("--inject-fail-announce", data.fail_announce,
+                    "fault injection: the source's announce of this version to the coordinator fails")
+        ->group("");
   };
   auto* source = app.add_subcommand("source", "run next to a trainer: snapshot, encode, publish, serve");
   add_data_flags(source);

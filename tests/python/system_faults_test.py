@@ -6,7 +6,8 @@ coordinator restart lose nothing and versions keep growing; injected chunk
 corruption is detected and re-fetched; a sink lagging beyond max_staleness
 is evicted to a keyframe (evict policy) or holds the trainer back (block);
 a trainer that returns after the source's copy (publish --after-copy)
-publishes back to back and every sink ends bit-exact.
+publishes back to back and every sink ends bit-exact, a failed background
+publish included.
 
     system_faults_test.py BUILD DATA_DIR
 """
@@ -165,17 +166,35 @@ def staleness(build, snaps):
 
 def publish_after_copy(build, snaps):
     # The trainer goes on as soon as its weights are copied: versions
-    # published back to back that way reach every sink bit-exactly, and a
-    # version that is not above the head is refused at once.
-    system = scenario("publish-after-copy", build)
+    # published back to back that way reach every sink bit-exactly; a version
+    # that is not above the head is refused at once; a version whose
+    # background publish fails (injected: its announce to the coordinator)
+    # is reported by the next publish, and the one after recovers.
+    last = len(snaps)
+    system = scenario("publish-after-copy", build, source_args=["--inject-fail-announce", str(last - 2)])
     try:
         system.attach_buffers(snaps[0])
-        last = len(snaps)
-        for v in range(1, last + 1):
+        for v in range(1, last - 2):
             system.publish(snaps[v - 1], v, after_copy=True)
+        if system.device_args:
+            # Device regions publish before returning: the failure comes at once.
+            try:
+                system.publish(snaps[last - 3], last - 2, after_copy=True)
+                check(False, "the failed publish is reported")
+            except RuntimeError as e:
+                check("injected failure" in str(e), "the failed publish is reported at once (device region)")
+        else:
+            system.publish(snaps[last - 3], last - 2, after_copy=True)  # copied; its announce fails behind
+            try:
+                system.publish(snaps[last - 2], last - 1, after_copy=True)
+                check(False, "the failed background publish is reported")
+            except RuntimeError as e:
+                check(f"version {last - 2}, copied and published in the background" in str(e),
+                      "the next publish reports the failed background publish, naming its version")
+        system.publish(snaps[last - 2], last - 1, after_copy=True)
+        system.publish(snaps[last - 1], last, after_copy=True)
         synced(system, last)
         check(all(system.verify(s, snaps[-1], last) for s in system.sinks), "every sink bit-exact at the last version")
-        check("in the background:" not in system.log("source"), "no background publish failed")
         try:
             system.publish(snaps[0], last, after_copy=True)
             check(False, "a version not above the head is refused")
