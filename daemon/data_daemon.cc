@@ -328,7 +328,7 @@ class Source : public Node, public v1::Local::Service {
   }
 
   // Waits for a version being published in the background; returns (once)
-  // what became of it. REQUIRES: publish_mu_ held, or the daemon stopping.
+  // what became of it. REQUIRES: publish_mu_ held.
   wsync::Status JoinBackground() {
     if (publisher_.joinable()) publisher_.join();
     return std::exchange(background_status_, wsync::Status::Ok());
@@ -599,10 +599,10 @@ class Sink : public Node, public v1::Local::Service, public PatchProvider {
     auto node = coordinator_->ReportApplied(config_.name, w->applied());
     if (!node.ok()) spdlog::warn("sink {}: report: {}", config_.name, node.status().ToString());
     using Ms = std::chrono::duration<double, std::milli>;
+    const auto done = Clock::now();
     spdlog::info("sink {}: version {} applied from {} ({} {} bytes, {:.1f} ms: transfer {:.1f} ms, apply {:.1f} ms)",
                  config_.name, w->applied(), parent, stream->kind() == codec::PatchKind::kKeyframe ? "keyframe" : "patch",
-                 stream->total_bytes(), Ms(Clock::now() - t0).count(), Ms(received - t0).count(),
-                 Ms(Clock::now() - received).count());
+                 stream->total_bytes(), Ms(done - t0).count(), Ms(received - t0).count(), Ms(done - received).count());
     return wsync::Status::Ok();
   }
 

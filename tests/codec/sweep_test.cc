@@ -100,13 +100,14 @@ void CheckSweep(size_t n, double density, int k, uint64_t seed) {
     std::vector<std::vector<uint32_t>> by_class(k);
     for (size_t i = 0; i < m; ++i) by_class[spec.ClassOf(got.old[i])].push_back(got.rank[i]);
     std::vector<const uint32_t*> ranks(k);
+    std::vector<uint64_t> counts(k);
     for (int c = 0; c < k; ++c) {
-      by_class[c].push_back(kNoRank);
       ranks[c] = by_class[c].data();
+      counts[c] = by_class[c].size();
     }
     std::vector<uint32_t> pos(m + 2);
     std::vector<uint64_t> done(k);
-    const size_t found = ResolveRankSweep(base.data(), n, spec, ranks.data(), m, pos.data(), done.data());
+    const size_t found = ResolveRankSweep(base.data(), n, spec, ranks.data(), counts.data(), pos.data(), done.data());
     ASSERT_EQ(found, m);
     pos.resize(m);
     EXPECT_EQ(pos, got.d.pos);
@@ -138,11 +139,12 @@ TEST(Sweep, RankBeyondItsClassIsReported) {
   size_t size[3] = {};
   for (uint16_t x : base) ++size[spec.ClassOf(x)];
   // Class 1: its first rank is fine, its second one past its last member.
-  std::vector<uint32_t> r0 = {kNoRank}, r1 = {0, static_cast<uint32_t>(size[1]), kNoRank}, r2 = {kNoRank};
-  const uint32_t* ranks[3] = {r0.data(), r1.data(), r2.data()};
+  std::vector<uint32_t> r1 = {0, static_cast<uint32_t>(size[1])};
+  const uint32_t* ranks[3] = {nullptr, r1.data(), nullptr};
+  const uint64_t counts[3] = {0, 2, 0};
   std::vector<uint32_t> pos(4);
   uint64_t done[3];
-  const size_t found = ResolveRankSweep(base.data(), base.size(), spec, ranks, 2, pos.data(), done);
+  const size_t found = ResolveRankSweep(base.data(), base.size(), spec, ranks, counts, pos.data(), done);
   EXPECT_EQ(found, 1u);
   EXPECT_EQ(done[1], 1u);
 }

@@ -456,22 +456,17 @@ template <typename T>
 Status ResolveRanks(const T* base, size_t n, ChunkPositions* cp) {
   if (!cp->ranked) return Status::Ok();
   const ClassSpec& spec = cp->spec;
-  // Each class's ranks followed by the sweep's end marker.
-  std::vector<uint32_t> marked(cp->ranks.size() + spec.k);
+  // The ranks are stored class after class.
   std::vector<const uint32_t*> ranks(spec.k);
-  {
-    const uint32_t* from = cp->ranks.data();
-    uint32_t* to = marked.data();
-    for (int c = 0; c < spec.k; ++c) {
-      ranks[c] = to;
-      to = std::copy(from, from + cp->class_counts[c], to);
-      from += cp->class_counts[c];
-      *to++ = kNoRank;
-    }
+  const uint32_t* next = cp->ranks.data();
+  for (int c = 0; c < spec.k; ++c) {
+    ranks[c] = next;
+    next += cp->class_counts[c];
   }
   std::vector<uint64_t> done(spec.k);
   cp->pos.resize(cp->ranks.size() + 2);
-  const size_t found = ResolveRankSweep(base, n, spec, ranks.data(), cp->ranks.size(), cp->pos.data(), done.data());
+  const size_t found =
+      ResolveRankSweep(base, n, spec, ranks.data(), cp->class_counts.data(), cp->pos.data(), done.data());
   cp->pos.resize(found);
   if (found != cp->ranks.size()) {
     for (int c = 0; c < spec.k; ++c) {

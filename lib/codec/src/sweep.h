@@ -172,9 +172,6 @@ void SampleChanges(const T* base, const T* target, size_t n, SparseDelta<T>* d, 
   }
 }
 
-// The end of a class's ranks in ResolveRankSweep's input.
-inline constexpr uint32_t kNoRank = 0xFFFFFFFFu;
-
 // 64-element words per ResolveRankSweep segment: the segment's class masks
 // (8 KiB at 8 classes) stay in L1 between the phases.
 inline constexpr size_t kResolveWords = 128;
@@ -188,15 +185,14 @@ inline constexpr size_t kResolveWords = 128;
 // many there are; last, the segment's change bitmap in position order.
 template <int K, typename T>
 size_t ResolveRankSweepK(const T* base, size_t n, const ClassSpec& spec, const uint32_t* const* ranks,
-                         size_t total, uint32_t* pos, uint64_t* done_out) {
+                         const uint64_t* count, uint32_t* pos, uint64_t* done_out) {
   const GeKernel<T> ge_kernel(spec);
   static const bool fast_deposit = HasFastDeposit();
   // Class c's bitmap is words [offset[c], offset[c + 1]): its ranks' bits
   // and a zero word past them (the extraction reads two words).
-  size_t count[K], offset[K + 1] = {};
+  size_t total = 0, offset[K + 1] = {};
   for (int c = 0; c < K; ++c) {
-    count[c] = 0;
-    while (ranks[c][count[c]] != kNoRank) ++count[c];
+    total += count[c];
     const size_t bits = count[c] == 0 ? 0 : size_t{ranks[c][count[c] - 1]} + 1;
     offset[c + 1] = offset[c] + (bits + 63) / 64 + 1;
   }
@@ -290,21 +286,21 @@ size_t ResolveRankSweepK(const T* base, size_t n, const ClassSpec& spec, const u
 }
 
 // Turns per-class ranks into positions by sweeping the base's classes:
-// ranks[c] holds class c's ascending ranks followed by kNoRank; total is the
-// number of ranks. Writes the positions, ascending, to pos (room for total
-// + 2) and returns how many were found: fewer when a rank lies beyond its
-// class, and then done[c] is the index of class c's first rank not found.
+// ranks[c] holds class c's count[c] ascending ranks. Writes the positions,
+// ascending, to pos (room for their total + 2) and returns how many were
+// found: fewer when a rank lies beyond its class, and then done[c] is the
+// index of class c's first rank not found.
 template <typename T>
-size_t ResolveRankSweep(const T* base, size_t n, const ClassSpec& spec, const uint32_t* const* ranks, size_t total,
-                        uint32_t* pos, uint64_t* done) {
+size_t ResolveRankSweep(const T* base, size_t n, const ClassSpec& spec, const uint32_t* const* ranks,
+                        const uint64_t* count, uint32_t* pos, uint64_t* done) {
   switch (spec.k) {
-    case 2: return ResolveRankSweepK<2>(base, n, spec, ranks, total, pos, done);
-    case 3: return ResolveRankSweepK<3>(base, n, spec, ranks, total, pos, done);
-    case 4: return ResolveRankSweepK<4>(base, n, spec, ranks, total, pos, done);
-    case 5: return ResolveRankSweepK<5>(base, n, spec, ranks, total, pos, done);
-    case 6: return ResolveRankSweepK<6>(base, n, spec, ranks, total, pos, done);
-    case 7: return ResolveRankSweepK<7>(base, n, spec, ranks, total, pos, done);
-    default: return ResolveRankSweepK<8>(base, n, spec, ranks, total, pos, done);
+    case 2: return ResolveRankSweepK<2>(base, n, spec, ranks, count, pos, done);
+    case 3: return ResolveRankSweepK<3>(base, n, spec, ranks, count, pos, done);
+    case 4: return ResolveRankSweepK<4>(base, n, spec, ranks, count, pos, done);
+    case 5: return ResolveRankSweepK<5>(base, n, spec, ranks, count, pos, done);
+    case 6: return ResolveRankSweepK<6>(base, n, spec, ranks, count, pos, done);
+    case 7: return ResolveRankSweepK<7>(base, n, spec, ranks, count, pos, done);
+    default: return ResolveRankSweepK<8>(base, n, spec, ranks, count, pos, done);
   }
 }
 
