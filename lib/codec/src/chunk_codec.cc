@@ -9,6 +9,7 @@
 
 #include "bytes.h"
 #include "range_coder.h"
+#include "rans.h"
 #include "sweep.h"
 #include "zstd_util.h"
 
@@ -204,58 +205,118 @@ bool ReadClassHeader(std::string_view stream, ExponentField ef, ClassSpec* spec,
 
 // ----------------------------------------------------------------- values
 
-// A delta s != 0 (as a signed w-bit number) is coded as its sign, whether
-// |s| == 1 (the common case at RL learning rates), and else |s| - 2 as an
-// Exp-Golomb code; contexts are per class, the sign's also per old sign.
-struct ValueModels {
-  BitModel sign[kMaxClasses][2];
-  BitModel one[kMaxClasses];
-  EGModel mag[kMaxClasses];
+// A delta d != 0, read as a signed w-bit number, is one rANS symbol (its
+// sign and magnitude bucket, tables per class) plus the magnitude's offset
+// in its bucket as plain bits:
+//   |d| 1..5: symbol 2(|d|-1) + negative
+//   |d| 6..9: symbol 10 + negative, 2 bits of |d| - 6
+//   |d| 10..17: symbol 12 + negative, 3 bits of |d| - 10
+//   |d| >= 18: symbol 14, the sign bit, Elias gamma of |d| - 18
+// Symbol 15 does not occur. At RL learning rates almost every change is one
+// unit in the last place.
+struct ValueSymbol {
+  uint8_t sym;
+  uint8_t extra_bits;  // of `extra`, except for the escape
+  uint64_t extra;
 };
 
+inline constexpr int kValueEscape = 14;
+inline constexpr uint8_t kValueBase[kRansSymbols] = {1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 10, 10, 18, 0};
+inline constexpr uint8_t kValueExtra[kRansSymbols] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 3, 3, 0, 0};
+
 template <typename T>
-int OldSign(const T* old, size_t i, const ClassSpec& spec) {
-  return spec.k > 1 ? static_cast<int>((old[i] >> (kBits<T> - 1)) & 1) : 0;
+ValueSymbol ValueSymbolOf(T delta) {
+  const int neg = static_cast<int>((delta >> (kBits<T> - 1)) & 1);
+  const uint64_t mag = static_cast<uint64_t>(neg ? static_cast<T>(T{0} - delta) : delta);
+  if (mag <= 5) return {static_cast<uint8_t>(2 * (mag - 1) + neg), 0, 0};
+  if (mag <= 9) return {static_cast<uint8_t>(10 + neg), 2, mag - 6};
+  if (mag <= 17) return {static_cast<uint8_t>(12 + neg), 3, mag - 10};
+  return {kValueEscape, 0, mag - 18};
 }
 
 template <typename T>
-void EncodeValues(const T* old, const SparseDelta<T>& d, const std::vector<uint8_t>& cls,
-                  const ClassSpec& spec, std::string* out) {
-  auto models = std::make_unique<ValueModels>();
-  RangeEncoder enc(out);
-  for (size_t i = 0; i < d.pos.size(); ++i) {
-    const int c = cls[i];
-    const T delta = d.delta[i];
-    const int neg = static_cast<int>((delta >> (kBits<T> - 1)) & 1);
-    const T mag = neg ? static_cast<T>(T{0} - delta) : delta;
-    enc.Encode(models->sign[c][OldSign(old, i, spec)], neg);
-    enc.Encode(models->one[c], mag != 1);
-    if (mag != 1) enc.EncodeEG(models->mag[c], static_cast<uint64_t>(mag) - 2);
+void EncodeValues(const SparseDelta<T>& d, const std::vector<uint8_t>& cls, std::string* out) {
+  const size_t m = d.pos.size();
+  std::vector<ValueSymbol> syms(m);
+  uint32_t counts[kMaxClasses][kRansSymbols] = {};
+  for (size_t i = 0; i < m; ++i) {
+    syms[i] = ValueSymbolOf(d.delta[i]);
+    ++counts[cls[i]][syms[i].sym];
   }
-  enc.Finish();
-}
-
-template <typename T>
-Status DecodeValues(std::string_view stream, const T* old, const std::vector<uint8_t>& cls,
-                    const ClassSpec& spec, SparseDelta<T>* out) {
-  auto models = std::make_unique<ValueModels>();
-  RangeDecoder dec(stream);
-  const uint64_t max = (uint64_t{1} << (kBits<T> - 1)) - 2;
-  out->delta.resize(out->pos.size());
-  for (size_t i = 0; i < out->pos.size(); ++i) {
-    const int c = cls[i];
-    const int neg = dec.Decode(models->sign[c][OldSign(old, i, spec)]);
-    uint64_t u = 0;
-    if (dec.Decode(models->one[c])) {
-      if (!dec.DecodeEG(models->mag[c], max, &u)) {
-        return DataLossError("value stream: delta " + std::to_string(i) + " out of range");
-      }
-      u += 1;
+  BitWriter bits;
+  RansTable tables[kMaxClasses];
+  for (int c = 0; c < kMaxClasses; ++c) {
+    if (std::any_of(counts[c], counts[c] + kRansSymbols, [](uint32_t v) { return v > 0; })) {
+      tables[c] = ChooseRansTable(counts[c], &bits);
     }
-    const T mag = static_cast<T>(u + 1);
-    out->delta[i] = neg ? static_cast<T>(T{0} - mag) : mag;
   }
-  if (dec.overrun() > 4 || dec.corrupt()) return DataLossError("value stream: truncated or corrupt");
+  for (size_t i = 0; i < m; ++i) {
+    const ValueSymbol& s = syms[i];
+    if (s.sym == kValueEscape) {
+      bits.Put(static_cast<uint64_t>((d.delta[i] >> (kBits<T> - 1)) & 1), 1);
+      bits.PutGamma(s.extra);
+    } else {
+      bits.Put(s.extra, s.extra_bits);
+    }
+  }
+  RansEncoder enc;
+  enc.Encode(m, [&](size_t i) -> const RansEncSymbol& { return tables[cls[i]].enc[syms[i].sym]; });
+  enc.Finish(out);
+  bits.AppendTo(out);
+}
+
+// Splits a rANS stream into its words and its bits.
+bool SplitRansStream(std::string_view stream, std::string_view* words, std::string_view* bits) {
+  ByteReader r(stream, "rANS stream");
+  uint64_t count = 0;
+  if (!r.Varint(&count, "word count") || count < 4 || count > stream.size() / 2) return false;
+  std::string_view w;
+  if (!r.Bytes(static_cast<size_t>(count) * 2, &w, "words")) return false;
+  *words = w;
+  *bits = stream.substr(r.position());
+  return true;
+}
+
+template <typename T>
+Status DecodeValues(std::string_view stream, const std::vector<uint8_t>& cls, SparseDelta<T>* out) {
+  const size_t m = out->pos.size();
+  std::string_view words, raw;
+  if (!SplitRansStream(stream, &words, &raw)) return DataLossError("value stream: malformed word count");
+  BitReader bits(raw);
+  uint64_t counts[kMaxClasses] = {};
+  for (size_t i = 0; i < m; ++i) ++counts[cls[i]];
+  auto tables = std::make_unique<RansDecodeTable[]>(kMaxClasses);
+  for (int c = 0; c < kMaxClasses; ++c) {
+    if (counts[c] == 0) continue;
+    RansTable t;
+    if (!ReadRansTable(&bits, &t)) return DataLossError("value stream: class " + std::to_string(c) + ": bad table");
+    tables[c].Build(t);
+  }
+  RansDecoder dec(words);
+  const uint64_t max_escape = (uint64_t{1} << (kBits<T> - 1)) - kValueBase[kValueEscape];
+  out->delta.resize(m);
+  T* delta = out->delta.data();
+  const bool decoded = dec.Run(
+      0, m, [&](size_t i) -> const RansDecodeTable& { return tables[cls[i]]; },
+      [&](size_t i, uint32_t entry) {
+        const uint32_t sym = entry & 0xF;
+        uint64_t mag;
+        int neg;
+        if (sym < kValueEscape) {
+          neg = static_cast<int>(sym & 1);
+          mag = kValueBase[sym] + bits.Get(kValueExtra[sym]);
+        } else {
+          neg = static_cast<int>(bits.Get(1));
+          uint64_t extra;
+          if (sym != kValueEscape || !bits.GetGamma(max_escape, &extra)) return false;
+          mag = kValueBase[kValueEscape] + extra;
+        }
+        const T t = static_cast<T>(mag);
+        delta[i] = neg ? static_cast<T>(T{0} - t) : t;
+        return true;
+      });
+  if (!decoded) return DataLossError("value stream: a delta out of range");
+  if (!dec.Finish() || !bits.ExactlyConsumed()) return DataLossError("value stream: truncated or corrupt");
   return Status::Ok();
 }
 
@@ -268,31 +329,6 @@ std::vector<uint8_t> ClassesOf(const T* old, size_t m, const ClassSpec& spec) {
     for (size_t i = 0; i < m; ++i) cls[i] = class_of[spec.Exponent(old[i])];
   }
   return cls;
-}
-
-// ----------------------------------------------------------- sparse mode
-
-// Gaps between the ranks of a class's changes are Golomb-Rice coded: the
-// quotient gap >> r in unary with adaptive contexts (escaping to Exp-Golomb
-// past kUnary), the r low bits at probability 1/2. r is chosen per class
-// from the mean gap, so a class changing with probability p costs close to
-// H(p) per element.
-constexpr int kUnary = 16;
-constexpr int kMaxRice = 31;
-
-struct SparseModels {
-  EGModel count;
-  BitModel quotient[kMaxClasses][kUnary];
-  EGModel escape[kMaxClasses];
-};
-
-int RiceParameter(uint64_t gap_sum, uint64_t count) {
-  if (count == 0) return 0;
-  // Golomb's optimal divisor for a geometric source is about 0.69 * mean.
-  const double m = 0.69 * static_cast<double>(gap_sum) / static_cast<double>(count);
-  int r = 0;
-  while (r < kMaxRice && static_cast<double>(uint64_t{2} << r) <= m) ++r;
-  return r;
 }
 
 // Per-class ranks of the changed positions, by sweeping the class masks of
@@ -332,6 +368,64 @@ void RanksByClassImpl(const T* base, size_t n, const std::vector<uint32_t>& pos,
   }
 }
 
+// ----------------------------------------------------------- sparse mode
+
+// Gaps between the ranks of a class's changes: with the class's shift r,
+// the quotient q = gap >> r is one rANS symbol (table per class), the rest
+// plain bits:
+//   q 0..7: symbol q
+//   q 8..127: symbols 8..14 by bit length and next bit (buckets [8,12),
+//     [12,16), [16,24), [24,32), [32,48), [48,64), [64,128)), then q's
+//     offset in its bucket (2, 2, 3, 3, 4, 4, 6 bits)
+//   q >= 128: symbol 15, Elias gamma of q - 128
+// followed by the r low bits of the gap. r is chosen per class, so a class
+// changing with probability p costs close to H(p) per element, a dense one
+// well under a bit per change.
+constexpr int kMaxShift = 31;
+constexpr int kGapEscape = 15;
+inline constexpr uint8_t kGapBase[kRansSymbols] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32, 48, 64, 128};
+inline constexpr uint8_t kGapExtra[kRansSymbols] = {0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 3, 3, 4, 4, 6, 0};
+
+// The symbol of quotient q (< 128: the table; else the escape).
+constexpr std::array<uint8_t, 128> kGapSymbol = [] {
+  std::array<uint8_t, 128> t{};
+  int s = 0;
+  for (int q = 0; q < 128; ++q) {
+    while (s + 1 < kGapEscape && q >= kGapBase[s + 1]) ++s;
+    t[q] = static_cast<uint8_t>(s);
+  }
+  return t;
+}();
+
+uint8_t GapSymbol(uint64_t q) { return q < 128 ? kGapSymbol[q] : kGapEscape; }
+
+// Symbol counts of a class's gaps at three consecutive shifts r0, r0+1,
+// r0+2 (one pass), and the estimated bits of coding them at each.
+struct GapCosts {
+  uint32_t counts[3][kRansSymbols] = {};
+  double bits[3] = {};
+};
+
+GapCosts CountGaps(const uint32_t* gaps, size_t count, int r0) {
+  GapCosts g;
+  uint64_t escape_bits[3] = {};
+  for (size_t i = 0; i < count; ++i) {
+#pragma GCC unroll 3
+    for (int t = 0; t < 3; ++t) {
+      const uint64_t q = gaps[i] >> (r0 + t);
+      const uint8_t s = GapSymbol(q);
+      ++g.counts[t][s];
+      if (s == kGapEscape) escape_bits[t] += static_cast<uint64_t>(GammaBits(q - kGapBase[kGapEscape]));
+    }
+  }
+  for (int t = 0; t < 3; ++t) {
+    uint64_t extra = escape_bits[t] + static_cast<uint64_t>(count) * static_cast<uint64_t>(r0 + t);
+    for (int s = 0; s < kRansSymbols; ++s) extra += uint64_t{g.counts[t][s]} * kGapExtra[s];
+    g.bits[t] = static_cast<double>(extra) + RansCostBits(g.counts[t]);
+  }
+  return g;
+}
+
 void EncodeSparsePositions(const std::vector<uint8_t>& cls, const uint32_t* rank, const ClassSpec& spec,
                            std::string* out) {
   WriteClassHeader(spec, out);
@@ -353,50 +447,62 @@ void EncodeSparsePositions(const std::vector<uint8_t>& cls, const uint32_t* rank
     sum[c] += g;
     next[c] = rank[i] + 1;
   }
-  int rice[kMaxClasses];
+
+  BitWriter bits;
+  for (int c = 0; c < spec.k; ++c) bits.PutGamma(count[c]);
+  int shift[kMaxClasses] = {};
+  RansTable tables[kMaxClasses];
   for (int c = 0; c < spec.k; ++c) {
-    rice[c] = RiceParameter(sum[c], count[c]);
-    out->push_back(static_cast<char>(rice[c]));
+    if (count[c] == 0) continue;
+    // The shift that puts the mean quotient near 4, or a neighbour.
+    const uint64_t mean = sum[c] / count[c];
+    const int r0 = std::clamp(static_cast<int>(std::bit_width(mean / 4)) - 2, 0, kMaxShift - 2);
+    const GapCosts costs = CountGaps(gaps.data() + start[c], count[c], r0);
+    const int best = static_cast<int>(std::min_element(costs.bits, costs.bits + 3) - costs.bits);
+    shift[c] = r0 + best;
+    const uint32_t* best_counts = costs.counts[best];
+    bits.Put(static_cast<uint64_t>(shift[c]), 5);
+    tables[c] = ChooseRansTable(best_counts, &bits);
   }
-  auto models = std::make_unique<SparseModels>();
-  RangeEncoder enc(out);
-  for (int c = 0; c < spec.k; ++c) enc.EncodeEG(models->count, count[c]);
+  std::vector<uint8_t> syms(gaps.size());
   for (int c = 0; c < spec.k; ++c) {
-    const int r = rice[c];
-    BitModel* q = models->quotient[c];
-    for (size_t gi = start[c]; gi < start[c + 1]; ++gi) {
-      const uint32_t g = gaps[gi];
-      const uint32_t quotient = g >> r;
-      const uint32_t unary = quotient < kUnary ? quotient : kUnary;
-      for (uint32_t j = 0; j < unary; ++j) enc.Encode(q[j], 1);
-      if (quotient < kUnary) {
-        enc.Encode(q[quotient], 0);
+    const int r = shift[c];
+    for (size_t i = start[c]; i < start[c + 1]; ++i) {
+      const uint64_t g = gaps[i];
+      const uint64_t q = g >> r;
+      const uint8_t s = GapSymbol(q);
+      syms[i] = s;
+      const uint64_t low = g & ((uint64_t{1} << r) - 1);
+      if (s == kGapEscape) {
+        bits.PutGamma(q - kGapBase[kGapEscape]);
+        bits.Put(low, r);
       } else {
-        enc.EncodeEG(models->escape[c], quotient - kUnary);
+        bits.Put(((q - kGapBase[s]) << r) | low, kGapExtra[s] + r);
       }
-      if (r > 0) enc.EncodeDirect(g, r);
     }
   }
-  enc.Finish();
+  // The symbols with their tables, class after class.
+  std::vector<const RansEncSymbol*> coded(gaps.size());
+  for (int c = 0; c < spec.k; ++c) {
+    for (size_t i = start[c]; i < start[c + 1]; ++i) coded[i] = &tables[c].enc[syms[i]];
+  }
+  RansEncoder enc;
+  enc.Encode(coded.size(), [&](size_t i) -> const RansEncSymbol& { return *coded[i]; });
+  enc.Finish(out);
+  bits.AppendTo(out);
 }
 
 // Decodes the per-class ranks of a sparse chunk; positions follow from
 // them alone when k == 1, else from the base (ResolveRanks).
 Status DecodeSparseRanks(std::string_view coded, size_t n, uint64_t changed, ChunkPositions* out) {
   const ClassSpec& spec = out->spec;
-  if (coded.size() < static_cast<size_t>(spec.k)) return DataLossError("position stream: truncated Rice parameters");
-  int rice[kMaxClasses];
-  for (int c = 0; c < spec.k; ++c) {
-    rice[c] = static_cast<uint8_t>(coded[c]);
-    if (rice[c] > kMaxRice) return DataLossError("position stream: Rice parameter " + std::to_string(rice[c]));
-  }
-  coded.remove_prefix(spec.k);
-  auto models = std::make_unique<SparseModels>();
-  RangeDecoder dec(coded);
+  std::string_view words, raw;
+  if (!SplitRansStream(coded, &words, &raw)) return DataLossError("position stream: malformed word count");
+  BitReader bits(raw);
   uint64_t counts[kMaxClasses];
   uint64_t sum = 0;
   for (int c = 0; c < spec.k; ++c) {
-    if (!dec.DecodeEG(models->count, changed - sum, &counts[c])) {
+    if (!bits.GetGamma(changed - sum, &counts[c])) {
       return DataLossError("position stream: class " + std::to_string(c) + " count exceeds the " +
                            std::to_string(changed) + " changed elements");
     }
@@ -406,31 +512,56 @@ Status DecodeSparseRanks(std::string_view coded, size_t n, uint64_t changed, Chu
     return DataLossError("position stream: class counts sum to " + std::to_string(sum) +
                          ", directory says " + std::to_string(changed));
   }
+  int shift[kMaxClasses] = {};
+  auto tables = std::make_unique<RansDecodeTable[]>(spec.k);
+  for (int c = 0; c < spec.k; ++c) {
+    if (counts[c] == 0) continue;
+    shift[c] = static_cast<int>(bits.Get(5));
+    RansTable t;
+    if (!ReadRansTable(&bits, &t)) return DataLossError("position stream: class " + std::to_string(c) + ": bad table");
+    tables[c].Build(t);
+  }
   // Target ranks per class, ascending.
   out->class_counts.assign(counts, counts + spec.k);
   out->ranks.resize(changed);
   uint32_t* rank_out = out->ranks.data();
+  RansDecoder dec(words);
+  size_t first = 0;
   for (int c = 0; c < spec.k; ++c) {
     uint64_t next = 0;
-    const int r = rice[c];
-    BitModel* q = models->quotient[c];
-    for (uint64_t i = 0; i < counts[c]; ++i) {
-      uint64_t quotient = 0;
-      while (quotient < kUnary && dec.Decode(q[quotient])) ++quotient;
-      uint64_t escaped = 0;
-      const bool escape_ok = quotient < kUnary || dec.DecodeEG(models->escape[c], n >> r, &escaped);
-      quotient += escaped;
-      const uint64_t gap = (quotient << r) | (r > 0 ? dec.DecodeDirect(r) : 0);
-      if (!escape_ok || next >= n || gap > n - 1 - next) {
-        return DataLossError("position stream: class " + std::to_string(c) + " gap " +
-                             std::to_string(i) + " overruns the chunk of " + std::to_string(n) +
-                             " elements");
-      }
-      *rank_out++ = static_cast<uint32_t>(next + gap);
-      next = next + gap + 1;
+    const int r = shift[c];
+    const uint64_t low_mask = (uint64_t{1} << r) - 1;
+    const RansDecodeTable& table = tables[c];
+    const bool decoded = dec.Run(
+        first, counts[c], [&](size_t) -> const RansDecodeTable& { return table; },
+        [&](size_t, uint32_t entry) {
+          const uint32_t s = entry & 0xF;
+          uint64_t q;
+          uint64_t low;
+          bool ok = true;
+          if (s != kGapEscape) {
+            const uint64_t v = bits.Get(kGapExtra[s] + r);
+            q = kGapBase[s] + (v >> r);
+            low = v & low_mask;
+          } else {
+            ok = bits.GetGamma(n, &q);
+            q += kGapBase[kGapEscape];
+            low = bits.Get(r);
+          }
+          const uint64_t gap = (q << r) | low;
+          if (!ok || q > n || next >= n || gap > n - 1 - next) return false;
+          *rank_out++ = static_cast<uint32_t>(next + gap);
+          next = next + gap + 1;
+          return true;
+        });
+    if (!decoded) {
+      return DataLossError("position stream: class " + std::to_string(c) + " gap " +
+                           std::to_string(rank_out - out->ranks.data() - static_cast<ptrdiff_t>(first)) +
+                           " overruns the chunk of " + std::to_string(n) + " elements");
     }
+    first += counts[c];
   }
-  if (dec.overrun() > 4 || dec.corrupt()) return DataLossError("position stream: truncated or corrupt");
+  if (!dec.Finish() || !bits.ExactlyConsumed()) return DataLossError("position stream: truncated or corrupt");
 
   if (spec.k == 1) {
     out->pos = std::move(out->ranks);
@@ -717,7 +848,7 @@ EncodedChunk EncodeChunkStaged(size_t n, const SparseDelta<T>& d, const T* old, 
 
   const std::vector<uint8_t> cls = ClassesOf(old, m, spec);
   std::string val;
-  EncodeValues(old, d, cls, spec, &val);
+  EncodeValues(d, cls, &val);
   if (try_sparse) {
     std::string pos;
     EncodeSparsePositions(cls, spec.k > 1 ? rank : d.pos.data(), spec, &pos);
@@ -840,7 +971,7 @@ Status DecodeChunkValues(std::string_view val, const ChunkPositions& cp, const T
     return FailedPreconditionError("chunk is coded relative to the base's exponents; the base is needed");
   }
   out->pos = cp.pos;
-  return DecodeValues(val, old, ClassesOf(old, cp.pos.size(), cp.spec), cp.spec, out);
+  return DecodeValues(val, ClassesOf(old, cp.pos.size(), cp.spec), out);
 }
 
 template <typename T>

@@ -13,7 +13,7 @@
 namespace wsync::codec::internal {
 
 inline constexpr char kMagic[8] = {'W', 'S', 'Y', 'N', 'C', 'P', 'A', 'T'};
-inline constexpr uint16_t kFormatVersion = 1;
+inline constexpr uint16_t kFormatVersion = 2;
 inline constexpr size_t kPreambleBytes = 40;
 inline constexpr size_t kChecksumOffset = 32;
 inline constexpr uint32_t kMinChunkBytes = 1u << 20;

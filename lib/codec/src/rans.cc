@@ -1,0 +1,163 @@
+#include "rans.h"
+
+#include <cmath>
+
+namespace wsync::codec::internal {
+namespace {
+
+// log2(f) for f in [0, 2^10] (entry 0 unused).
+const std::array<double, kRansScale + 1>& Log2Table() {
+  static const std::array<double, kRansScale + 1> table = [] {
+    std::array<double, kRansScale + 1> t{};
+    for (uint32_t f = 1; f <= kRansScale; ++f) t[f] = std::log2(static_cast<double>(f));
+    return t;
+  }();
+  return table;
+}
+
+// Frequencies at precision p (summing to 2^p, every present symbol >= 1);
+// false when p cannot hold them.
+bool Normalize(const uint32_t* counts, int p, uint32_t* freq) {
+  uint64_t total = 0;
+  int present = 0, largest = -1;
+  for (int s = 0; s < kRansSymbols; ++s) {
+    total += counts[s];
+    present += counts[s] > 0;
+    if (counts[s] > 0 && (largest < 0 || counts[s] > counts[largest])) largest = s;
+  }
+  const uint64_t scale = uint64_t{1} << p;
+  if (present == 0 || scale < static_cast<uint64_t>(present)) return false;
+  int64_t sum = 0;
+  for (int s = 0; s < kRansSymbols; ++s) {
+    freq[s] = counts[s] == 0 ? 0 : static_cast<uint32_t>(std::max<uint64_t>(1, counts[s] * scale / total));
+    sum += freq[s];
+  }
+  const int64_t fixed = static_cast<int64_t>(freq[largest]) + static_cast<int64_t>(scale) - sum;
+  if (fixed < 1) return false;
+  freq[largest] = static_cast<uint32_t>(fixed);
+  return true;
+}
+
+double HeaderBits(const uint32_t* freq) {
+  double bits = 4 + kRansSymbols;
+  int last = -1;
+  for (int s = 0; s < kRansSymbols; ++s) {
+    if (freq[s] > 0) last = s;
+  }
+  for (int s = 0; s < last; ++s) {
+    if (freq[s] > 0) bits += GammaBits(freq[s] - 1);
+  }
+  return bits;
+}
+
+// The best precision for these counts and its cost; -1 if all are zero.
+int BestPrecision(const uint32_t* counts, double* cost) {
+  const auto& lg = Log2Table();
+  int best = -1;
+  double best_cost = 0;
+  for (int p = 0; p <= kRansPrecision; ++p) {
+    uint32_t freq[kRansSymbols];
+    if (!Normalize(counts, p, freq)) continue;
+    double bits = HeaderBits(freq);
+    for (int s = 0; s < kRansSymbols; ++s) {
+      if (counts[s] > 0) bits += counts[s] * (p - lg[freq[s]]);
+    }
+    if (best < 0 || bits < best_cost) {
+      best = p;
+      best_cost = bits;
+    }
+  }
+  *cost = best < 0 ? 0 : best_cost;
+  return best;
+}
+
+RansTable Scaled(const uint32_t* freq, int p) {
+  RansTable t;
+  uint32_t start = 0;
+  for (int s = 0; s < kRansSymbols; ++s) {
+    t.freq[s] = static_cast<uint16_t>(freq[s] << (kRansPrecision - p));
+    t.start[s] = static_cast<uint16_t>(start);
+    if (t.freq[s] > 0) {
+      const uint64_t f = t.freq[s];
+      t.enc[s] = {((uint64_t{1} << 63) + f - 1) / f, t.freq[s], start, kRansScale - t.freq[s]};
+    }
+    start += t.freq[s];
+  }
+  return t;
+}
+
+}  // namespace
+
+double RansCostBits(const uint32_t* counts) {
+  double cost;
+  BestPrecision(counts, &cost);
+  return cost;
+}
+
+RansTable ChooseRansTable(const uint32_t* counts, BitWriter* w) {
+  double cost;
+  const int p = BestPrecision(counts, &cost);
+  uint32_t freq[kRansSymbols];
+  Normalize(counts, p, freq);
+  w->Put(static_cast<uint64_t>(p), 4);
+  uint32_t mask = 0;
+  int last = -1;
+  for (int s = 0; s < kRansSymbols; ++s) {
+    if (freq[s] > 0) {
+      mask |= 1u << s;
+      last = s;
+    }
+  }
+  w->Put(mask, kRansSymbols);
+  for (int s = 0; s < last; ++s) {
+    if (freq[s] > 0) w->PutGamma(freq[s] - 1);
+  }
+  return Scaled(freq, p);
+}
+
+bool ReadRansTable(BitReader* r, RansTable* t) {
+  const int p = static_cast<int>(r->Get(4));
+  const uint32_t mask = static_cast<uint32_t>(r->Get(kRansSymbols));
+  if (p > kRansPrecision || mask == 0) return false;
+  const uint32_t scale = 1u << p;
+  const int present = std::popcount(mask);
+  if (scale < static_cast<uint32_t>(present)) return false;
+  const int last = std::bit_width(mask) - 1;
+  uint32_t freq[kRansSymbols] = {};
+  uint32_t sum = 0;
+  int after = present - 1;  // present symbols after s
+  for (int s = 0; s < last; ++s) {
+    if (!(mask >> s & 1)) continue;
+    // At most what leaves 1 for each present symbol after it (then
+    // scale - sum >= after + 1 >= 1 at every step).
+    uint64_t v;
+    if (!r->GetGamma(scale - sum - after - 1, &v)) return false;
+    freq[s] = static_cast<uint32_t>(v) + 1;
+    sum += freq[s];
+    --after;
+  }
+  freq[last] = scale - sum;
+  *t = Scaled(freq, p);
+  return true;
+}
+
+void RansEncoder::Finish(std::string* out) {
+  const size_t count = words_.size() + 4;
+  uint64_t v = count;
+  while (v >= 0x80) {
+    out->push_back(static_cast<char>((v & 0x7F) | 0x80));
+    v >>= 7;
+  }
+  out->push_back(static_cast<char>(v));
+  auto word = [&](uint32_t w) {
+    out->push_back(static_cast<char>(w & 0xFF));
+    out->push_back(static_cast<char>((w >> 8) & 0xFF));
+  };
+  word(state_[0] >> 16);
+  word(state_[0] & 0xFFFF);
+  word(state_[1] >> 16);
+  word(state_[1] & 0xFFFF);
+  for (size_t i = words_.size(); i-- > 0;) word(words_[i]);
+}
+
+}  // namespace wsync::codec::internal

@@ -1,0 +1,298 @@
+// Static-model rANS coding with a side bit stream (private). The format is
+// in docs/patch-format.md ("rANS streams").
+//
+// A stream codes symbols of a 16-letter alphabet, each with one of several
+// frequency tables that the encoder chose from the symbols' own counts and
+// wrote at the front of the stream. Two rANS states alternate (symbol i uses
+// state i % 2), so the decoder runs two independent dependency chains; the
+// bits that refine a symbol (low bits of a gap, the tail of a magnitude) go
+// to a plain bit stream beside the rANS words and cost no coding step.
+//
+// Decoding never reads outside its input: words and bits past the end read
+// as zero and are detected at the end (Finish), where both states must be
+// back at their initial value and every word and bit consumed.
+#pragma once
+
+#include <algorithm>
+#include <array>
+#include <bit>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace wsync::codec::internal {
+
+inline constexpr int kRansSymbols = 16;
+inline constexpr int kRansPrecision = 10;  // tables scale to sum 2^10
+inline constexpr uint32_t kRansScale = 1u << kRansPrecision;
+inline constexpr uint32_t kRansLow = 1u << 16;  // states live in [2^16, 2^32)
+
+// ------------------------------------------------------------ bit stream
+
+// Bits of BitWriter::PutGamma(v).
+inline int GammaBits(uint64_t v) { return 2 * (std::bit_width(v + 1) - 1) + 1; }
+
+// Bits are packed least significant first: bit i of the stream is bit
+// i % 8 of byte i / 8, and an n-bit field has its low bit first.
+class BitWriter {
+ public:
+  // n <= 57.
+  void Put(uint64_t v, int n) {
+    acc_ |= (n == 0 ? 0 : v & (~uint64_t{0} >> (64 - n))) << fill_;
+    fill_ += n;
+    while (fill_ >= 8) {
+      bytes_.push_back(static_cast<char>(acc_ & 0xFF));
+      acc_ >>= 8;
+      fill_ -= 8;
+    }
+  }
+  // Any n <= 64.
+  void PutWide(uint64_t v, int n) {
+    if (n > 32) {
+      Put(v & 0xFFFFFFFFu, 32);
+      Put(v >> 32, n - 32);
+    } else {
+      Put(v, n);
+    }
+  }
+  // Elias gamma of v + 1: k = bitlen(v + 1) - 1 zeros, a one, then the k low
+  // bits of v + 1. REQUIRES: v < 2^64 - 1.
+  void PutGamma(uint64_t v) {
+    const uint64_t u = v + 1;
+    const int k = std::bit_width(u) - 1;
+    if (k < 32) {
+      Put(uint64_t{1} << k, k + 1);
+    } else {
+      Put(0, 32);
+      Put(uint64_t{1} << (k - 32), k - 31);
+    }
+    PutWide(u, k);
+  }
+  // Appends the bits (the last byte zero-padded) to *out.
+  void AppendTo(std::string* out) const {
+    out->append(bytes_);
+    if (fill_ > 0) out->push_back(static_cast<char>(acc_ & 0xFF));
+  }
+  size_t bits() const { return bytes_.size() * 8 + static_cast<size_t>(fill_); }
+
+ private:
+  std::string bytes_;
+  uint64_t acc_ = 0;
+  int fill_ = 0;
+};
+
+class BitReader {
+ public:
+  // Copies the bits into a zero-padded buffer, so that peeks never branch.
+  explicit BitReader(std::string_view bits) : size_(bits.size()), buf_(bits.begin(), bits.end()) {
+    buf_.resize(buf_.size() + 16, 0);
+  }
+
+  // The next 57 bits (zeros past the end).
+  uint64_t Peek() const {
+    const size_t byte = std::min<size_t>(pos_ >> 3, size_ + 1);
+    uint64_t v;
+    std::memcpy(&v, buf_.data() + byte, 8);
+    return v >> (pos_ & 7);
+  }
+  // n <= 57.
+  uint64_t Get(int n) {
+    const uint64_t v = Peek() & ~(~uint64_t{0} << n);
+    pos_ += static_cast<uint64_t>(n);
+    return v;
+  }
+  uint64_t GetWide(int n) {
+    if (n <= 32) return Get(n);
+    const uint64_t low = Get(32);
+    return low | (Get(n - 32) << 32);
+  }
+  // An Elias gamma code (BitWriter::PutGamma); false when its value would
+  // exceed max.
+  bool GetGamma(uint64_t max, uint64_t* v) {
+    int k = 0;
+    for (;;) {
+      const uint64_t peek = Peek() & 0xFFFFFFFFu;
+      if (peek != 0) {
+        const int z = std::countr_zero(peek);
+        k += z;
+        pos_ += static_cast<uint64_t>(z) + 1;
+        break;
+      }
+      k += 32;
+      pos_ += 32;
+      if (k > 63 || overrun()) return false;
+    }
+    if (k > 63) return false;
+    const uint64_t u = (uint64_t{1} << k) | GetWide(k);
+    if (u - 1 > max) return false;
+    *v = u - 1;
+    return true;
+  }
+  bool overrun() const { return pos_ > uint64_t{size_} * 8; }
+  // Every bit read and nothing but the last byte's padding left.
+  bool ExactlyConsumed() const { return !overrun() && (pos_ + 7) / 8 == size_; }
+
+ private:
+  uint64_t pos_ = 0;
+  size_t size_;
+  std::vector<uint8_t> buf_;
+};
+
+// ---------------------------------------------------------------- tables
+
+// What the encoder needs of a symbol: x' = x + bias + q * cmpl with
+// q = floor(x / freq) = (x * rcp) >> 63, exact for every 32-bit state
+// (rcp = ceil(2^63 / freq), and rcp * freq - 2^63 < freq <= 2^31).
+struct RansEncSymbol {
+  uint64_t rcp = 0;
+  uint32_t freq = 0;
+  uint32_t bias = 0;  // start
+  uint32_t cmpl = 0;  // 2^10 - freq
+};
+
+// A frequency table: freq[s] of 2^kRansPrecision (0: s never occurs),
+// start[s] the cumulative sum before s.
+struct RansTable {
+  std::array<uint16_t, kRansSymbols> freq{};
+  std::array<uint16_t, kRansSymbols> start{};
+  std::array<RansEncSymbol, kRansSymbols> enc{};  // of the present symbols
+};
+
+// Chooses a table for symbols with these counts (not all zero) and writes
+// its header: the precision P (4 bits, 0..10), the mask of present symbols
+// (16 bits), then the frequency of every present symbol but the last, at
+// precision P, as Elias gamma of freq - 1 (the last takes the rest). P is
+// the one that minimizes header plus coded bits.
+RansTable ChooseRansTable(const uint32_t* counts, BitWriter* w);
+
+// Reads a table header; false if it is malformed (frequencies that do not
+// sum to 2^P with every present symbol at least 1).
+bool ReadRansTable(BitReader* r, RansTable* t);
+
+// Estimated bits of coding symbols with these counts by ChooseRansTable's
+// table, its header included (0 when every count is zero).
+double RansCostBits(const uint32_t* counts);
+
+// The decoder's view of a table: one entry per slot of [0, 2^10): symbol
+// (bits 0-3), frequency (4-14), slot - start (15-24).
+struct RansDecodeTable {
+  std::array<uint32_t, kRansScale> entry;
+  void Build(const RansTable& t) {
+    for (int s = 0; s < kRansSymbols; ++s) {
+      const uint32_t f = t.freq[s];
+      for (uint32_t j = 0; j < f; ++j) {
+        entry[t.start[s] + j] = static_cast<uint32_t>(s) | (f << 4) | (j << 15);
+      }
+    }
+  }
+};
+
+// ----------------------------------------------------------------- coder
+
+// Encodes n symbols, symbol i with state i % 2. rANS is last-in,
+// first-out: the symbols are coded from the last to the first.
+class RansEncoder {
+ public:
+  // sym(i) returns symbol i's RansEncSymbol (a present one).
+  template <typename F>
+  void Encode(size_t n, F&& sym) {
+    words_.resize(n);  // at most one word per symbol
+    uint16_t* out = words_.data();
+    uint32_t x0 = kRansLow, x1 = kRansLow;
+    size_t i = n;
+    if (i & 1) Step(x0, sym(--i), &out);
+    while (i > 0) {
+      Step(x1, sym(i - 1), &out);
+      Step(x0, sym(i - 2), &out);
+      i -= 2;
+    }
+    words_.resize(static_cast<size_t>(out - words_.data()));
+    state_[0] = x0;
+    state_[1] = x1;
+  }
+  // Appends the stream: varint word count, then the words in decoding order
+  // (both final states first, high half first), little-endian.
+  void Finish(std::string* out);
+
+ private:
+  __attribute__((always_inline)) static void Step(uint32_t& x, const RansEncSymbol& s, uint16_t** out) {
+    // Renormalize so that the coded state stays below 2^32 (a symbol of
+    // probability 1 never needs it: its bound is 2^32).
+    const uint64_t x_max = uint64_t{(kRansLow >> kRansPrecision) << 16} * s.freq;
+    if (x >= x_max) {
+      *(*out)++ = static_cast<uint16_t>(x & 0xFFFF);
+      x >>= 16;
+    }
+    const uint32_t q = static_cast<uint32_t>((static_cast<unsigned __int128>(x) * s.rcp) >> 63);
+    x += s.bias + q * s.cmpl;
+  }
+
+  uint32_t state_[2] = {kRansLow, kRansLow};
+  std::vector<uint16_t> words_;
+};
+
+class RansDecoder {
+ public:
+  // words: the stream's 16-bit words (the caller parsed the count).
+  explicit RansDecoder(std::string_view words)
+      : words_(words.size() / 2), buf_(words.begin(), words.end()) {
+    buf_.resize(buf_.size() + 8, 0);
+    state_[0] = (Word(0) << 16) | Word(1);
+    state_[1] = (Word(2) << 16) | Word(3);
+    next_ = 4;
+  }
+
+  // Decodes symbols first .. first + n - 1 of the stream (symbol i with
+  // state i % 2 and table table_of(i)) and hands each to f(i, entry), its
+  // RansDecodeTable entry; f returns false to stop. False if f stopped.
+  template <typename TableOf, typename F>
+  bool Run(size_t first, size_t n, TableOf&& table_of, F&& f) {
+    // The states in registers: `a` is state first % 2, `b` the other.
+    uint32_t a = state_[first & 1], b = state_[(first & 1) ^ 1];
+    size_t next = next_;
+    const size_t end = first + n;
+    size_t i = first;
+    bool ok = true;
+    for (; ok && i + 2 <= end; i += 2) {
+      const uint32_t ea = Step(a, table_of(i), &next);
+      const uint32_t eb = Step(b, table_of(i + 1), &next);
+      ok = f(i, ea) && f(i + 1, eb);
+    }
+    if (ok && i < end) ok = f(i, Step(a, table_of(i), &next));
+    state_[first & 1] = a;
+    state_[(first & 1) ^ 1] = b;
+    next_ = next;
+    return ok;
+  }
+
+  // Every word read and both states back where the encoder started.
+  bool Finish() const { return next_ == words_ && state_[0] == kRansLow && state_[1] == kRansLow; }
+
+ private:
+  __attribute__((always_inline)) uint32_t Step(uint32_t& x, const RansDecodeTable& t, size_t* next) const {
+    const uint32_t e = t.entry[x & (kRansScale - 1)];
+    x = ((e >> 4) & 0x7FF) * (x >> kRansPrecision) + (e >> 15);
+    // Renormalize without a branch: a word is read when the state fell
+    // below 2^16.
+    const bool low = x < kRansLow;
+    const uint32_t w = Word(*next);
+    x = low ? (x << 16) | w : x;
+    *next += low ? 1 : 0;
+    return e;
+  }
+
+  uint32_t Word(size_t i) const {
+    const size_t at = std::min(i, words_) * 2;  // past the end: the zero padding
+    return uint32_t{buf_[at]} | (uint32_t{buf_[at + 1]} << 8);
+  }
+
+  size_t words_;
+  std::vector<uint8_t> buf_;
+  uint32_t state_[2] = {};
+  size_t next_ = 0;
+};
+
+}  // namespace wsync::codec::internal
