@@ -149,9 +149,13 @@ void RansEncoder::Finish(std::string* out) {
     v >>= 7;
   }
   out->push_back(static_cast<char>(v));
-  auto word = [&](uint32_t w) {
-    out->push_back(static_cast<char>(w & 0xFF));
-    out->push_back(static_cast<char>((w >> 8) & 0xFF));
+  const size_t at = out->size();
+  out->resize(at + 2 * count);
+  char* w = out->data() + at;
+  auto word = [&](uint32_t v) {
+    w[0] = static_cast<char>(v & 0xFF);
+    w[1] = static_cast<char>((v >> 8) & 0xFF);
+    w += 2;
   };
   word(state_[0] >> 16);
   word(state_[0] & 0xFFFF);

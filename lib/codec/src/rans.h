@@ -40,14 +40,15 @@ inline int GammaBits(uint64_t v) { return 2 * (std::bit_width(v + 1) - 1) + 1; }
 class BitWriter {
  public:
   // n <= 57.
-  void Put(uint64_t v, int n) {
-    acc_ |= (n == 0 ? 0 : v & (~uint64_t{0} >> (64 - n))) << fill_;
-    fill_ += n;
-    while (fill_ >= 8) {
-      bytes_.push_back(static_cast<char>(acc_ & 0xFF));
-      acc_ >>= 8;
-      fill_ -= 8;
-    }
+  __attribute__((always_inline)) void Put(uint64_t v, int n) {
+    const size_t byte = static_cast<size_t>(pos_ >> 3);
+    if (byte + 8 > buf_.size()) buf_.resize(std::max<size_t>(64, 2 * (byte + 8)), 0);
+    // The next 8 bytes hold the partial byte at `byte` and zeros after it.
+    uint64_t w;
+    std::memcpy(&w, buf_.data() + byte, 8);
+    w |= (v & ~(~uint64_t{0} << n)) << (pos_ & 7);
+    std::memcpy(buf_.data() + byte, &w, 8);
+    pos_ += static_cast<uint64_t>(n);
   }
   // Any n <= 64.
   void PutWide(uint64_t v, int n) {
@@ -73,15 +74,13 @@ class BitWriter {
   }
   // Appends the bits (the last byte zero-padded) to *out.
   void AppendTo(std::string* out) const {
-    out->append(bytes_);
-    if (fill_ > 0) out->push_back(static_cast<char>(acc_ & 0xFF));
+    out->append(reinterpret_cast<const char*>(buf_.data()), static_cast<size_t>((pos_ + 7) >> 3));
   }
-  size_t bits() const { return bytes_.size() * 8 + static_cast<size_t>(fill_); }
+  size_t bits() const { return static_cast<size_t>(pos_); }
 
  private:
-  std::string bytes_;
-  uint64_t acc_ = 0;
-  int fill_ = 0;
+  std::vector<uint8_t> buf_;
+  uint64_t pos_ = 0;
 };
 
 class BitReader {
