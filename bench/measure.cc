@@ -27,6 +27,7 @@ class WsyncMethod : public Baseline {
     encode_.pool = o.pool;
     encode_.zstd_level = o.zstd_level;
     encode_.condition_on_base = o.condition;
+    encode_.max_classes = o.max_classes;
     apply_.pool = o.pool;
   }
   std::string name() const override { return "wsync"; }

@@ -35,6 +35,7 @@ struct MeasureOptions {
   bool baselines = true;
   bool condition = true;
   ThreadPool* pool = nullptr;  // wsync's codec threads
+  int max_classes = codec::EncodeOptions{}.max_classes;
 };
 
 // Pre-touched scratch reused across pairs (fresh memory is slow to fault in).

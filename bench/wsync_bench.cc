@@ -28,6 +28,7 @@ struct Common {
   int zstd_level = 3;
   bool json = false;
   bool no_condition = false;
+  int max_classes = codec::EncodeOptions{}.max_classes;
 };
 
 void Report(const std::string& title, const std::vector<PairResult>& pairs, double memcpy_gbs, const Common& c) {
@@ -132,6 +133,7 @@ int RunCodec(const std::string& dir, int gap, bool baselines, const Common& c) {
   }
   ThreadPool pool(c.threads);
   MeasureOptions mo{c.repeat, c.zstd_level, baselines, !c.no_condition, &pool};
+  mo.max_classes = c.max_classes;
   Scratch scratch;
   std::vector<PairResult> pairs;
   uint64_t dense = 0;
@@ -167,6 +169,7 @@ int RunSynth(const SynthOptions& so, int steps, bool baselines, const std::strin
   if (!out_dir.empty()) fs::create_directories(out_dir);
   save(prev, 0);
   MeasureOptions mo{c.repeat, c.zstd_level, baselines, !c.no_condition, &pool};
+  mo.max_classes = c.max_classes;
   Scratch scratch;
   std::vector<PairResult> pairs;
   for (int s = 1; s <= steps; ++s) {
@@ -198,6 +201,8 @@ int main(int argc, char** argv) {
   app.add_option("--zstd-level", c.zstd_level, "zstd level of wsync's zstd-coded streams");
   app.add_flag("--json", c.json, "machine-readable output");
   app.add_flag("--no-condition", c.no_condition, "code wsync patches without conditioning on the base");
+  app.add_option("--max-classes", c.max_classes, "most exponent classes per chunk of wsync's patches (1..8)")
+      ->check(CLI::Range(1, 8));
   int rc = 0;
 
   auto* codec = app.add_subcommand("codec", "consecutive (or --gap K) snapshot pairs of a directory");

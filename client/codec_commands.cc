@@ -24,6 +24,7 @@ struct CommonFlags {
   int zstd_level = 3;
   unsigned threads = 0;
   bool no_condition = false;
+  int max_classes = codec::EncodeOptions{}.max_classes;
   uint32_t chunk_mib = 1;
   uint64_t base_version = 0;
   uint64_t target_version = 0;
@@ -35,6 +36,9 @@ void AddEncodeFlags(CLI::App* cmd, CommonFlags* f) {
   cmd->add_option("--threads", f->threads, "worker threads (0: all cores)");
   cmd->add_flag("--no-condition", f->no_condition,
                 "do not condition coding on the base (patches then merge without it)");
+  cmd->add_option("--max-classes", f->max_classes,
+                  "most exponent classes per chunk (1..8): fewer encode and apply faster, larger patches")
+      ->check(CLI::Range(1, 8));
   cmd->add_option("--chunk-mib", f->chunk_mib, "coding chunk size in MiB (power of two, 1..64)");
   cmd->add_option("--base-version", f->base_version, "base version recorded in the header");
   cmd->add_option("--target-version", f->target_version, "target version recorded in the header");
@@ -44,6 +48,7 @@ codec::EncodeOptions ToOptions(const CommonFlags& f, ThreadPool* pool) {
   codec::EncodeOptions o;
   o.zstd_level = f.zstd_level;
   o.condition_on_base = !f.no_condition;
+  o.max_classes = f.max_classes;
   o.chunk_bytes = f.chunk_mib << 20;
   o.base_version = f.base_version;
   o.target_version = f.target_version;

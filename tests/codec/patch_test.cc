@@ -7,6 +7,7 @@
 
 #include "test_tensors.h"
 #include "wsync/codec/codec.h"
+#include "wsync/codec/staged.h"
 #include "wsync/util/thread_pool.h"
 
 namespace wsync::codec {
@@ -267,6 +268,47 @@ TEST(Merge, KeyframePlusPatchIsKeyframeOfTarget) {
   std::vector<OwnedTensor> dst = {RandomTensor("a", DType::kBF16, {300000}, rng)};
   ASSERT_TRUE(Apply(*kf1, dst).ok());
   EXPECT_TRUE(SameBits(dst, v1));
+}
+
+// The class count per chunk stays within EncodeOptions::max_classes, and
+// fewer classes cost size, never bits.
+TEST(Patch, MaxClassesBoundsEveryChunksClasses) {
+  std::mt19937_64 rng(41);
+  std::vector<OwnedTensor> v0 = {RandomTensor("a", DType::kBF16, {3 << 19}, rng)};
+  std::vector<OwnedTensor> v1 = {testing::PerturbByExponent(v0[0], 0.01, 120, rng)};
+  size_t previous_size = 0;
+  for (int max : {8, 3, 1}) {
+    SCOPED_TRACE("max_classes " + std::to_string(max));
+    EncodeOptions options;
+    options.max_classes = max;
+    auto p = Diff(v0, v1, options);
+    ASSERT_TRUE(p.ok()) << p.status().ToString();
+    auto reader = staged::PatchReader::Open(*p);
+    ASSERT_TRUE(reader.ok());
+    int most = 0;
+    for (size_t i = 0; i < reader->chunks().size(); ++i) {
+      staged::DecodedChunk d;
+      ASSERT_TRUE(reader->DecodePositions(i, &d).ok());
+      most = std::max(most, d.spec.k);
+    }
+    EXPECT_LE(most, max);
+    if (max == 8) {
+      EXPECT_GT(most, 3) << "this data should want many classes";
+    }
+    if (max == 1) {
+      EXPECT_EQ(InspectPatch(*p)->tensors[0].conditioned_chunks, 0u);
+    }
+    EXPECT_GT(p->size(), previous_size);
+    previous_size = p->size();
+    auto dst = v0;
+    ASSERT_TRUE(Apply(*p, dst).ok());
+    EXPECT_TRUE(SameBits(dst, v1));
+  }
+  for (int bad : {0, 9}) {
+    EncodeOptions options;
+    options.max_classes = bad;
+    EXPECT_EQ(Diff(v0, v1, options).status().code(), StatusCode::kInvalidArgument) << bad;
+  }
 }
 
 TEST(Analyze, BoundsAreOrdered) {

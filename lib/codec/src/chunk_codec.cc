@@ -17,11 +17,6 @@ namespace wsync::codec::internal {
 namespace {
 
 constexpr double kClassPenaltyBits = 48;  // learning cost of one more class
-// The chooser's most classes (the format allows kMaxClasses). Every class
-// costs the base-conditioned sweeps of encode and apply a compare and a
-// deposit per element; a 7th and 8th class buy 0.2-0.7% (measured on the
-// real data and the synthetic set) for 5% of encode and 11% of apply.
-constexpr int kChosenClasses = 6;
 constexpr size_t kMaxDpGroups = 64;
 
 template <typename T>
@@ -143,7 +138,7 @@ ClassSpec ChooseClassesImpl(size_t n, const uint32_t* sample, const SparseDelta<
     }
   }
   auto cost = [&](size_t a, size_t b) { return cost_table[a * (g + 1) + b]; };
-  const int kmax = static_cast<int>(std::min<size_t>(kChosenClasses, g));
+  const int kmax = static_cast<int>(std::min<size_t>(std::clamp(options.max_classes, 1, kMaxClasses), g));
   constexpr double kInf = std::numeric_limits<double>::infinity();
   // dp[k][j]: best cost of groups [0, j) in k classes; from[k][j]: start of the last class.
   std::vector<std::vector<double>> dp(kmax + 1, std::vector<double>(g + 1, kInf));

@@ -51,6 +51,10 @@ Status ValidateOptions(const EncodeOptions& o) {
   if (o.zstd_level < 1 || o.zstd_level > 19) {
     return InvalidArgumentError("zstd level " + std::to_string(o.zstd_level) + " is not in 1..19");
   }
+  if (o.max_classes < 1 || o.max_classes > codec::kMaxClasses) {
+    return InvalidArgumentError("max classes " + std::to_string(o.max_classes) + " is not in 1.." +
+                                std::to_string(codec::kMaxClasses));
+  }
   return Status::Ok();
 }
 
@@ -371,7 +375,8 @@ StatusOr<std::string> EncodePatch(std::span<const TensorView> base, std::span<co
     const size_t offset = ci * static_cast<size_t>(c.chunk_bytes);
     const T* b = reinterpret_cast<const T*>(base[ti].data + offset);
     const T* t = reinterpret_cast<const T*>(target[ti].data + offset);
-    internal::ChunkCodecOptions co{options.zstd_level, options.condition_on_base, ExponentFieldOf(e.dtype)};
+    internal::ChunkCodecOptions co{options.zstd_level, options.condition_on_base, ExponentFieldOf(e.dtype),
+                                   options.max_classes};
     internal::ChunkDigester base_digest(&base_digests, ti, ci, c.chunk_bytes);
     internal::ChunkDigester target_digest(&target_digests, ti, ci, c.chunk_bytes);
     encoded[i] = internal::EncodeChunkPair(b, t, n, co, [&](size_t begin, size_t len) {
@@ -507,7 +512,8 @@ StatusOr<std::string> MergePatches(std::string_view first, std::string_view seco
     s = internal::DecodeChunk<T>(cb.mode, cb.changed, b.PosStream(cb), b.ValStream(cb),
                                  version_k.empty() ? nullptr : version_k.data(), n, ef, &db);
     if (!s.ok()) return error.Record(i, s.WithContext("second patch " + where));
-    internal::ChunkCodecOptions co{options.zstd_level, options.condition_on_base && bj != nullptr, ef};
+    internal::ChunkCodecOptions co{options.zstd_level, options.condition_on_base && bj != nullptr, ef,
+                                   options.max_classes};
     encoded[i] = internal::EncodeChunk(bj, n, ComposeDeltas(da, db), co);
   });
   WSYNC_RETURN_IF_ERROR(error.status());

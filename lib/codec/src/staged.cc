@@ -110,7 +110,7 @@ const std::vector<Chunk>& PatchWriter::chunks() const { return impl_->chunks; }
 ClassSpec PatchWriter::ChooseClasses(size_t i, const uint32_t* hist, const ChunkChange& change) const {
   const Chunk& ch = impl_->chunks.at(i);
   internal::ChunkCodecOptions co{impl_->options.zstd_level, impl_->options.condition_on_base,
-                                 ExponentFieldOf(ch.dtype)};
+                                 ExponentFieldOf(ch.dtype), impl_->options.max_classes};
   return WithWidth(ch.width, [&](auto zero) {
     using T = decltype(zero);
     SparseDelta<T> d;

@@ -62,6 +62,11 @@ struct EncodeOptions {
   // Condition the position and value models on the exponent of the base
   // value (better ratio). A patch coded without it merges without the base.
   bool condition_on_base = true;
+  // Most exponent classes per chunk when conditioning, 1..8 (the format's
+  // limit). The dial between ratio and speed: each class costs encode and
+  // apply a compare and a bit deposit per element. 6 is where the ratio
+  // stops moving (docs/codec.md); fewer is faster at a larger patch.
+  int max_classes = 6;
   // Coding chunk size: a power of two in [1 MiB, 64 MiB].
   uint32_t chunk_bytes = 1u << 20;
   // Informational versions recorded in the header.
