@@ -285,7 +285,7 @@ Status DecodeValues(std::string_view stream, const std::vector<uint8_t>& cls, Sp
   BitReader bits(raw);
   uint64_t counts[kMaxClasses] = {};
   for (size_t i = 0; i < m; ++i) ++counts[cls[i]];
-  auto tables = std::make_unique<RansDecodeTable[]>(kMaxClasses);
+  auto tables = std::make_unique_for_overwrite<RansDecodeTable[]>(kMaxClasses);  // built where used
   for (int c = 0; c < kMaxClasses; ++c) {
     if (counts[c] == 0) continue;
     RansTable t;
@@ -296,9 +296,11 @@ Status DecodeValues(std::string_view stream, const std::vector<uint8_t>& cls, Sp
   const uint64_t max_escape = (uint64_t{1} << (kBits<T> - 1)) - kValueBase[kValueEscape];
   out->delta.resize(m);
   T* delta = out->delta.data();
+  size_t at = 0;  // the delta being decoded (for the error)
   const bool decoded = dec.Run(
       0, m, [&](size_t i) -> const RansDecodeTable& { return tables[cls[i]]; },
       [&](size_t i, uint32_t entry) {
+        at = i;
         const uint32_t sym = entry & 0xF;
         uint64_t mag;
         int neg;
@@ -315,7 +317,7 @@ Status DecodeValues(std::string_view stream, const std::vector<uint8_t>& cls, Sp
         delta[i] = neg ? static_cast<T>(T{0} - t) : t;
         return true;
       });
-  if (!decoded) return DataLossError("value stream: a delta out of range");
+  if (!decoded) return DataLossError("value stream: delta " + std::to_string(at) + " out of range");
   if (!dec.Finish() || !bits.ExactlyConsumed()) return DataLossError("value stream: truncated or corrupt");
   return Status::Ok();
 }
@@ -513,7 +515,7 @@ Status DecodeSparseRanks(std::string_view coded, size_t n, uint64_t changed, Chu
                          ", directory says " + std::to_string(changed));
   }
   int shift[kMaxClasses] = {};
-  auto tables = std::make_unique<RansDecodeTable[]>(spec.k);
+  auto tables = std::make_unique_for_overwrite<RansDecodeTable[]>(spec.k);  // built where used
   for (int c = 0; c < spec.k; ++c) {
     if (counts[c] == 0) continue;
     shift[c] = static_cast<int>(bits.Get(5));
@@ -536,7 +538,7 @@ Status DecodeSparseRanks(std::string_view coded, size_t n, uint64_t changed, Chu
         first, counts[c], [&](size_t) -> const RansDecodeTable& { return table; },
         [&](size_t, uint32_t entry) {
           const uint32_t s = entry & 0xF;
-          uint64_t q;
+          uint64_t q = 0;
           uint64_t low;
           bool ok = true;
           if (s != kGapEscape) {
