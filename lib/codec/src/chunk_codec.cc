@@ -252,6 +252,7 @@ void EncodeValues(const SparseDelta<T>& d, const std::vector<uint8_t>& cls, std:
   }
   for (size_t i = 0; i < m; ++i) {
     const ValueSymbol& s = syms[i];
+    if (s.sym < 10) continue;  // |d| <= 5: no bits (nearly every change at RL rates)
     if (s.sym == kValueEscape) {
       bits.Put(static_cast<uint64_t>((d.delta[i] >> (kBits<T> - 1)) & 1), 1);
       bits.PutGamma(s.extra);
