@@ -221,6 +221,7 @@ struct ValueSymbol {
 };
 
 inline constexpr int kValueEscape = 14;
+inline constexpr int kValueFirstWithBits = 10;  // symbols below have no bits
 inline constexpr uint8_t kValueBase[kRansSymbols] = {1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 10, 10, 18, 0};
 inline constexpr uint8_t kValueExtra[kRansSymbols] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 3, 3, 0, 0};
 
@@ -252,7 +253,7 @@ void EncodeValues(const SparseDelta<T>& d, const std::vector<uint8_t>& cls, std:
   }
   for (size_t i = 0; i < m; ++i) {
     const ValueSymbol& s = syms[i];
-    if (s.sym < 10) continue;  // |d| <= 5: no bits (nearly every change at RL rates)
+    if (s.sym < kValueFirstWithBits) continue;  // |d| <= 5: nearly every change at RL rates
     if (s.sym == kValueEscape) {
       bits.Put(static_cast<uint64_t>((d.delta[i] >> (kBits<T> - 1)) & 1), 1);
       bits.PutGamma(s.extra);
