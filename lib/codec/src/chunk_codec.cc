@@ -324,15 +324,21 @@ Status DecodeValues(std::string_view stream, const std::vector<uint8_t>& cls, Sp
   return Status::Ok();
 }
 
-// Classes of the changes from their old values (all 0 when unconditioned).
-template <typename T>
-std::vector<uint8_t> ClassesOf(const T* old, size_t m, const ClassSpec& spec) {
+// Classes of m changes from their old values old_of(i) (all 0 when
+// unconditioned).
+template <typename OldOf>
+std::vector<uint8_t> ClassesBy(size_t m, const ClassSpec& spec, OldOf&& old_of) {
   std::vector<uint8_t> cls(m, 0);
   if (spec.k > 1) {
     const std::vector<uint8_t> class_of = ClassTable(spec);
-    for (size_t i = 0; i < m; ++i) cls[i] = class_of[spec.Exponent(old[i])];
+    for (size_t i = 0; i < m; ++i) cls[i] = class_of[spec.Exponent(old_of(i))];
   }
   return cls;
+}
+
+template <typename T>
+std::vector<uint8_t> ClassesOf(const T* old, size_t m, const ClassSpec& spec) {
+  return ClassesBy(m, spec, [old](size_t i) { return old[i]; });
 }
 
 // Per-class ranks of the changed positions, by sweeping the class masks of
@@ -984,15 +990,18 @@ Status DecodeChunk(ChunkMode mode, uint64_t changed, std::string_view pos, std::
   ChunkPositions cp;
   WSYNC_RETURN_IF_ERROR(DecodeChunkPositions(mode, changed, pos, val, n, exponent, &cp, out));
   if (!cp.values_pending) return Status::Ok();
-  std::vector<T> old;
   if (cp.spec.k > 1) {
     if (base == nullptr) {
       return FailedPreconditionError("chunk is coded relative to the base's exponents; the base is needed");
     }
     WSYNC_RETURN_IF_ERROR(ResolveRanks(base, n, &cp));
-    old = GatherAt(base, cp.pos);
   }
-  return DecodeChunkValues(val, cp, old.empty() ? nullptr : old.data(), out);
+  // The classes straight from the base (DecodeChunkValues's work without a
+  // gathered copy of the old values, or of the positions).
+  const uint32_t* at = cp.pos.data();
+  std::vector<uint8_t> cls = ClassesBy(cp.pos.size(), cp.spec, [base, at](size_t i) { return base[at[i]]; });
+  out->pos = std::move(cp.pos);
+  return DecodeValues(val, cls, out);
 }
 
 bool ChunkNeedsBase(ChunkMode mode, std::string_view pos) {
