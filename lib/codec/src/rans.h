@@ -247,8 +247,10 @@ class RansDecoder {
   // Decodes symbols first .. first + n - 1 of the stream (symbol i with
   // state i % 2 and table table_of(i)) and hands each to f(i, entry), its
   // RansDecodeTable entry; f returns false to stop. False if f stopped.
+  // Everything it calls is inlined (flatten): a call per symbol would keep
+  // f's state in memory.
   template <typename TableOf, typename F>
-  bool Run(size_t first, size_t n, TableOf&& table_of, F&& f) {
+  __attribute__((flatten)) bool Run(size_t first, size_t n, TableOf&& table_of, F&& f) {
     // The states in registers: `a` is state first % 2, `b` the other.
     uint32_t a = state_[first & 1], b = state_[(first & 1) ^ 1];
     size_t next = next_;
