@@ -1,13 +1,15 @@
 // The static-model rANS coder and its bit stream (rans.h): round trips of
 // random symbol sequences over random tables (skewed, uniform, one symbol
-// of probability 1), Elias gamma over the whole 64-bit range, and table
-// headers that are malformed, truncated or padded.
+// of probability 1), streams with words missing, extra or flipped, Elias
+// gamma over the whole 64-bit range, and malformed table headers.
 #include "rans.h"
 
 #include <gtest/gtest.h>
 
 #include <random>
 #include <vector>
+
+#include "bytes.h"
 
 namespace wsync::codec::internal {
 namespace {
@@ -76,14 +78,10 @@ TEST(Rans, RandomSequencesRoundTrip) {
 
     // The word count, then the words, then the bits.
     std::string_view stream = coded.stream;
+    ByteReader header(stream, "rANS stream");
     uint64_t words = 0;
-    int shift = 0;
-    size_t at = 0;
-    for (;; shift += 7) {
-      const uint8_t b = static_cast<uint8_t>(stream[at++]);
-      words |= uint64_t{b & 0x7Fu} << shift;
-      if (!(b & 0x80)) break;
-    }
+    ASSERT_TRUE(header.Varint(&words, "word count"));
+    const size_t at = header.position();
     ASSERT_EQ(at + words * 2, coded.word_bytes);
     BitReader bits(stream.substr(coded.word_bytes));
     std::vector<RansDecodeTable> dec_tables(contexts);

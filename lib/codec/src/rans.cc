@@ -2,6 +2,8 @@
 
 #include <cmath>
 
+#include "bytes.h"
+
 namespace wsync::codec::internal {
 namespace {
 
@@ -143,12 +145,7 @@ bool ReadRansTable(BitReader* r, RansTable* t) {
 
 void RansEncoder::Finish(std::string* out) {
   const size_t count = words_.size() + 4;
-  uint64_t v = count;
-  while (v >= 0x80) {
-    out->push_back(static_cast<char>((v & 0x7F) | 0x80));
-    v >>= 7;
-  }
-  out->push_back(static_cast<char>(v));
+  ByteWriter(out).Varint(count);
   const size_t at = out->size();
   out->resize(at + 2 * count);
   char* w = out->data() + at;
