@@ -42,7 +42,7 @@ struct ChunkCodecOptions {
   int zstd_level = 3;
   bool condition = true;  // use the base's exponent classes
   ExponentField exponent;
-  int max_classes = kMaxClasses;  // the chooser's limit, 1..kMaxClasses
+  int max_classes = EncodeOptions{}.max_classes;  // the chooser's limit, 1..kMaxClasses
 };
 
 struct EncodedChunk {
