@@ -147,11 +147,21 @@ TEST(BitStream, GammaAndFieldsRoundTrip) {
                                   (1ull << 63), ~0ull - 1};
   for (int i = 0; i < 2000; ++i) values.push_back(rng() >> (rng() % 64));
   BitWriter w;
-  for (uint64_t v : values) {
-    w.PutGamma(v);
-    w.Put(v & 0x1F, 5);
-    w.PutWide(v, 64);
+  // Half through the writer, half through a cursor.
+  const size_t half = values.size() / 2;
+  for (size_t i = 0; i < half; ++i) {
+    w.PutGamma(values[i]);
+    w.Put(values[i] & 0x1F, 5);
+    w.Put(values[i] & 0xFFFFFFFFu, 32);
+    w.Put(values[i] >> 32, 32);
   }
+  BitWriter::Cursor c = w.Open((values.size() - half) * (127 + 5 + 64));
+  for (size_t i = half; i < values.size(); ++i) {
+    c.PutGamma(values[i]);
+    c.Put(values[i] & 0x1F, 5);
+    c.PutWide(values[i], 64);
+  }
+  w.Close(c);
   std::string s;
   w.AppendTo(&s);
   BitReader r(s);

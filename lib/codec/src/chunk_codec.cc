@@ -251,16 +251,19 @@ void EncodeValues(const SparseDelta<T>& d, const std::vector<uint8_t>& cls, std:
       tables[c] = ChooseRansTable(counts[c], &bits);
     }
   }
+  // At most a sign and a gamma code (1 + 127 bits) per change.
+  BitWriter::Cursor fields = bits.Open(m * 128);
   for (size_t i = 0; i < m; ++i) {
     const ValueSymbol& s = syms[i];
     if (s.sym < kValueFirstWithBits) continue;  // |d| <= 5: nearly every change at RL rates
     if (s.sym == kValueEscape) {
-      bits.Put(static_cast<uint64_t>((d.delta[i] >> (kBits<T> - 1)) & 1), 1);
-      bits.PutGamma(s.extra);
+      fields.Put(static_cast<uint64_t>((d.delta[i] >> (kBits<T> - 1)) & 1), 1);
+      fields.PutGamma(s.extra);
     } else {
-      bits.Put(s.extra, s.extra_bits);
+      fields.Put(s.extra, s.extra_bits);
     }
   }
+  bits.Close(fields);
   RansEncoder enc;
   enc.Encode(m, [&](size_t i) -> const RansEncSymbol& { return tables[cls[i]].enc[syms[i].sym]; });
   enc.Finish(out);
@@ -475,6 +478,8 @@ void EncodeSparsePositions(const std::vector<uint8_t>& cls, const uint32_t* rank
     tables[c] = ChooseRansTable(best_counts, &bits);
   }
   std::vector<uint8_t> syms(gaps.size());
+  // At most a gamma code (127 bits) and r <= 31 low bits per gap.
+  BitWriter::Cursor fields = bits.Open(gaps.size() * 160);
   for (int c = 0; c < spec.k; ++c) {
     const int r = shift[c];
     for (size_t i = start[c]; i < start[c + 1]; ++i) {
@@ -484,13 +489,14 @@ void EncodeSparsePositions(const std::vector<uint8_t>& cls, const uint32_t* rank
       syms[i] = s;
       const uint64_t low = g & ((uint64_t{1} << r) - 1);
       if (s == kGapEscape) {
-        bits.PutGamma(q - kGapBase[kGapEscape]);
-        bits.Put(low, r);
+        fields.PutGamma(q - kGapBase[kGapEscape]);
+        fields.Put(low, r);
       } else {
-        bits.Put(((q - kGapBase[s]) << r) | low, kGapExtra[s] + r);
+        fields.Put(((q - kGapBase[s]) << r) | low, kGapExtra[s] + r);
       }
     }
   }
+  bits.Close(fields);
   // The symbols with their tables, class after class.
   std::vector<const RansEncSymbol*> coded(gaps.size());
   for (int c = 0; c < spec.k; ++c) {

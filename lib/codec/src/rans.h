@@ -39,38 +39,90 @@ inline int GammaBits(uint64_t v) { return 2 * (std::bit_width(v + 1) - 1) + 1; }
 // i % 8 of byte i / 8, and an n-bit field has its low bit first.
 class BitWriter {
  public:
-  // n <= 57.
-  __attribute__((always_inline)) void Put(uint64_t v, int n) {
+  // The fields of a coding loop: a local cursor keeps its pending bits and
+  // its place in registers (the writer's own members would be reloaded after
+  // every store to the buffer, which may alias them).
+  class Cursor {
+   public:
+    // n <= 57.
+    __attribute__((always_inline)) void Put(uint64_t v, int n) {
+      if (n > 32) {
+        Put32(v & 0xFFFFFFFFu, 32);
+        Put32(v >> 32, n - 32);
+      } else {
+        Put32(v, n);
+      }
+    }
+    // Elias gamma of v + 1: k = bitlen(v + 1) - 1 zeros, a one, then the k
+    // low bits of v + 1 (at most 127 bits). REQUIRES: v < 2^64 - 1.
+    __attribute__((always_inline)) void PutGamma(uint64_t v) {
+      const uint64_t u = v + 1;
+      const int k = std::bit_width(u) - 1;
+      if (k < 32) {
+        Put(uint64_t{1} << k, k + 1);
+      } else {
+        Put(0, 32);
+        Put(uint64_t{1} << (k - 32), k - 31);
+      }
+      PutWide(u, k);
+    }
+    // Any n <= 64.
+    __attribute__((always_inline)) void PutWide(uint64_t v, int n) {
+      if (n > 32) {
+        Put32(v & 0xFFFFFFFFu, 32);
+        Put32(v >> 32, n - 32);
+      } else {
+        Put32(v, n);
+      }
+    }
+
+   private:
+    friend class BitWriter;
+    // Bits gather in a register and leave 32 at a time: a store per field
+    // that the next field's load overlaps at another offset would miss
+    // store-to-load forwarding, a stall per field.
+    __attribute__((always_inline)) void Put32(uint64_t v, int n) {  // n <= 32, fill_ < 32
+      acc_ |= (v & ~(~uint64_t{0} << n)) << fill_;
+      fill_ += n;
+      if (fill_ >= 32) {
+        const uint32_t word = static_cast<uint32_t>(acc_);
+        std::memcpy(out_, &word, 4);
+        out_ += 4;
+        acc_ >>= 32;
+        fill_ -= 32;
+      }
+    }
+    Cursor(uint8_t* out, uint64_t acc, int fill) : out_(out), acc_(acc), fill_(fill) {}
+    uint8_t* out_;
+    uint64_t acc_;
+    int fill_;
+  };
+
+  // A cursor with room for max_bits more bits; Close it before any other
+  // use of the writer.
+  Cursor Open(size_t max_bits) {
     const size_t byte = static_cast<size_t>(pos_ >> 3);
-    if (byte + 8 > buf_.size()) buf_.resize(std::max<size_t>(64, 2 * (byte + 8)), 0);
-    // The next 8 bytes hold the partial byte at `byte` and zeros after it.
-    uint64_t w;
-    std::memcpy(&w, buf_.data() + byte, 8);
-    w |= (v & ~(~uint64_t{0} << n)) << (pos_ & 7);
-    std::memcpy(buf_.data() + byte, &w, 8);
-    pos_ += static_cast<uint64_t>(n);
+    const size_t need = byte + max_bits / 8 + 16;
+    if (need > buf_.size()) buf_.resize(std::max(need, 2 * buf_.size()), 0);
+    const int fill = static_cast<int>(pos_ & 7);
+    return Cursor(buf_.data() + byte, fill == 0 ? 0 : buf_[byte] & ((1u << fill) - 1), fill);
   }
-  // Any n <= 64.
-  void PutWide(uint64_t v, int n) {
-    if (n > 32) {
-      Put(v & 0xFFFFFFFFu, 32);
-      Put(v >> 32, n - 32);
-    } else {
-      Put(v, n);
-    }
+  void Close(const Cursor& c) {
+    // The bits still in the register (fewer than 32), then zeros.
+    std::memcpy(c.out_, &c.acc_, 8);
+    pos_ = static_cast<uint64_t>(c.out_ - buf_.data()) * 8 + static_cast<uint64_t>(c.fill_);
   }
-  // Elias gamma of v + 1: k = bitlen(v + 1) - 1 zeros, a one, then the k low
-  // bits of v + 1. REQUIRES: v < 2^64 - 1.
+
+  // One field (n <= 57) or one gamma code.
+  void Put(uint64_t v, int n) {
+    Cursor c = Open(64);
+    c.Put(v, n);
+    Close(c);
+  }
   void PutGamma(uint64_t v) {
-    const uint64_t u = v + 1;
-    const int k = std::bit_width(u) - 1;
-    if (k < 32) {
-      Put(uint64_t{1} << k, k + 1);
-    } else {
-      Put(0, 32);
-      Put(uint64_t{1} << (k - 32), k - 31);
-    }
-    PutWide(u, k);
+    Cursor c = Open(128);
+    c.PutGamma(v);
+    Close(c);
   }
   // Appends the bits (the last byte zero-padded) to *out.
   void AppendTo(std::string* out) const {
