@@ -159,7 +159,7 @@ TEST(BitStream, GammaAndFieldsRoundTrip) {
   for (size_t i = half; i < values.size(); ++i) {
     c.PutGamma(values[i]);
     c.Put(values[i] & 0x1F, 5);
-    c.PutWide(values[i], 64);
+    c.Put(values[i], 64);
   }
   w.Close(c);
   std::string s;

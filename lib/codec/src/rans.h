@@ -44,7 +44,7 @@ class BitWriter {
   // every store to the buffer, which may alias them).
   class Cursor {
    public:
-    // n <= 57.
+    // n <= 64.
     __attribute__((always_inline)) void Put(uint64_t v, int n) {
       if (n > 32) {
         Put32(v & 0xFFFFFFFFu, 32);
@@ -58,22 +58,8 @@ class BitWriter {
     __attribute__((always_inline)) void PutGamma(uint64_t v) {
       const uint64_t u = v + 1;
       const int k = std::bit_width(u) - 1;
-      if (k < 32) {
-        Put(uint64_t{1} << k, k + 1);
-      } else {
-        Put(0, 32);
-        Put(uint64_t{1} << (k - 32), k - 31);
-      }
-      PutWide(u, k);
-    }
-    // Any n <= 64.
-    __attribute__((always_inline)) void PutWide(uint64_t v, int n) {
-      if (n > 32) {
-        Put32(v & 0xFFFFFFFFu, 32);
-        Put32(v >> 32, n - 32);
-      } else {
-        Put32(v, n);
-      }
+      Put(uint64_t{1} << k, k + 1);
+      Put(u, k);
     }
 
    private:
@@ -113,7 +99,7 @@ class BitWriter {
     pos_ = static_cast<uint64_t>(c.out_ - buf_.data()) * 8 + static_cast<uint64_t>(c.fill_);
   }
 
-  // One field (n <= 57) or one gamma code.
+  // One field (n <= 64) or one gamma code.
   void Put(uint64_t v, int n) {
     Cursor c = Open(64);
     c.Put(v, n);
