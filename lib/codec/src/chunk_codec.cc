@@ -225,14 +225,16 @@ inline constexpr int kValueFirstWithBits = 10;  // symbols below have no bits
 inline constexpr uint8_t kValueBase[kRansSymbols] = {1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 10, 10, 18, 0};
 inline constexpr uint8_t kValueExtra[kRansSymbols] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 3, 3, 0, 0};
 
+// The encoder's side of kValueBase / kValueExtra (the decoder reads them).
 template <typename T>
 ValueSymbol ValueSymbolOf(T delta) {
   const int neg = static_cast<int>((delta >> (kBits<T> - 1)) & 1);
   const uint64_t mag = static_cast<uint64_t>(neg ? static_cast<T>(T{0} - delta) : delta);
-  if (mag <= 5) return {static_cast<uint8_t>(2 * (mag - 1) + neg), 0, 0};
-  if (mag <= 9) return {static_cast<uint8_t>(10 + neg), 2, mag - 6};
-  if (mag <= 17) return {static_cast<uint8_t>(12 + neg), 3, mag - 10};
-  return {kValueEscape, 0, mag - 18};
+  if (mag >= kValueBase[kValueEscape]) return {kValueEscape, 0, mag - kValueBase[kValueEscape]};
+  const int sym = mag < kValueBase[kValueFirstWithBits]        ? static_cast<int>(2 * (mag - 1)) + neg
+                  : mag < kValueBase[kValueFirstWithBits + 2] ? kValueFirstWithBits + neg
+                                                              : kValueFirstWithBits + 2 + neg;
+  return {static_cast<uint8_t>(sym), kValueExtra[sym], mag - kValueBase[sym]};
 }
 
 template <typename T>
