@@ -6,7 +6,9 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <random>
+#include <utility>
 #include <vector>
 
 #include "block_hasher.h"
@@ -114,10 +116,29 @@ void CheckSweep(size_t n, double density, int k, uint64_t seed) {
   }
 }
 
-TEST(Sweep, MatchesBruteForceOverSizesDensitiesAndClassCounts) {
+// Every test of this suite runs on both vector paths: the baseline, and
+// AVX-512 where the host has it (skipped elsewhere).
+class SweepOnPath : public testing::TestWithParam<SimdPath> {
+ protected:
+  void SetUp() override {
+    if (GetParam() == SimdPath::kAvx512 && !HostHasAvx512()) GTEST_SKIP() << "this CPU has no AVX-512 (F, BW)";
+    before_ = SetSimdPathForTesting(GetParam());
+  }
+  void TearDown() override { SetSimdPathForTesting(before_); }
+
+ private:
+  SimdPath before_ = SimdPath::kBaseline;
+};
+
+INSTANTIATE_TEST_SUITE_P(Paths, SweepOnPath, testing::Values(SimdPath::kBaseline, SimdPath::kAvx512),
+                         [](const testing::TestParamInfo<SimdPath>& info) {
+                           return info.param == SimdPath::kAvx512 ? "Avx512" : "Baseline";
+                         });
+
+TEST_P(SweepOnPath, MatchesBruteForceOverSizesDensitiesAndClassCounts) {
   uint64_t seed = 1;
-  for (size_t n : {size_t{0}, size_t{1}, size_t{31}, size_t{32}, size_t{33}, size_t{1000}, kSweepSegment - 1,
-                   kSweepSegment, kSweepSegment + 1, 2 * kSweepSegment + 77}) {
+  for (size_t n : {size_t{0}, size_t{1}, size_t{31}, size_t{32}, size_t{33}, size_t{63}, size_t{64}, size_t{65},
+                   size_t{1000}, kSweepSegment - 1, kSweepSegment, kSweepSegment + 1, 2 * kSweepSegment + 77}) {
     for (double density : {0.0, 1e-3, 0.02, 0.5, 1.0}) {
       for (int k = 1; k <= kMaxClasses; ++k) {
         SCOPED_TRACE("n " + std::to_string(n) + " density " + std::to_string(density) + " k " + std::to_string(k));
@@ -129,7 +150,64 @@ TEST(Sweep, MatchesBruteForceOverSizesDensitiesAndClassCounts) {
   }
 }
 
-TEST(Sweep, RankBeyondItsClassIsReported) {
+// The word masks against the portable per-element logic, at every length
+// of a last partial word, for BF16's and FP16's exponent fields, with
+// exponents crowding the thresholds (0 and the field's maximum included).
+template <int K>
+void CheckWordMasks(std::mt19937_64& rng) {
+  for (const auto& [shift, mask] : {std::pair{7, 0xFF}, std::pair{10, 0x1F}}) {
+    ClassSpec spec;
+    spec.k = K;
+    spec.shift = static_cast<uint8_t>(shift);
+    spec.mask = static_cast<uint16_t>(mask);
+    std::vector<int> thr;
+    while (static_cast<int>(thr.size()) < K - 1) {
+      const int t = rng() % 4 == 0 ? (rng() % 2 == 0 ? 0 : mask) : static_cast<int>(rng() % (mask + 1));
+      if (std::find(thr.begin(), thr.end(), t) == thr.end()) thr.push_back(t);
+    }
+    std::sort(thr.begin(), thr.end());
+    for (int t = 0; t < K - 1; ++t) spec.thr[t] = static_cast<uint16_t>(thr[t]);
+    const WordMasker<uint16_t> masker(spec);
+    for (size_t len : {size_t{1}, size_t{31}, size_t{32}, size_t{33}, size_t{63}, size_t{64}, size_t{65}, size_t{640},
+                       size_t{700}}) {
+      std::vector<uint16_t> x(len), y(len);
+      for (size_t i = 0; i < len; ++i) {
+        const int e = K > 1 ? (spec.thr[rng() % (K - 1)] + static_cast<int>(rng() % 3) - 1) & mask : 0;
+        x[i] = static_cast<uint16_t>((rng() & ~(mask << shift)) | (e << shift));
+        y[i] = rng() % 3 == 0 ? static_cast<uint16_t>(rng()) : x[i];
+      }
+      const size_t words = (len + kWord - 1) / kWord;
+      std::vector<uint64_t> ne(words, ~uint64_t{0});
+      std::vector<WordGe> ge(words);
+      masker.Run<K, true>(x.data(), y.data(), len, ne.data(), ge.data());
+      for (size_t w = 0; w < words; ++w) {
+        uint64_t want_ne = 0;
+        uint64_t want_ge[kMaxClasses - 1] = {};
+        for (size_t j = 0; j < kWord && w * kWord + j < len; ++j) {
+          const size_t i = w * kWord + j;
+          want_ne |= uint64_t{x[i] != y[i]} << j;
+          for (int t = 0; t < K - 1; ++t) want_ge[t] |= uint64_t{spec.Exponent(x[i]) >= spec.thr[t]} << j;
+        }
+        ASSERT_EQ(ne[w], want_ne) << "len " << len << " word " << w;
+        for (int t = 0; t < K - 1; ++t) {
+          ASSERT_EQ(ge[w][t], want_ge[t]) << "len " << len << " word " << w << " threshold " << spec.thr[t];
+        }
+      }
+    }
+  }
+}
+
+TEST_P(SweepOnPath, WordMasksMatchPortableLogic) {
+  std::mt19937_64 rng(13);
+  for (int trial = 0; trial < 50; ++trial) {
+    CheckWordMasks<1>(rng);
+    CheckWordMasks<2>(rng);
+    CheckWordMasks<5>(rng);
+    CheckWordMasks<8>(rng);
+  }
+}
+
+TEST_P(SweepOnPath, RankBeyondItsClassIsReported) {
   std::mt19937_64 rng(7);
   std::vector<uint16_t> base, target;
   RandomPair<uint16_t>(5000, 0.05, rng, &base, &target);

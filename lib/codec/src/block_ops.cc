@@ -1,5 +1,7 @@
 #include "block_ops.h"
 
+#include <atomic>
+
 #if defined(__x86_64__) || defined(__i386__)
 #include <cpuid.h>
 #endif
@@ -23,6 +25,32 @@ bool HasFastDeposit() {
 #else
   return false;
 #endif
+}
+
+bool HostHasAvx512() {
+#if defined(__x86_64__)
+  // libgcc's CPU model also checks that the OS saves the AVX-512 state.
+  static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+  return has;
+#else
+  return false;
+#endif
+}
+
+namespace {
+
+std::atomic<SimdPath>& SimdPathSetting() {
+  static std::atomic<SimdPath> path(HostHasAvx512() ? SimdPath::kAvx512 : SimdPath::kBaseline);
+  return path;
+}
+
+}  // namespace
+
+SimdPath ActiveSimdPath() { return SimdPathSetting().load(std::memory_order_relaxed); }
+
+SimdPath SetSimdPathForTesting(SimdPath path) {
+  if (!HostHasAvx512()) path = SimdPath::kBaseline;
+  return SimdPathSetting().exchange(path);
 }
 
 }  // namespace wsync::codec::internal

@@ -12,9 +12,10 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
-#if defined(__AVX2__) || defined(__BMI2__)
+#if defined(__x86_64__)
 #include <immintrin.h>
 #endif
 
@@ -163,6 +164,140 @@ class GeKernel<uint16_t> {
   uint32_t or_[kMaxClasses - 1] = {};  // all ones for threshold 0
 };
 #endif
+
+// ---- 64-element words: the sweeps' unit (sweep.h).
+
+inline constexpr size_t kWord = 64;
+
+// A word's ge masks: bit j of [t] is set iff exponent(x[j]) >= thr[t].
+using WordGe = uint64_t[kMaxClasses - 1];
+
+// Which vector kernels WordMasker runs: the build's baseline (AVX2 on
+// x86-64-v3 builds), or AVX-512 (F + BW) where the CPU has it. Both give the
+// same masks; AVX-512 compares 64 exponents into a mask register at once.
+enum class SimdPath { kBaseline, kAvx512 };
+
+// True when this CPU runs AVX-512 F and BW (and the build targets x86-64).
+bool HostHasAvx512();
+// The path new WordMaskers take: kAvx512 where the host has it.
+SimdPath ActiveSimdPath();
+// Tests: makes new WordMaskers take `path` (kAvx512 only where the host has
+// it; otherwise the baseline). Returns the path before.
+SimdPath SetSimdPathForTesting(SimdPath path);
+
+#if defined(__x86_64__)
+#define WSYNC_TARGET_AVX512 __attribute__((target("avx512f,avx512bw")))
+
+// WordMasker's AVX-512 kernel for 16-bit elements whose exponent field
+// (mask <= 0xFF) is compared as bytes: thr8[t] = spec.thr[t] (<= mask).
+template <int K, bool kDiff, bool kPartial>
+WSYNC_TARGET_AVX512 __attribute__((always_inline)) inline void Word512(const uint16_t* x, const uint16_t* y,
+                                                                       size_t len, __m128i shift, __m512i mask,
+                                                                       const __m512i* thr, uint64_t* ne,
+                                                                       uint64_t* ge) {
+  // Partial: lanes at and past len load as zero and leave every mask.
+  const uint64_t valid = kPartial ? (uint64_t{1} << len) - 1 : ~uint64_t{0};
+  const __mmask32 v0 = static_cast<__mmask32>(valid), v1 = static_cast<__mmask32>(valid >> 32);
+  const __m512i x0 = kPartial ? _mm512_maskz_loadu_epi16(v0, x) : _mm512_loadu_si512(x);
+  const __m512i x1 = kPartial ? _mm512_maskz_loadu_epi16(v1, x + 32) : _mm512_loadu_si512(x + 32);
+  if constexpr (kDiff) {
+    const __m512i y0 = kPartial ? _mm512_maskz_loadu_epi16(v0, y) : _mm512_loadu_si512(y);
+    const __m512i y1 = kPartial ? _mm512_maskz_loadu_epi16(v1, y + 32) : _mm512_loadu_si512(y + 32);
+    *ne = _cvtmask64_u64(_mm512_kunpackd(_mm512_cmpneq_epu16_mask(x1, y1), _mm512_cmpneq_epu16_mask(x0, y0)));
+  }
+  if constexpr (K > 1) {
+    // The 64 exponents as bytes; packus interleaves 128-bit lanes, the
+    // permute restores element order (its zero-masking form: GCC 12 warns
+    // about the plain one's undefined pass-through).
+    const __m512i e0 = _mm512_and_si512(_mm512_srl_epi16(x0, shift), mask);
+    const __m512i e1 = _mm512_and_si512(_mm512_srl_epi16(x1, shift), mask);
+    const __m512i e = _mm512_maskz_permutexvar_epi64(0xFF, _mm512_setr_epi64(0, 2, 4, 6, 1, 3, 5, 7),
+                                                     _mm512_packus_epi16(e0, e1));
+#pragma GCC unroll 8
+    for (int t = 0; t < K - 1; ++t) ge[t] = _cvtmask64_u64(_mm512_cmpge_epu8_mask(e, thr[t])) & valid;
+  }
+}
+
+template <int K, bool kDiff>
+WSYNC_TARGET_AVX512 void WordMasks512(const uint16_t* x, const uint16_t* y, size_t len, int shift, int mask,
+                                      const uint16_t* thr8, uint64_t* ne, WordGe* ge) {
+  const __m128i sh = _mm_cvtsi32_si128(shift);
+  const __m512i mk = _mm512_set1_epi16(static_cast<int16_t>(mask));
+  __m512i thr[K > 1 ? K - 1 : 1];
+  for (int t = 0; t < K - 1; ++t) thr[t] = _mm512_set1_epi8(static_cast<char>(thr8[t]));
+  const size_t full = len / kWord;
+  for (size_t w = 0; w < full; ++w) {
+    const size_t i = w * kWord;
+    Word512<K, kDiff, false>(x + i, kDiff ? y + i : nullptr, kWord, sh, mk, thr, ne + w, ge[w]);
+  }
+  if (len % kWord != 0) {
+    const size_t i = full * kWord;
+    Word512<K, kDiff, true>(x + i, kDiff ? y + i : nullptr, len - i, sh, mk, thr, ne + full, ge[full]);
+  }
+}
+#endif
+
+// The masks of a run of elements, word by word, for one ClassSpec: ne[w]
+// (base != target) and ge[w][t] (t < K - 1) of word w, the last word's bits
+// past the run clear.
+template <typename T>
+class WordMasker {
+ public:
+  explicit WordMasker(const ClassSpec& spec) : kernel_(spec), shift_(spec.shift), mask_(spec.mask) {
+    for (int t = 0; t < spec.k - 1; ++t) thr_[t] = spec.thr[t];
+    avx512_ = std::is_same_v<T, uint16_t> && spec.mask <= 0xFF && ActiveSimdPath() == SimdPath::kAvx512;
+  }
+
+  // Words [0, ceil(len / 64)) of base (and of target, when kDiff; else
+  // target and ne are not read or written).
+  template <int K, bool kDiff>
+  void Run(const T* base, const T* target, size_t len, uint64_t* ne, WordGe* ge) const {
+#if defined(__x86_64__)
+    if constexpr (std::is_same_v<T, uint16_t>) {
+      if (avx512_) return WordMasks512<K, kDiff>(base, target, len, shift_, mask_, thr_, ne, ge);
+    }
+#endif
+    for (size_t w = 0; w * kWord < len; ++w) {
+      uint64_t ne_w = 0;
+      uint32_t half[2][kMaxClasses - 1] = {};
+      for (int h = 0; h < 2; ++h) {
+        const size_t first = w * kWord + static_cast<size_t>(h) * kBlock;
+        if (first >= len) break;
+        uint32_t block_ne = 0;
+        if (first + kBlock <= len) {
+          if constexpr (kDiff) block_ne = NeMask(base + first, target + first);
+          if constexpr (K > 1) kernel_.template Fixed<K>(base + first, half[h]);
+        } else {
+          // A partial block through a zeroed copy; its spare bits cleared.
+          const size_t left = len - first;
+          const uint32_t valid = (1u << left) - 1;
+          T bx[kBlock] = {}, by[kBlock] = {};
+          std::memcpy(bx, base + first, left * sizeof(T));
+          if constexpr (kDiff) {
+            std::memcpy(by, target + first, left * sizeof(T));
+            block_ne = NeMask(bx, by) & valid;
+          }
+          if constexpr (K > 1) {
+            kernel_.template Fixed<K>(bx, half[h]);
+#pragma GCC unroll 8
+            for (int t = 0; t < K - 1; ++t) half[h][t] &= valid;
+          }
+        }
+        if constexpr (kDiff) ne_w |= uint64_t{block_ne} << (32 * h);
+      }
+      if constexpr (kDiff) ne[w] = ne_w;
+#pragma GCC unroll 8
+      for (int t = 0; t < K - 1; ++t) ge[w][t] = uint64_t{half[0][t]} | (uint64_t{half[1][t]} << 32);
+    }
+  }
+
+ private:
+  GeKernel<T> kernel_;
+  int shift_;
+  int mask_;
+  uint16_t thr_[kMaxClasses - 1] = {};
+  bool avx512_ = false;
+};
 
 // Computes the ge masks of the blocks of a chunk for one ClassSpec. The masks
 // nest (ge[t+1] is a subset of ge[t]), so class(x[j]) = number of t with bit

@@ -45,13 +45,17 @@ struct ChunkSweep {
 template <int K, typename T, typename F>
 void SweepChunkK(const T* base, const T* target, size_t n, const ClassSpec& spec, ChunkSweep<T>* out,
                  F&& segment_done) {
-  constexpr int k = K;
   constexpr bool ranked = K > 1;
-  const GeKernel<T> ge_kernel(spec);
+  constexpr size_t kSegmentWords = kSweepSegment / kWord;
+  static_assert(kSweepSegment % kWord == 0);
+  const WordMasker<T> masker(spec);
 
-  // Per-segment output, appended to *out at the segment's end; spare slots
-  // for the unconditional write of the branch-free extraction.
+  // Per-segment masks and output, the output appended to *out at the
+  // segment's end; spare slots for the unconditional write of the
+  // branch-free extraction.
   struct Scratch {
+    uint64_t ne[kSegmentWords];
+    WordGe ge[kSegmentWords];
     uint32_t pos[kSweepSegment + 2];
     T delta[kSweepSegment + 2];
     T old[kSweepSegment + 2];
@@ -59,40 +63,27 @@ void SweepChunkK(const T* base, const T* target, size_t n, const ClassSpec& spec
   };
   auto s = std::make_unique_for_overwrite<Scratch>();
 
-  // at[c]: the block's elements of class >= c (at[0] the valid ones, at[k]
-  // none); reach[c]: such elements before the block. A change of class c at
+  // at[c]: the word's elements of class >= c (at[0] the valid ones, at[K]
+  // none); reach[c]: such elements before the word. A change of class c at
   // bit j has rank reach[c] - reach[c+1] + popcount(at[c] & ~at[c+1] below j).
   uint32_t reach[K + 1] = {};
-  uint32_t at[K + 1] = {};
+  uint64_t at[K + 1] = {};
   const std::vector<uint8_t> class_of = ranked ? ClassTable(spec) : std::vector<uint8_t>();
 
   for (size_t seg = 0; seg < n; seg += kSweepSegment) {
-    const size_t seg_end = std::min(n, seg + kSweepSegment);
+    const size_t seg_len = std::min(n - seg, kSweepSegment);
+    masker.template Run<K, true>(base + seg, target + seg, seg_len, s->ne, s->ge);
     size_t m = 0;
-    for (size_t b = seg; b < seg_end; b += kBlock) {
-      // emit() reads base and target directly, within the block's mask.
-      uint32_t ne;
-      if (b + kBlock <= seg_end) {
-        ne = NeMask(base + b, target + b);
-        at[0] = ~0u;
-        if constexpr (ranked) ge_kernel.template Fixed<K>(base + b, at + 1);
-      } else {
-        const size_t len = seg_end - b;
-        T bx[kBlock] = {}, by[kBlock] = {};
-        std::memcpy(bx, base + b, len * sizeof(T));
-        std::memcpy(by, target + b, len * sizeof(T));
-        const uint32_t valid = (1u << len) - 1;
-        ne = NeMask(bx, by) & valid;
-        at[0] = valid;
-        if constexpr (ranked) {
-          ge_kernel.template Fixed<K>(bx, at + 1);
+    for (size_t w = 0; w * kWord < seg_len; ++w) {
+      const size_t b = seg + w * kWord;
+      const size_t left = seg_len - w * kWord;
+      at[0] = left >= kWord ? ~uint64_t{0} : (uint64_t{1} << left) - 1;
 #pragma GCC unroll 8
-          for (int c = 1; c < k; ++c) at[c] &= valid;
-        }
-      }
+      for (int c = 1; c < K; ++c) at[c] = s->ge[w][c - 1];
+      uint64_t ne = s->ne[w];
 
-      // Writes change j of the block at slot m; the caller decides whether
-      // the slot counts.
+      // Writes change j of the word at slot m; the caller decides whether
+      // the slot counts. emit() reads base and target directly.
       auto emit = [&](int j) {
         const size_t i = b + static_cast<size_t>(j);
         const T old = base[i];
@@ -101,14 +92,14 @@ void SweepChunkK(const T* base, const T* target, size_t n, const ClassSpec& spec
         s->old[m] = old;
         if constexpr (ranked) {
           const int c = class_of[spec.Exponent(old)];
-          const uint32_t below = (uint32_t{1} << j) - 1u;
+          const uint64_t below = (uint64_t{1} << j) - 1u;
           s->rank[m] = reach[c] - reach[c + 1] + static_cast<uint32_t>(std::popcount(at[c] & ~at[c + 1] & below));
         }
       };
       // The first change without a branch (slot m is written even when the
       // mask is empty: j is then 0, a valid element, and m does not
-      // advance); more than one change in a block is the rarer case.
-      emit(std::countr_zero(ne) & (kBlock - 1));
+      // advance); more than one change in a word is the rarer case.
+      emit(std::countr_zero(ne) & (kWord - 1));
       m += ne != 0;
       ne &= ne - 1;
       while (ne != 0) {
@@ -118,7 +109,7 @@ void SweepChunkK(const T* base, const T* target, size_t n, const ClassSpec& spec
       }
       if constexpr (ranked) {
 #pragma GCC unroll 8
-        for (int c = 0; c < k; ++c) reach[c] += static_cast<uint32_t>(std::popcount(at[c]));
+        for (int c = 0; c < K; ++c) reach[c] += static_cast<uint32_t>(std::popcount(at[c]));
       }
     }
     out->d.pos.insert(out->d.pos.end(), s->pos, s->pos + m);
@@ -127,7 +118,7 @@ void SweepChunkK(const T* base, const T* target, size_t n, const ClassSpec& spec
       out->old.insert(out->old.end(), s->old, s->old + m);
       out->rank.insert(out->rank.end(), s->rank, s->rank + m);
     }
-    segment_done(seg, seg_end - seg);
+    segment_done(seg, seg_len);
   }
 }
 
@@ -172,21 +163,20 @@ void SampleChanges(const T* base, const T* target, size_t n, SparseDelta<T>* d, 
   }
 }
 
-// 64-element words per ResolveRankSweep segment: the segment's class masks
-// (8 KiB at 8 classes) stay in L1 between the phases.
+// Words per ResolveRankSweep segment: the segment's class masks (7 KiB)
+// stay in L1 between the phases.
 inline constexpr size_t kResolveWords = 128;
 
 // ResolveRankSweep with the class count a constant. Each class's ranks are
 // first set as bits of a bitmap over the class's members (bit r: its r-th
-// member changed). Then, segment by segment: every class's member mask of
-// every 64-element word (no dependency between words); then class by class,
+// member changed). Then, segment by segment: the ge masks of every
+// 64-element word (no dependency between words); then class by class,
 // each word's mask takes the class's next popcount(mask) bitmap bits by a
 // bit deposit -- the word's changes of that class, without a branch however
 // many there are; last, the segment's change bitmap in position order.
 template <int K, typename T>
 size_t ResolveRankSweepK(const T* base, size_t n, const ClassSpec& spec, const uint32_t* const* ranks,
                          const uint64_t* count, uint32_t* pos, uint64_t* done_out) {
-  const GeKernel<T> ge_kernel(spec);
   static const bool fast_deposit = HasFastDeposit();
   // Class c's bitmap is words [offset[c], offset[c + 1]): its ranks' bits
   // and a zero word past them (the extraction reads two words).
@@ -202,52 +192,29 @@ size_t ResolveRankSweepK(const T* base, size_t n, const ClassSpec& spec, const u
     for (size_t i = 0; i < count[c]; ++i) bits[ranks[c][i] >> 6] |= uint64_t{1} << (ranks[c][i] & 63);
   }
 
-  alignas(64) uint64_t member[K][kResolveWords];
+  const WordMasker<T> masker(spec);
+  alignas(64) WordGe ge[kResolveWords];
   alignas(64) uint64_t changed[kResolveWords];
   // Class c's members before the word being read; once past the bitmap
   // (every rank below it) the class is done and no longer counted.
   uint64_t seen[K] = {};
   size_t found = 0;
-  for (size_t seg = 0; seg < n && found < total; seg += kResolveWords * 64) {
-    const size_t seg_n = std::min(n - seg, kResolveWords * 64);
-    const size_t words = (seg_n + 63) / 64;
-    const T* x = base + seg;
-    for (size_t w = 0; w < words; ++w) {
-      uint32_t half[2][K];
-      for (int h = 0; h < 2; ++h) {
-        const size_t first = w * 64 + static_cast<size_t>(h) * kBlock;
-        uint32_t ge[K] = {};
-        uint32_t valid = ~0u;
-        if (first + kBlock <= seg_n) {
-          ge_kernel.template Fixed<K>(x + first, ge);
-        } else if (first < seg_n) {
-          T tmp[kBlock] = {};
-          std::memcpy(tmp, x + first, (seg_n - first) * sizeof(T));
-          valid = (1u << (seg_n - first)) - 1;
-          ge_kernel.template Fixed<K>(tmp, ge);
-        } else {
-          valid = 0;
-        }
-        uint32_t upper = valid;
-#pragma GCC unroll 8
-        for (int c = 0; c < K - 1; ++c) {
-          half[h][c] = upper & ~ge[c];
-          upper = ge[c] & valid;
-        }
-        half[h][K - 1] = upper;
-      }
-#pragma GCC unroll 8
-      for (int c = 0; c < K; ++c) member[c][w] = uint64_t{half[0][c]} | (uint64_t{half[1][c]} << 32);
-      changed[w] = 0;
-    }
+  for (size_t seg = 0; seg < n && found < total; seg += kResolveWords * kWord) {
+    const size_t seg_n = std::min(n - seg, kResolveWords * kWord);
+    const size_t words = (seg_n + kWord - 1) / kWord;
+    masker.template Run<K, false>(base + seg, nullptr, seg_n, nullptr, ge);
+    std::fill_n(changed, words, uint64_t{0});
 
     for (int c = 0; c < K; ++c) {
       const uint64_t* bits = rank_bits.data() + offset[c];
       const uint64_t limit = (offset[c + 1] - offset[c] - 1) * 64;
-      const uint64_t* mc = member[c];
       uint64_t at = seen[c];
       for (size_t w = 0; w < words && at < limit; ++w) {
-        const uint64_t m = mc[w];
+        // Class c's members: ge[c - 1] & ~ge[c], the valid elements below
+        // the first threshold, none above the last.
+        const size_t left = seg_n - w * kWord;
+        const uint64_t upper = c == 0 ? (left >= kWord ? ~uint64_t{0} : (uint64_t{1} << left) - 1) : ge[w][c - 1];
+        const uint64_t m = c == K - 1 ? upper : upper & ~ge[w][c];
         const size_t i = at >> 6;
         const unsigned sh = at & 63;
         // The 64 bitmap bits from `at` on (the high word's shift in two
