@@ -414,23 +414,55 @@ constexpr std::array<uint8_t, 128> kGapSymbol = [] {
 
 uint8_t GapSymbol(uint64_t q) { return q < 128 ? kGapSymbol[q] : kGapEscape; }
 
+// A histogram of gaps by bit length and leading three bits: it tells a
+// gap's symbol at every shift (the quotient's bits are the gap's leading
+// ones), so one pass serves every candidate shift.
+struct GapHistogram {
+  static constexpr int kBins = 33 * 8;
+  // bin = bit_width(g) * 8 + g's three leading bits (g itself below 8).
+  static int Bin(uint32_t g) {
+    const int w = std::bit_width(g);
+    return w * 8 + static_cast<int>(g >> std::max(w - 3, 0));
+  }
+  uint32_t n[kBins] = {};
+};
+
+// The symbol (below the escape) of the gaps in histogram bin b at shift r,
+// or kGapEscape for quotients of 128 and more.
+uint8_t BinSymbol(int b, int r) {
+  const int w = b / 8, lead = b % 8;
+  const int qw = w - r;  // the quotient's bit length
+  if (qw <= 0) return 0;
+  if (qw >= 8) return kGapEscape;
+  // Below 8 the quotient is its leading bits; above, its symbol depends on
+  // its length and the bit after the leading one only.
+  const int q = w <= 3 ? lead >> r : qw <= 3 ? lead >> (3 - qw) : lead << (qw - 3);
+  return kGapSymbol[q];
+}
+
 // Symbol counts of a class's gaps at three consecutive shifts r0, r0+1,
-// r0+2 (one pass), and the estimated bits of coding them at each.
+// r0+2, and the estimated bits of coding them at each.
 struct GapCosts {
   uint32_t counts[3][kRansSymbols] = {};
   double bits[3] = {};
 };
 
-GapCosts CountGaps(const uint32_t* gaps, size_t count, int r0) {
+GapCosts CountGaps(const uint32_t* gaps, size_t count, const GapHistogram& hist, int r0) {
   GapCosts g;
+  for (int b = 0; b < GapHistogram::kBins; ++b) {
+    if (hist.n[b] == 0) continue;
+    for (int t = 0; t < 3; ++t) g.counts[t][BinSymbol(b, r0 + t)] += hist.n[b];
+  }
+  // Escapes (rare: 32 times the mean gap and more) cost their gamma codes.
   uint64_t escape_bits[3] = {};
-  for (size_t i = 0; i < count; ++i) {
-#pragma GCC unroll 3
-    for (int t = 0; t < 3; ++t) {
-      const uint64_t q = gaps[i] >> (r0 + t);
-      const uint8_t s = GapSymbol(q);
-      ++g.counts[t][s];
-      if (s == kGapEscape) escape_bits[t] += static_cast<uint64_t>(GammaBits(q - kGapBase[kGapEscape]));
+  if (g.counts[0][kGapEscape] != 0) {
+    const uint64_t escape_at = uint64_t{kGapBase[kGapEscape]} << r0;
+    for (size_t i = 0; i < count; ++i) {
+      if (gaps[i] < escape_at) continue;
+      for (int t = 0; t < 3; ++t) {
+        const uint64_t q = uint64_t{gaps[i]} >> (r0 + t);
+        if (q >= kGapBase[kGapEscape]) escape_bits[t] += static_cast<uint64_t>(GammaBits(q - kGapBase[kGapEscape]));
+      }
     }
   }
   for (int t = 0; t < 3; ++t) {
@@ -445,7 +477,7 @@ void EncodeSparsePositions(const std::vector<uint8_t>& cls, const uint32_t* rank
                            std::string* out) {
   WriteClassHeader(spec, out);
   // The gaps bucketed by class (a counting sort: class after class, each
-  // in position order).
+  // in position order), with each class's sum and histogram.
   size_t count[kMaxClasses] = {};
   for (uint8_t c : cls) ++count[c];
   size_t start[kMaxClasses + 1] = {};
@@ -455,11 +487,13 @@ void EncodeSparsePositions(const std::vector<uint8_t>& cls, const uint32_t* rank
   std::copy(start, start + kMaxClasses, fill);
   uint32_t next[kMaxClasses] = {};
   uint64_t sum[kMaxClasses] = {};
+  auto hist = std::make_unique<GapHistogram[]>(spec.k);
   for (size_t i = 0; i < cls.size(); ++i) {
     const int c = cls[i];
     const uint32_t g = rank[i] - next[c];
     gaps[fill[c]++] = g;
     sum[c] += g;
+    ++hist[c].n[GapHistogram::Bin(g)];
     next[c] = rank[i] + 1;
   }
 
@@ -472,23 +506,25 @@ void EncodeSparsePositions(const std::vector<uint8_t>& cls, const uint32_t* rank
     // The shift that puts the mean quotient near 4, or a neighbour.
     const uint64_t mean = sum[c] / count[c];
     const int r0 = std::clamp(static_cast<int>(std::bit_width(mean / 4)) - 2, 0, kMaxShift - 2);
-    const GapCosts costs = CountGaps(gaps.data() + start[c], count[c], r0);
+    const GapCosts costs = CountGaps(gaps.data() + start[c], count[c], hist[c], r0);
     const int best = static_cast<int>(std::min_element(costs.bits, costs.bits + 3) - costs.bits);
     shift[c] = r0 + best;
     const uint32_t* best_counts = costs.counts[best];
     bits.Put(static_cast<uint64_t>(shift[c]), 5);
     tables[c] = ChooseRansTable(best_counts, &bits);
   }
-  std::vector<uint8_t> syms(gaps.size());
+  // The refining bits in order, and each gap's rANS symbol with its table.
+  std::vector<const RansEncSymbol*> coded(gaps.size());
   // At most a gamma code (127 bits) and r <= 31 low bits per gap.
   BitWriter::Cursor fields = bits.Open(gaps.size() * 160);
   for (int c = 0; c < spec.k; ++c) {
     const int r = shift[c];
+    const RansEncSymbol* enc = tables[c].enc.data();
     for (size_t i = start[c]; i < start[c + 1]; ++i) {
       const uint64_t g = gaps[i];
       const uint64_t q = g >> r;
       const uint8_t s = GapSymbol(q);
-      syms[i] = s;
+      coded[i] = enc + s;
       const uint64_t low = g & ((uint64_t{1} << r) - 1);
       if (s == kGapEscape) {
         fields.PutGamma(q - kGapBase[kGapEscape]);
@@ -499,11 +535,6 @@ void EncodeSparsePositions(const std::vector<uint8_t>& cls, const uint32_t* rank
     }
   }
   bits.Close(fields);
-  // The symbols with their tables, class after class.
-  std::vector<const RansEncSymbol*> coded(gaps.size());
-  for (int c = 0; c < spec.k; ++c) {
-    for (size_t i = start[c]; i < start[c + 1]; ++i) coded[i] = &tables[c].enc[syms[i]];
-  }
   RansEncoder enc;
   enc.Encode(coded.size(), [&](size_t i) -> const RansEncSymbol& { return *coded[i]; });
   enc.Finish(out);

@@ -17,26 +17,41 @@ const std::array<double, kRansScale + 1>& Log2Table() {
   return table;
 }
 
-// Frequencies at precision p (summing to 2^p, every present symbol >= 1);
-// false when p cannot hold them.
-bool Normalize(const uint32_t* counts, int p, uint32_t* freq) {
+// What every precision's normalization starts from: q10[s] = floor(c_s
+// 2^10 / total), from which floor(c_s 2^p / total) = q10[s] >> (10 - p)
+// (nested floor division), so the divisions are done once per table.
+struct Shares {
+  uint64_t q10[kRansSymbols] = {};
+  int present = 0;
+  int largest = -1;  // the most frequent symbol (the first, on a tie)
+};
+
+Shares SharesOf(const uint32_t* counts) {
+  Shares sh;
   uint64_t total = 0;
-  int present = 0, largest = -1;
   for (int s = 0; s < kRansSymbols; ++s) {
     total += counts[s];
-    present += counts[s] > 0;
-    if (counts[s] > 0 && (largest < 0 || counts[s] > counts[largest])) largest = s;
+    sh.present += counts[s] > 0;
+    if (counts[s] > 0 && (sh.largest < 0 || counts[s] > counts[sh.largest])) sh.largest = s;
   }
+  if (total == 0) return sh;
+  for (int s = 0; s < kRansSymbols; ++s) sh.q10[s] = (uint64_t{counts[s]} << kRansPrecision) / total;
+  return sh;
+}
+
+// Frequencies at precision p (summing to 2^p, every present symbol >= 1,
+// the largest taking the rounding); false when p cannot hold them.
+bool Normalize(const uint32_t* counts, const Shares& sh, int p, uint32_t* freq) {
   const uint64_t scale = uint64_t{1} << p;
-  if (present == 0 || scale < static_cast<uint64_t>(present)) return false;
+  if (sh.present == 0 || scale < static_cast<uint64_t>(sh.present)) return false;
   int64_t sum = 0;
   for (int s = 0; s < kRansSymbols; ++s) {
-    freq[s] = counts[s] == 0 ? 0 : static_cast<uint32_t>(std::max<uint64_t>(1, counts[s] * scale / total));
+    freq[s] = counts[s] == 0 ? 0 : static_cast<uint32_t>(std::max<uint64_t>(1, sh.q10[s] >> (kRansPrecision - p)));
     sum += freq[s];
   }
-  const int64_t fixed = static_cast<int64_t>(freq[largest]) + static_cast<int64_t>(scale) - sum;
+  const int64_t fixed = static_cast<int64_t>(freq[sh.largest]) + static_cast<int64_t>(scale) - sum;
   if (fixed < 1) return false;
-  freq[largest] = static_cast<uint32_t>(fixed);
+  freq[sh.largest] = static_cast<uint32_t>(fixed);
   return true;
 }
 
@@ -53,13 +68,13 @@ double HeaderBits(const uint32_t* freq) {
 }
 
 // The best precision for these counts and its cost; -1 if all are zero.
-int BestPrecision(const uint32_t* counts, double* cost) {
+int BestPrecision(const uint32_t* counts, const Shares& sh, double* cost) {
   const auto& lg = Log2Table();
   int best = -1;
   double best_cost = 0;
   for (int p = 0; p <= kRansPrecision; ++p) {
     uint32_t freq[kRansSymbols];
-    if (!Normalize(counts, p, freq)) continue;
+    if (!Normalize(counts, sh, p, freq)) continue;
     double bits = HeaderBits(freq);
     for (int s = 0; s < kRansSymbols; ++s) {
       if (counts[s] > 0) bits += counts[s] * (p - lg[freq[s]]);
@@ -92,15 +107,16 @@ RansTable Scaled(const uint32_t* freq, int p) {
 
 double RansCostBits(const uint32_t* counts) {
   double cost;
-  BestPrecision(counts, &cost);
+  BestPrecision(counts, SharesOf(counts), &cost);
   return cost;
 }
 
 RansTable ChooseRansTable(const uint32_t* counts, BitWriter* w) {
   double cost;
-  const int p = BestPrecision(counts, &cost);
+  const Shares sh = SharesOf(counts);
+  const int p = BestPrecision(counts, sh, &cost);
   uint32_t freq[kRansSymbols];
-  Normalize(counts, p, freq);
+  Normalize(counts, sh, p, freq);
   w->Put(static_cast<uint64_t>(p), 4);
   uint32_t mask = 0;
   int last = -1;

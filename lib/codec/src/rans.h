@@ -236,7 +236,7 @@ class RansEncoder {
   // sym(i) returns symbol i's RansEncSymbol (a present one).
   template <typename F>
   void Encode(size_t n, F&& sym) {
-    words_.resize(n);  // at most one word per symbol
+    words_.resize(n + 1);  // at most one word per symbol, and a spare slot for the unconditional store
     uint16_t* out = words_.data();
     uint32_t x0 = kRansLow, x1 = kRansLow;
     size_t i = n;
@@ -258,11 +258,13 @@ class RansEncoder {
   __attribute__((always_inline)) static void Step(uint32_t& x, const RansEncSymbol& s, uint16_t** out) {
     // Renormalize so that the coded state stays below 2^32 (a symbol of
     // probability 1 never needs it: its bound is 2^32).
+    // Without a branch: the word is stored either way and kept when the
+    // state had to shrink (about one symbol in several, at random).
     const uint64_t x_max = uint64_t{(kRansLow >> kRansPrecision) << 16} * s.freq;
-    if (x >= x_max) {
-      *(*out)++ = static_cast<uint16_t>(x & 0xFFFF);
-      x >>= 16;
-    }
+    const bool shrink = x >= x_max;
+    **out = static_cast<uint16_t>(x & 0xFFFF);
+    *out += shrink ? 1 : 0;
+    x = shrink ? x >> 16 : x;
     const uint32_t q = static_cast<uint32_t>((static_cast<unsigned __int128>(x) * s.rcp) >> 63);
     x += s.bias + q * s.cmpl;
   }
