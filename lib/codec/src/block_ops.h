@@ -218,6 +218,7 @@ WSYNC_TARGET_AVX512 __attribute__((always_inline)) inline void Word512(const uin
   }
 }
 
+// y and ne are read and written only when kDiff (null otherwise).
 template <int K, bool kDiff>
 WSYNC_TARGET_AVX512 void WordMasks512(const uint16_t* x, const uint16_t* y, size_t len, int shift, int mask,
                                       const uint16_t* thr8, uint64_t* ne, WordGe* ge) {
@@ -228,11 +229,12 @@ WSYNC_TARGET_AVX512 void WordMasks512(const uint16_t* x, const uint16_t* y, size
   const size_t full = len / kWord;
   for (size_t w = 0; w < full; ++w) {
     const size_t i = w * kWord;
-    Word512<K, kDiff, false>(x + i, kDiff ? y + i : nullptr, kWord, sh, mk, thr, ne + w, ge[w]);
+    Word512<K, kDiff, false>(x + i, kDiff ? y + i : nullptr, kWord, sh, mk, thr, kDiff ? ne + w : nullptr, ge[w]);
   }
   if (len % kWord != 0) {
     const size_t i = full * kWord;
-    Word512<K, kDiff, true>(x + i, kDiff ? y + i : nullptr, len - i, sh, mk, thr, ne + full, ge[full]);
+    Word512<K, kDiff, true>(x + i, kDiff ? y + i : nullptr, len - i, sh, mk, thr, kDiff ? ne + full : nullptr,
+                            ge[full]);
   }
 }
 #endif
