@@ -22,6 +22,8 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "block_ops.h"
@@ -205,16 +207,23 @@ size_t ResolveRankSweepK(const T* base, size_t n, const ClassSpec& spec, const u
     masker.template Run<K, false>(base + seg, nullptr, seg_n, nullptr, ge);
     std::fill_n(changed, words, uint64_t{0});
 
-    for (int c = 0; c < K; ++c) {
-      const uint64_t* bits = rank_bits.data() + offset[c];
-      const uint64_t limit = (offset[c + 1] - offset[c] - 1) * 64;
-      uint64_t at = seen[c];
+    // Class by class, each with its own loop (the class a constant: its
+    // member mask's form is fixed, no select per word). Class c's members:
+    // ge[c - 1] & ~ge[c]; class 0 takes the valid elements below the first
+    // threshold, the last class everything from the last threshold up.
+    const uint64_t last_valid = seg_n % kWord == 0 ? ~uint64_t{0} : (uint64_t{1} << (seg_n % kWord)) - 1;
+    auto resolve_class = [&]<int C>(std::integral_constant<int, C>) {
+      const uint64_t* bits = rank_bits.data() + offset[C];
+      const uint64_t limit = (offset[C + 1] - offset[C] - 1) * 64;
+      uint64_t at = seen[C];
       for (size_t w = 0; w < words && at < limit; ++w) {
-        // Class c's members: ge[c - 1] & ~ge[c], the valid elements below
-        // the first threshold, none above the last.
-        const size_t left = seg_n - w * kWord;
-        const uint64_t upper = c == 0 ? (left >= kWord ? ~uint64_t{0} : (uint64_t{1} << left) - 1) : ge[w][c - 1];
-        const uint64_t m = c == K - 1 ? upper : upper & ~ge[w][c];
+        uint64_t m;
+        if constexpr (C == 0) {
+          m = w + 1 < words ? ~uint64_t{0} : last_valid;
+        } else {
+          m = ge[w][C - 1];
+        }
+        if constexpr (C < K - 1) m &= ~ge[w][C];
         const size_t i = at >> 6;
         const unsigned sh = at & 63;
         // The 64 bitmap bits from `at` on (the high word's shift in two
@@ -223,8 +232,11 @@ size_t ResolveRankSweepK(const T* base, size_t n, const ClassSpec& spec, const u
         changed[w] |= DepositBits(next, m, fast_deposit);
         at += static_cast<uint64_t>(std::popcount(m));
       }
-      seen[c] = at;
-    }
+      seen[C] = at;
+    };
+    [&]<int... Cs>(std::integer_sequence<int, Cs...>) {
+      (resolve_class(std::integral_constant<int, Cs>{}), ...);
+    }(std::make_integer_sequence<int, K>{});
 
     // The first two changes of a word without a branch: pos has room for
     // two past the last.
