@@ -1,6 +1,7 @@
 // The host codec's fused sweeps against brute-force references: the encode
-// sweep (diff, old values, class ranks, segments), rank resolution (ranks
-// back to positions, ranks beyond their class), the class-mask kernels
+// sweep (diff, old values, class ranks, segments; the staged encoder's ranks
+// of given positions agree), rank resolution (ranks back to positions,
+// ranks beyond their class), the class-mask kernels
 // (hostile thresholds included) and the streaming block digest.
 #include "sweep.h"
 
@@ -98,6 +99,11 @@ void CheckSweep(size_t n, double density, int k, uint64_t seed) {
   }
 
   if (k > 1) {
+    // The staged encoder's ranks (positions given) are the sweep's.
+    std::vector<uint32_t> ranks_given;
+    RanksByClass(base.data(), n, got.d.pos, spec, &ranks_given);
+    EXPECT_EQ(ranks_given, got.rank);
+
     // The ranks back to positions, class after class.
     std::vector<std::vector<uint32_t>> by_class(k);
     for (size_t i = 0; i < m; ++i) by_class[spec.ClassOf(got.old[i])].push_back(got.rank[i]);

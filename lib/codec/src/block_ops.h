@@ -1,9 +1,11 @@
 // Per-block kernels of the chunk codec (private).
 //
-// Elements are processed in blocks of 32; each kernel turns a block into
-// 32-bit masks (bit j = element j). The class of an element is the number of
-// thresholds its exponent reaches: class(x) = #{t : exponent(x) >= thr[t]},
-// with thresholds ascending, so the class masks follow from K-1 "ge" masks.
+// The kernels turn a block of 32 elements into 32-bit masks (bit j =
+// element j); WordMasker puts two blocks together into a 64-element word,
+// or on AVX-512 hosts makes a word's masks at once. The class of an element
+// is the number of thresholds its exponent reaches: class(x) = #{t :
+// exponent(x) >= thr[t]}, with thresholds ascending, so the class masks
+// follow from K-1 "ge" masks.
 // The portable per-block logic is in wsync/codec/block_logic.h (shared with
 // the device kernels); this adds the host's fast paths.
 #pragma once
@@ -24,8 +26,6 @@
 
 namespace wsync::codec::internal {
 
-using codec::ClassAt;
-using codec::ClassMask;
 using codec::ClassSpec;
 using codec::kBlock;
 using codec::kMaxClasses;
@@ -299,39 +299,6 @@ class WordMasker {
   int mask_;
   uint16_t thr_[kMaxClasses - 1] = {};
   bool avx512_ = false;
-};
-
-// Computes the ge masks of the blocks of a chunk for one ClassSpec. The masks
-// nest (ge[t+1] is a subset of ge[t]), so class(x[j]) = number of t with bit
-// j set, and a class's members are ge[c-1] & ~ge[c].
-template <typename T>
-class ClassScanner {
- public:
-  explicit ClassScanner(const ClassSpec& spec) : k_(spec.k), kernel_(spec) {}
-  int k() const { return k_; }
-
-  // Block b of a chunk of n elements (the last may be partial: elements past
-  // n are in no mask). Returns the mask of valid elements.
-  uint32_t BlockGe(const T* x, size_t n, size_t b, uint32_t* ge) const {
-    const size_t begin = b * kBlock;
-    if (begin + kBlock <= n) {
-      if (k_ > 1) kernel_(x + begin, ge);
-      return ~0u;
-    }
-    const size_t len = n - begin;
-    const uint32_t valid = (1u << len) - 1;
-    if (k_ > 1) {
-      T tmp[kBlock] = {};
-      std::memcpy(tmp, x + begin, len * sizeof(T));
-      kernel_(tmp, ge);
-      for (int t = 0; t < k_ - 1; ++t) ge[t] &= valid;
-    }
-    return valid;
-  }
-
- private:
-  int k_;
-  GeKernel<T> kernel_;
 };
 
 }  // namespace wsync::codec::internal

@@ -346,40 +346,39 @@ std::vector<uint8_t> ClassesOf(const T* old, size_t m, const ClassSpec& spec) {
   return ClassesBy(m, spec, [old](size_t i) { return old[i]; });
 }
 
-// Per-class ranks of the changed positions, by sweeping the class masks of
-// every block.
-template <typename T>
-void RanksByClassImpl(const T* base, size_t n, const std::vector<uint32_t>& pos, const ClassSpec& spec,
-                      std::vector<uint8_t>* cls, std::vector<uint32_t>* rank) {
-  cls->assign(pos.size(), 0);
-  rank->assign(pos.size(), 0);
-  if (spec.k == 1) {
-    std::copy(pos.begin(), pos.end(), rank->begin());
-    return;
-  }
-  // Running counts: total elements, and elements reaching each threshold.
-  // A class's count before position j is the difference of neighbours.
-  const ClassScanner<T> scan(spec);
-  const int k = spec.k;
+// Per-class ranks of the changed positions (ascending, below n), by
+// sweeping the class masks of every 64-element word, segment by segment.
+// Running counts: total elements, and elements reaching each threshold; a
+// class's count before an element is the difference of neighbours.
+template <int K, typename T>
+void RanksByClassK(const T* base, size_t n, const std::vector<uint32_t>& pos, const ClassSpec& spec,
+                   std::vector<uint32_t>* rank) {
+  constexpr size_t kSegmentWords = 256;
+  const WordMasker<T> masker(spec);
+  auto ge = std::make_unique_for_overwrite<WordGe[]>(kSegmentWords);
   uint32_t total = 0;
-  uint32_t reach[kMaxClasses - 1] = {};
-  uint32_t ge[kMaxClasses - 1] = {};
+  uint32_t reach[K - 1] = {};
   size_t i = 0;
-  const size_t blocks = (n + kBlock - 1) / kBlock;
-  for (size_t b = 0; b < blocks && i < pos.size(); ++b) {
-    const uint32_t valid = scan.BlockGe(base, n, b, ge);
-    const size_t end = (b + 1) * kBlock;
-    for (; i < pos.size() && pos[i] < end; ++i) {
-      const int j = static_cast<int>(pos[i] - b * kBlock);
-      const uint32_t below = (1u << j) - 1;
-      const int c = ClassAt(ge, k, j);
-      const uint32_t upper = c == 0 ? total + std::popcount(valid & below) : reach[c - 1] + std::popcount(ge[c - 1] & below);
-      const uint32_t lower = c == k - 1 ? 0u : reach[c] + std::popcount(ge[c] & below);
-      (*cls)[i] = static_cast<uint8_t>(c);
-      (*rank)[i] = upper - lower;
+  for (size_t seg = 0; seg < n && i < pos.size(); seg += kSegmentWords * kWord) {
+    const size_t seg_n = std::min(n - seg, kSegmentWords * kWord);
+    masker.template Run<K, false>(base + seg, nullptr, seg_n, nullptr, ge.get());
+    for (size_t w = 0; w * kWord < seg_n; ++w) {
+      const size_t first = seg + w * kWord;
+      const size_t left = seg_n - w * kWord;
+      const uint64_t valid = left >= kWord ? ~uint64_t{0} : (uint64_t{1} << left) - 1;
+      const uint64_t* g = ge[w];
+      for (; i < pos.size() && pos[i] < first + kWord; ++i) {
+        const int j = static_cast<int>(pos[i] - first);
+        const uint64_t below = (uint64_t{1} << j) - 1;
+        int c = 0;
+        while (c < K - 1 && ((g[c] >> j) & 1)) ++c;
+        const uint32_t upper = c == 0 ? total + std::popcount(valid & below) : reach[c - 1] + std::popcount(g[c - 1] & below);
+        const uint32_t lower = c == K - 1 ? 0u : reach[c] + std::popcount(g[c] & below);
+        (*rank)[i] = upper - lower;
+      }
+      total += static_cast<uint32_t>(std::popcount(valid));
+      for (int t = 0; t < K - 1; ++t) reach[t] += static_cast<uint32_t>(std::popcount(g[t]));
     }
-    total += static_cast<uint32_t>(std::popcount(valid));
-    for (int t = 0; t < k - 1; ++t) reach[t] += static_cast<uint32_t>(std::popcount(ge[t]));
   }
 }
 
@@ -869,8 +868,18 @@ bool NeedsRanks(size_t n, size_t m, const ClassSpec& spec) { return m > 0 && m *
 template <typename T>
 void RanksByClass(const T* base, size_t n, const std::vector<uint32_t>& pos, const ClassSpec& spec,
                   std::vector<uint32_t>* rank) {
-  std::vector<uint8_t> cls;
-  RanksByClassImpl(base, n, pos, spec, &cls, rank);
+  rank->assign(pos.size(), 0);
+  static_assert(kMaxClasses == 8);
+  switch (spec.k) {
+    case 1: std::copy(pos.begin(), pos.end(), rank->begin()); return;
+    case 2: return RanksByClassK<2>(base, n, pos, spec, rank);
+    case 3: return RanksByClassK<3>(base, n, pos, spec, rank);
+    case 4: return RanksByClassK<4>(base, n, pos, spec, rank);
+    case 5: return RanksByClassK<5>(base, n, pos, spec, rank);
+    case 6: return RanksByClassK<6>(base, n, pos, spec, rank);
+    case 7: return RanksByClassK<7>(base, n, pos, spec, rank);
+    default: return RanksByClassK<8>(base, n, pos, spec, rank);
+  }
 }
 
 template <typename T>
