@@ -172,6 +172,13 @@ inline constexpr size_t kWord = 64;
 // A word's ge masks: bit j of [t] is set iff exponent(x[j]) >= thr[t].
 using WordGe = uint64_t[kMaxClasses - 1];
 
+// The valid elements of word w of a run of len elements (REQUIRES: w * 64 <
+// len): all 64, or the run's last ones.
+inline uint64_t WordValid(size_t len, size_t w) {
+  const size_t left = len - w * kWord;
+  return left >= kWord ? ~uint64_t{0} : (uint64_t{1} << left) - 1;
+}
+
 // Which vector kernels WordMasker runs: the build's baseline (AVX2 on
 // x86-64-v3 builds), or AVX-512 (F + BW) where the CPU has it. Both give the
 // same masks; AVX-512 compares 64 exponents into a mask register at once.

@@ -353,7 +353,7 @@ std::vector<uint8_t> ClassesOf(const T* old, size_t m, const ClassSpec& spec) {
 template <int K, typename T>
 void RanksByClassK(const T* base, size_t n, const std::vector<uint32_t>& pos, const ClassSpec& spec,
                    std::vector<uint32_t>* rank) {
-  constexpr size_t kSegmentWords = 256;
+  constexpr size_t kSegmentWords = kSweepSegment / kWord;
   const WordMasker<T> masker(spec);
   auto ge = std::make_unique_for_overwrite<WordGe[]>(kSegmentWords);
   uint32_t total = 0;
@@ -364,8 +364,7 @@ void RanksByClassK(const T* base, size_t n, const std::vector<uint32_t>& pos, co
     masker.template Run<K, false>(base + seg, nullptr, seg_n, nullptr, ge.get());
     for (size_t w = 0; w * kWord < seg_n; ++w) {
       const size_t first = seg + w * kWord;
-      const size_t left = seg_n - w * kWord;
-      const uint64_t valid = left >= kWord ? ~uint64_t{0} : (uint64_t{1} << left) - 1;
+      const uint64_t valid = WordValid(seg_n, w);
       const uint64_t* g = ge[w];
       for (; i < pos.size() && pos[i] < first + kWord; ++i) {
         const int j = static_cast<int>(pos[i] - first);

@@ -78,8 +78,7 @@ void SweepChunkK(const T* base, const T* target, size_t n, const ClassSpec& spec
     size_t m = 0;
     for (size_t w = 0; w * kWord < seg_len; ++w) {
       const size_t b = seg + w * kWord;
-      const size_t left = seg_len - w * kWord;
-      at[0] = left >= kWord ? ~uint64_t{0} : (uint64_t{1} << left) - 1;
+      at[0] = WordValid(seg_len, w);
 #pragma GCC unroll 8
       for (int c = 1; c < K; ++c) at[c] = s->ge[w][c - 1];
       uint64_t ne = s->ne[w];
@@ -211,7 +210,7 @@ size_t ResolveRankSweepK(const T* base, size_t n, const ClassSpec& spec, const u
     // member mask's form is fixed, no select per word). Class c's members:
     // ge[c - 1] & ~ge[c]; class 0 takes the valid elements below the first
     // threshold, the last class everything from the last threshold up.
-    const uint64_t last_valid = seg_n % kWord == 0 ? ~uint64_t{0} : (uint64_t{1} << (seg_n % kWord)) - 1;
+    const uint64_t last_valid = WordValid(seg_n, words - 1);
     auto resolve_class = [&]<int C>(std::integral_constant<int, C>) {
       const uint64_t* bits = rank_bits.data() + offset[C];
       const uint64_t limit = (offset[C + 1] - offset[C] - 1) * 64;
