@@ -39,11 +39,12 @@ int MagnitudeBucket(T delta) {
   return std::min<int>(std::bit_width(static_cast<uint64_t>(mag)), kMagBuckets - 1);
 }
 
-// Bits of coding `counts` (summing to `total`) at their own frequencies.
-double MixEntropyBits(const double* counts, double total) {
+// Bits of coding `counts` (summing to `total`) at their own frequencies;
+// buckets from `used` on are empty.
+double MixEntropyBits(const double* counts, double total, int used) {
   if (total <= 0) return 0;
   double bits = 0;
-  for (int k = 0; k < kMagBuckets; ++k) {
+  for (int k = 0; k < used; ++k) {
     if (counts[k] > 0) bits -= counts[k] * std::log2(counts[k] / total);
   }
   return bits;
@@ -124,17 +125,21 @@ ClassSpec ChooseClassesImpl(size_t n, const uint32_t* sample, const SparseDelta<
       pm[(i + 1) * kMagBuckets + k] = pm[i * kMagBuckets + k] + groups[i].mag[k];
     }
   }
+  // The magnitude buckets in use (at RL rates a handful of the 32): the
+  // cost table's inner loop.
+  int used = kMagBuckets;
+  while (used > 0 && pm[g * kMagBuckets + used - 1] == 0) --used;
   // cost[a * (g + 1) + b]: bits of groups [a, b) as one class.
   std::vector<double> cost_table((g + 1) * (g + 1), 0.0);
   for (size_t a = 0; a < g; ++a) {
     for (size_t b = a + 1; b <= g; ++b) {
       double mix[kMagBuckets];
       double mags = 0;
-      for (int k = 0; k < kMagBuckets; ++k) {
+      for (int k = 0; k < used; ++k) {
         mix[k] = pm[b * kMagBuckets + k] - pm[a * kMagBuckets + k];
         mags += mix[k];
       }
-      cost_table[a * (g + 1) + b] = BinaryEntropyBits(pa[b] - pa[a], pc[b] - pc[a]) + MixEntropyBits(mix, mags);
+      cost_table[a * (g + 1) + b] = BinaryEntropyBits(pa[b] - pa[a], pc[b] - pc[a]) + MixEntropyBits(mix, mags, used);
     }
   }
   auto cost = [&](size_t a, size_t b) { return cost_table[a * (g + 1) + b]; };
@@ -839,21 +844,26 @@ void SampleHistogram(const T* base, size_t n, ExponentField exponent, uint32_t* 
   ClassSpec spec;
   spec.shift = exponent.shift;
   spec.mask = exponent.mask;
-  // Four interleaved histograms: runs of equal exponents (the common case)
-  // would otherwise wait on each other's increments.
+  // Eight interleaved histograms, element j of a group of eight counting in
+  // the j-th: runs of equal exponents (the common case) would otherwise
+  // wait on each other's increments.
+  constexpr int kParts = 8;
+  static_assert(kBlock % kParts == 0);
   const size_t bins = size_t{exponent.mask} + 1;
-  std::vector<uint32_t> part(4 * bins, 0);
+  std::vector<uint32_t> part(kParts * bins, 0);
   const size_t blocks = n / kBlock;
   for (size_t b = 0; b < blocks; b += kSampleStride) {
     const T* x = base + b * kBlock;
-    for (int j = 0; j < kBlock; j += 4) {
-      ++part[spec.Exponent(x[j])];
-      ++part[bins + spec.Exponent(x[j + 1])];
-      ++part[2 * bins + spec.Exponent(x[j + 2])];
-      ++part[3 * bins + spec.Exponent(x[j + 3])];
+    for (int j = 0; j < kBlock; j += kParts) {
+#pragma GCC unroll 8
+      for (int k = 0; k < kParts; ++k) ++part[k * bins + spec.Exponent(x[j + k])];
     }
   }
-  for (size_t e = 0; e < bins; ++e) hist[e] = part[e] + part[bins + e] + part[2 * bins + e] + part[3 * bins + e];
+  for (size_t e = 0; e < bins; ++e) {
+    uint32_t sum = 0;
+    for (int k = 0; k < kParts; ++k) sum += part[k * bins + e];
+    hist[e] = sum;
+  }
 }
 
 template <typename T>
