@@ -268,8 +268,10 @@ Status DeviceCodec::Impl::CompactTensor(const codec::staged::PatchWriter& writer
   std::vector<ClassSpec>& specs = out->specs;
   specs.resize(chunks);
   ParallelFor(pool, chunks, [&](size_t c) {
+    if (codec::ClassSourceChunk(c) != c) return;  // takes its run's classes, below
     specs[c] = writer.ChooseClasses(chunk_ids[c], conditioned ? hist_host.data() + c * bins : nullptr, out->Change(c));
   });
+  for (uint64_t c = 0; c < chunks; ++c) specs[c] = specs[codec::ClassSourceChunk(c)];
   bool need_ranks = false;
   for (uint64_t c = 0; c < chunks; ++c) {
     need_ranks = need_ranks || writer.NeedsRanks(chunk_ids[c], out->Change(c).count, specs[c]);

@@ -3,6 +3,7 @@
 // without touching the destination.
 #include <gtest/gtest.h>
 
+#include <map>
 #include <random>
 
 #include "test_tensors.h"
@@ -309,6 +310,36 @@ TEST(Patch, MaxClassesBoundsEveryChunksClasses) {
     options.max_classes = bad;
     EXPECT_EQ(Diff(v0, v1, options).status().code(), StatusCode::kInvalidArgument) << bad;
   }
+}
+
+// The encoder chooses classes once per run of chunks (kClassRunChunks = 8)
+// of a tensor: a run's chunks carry the same classes, runs never cross
+// tensors, and the patch is exact whatever classes a chunk is given.
+TEST(Patch, ChunksOfARunShareTheirClasses) {
+  std::mt19937_64 rng(43);
+  const uint64_t chunk = 1 << 19;  // BF16 elements of a 1 MiB chunk
+  std::vector<OwnedTensor> v0 = {RandomTensor("a", DType::kBF16, {10 * chunk}, rng),
+                                 RandomTensor("b", DType::kBF16, {2 * chunk + chunk / 2}, rng)};
+  std::vector<OwnedTensor> v1 = {testing::PerturbByExponent(v0[0], 0.01, 120, rng),
+                                 testing::PerturbByExponent(v0[1], 0.005, 126, rng)};
+  auto p = Diff(v0, v1);
+  ASSERT_TRUE(p.ok()) << p.status().ToString();
+  auto reader = staged::PatchReader::Open(*p);
+  ASSERT_TRUE(reader.ok());
+  auto key = [](const ClassSpec& s) { return std::vector<int>{s.k, s.thr[0], s.thr[1], s.thr[2], s.thr[3]}; };
+  std::map<std::pair<size_t, size_t>, std::vector<int>> runs;  // (tensor, run) -> classes
+  for (size_t i = 0; i < reader->chunks().size(); ++i) {
+    const staged::Chunk& c = reader->chunks()[i];
+    staged::DecodedChunk d;
+    ASSERT_TRUE(reader->DecodePositions(i, &d).ok());
+    ASSERT_GT(d.spec.k, 1) << "chunk " << i << " should be conditioned";
+    auto [it, fresh] = runs.emplace(std::make_pair(c.tensor, c.index / 8), key(d.spec));
+    EXPECT_EQ(it->second, key(d.spec)) << "tensor " << c.tensor << " chunk " << c.index;
+  }
+  EXPECT_EQ(runs.size(), 3u);  // a: chunks 0-7 and 8-9; b: 0-2
+  auto dst = v0;
+  ASSERT_TRUE(Apply(*p, dst).ok());
+  EXPECT_TRUE(SameBits(dst, v1));
 }
 
 TEST(Analyze, BoundsAreOrdered) {

@@ -96,7 +96,10 @@ std::string EncodeLikeTheDevice(const std::vector<OwnedTensor>& base, const std:
       ch.pos = c.pos.data() + c.chunk_off[k];
       ch.delta = c.delta.data() + c.chunk_off[k] * sizeof(T);
       ch.old = bins > 0 ? c.old.data() + c.chunk_off[k] * sizeof(T) : nullptr;
-      specs[k] = writer->ChooseClasses(ids[t][k], bins > 0 ? c.hist.data() + k * bins : nullptr, ch);
+      // Chunks take the classes of their run's first (ClassSourceChunk).
+      specs[k] = codec::ClassSourceChunk(k) == k
+                     ? writer->ChooseClasses(ids[t][k], bins > 0 ? c.hist.data() + k * bins : nullptr, ch)
+                     : specs[codec::ClassSourceChunk(k)];
       ranks = ranks || writer->NeedsRanks(ids[t][k], ch.count, specs[k]);
     }
     std::vector<uint32_t> rank(c.pos.size());

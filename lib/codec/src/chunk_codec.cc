@@ -974,21 +974,26 @@ EncodedChunk EncodeChunk(const T* base, size_t n, const SparseDelta<T>& d,
 }
 
 template <typename T>
-EncodedChunk EncodeChunkPair(const T* base, const T* target, size_t n, const ChunkCodecOptions& options,
-                             const std::function<void(size_t, size_t)>& segment_done) {
-  ClassSpec spec = ChooseClasses<T>(n, nullptr, SparseDelta<T>{}, nullptr, options);  // unconditioned
-  if (options.condition && options.exponent.mask != 0) {
-    SparseDelta<T> evidence;
-    std::vector<T> old;
-    if (ClassesFromSampledChanges(n)) {
-      SampleChanges(base, target, n, &evidence, &old);
-    } else {
-      // A small chunk (in cache): every change, then the sweep below.
-      DiffChunk(base, target, n, &evidence);
-      old = GatherAt(base, evidence.pos);
-    }
-    spec = ChooseClassesOnBase(base, n, evidence, old.data(), options);
+ClassSpec ChooseChunkClasses(const T* base, const T* target, size_t n, const ChunkCodecOptions& options) {
+  if (!options.condition || options.exponent.mask == 0) {
+    return ChooseClasses<T>(n, nullptr, SparseDelta<T>{}, nullptr, options);  // unconditioned
   }
+  SparseDelta<T> evidence;
+  std::vector<T> old;
+  if (ClassesFromSampledChanges(n)) {
+    SampleChanges(base, target, n, &evidence, &old);
+  } else {
+    // A small chunk (in cache): every change, then the sweep.
+    DiffChunk(base, target, n, &evidence);
+    old = GatherAt(base, evidence.pos);
+  }
+  return ChooseClassesOnBase(base, n, evidence, old.data(), options);
+}
+
+template <typename T>
+EncodedChunk EncodeChunkPair(const T* base, const T* target, size_t n, const ChunkCodecOptions& options,
+                             const ClassSpec* classes, const std::function<void(size_t, size_t)>& segment_done) {
+  const ClassSpec spec = classes != nullptr ? *classes : ChooseChunkClasses(base, target, n, options);
   ChunkSweep<T> sweep;
   SweepChunk(base, target, n, spec, &sweep, segment_done);
   if (sweep.d.pos.empty()) return EncodedChunk{};
@@ -1103,8 +1108,9 @@ Status DecodeKeyframeChunk(std::string_view stream, size_t n, T* out) {
                                              const ClassSpec&, const uint32_t*, int);               \
   template EncodedChunk EncodeChunk<T>(const T*, size_t, const SparseDelta<T>&,                     \
                                        const ChunkCodecOptions&);                                   \
+  template ClassSpec ChooseChunkClasses<T>(const T*, const T*, size_t, const ChunkCodecOptions&);     \
   template EncodedChunk EncodeChunkPair<T>(const T*, const T*, size_t, const ChunkCodecOptions&,     \
-                                           const std::function<void(size_t, size_t)>&);             \
+                                           const ClassSpec*, const std::function<void(size_t, size_t)>&); \
   template Status DecodeChunkPositions<T>(ChunkMode, uint64_t, std::string_view, std::string_view,  \
                                           size_t, ExponentField, ChunkPositions*, SparseDelta<T>*); \
   template Status ResolveRanks<T>(const T*, size_t, ChunkPositions*);                               \

@@ -99,13 +99,18 @@ template <typename T>
 EncodedChunk EncodeChunk(const T* base, size_t n, const SparseDelta<T>& d,
                          const ChunkCodecOptions& options);
 
+// The classes of a chunk from its base and target: ChooseClasses on the
+// sampled blocks' histogram and changes (every change in a small chunk).
+template <typename T>
+ClassSpec ChooseChunkClasses(const T* base, const T* target, size_t n, const ChunkCodecOptions& options);
+
 // All stages on the host from base and target in one sweep (sweep.h): the
-// classes from the sampled blocks, then diff and ranks together.
+// given classes (null: ChooseChunkClasses), then diff and ranks together.
 // segment_done(begin, len) runs after each swept segment of the chunk, while
 // it is in cache (the caller digests it).
 template <typename T>
 EncodedChunk EncodeChunkPair(const T* base, const T* target, size_t n, const ChunkCodecOptions& options,
-                             const std::function<void(size_t, size_t)>& segment_done);
+                             const ClassSpec* classes, const std::function<void(size_t, size_t)>& segment_done);
 
 // ---- Decoding, in stages.
 

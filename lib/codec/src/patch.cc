@@ -367,6 +367,30 @@ StatusOr<std::string> EncodePatch(std::span<const TensorView> base, std::span<co
     c.tensors.push_back(EntryFor(t, c.chunk_bytes));
   }
   const std::vector<Task> tasks = TasksOf(c.tensors);
+  auto codec_options = [&](const TensorEntry& e) {
+    return internal::ChunkCodecOptions{options.zstd_level, options.condition_on_base, ExponentFieldOf(e.dtype),
+                                       options.max_classes};
+  };
+  // In tensors of more than one chunk, the classes of the chunks that others
+  // take theirs from (ClassSourceChunk), chosen first.
+  std::vector<ClassSpec> classes(tasks.size());
+  std::vector<size_t> sources;
+  for (size_t i = 0; i < tasks.size(); ++i) {
+    if (c.tensors[tasks[i].tensor].chunks.size() > 1 && ClassSourceChunk(tasks[i].chunk) == tasks[i].chunk) {
+      sources.push_back(i);
+    }
+  }
+  ParallelFor(options.pool, sources.size(), [&](size_t s) {
+    const size_t i = sources[s];
+    const TensorEntry& e = c.tensors[tasks[i].tensor];
+    const size_t offset = tasks[i].chunk * static_cast<size_t>(c.chunk_bytes);
+    WithWidth(DTypeWidth(e.dtype), [&](auto zero) {
+      using T = decltype(zero);
+      classes[i] = internal::ChooseChunkClasses(reinterpret_cast<const T*>(base[tasks[i].tensor].data + offset),
+                                                reinterpret_cast<const T*>(target[tasks[i].tensor].data + offset),
+                                                c.ChunkElements(e, tasks[i].chunk), codec_options(e));
+    });
+  });
   std::vector<internal::EncodedChunk> encoded(tasks.size());
   Digests base_digests(c.tensors), target_digests(c.tensors);
   ForEachChunk(options.pool, c, tasks, [&](size_t i, const TensorEntry& e, size_t ci, size_t n, auto zero) {
@@ -375,11 +399,11 @@ StatusOr<std::string> EncodePatch(std::span<const TensorView> base, std::span<co
     const size_t offset = ci * static_cast<size_t>(c.chunk_bytes);
     const T* b = reinterpret_cast<const T*>(base[ti].data + offset);
     const T* t = reinterpret_cast<const T*>(target[ti].data + offset);
-    internal::ChunkCodecOptions co{options.zstd_level, options.condition_on_base, ExponentFieldOf(e.dtype),
-                                   options.max_classes};
+    // A single chunk chooses its own classes as it sweeps.
+    const ClassSpec* source = e.chunks.size() > 1 ? &classes[i - (ci - ClassSourceChunk(ci))] : nullptr;
     internal::ChunkDigester base_digest(&base_digests, ti, ci, c.chunk_bytes);
     internal::ChunkDigester target_digest(&target_digests, ti, ci, c.chunk_bytes);
-    encoded[i] = internal::EncodeChunkPair(b, t, n, co, [&](size_t begin, size_t len) {
+    encoded[i] = internal::EncodeChunkPair(b, t, n, codec_options(e), source, [&](size_t begin, size_t len) {
       base_digest.Update(reinterpret_cast<const uint8_t*>(b + begin), len * sizeof(T));
       target_digest.Update(reinterpret_cast<const uint8_t*>(t + begin), len * sizeof(T));
     });

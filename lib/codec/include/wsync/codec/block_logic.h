@@ -28,6 +28,13 @@ inline constexpr int kMaxClasses = 8;
 // The class chooser's exponent histogram counts every kSampleStride-th block
 // of a chunk (blocks 0, 16, 32, ...; full blocks only).
 inline constexpr int kSampleStride = 16;
+// Encoders (host and device alike) choose classes once per run of
+// kClassRunChunks consecutive chunks of a tensor: chunk c takes the classes
+// chosen for chunk ClassSourceChunk(c) of its tensor, the first of its run.
+// The chunks of a run are alike (8 MiB of one tensor at the default chunk
+// size), and sampling every chunk cost a sixth of host encode time.
+inline constexpr size_t kClassRunChunks = 8;
+WSYNC_HD inline size_t ClassSourceChunk(size_t chunk) { return chunk - chunk % kClassRunChunks; }
 
 WSYNC_HD inline int Popcount32(uint32_t m) {
 #if defined(__CUDA_ARCH__)

@@ -75,6 +75,9 @@ class PatchWriter {
   // (HistogramBins entries), or null for no conditioning. The change's
   // positions, old values and deltas are the evidence (of a chunk of at
   // least 2^17 elements, only those in the sampled blocks count).
+  // EncodePatch gives chunk c of a tensor the classes chosen for its chunk
+  // ClassSourceChunk(c) (block_logic.h); a writer doing the same writes the
+  // same bytes.
   ClassSpec ChooseClasses(size_t i, const uint32_t* hist, const ChunkChange& change) const;
 
   // Whether SetChunk needs the ranks of the changes for this spec.
