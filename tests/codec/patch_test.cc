@@ -312,8 +312,8 @@ TEST(Patch, MaxClassesBoundsEveryChunksClasses) {
   }
 }
 
-// The encoder chooses classes once per run of chunks (kClassRunChunks = 8)
-// of a tensor: a run's chunks carry the same classes, runs never cross
+// The encoder chooses classes once per run of chunks (ClassSourceChunk) of
+// a tensor: a run's chunks carry the same classes, runs never cross
 // tensors, and the patch is exact whatever classes a chunk is given.
 TEST(Patch, ChunksOfARunShareTheirClasses) {
   std::mt19937_64 rng(43);
@@ -327,13 +327,13 @@ TEST(Patch, ChunksOfARunShareTheirClasses) {
   auto reader = staged::PatchReader::Open(*p);
   ASSERT_TRUE(reader.ok());
   auto key = [](const ClassSpec& s) { return std::vector<int>{s.k, s.thr[0], s.thr[1], s.thr[2], s.thr[3]}; };
-  std::map<std::pair<size_t, size_t>, std::vector<int>> runs;  // (tensor, run) -> classes
+  std::map<std::pair<size_t, size_t>, std::vector<int>> runs;  // (tensor, run's first chunk) -> classes
   for (size_t i = 0; i < reader->chunks().size(); ++i) {
     const staged::Chunk& c = reader->chunks()[i];
     staged::DecodedChunk d;
     ASSERT_TRUE(reader->DecodePositions(i, &d).ok());
     ASSERT_GT(d.spec.k, 1) << "chunk " << i << " should be conditioned";
-    auto [it, fresh] = runs.emplace(std::make_pair(c.tensor, c.index / 8), key(d.spec));
+    auto [it, fresh] = runs.emplace(std::make_pair(c.tensor, ClassSourceChunk(c.index)), key(d.spec));
     EXPECT_EQ(it->second, key(d.spec)) << "tensor " << c.tensor << " chunk " << c.index;
   }
   EXPECT_EQ(runs.size(), 3u);  // a: chunks 0-7 and 8-9; b: 0-2

@@ -399,7 +399,8 @@ StatusOr<std::string> EncodePatch(std::span<const TensorView> base, std::span<co
     const size_t offset = ci * static_cast<size_t>(c.chunk_bytes);
     const T* b = reinterpret_cast<const T*>(base[ti].data + offset);
     const T* t = reinterpret_cast<const T*>(target[ti].data + offset);
-    // The chunk of a one-chunk tensor chooses its own classes.
+    // The chunk of a one-chunk tensor chooses its own classes here, right
+    // before its sweep: a small one is then still in cache.
     const ClassSpec* source = e.chunks.size() > 1 ? &classes[i - (ci - ClassSourceChunk(ci))] : nullptr;
     internal::ChunkDigester base_digest(&base_digests, ti, ci, c.chunk_bytes);
     internal::ChunkDigester target_digest(&target_digests, ti, ci, c.chunk_bytes);
