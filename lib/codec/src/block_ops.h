@@ -172,6 +172,16 @@ inline constexpr size_t kWord = 64;
 // A word's ge masks: bit j of [t] is set iff exponent(x[j]) >= thr[t].
 using WordGe = uint64_t[kMaxClasses - 1];
 
+// Asks for the cache lines of the word at x (64 elements) to be brought
+// into L2, for a sweep that reads them a segment later: a sweep's loops over
+// a segment in cache leave the memory idle, and the next segment's first
+// reads would otherwise wait for DRAM.
+template <typename T>
+inline void PrefetchWord(const T* x) {
+  const auto* bytes = reinterpret_cast<const char*>(x);
+  for (size_t off = 0; off < kWord * sizeof(T); off += 64) __builtin_prefetch(bytes + off, 0, 2);
+}
+
 // The valid elements of word w of a run of len elements (REQUIRES: w * 64 <
 // len): all 64, or the run's last ones.
 inline uint64_t WordValid(size_t len, size_t w) {

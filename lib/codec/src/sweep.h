@@ -76,8 +76,14 @@ void SweepChunkK(const T* base, const T* target, size_t n, const ClassSpec& spec
     const size_t seg_len = std::min(n - seg, kSweepSegment);
     masker.template Run<K, true>(base + seg, target + seg, seg_len, s->ne, s->ge);
     size_t m = 0;
+    // The next segment's words are fetched while this one's are ranked.
+    const size_t next_len = seg + kSweepSegment < n ? std::min(n - seg - kSweepSegment, kSweepSegment) : 0;
     for (size_t w = 0; w * kWord < seg_len; ++w) {
       const size_t b = seg + w * kWord;
+      if (w * kWord < next_len) {
+        PrefetchWord(base + b + kSweepSegment);
+        PrefetchWord(target + b + kSweepSegment);
+      }
       at[0] = WordValid(seg_len, w);
 #pragma GCC unroll 8
       for (int c = 1; c < K; ++c) at[c] = s->ge[w][c - 1];
@@ -238,8 +244,11 @@ size_t ResolveRankSweepK(const T* base, size_t n, const ClassSpec& spec, const u
     }(std::make_integer_sequence<int, K>{});
 
     // The first two changes of a word without a branch: pos has room for
-    // two past the last.
+    // two past the last. Meanwhile the next segment's words are fetched.
+    const size_t next = seg + kResolveWords * kWord;
+    const size_t next_words = next < n ? (std::min(n - next, kResolveWords * kWord) + kWord - 1) / kWord : 0;
     for (size_t w = 0; w < words; ++w) {
+      if (w < next_words) PrefetchWord(base + next + w * kWord);
       uint64_t bits = changed[w];
       const uint32_t at = static_cast<uint32_t>(seg + w * 64);
       const int changes = std::popcount(bits);
