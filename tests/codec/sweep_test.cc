@@ -75,7 +75,10 @@ void CheckSweep(size_t n, double density, int k, uint64_t seed) {
   });
   EXPECT_EQ(next_segment, n);
 
+  // Per element: the changes in order, each with its class, and each
+  // class's ranks (its changes' ranks among its elements) in order.
   std::vector<uint32_t> seen(k, 0);
+  std::vector<std::vector<uint32_t>> by_class(k);
   size_t m = 0;
   for (size_t i = 0; i < n; ++i) {
     const int c = spec.ClassOf(base[i]);
@@ -84,34 +87,40 @@ void CheckSweep(size_t n, double density, int k, uint64_t seed) {
       ASSERT_EQ(got.d.pos[m], i);
       ASSERT_EQ(got.d.delta[m], static_cast<T>(target[i] - base[i]));
       if (k > 1) {
-        ASSERT_EQ(got.old[m], base[i]);
-        ASSERT_EQ(got.rank[m], seen[c]) << "n " << n << " k " << k << " position " << i;
+        ASSERT_EQ(got.cls[m], c) << "n " << n << " k " << k << " position " << i;
       }
+      by_class[c].push_back(seen[c]);
       ++m;
     }
     ++seen[c];
   }
   EXPECT_EQ(got.d.pos.size(), m);
   EXPECT_EQ(got.d.delta.size(), m);
+  for (int c = 0; c < kMaxClasses; ++c) {
+    if (k > 1 && c < k) {
+      EXPECT_EQ(got.rank[c], by_class[c]) << "n " << n << " k " << k << " class " << c;
+    } else {
+      EXPECT_TRUE(got.rank[c].empty()) << "class " << c;
+    }
+  }
   if (k == 1) {
-    EXPECT_TRUE(got.old.empty());
-    EXPECT_TRUE(got.rank.empty());
+    EXPECT_TRUE(got.cls.empty());
   }
 
   if (k > 1) {
     // The staged encoder's ranks (positions given) are the sweep's.
     std::vector<uint32_t> ranks_given;
     RanksByClass(base.data(), n, got.d.pos, spec, &ranks_given);
-    EXPECT_EQ(ranks_given, got.rank);
+    std::vector<std::vector<uint32_t>> given_by_class(k);
+    for (size_t i = 0; i < m; ++i) given_by_class[got.cls[i]].push_back(ranks_given[i]);
+    EXPECT_EQ(given_by_class, by_class);
 
     // The ranks back to positions, class after class.
-    std::vector<std::vector<uint32_t>> by_class(k);
-    for (size_t i = 0; i < m; ++i) by_class[spec.ClassOf(got.old[i])].push_back(got.rank[i]);
     std::vector<const uint32_t*> ranks(k);
     std::vector<uint64_t> counts(k);
     for (int c = 0; c < k; ++c) {
-      ranks[c] = by_class[c].data();
-      counts[c] = by_class[c].size();
+      ranks[c] = got.rank[c].data();
+      counts[c] = got.rank[c].size();
     }
     std::vector<uint32_t> pos(m + 2);
     std::vector<uint64_t> done(k);

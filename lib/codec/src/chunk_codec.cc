@@ -476,40 +476,66 @@ GapCosts CountGaps(const uint32_t* gaps, size_t count, const GapHistogram& hist,
   return g;
 }
 
-void EncodeSparsePositions(const std::vector<uint8_t>& cls, const uint32_t* rank, const ClassSpec& spec,
-                           std::string* out) {
-  WriteClassHeader(spec, out);
-  // The gaps bucketed by class (a counting sort: class after class, each
-  // in position order), with each class's sum and histogram.
+// The ranks of a chunk's changes grouped by class: class c's, ascending,
+// are rank[c][0 .. count[c]).
+struct ClassRanks {
+  const uint32_t* rank[kMaxClasses] = {};
   size_t count[kMaxClasses] = {};
-  for (uint8_t c : cls) ++count[c];
-  size_t start[kMaxClasses + 1] = {};
-  for (int c = 0; c < kMaxClasses; ++c) start[c + 1] = start[c] + count[c];
-  std::vector<uint32_t> gaps(cls.size());
+};
+
+// Groups ranks given in position order by the changes' classes (a counting
+// sort: class after class, each in position order) into *storage.
+ClassRanks GroupRanks(const std::vector<uint8_t>& cls, const uint32_t* rank, std::vector<uint32_t>* storage) {
+  ClassRanks g;
+  for (uint8_t c : cls) ++g.count[c];
+  storage->resize(cls.size());
   size_t fill[kMaxClasses];
-  std::copy(start, start + kMaxClasses, fill);
-  uint32_t next[kMaxClasses] = {};
+  for (size_t c = 0, start = 0; c < kMaxClasses; start += g.count[c++]) {
+    fill[c] = start;
+    g.rank[c] = storage->data() + start;
+  }
+  for (size_t i = 0; i < cls.size(); ++i) (*storage)[fill[cls[i]]++] = rank[i];
+  return g;
+}
+
+void EncodeSparsePositions(const ClassRanks& ranks, const ClassSpec& spec, std::string* out) {
+  WriteClassHeader(spec, out);
+  // Each class's gaps (class after class), sum and histogram. Within a
+  // class nothing carries from one change to the next but its rank, and
+  // two histograms take alternate gaps, so that runs of gaps in one bin do
+  // not chain their increments.
+  size_t start[kMaxClasses + 1] = {};
+  for (int c = 0; c < kMaxClasses; ++c) start[c + 1] = start[c] + ranks.count[c];
+  std::vector<uint32_t> gaps(start[kMaxClasses]);
   uint64_t sum[kMaxClasses] = {};
-  auto hist = std::make_unique<GapHistogram[]>(spec.k);
-  for (size_t i = 0; i < cls.size(); ++i) {
-    const int c = cls[i];
-    const uint32_t g = rank[i] - next[c];
-    gaps[fill[c]++] = g;
-    sum[c] += g;
-    ++hist[c].n[GapHistogram::Bin(g)];
-    next[c] = rank[i] + 1;
+  auto hist = std::make_unique<GapHistogram[]>(2 * static_cast<size_t>(spec.k));
+  for (int c = 0; c < spec.k; ++c) {
+    const uint32_t* r = ranks.rank[c];
+    uint32_t* g = gaps.data() + start[c];
+    GapHistogram& even = hist[2 * c];
+    GapHistogram& odd = hist[2 * c + 1];
+    uint64_t total = 0;
+    const size_t count = ranks.count[c];
+    for (size_t i = 0; i < count; ++i) {
+      g[i] = r[i] - (i == 0 ? 0 : r[i - 1] + 1);
+      total += g[i];
+      ++(i % 2 ? odd : even).n[GapHistogram::Bin(g[i])];
+    }
+    for (int b = 0; b < GapHistogram::kBins; ++b) even.n[b] += odd.n[b];
+    sum[c] = total;
   }
 
   BitWriter bits;
-  for (int c = 0; c < spec.k; ++c) bits.PutGamma(count[c]);
+  for (int c = 0; c < spec.k; ++c) bits.PutGamma(ranks.count[c]);
   int shift[kMaxClasses] = {};
   RansTable tables[kMaxClasses];
   for (int c = 0; c < spec.k; ++c) {
-    if (count[c] == 0) continue;
+    const size_t count = ranks.count[c];
+    if (count == 0) continue;
     // The shift that puts the mean quotient near 4, or a neighbour.
-    const uint64_t mean = sum[c] / count[c];
+    const uint64_t mean = sum[c] / count;
     const int r0 = std::clamp(static_cast<int>(std::bit_width(mean / 4)) - 2, 0, kMaxShift - 2);
-    const GapCosts costs = CountGaps(gaps.data() + start[c], count[c], hist[c], r0);
+    const GapCosts costs = CountGaps(gaps.data() + start[c], count, hist[2 * c], r0);
     const int best = static_cast<int>(std::min_element(costs.bits, costs.bits + 3) - costs.bits);
     shift[c] = r0 + best;
     const uint32_t* best_counts = costs.counts[best];
@@ -891,9 +917,14 @@ void RanksByClass(const T* base, size_t n, const std::vector<uint32_t>& pos, con
   }
 }
 
+namespace {
+
+// Codes the change in the smallest mode, from each change's class (in
+// position order) and, when sparse mode is tried (m * 2 <= n), the ranks
+// grouped by class.
 template <typename T>
-EncodedChunk EncodeChunkStaged(size_t n, const SparseDelta<T>& d, const T* old, const ClassSpec& spec,
-                               const uint32_t* rank, int zstd_level) {
+EncodedChunk EncodeChunkCoded(size_t n, const SparseDelta<T>& d, const std::vector<uint8_t>& cls,
+                              const ClassRanks& ranks, const ClassSpec& spec, int zstd_level) {
   EncodedChunk best;
   const size_t m = d.pos.size();
   best.changed = m;
@@ -913,12 +944,11 @@ EncodedChunk EncodeChunkStaged(size_t n, const SparseDelta<T>& d, const T* old, 
     }
   };
 
-  const std::vector<uint8_t> cls = ClassesOf(old, m, spec);
   std::string val;
   EncodeValues(d, cls, &val);
   if (try_sparse) {
     std::string pos;
-    EncodeSparsePositions(cls, spec.k > 1 ? rank : d.pos.data(), spec, &pos);
+    EncodeSparsePositions(ranks, spec, &pos);
     consider(ChunkMode::kSparse, std::move(pos), val);
   }
   if (try_runs) {
@@ -937,6 +967,26 @@ EncodedChunk EncodeChunkStaged(size_t n, const SparseDelta<T>& d, const T* old, 
     consider(ChunkMode::kDense, std::move(pos), std::string());
   }
   return best;
+}
+
+// One class: the positions are the ranks.
+ClassRanks PositionsAsRanks(const std::vector<uint32_t>& pos) {
+  ClassRanks g;
+  g.rank[0] = pos.data();
+  g.count[0] = pos.size();
+  return g;
+}
+
+}  // namespace
+
+template <typename T>
+EncodedChunk EncodeChunkStaged(size_t n, const SparseDelta<T>& d, const T* old, const ClassSpec& spec,
+                               const uint32_t* rank, int zstd_level) {
+  const size_t m = d.pos.size();
+  const std::vector<uint8_t> cls = ClassesOf(old, m, spec);
+  std::vector<uint32_t> grouped;
+  const ClassRanks ranks = !NeedsRanks(n, m, spec) ? PositionsAsRanks(d.pos) : GroupRanks(cls, rank, &grouped);
+  return EncodeChunkCoded(n, d, cls, ranks, spec, zstd_level);
 }
 
 namespace {
@@ -997,8 +1047,16 @@ EncodedChunk EncodeChunkPair(const T* base, const T* target, size_t n, const Chu
   ChunkSweep<T> sweep;
   SweepChunk(base, target, n, spec, &sweep, segment_done);
   if (sweep.d.pos.empty()) return EncodedChunk{};
-  return EncodeChunkStaged(n, sweep.d, spec.k > 1 ? sweep.old.data() : nullptr, spec, sweep.rank.data(),
-                           options.zstd_level);
+  if (spec.k == 1) {
+    return EncodeChunkCoded(n, sweep.d, std::vector<uint8_t>(sweep.d.pos.size(), 0), PositionsAsRanks(sweep.d.pos),
+                            spec, options.zstd_level);
+  }
+  ClassRanks ranks;
+  for (int c = 0; c < spec.k; ++c) {
+    ranks.rank[c] = sweep.rank[c].data();
+    ranks.count[c] = sweep.rank[c].size();
+  }
+  return EncodeChunkCoded(n, sweep.d, sweep.cls, ranks, spec, options.zstd_level);
 }
 
 template <typename T>

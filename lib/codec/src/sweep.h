@@ -3,9 +3,10 @@
 // Encoding: the diff, the base's exponent classes and the class rank of
 // every change in one pass over base and target, segment by segment, so
 // that the caller can digest each segment while it is still in cache. The
-// result is what the staged chunk encoder takes (chunk_codec.h): positions,
-// deltas, old values and ranks, the same numbers DiffChunk + RanksByClass
-// compute in separate passes.
+// result is what the sparse coder takes (chunk_codec.h): positions, deltas,
+// each change's class, and the ranks grouped by class -- the numbers
+// DiffChunk + RanksByClass compute in separate passes, already in the order
+// the position stream codes them.
 //
 // Decoding: per-class ranks back to positions (ResolveRankSweep), one pass
 // over the base.
@@ -35,12 +36,14 @@ namespace wsync::codec::internal {
 // in L1/L2 between the sweep and the caller's digest.
 inline constexpr size_t kSweepSegment = 16384;
 
-// The change of a chunk, with what the staged encoder needs besides.
+// The change of a chunk, with what the sparse coder needs besides.
 template <typename T>
 struct ChunkSweep {
   SparseDelta<T> d;
-  std::vector<T> old;          // the base at d.pos (filled when spec.k > 1)
-  std::vector<uint32_t> rank;  // class ranks (filled when spec.k > 1)
+  // Filled when spec.k > 1: each change's class, in position order, and
+  // class c's ranks (ascending: the changes of class c in position order).
+  std::vector<uint8_t> cls;
+  std::vector<uint32_t> rank[kMaxClasses];
 };
 
 // SweepChunk with the class count a constant.
@@ -54,14 +57,16 @@ void SweepChunkK(const T* base, const T* target, size_t n, const ClassSpec& spec
 
   // Per-segment masks and output, the output appended to *out at the
   // segment's end; spare slots for the unconditional write of the
-  // branch-free extraction.
+  // branch-free extraction. Each class has room for the whole segment, so
+  // a rank goes straight to its class's list (only the used part of each
+  // is touched).
   struct Scratch {
     uint64_t ne[kSegmentWords];
     WordGe ge[kSegmentWords];
     uint32_t pos[kSweepSegment + 2];
     T delta[kSweepSegment + 2];
-    T old[kSweepSegment + 2];
-    uint32_t rank[kSweepSegment + 2];
+    uint8_t cls[kSweepSegment + 2];
+    uint32_t rank[ranked ? K : 1][kSweepSegment + 2];
   };
   auto s = std::make_unique_for_overwrite<Scratch>();
 
@@ -76,6 +81,7 @@ void SweepChunkK(const T* base, const T* target, size_t n, const ClassSpec& spec
     const size_t seg_len = std::min(n - seg, kSweepSegment);
     masker.template Run<K, true>(base + seg, target + seg, seg_len, s->ne, s->ge);
     size_t m = 0;
+    size_t ranks[K] = {};  // this segment's ranks of each class
     // The next segment's words are fetched while this one's are ranked.
     const size_t next_len = seg + kSweepSegment < n ? std::min(n - seg - kSweepSegment, kSweepSegment) : 0;
     for (size_t w = 0; w * kWord < seg_len; ++w) {
@@ -89,29 +95,31 @@ void SweepChunkK(const T* base, const T* target, size_t n, const ClassSpec& spec
       for (int c = 1; c < K; ++c) at[c] = s->ge[w][c - 1];
       uint64_t ne = s->ne[w];
 
-      // Writes change j of the word at slot m; the caller decides whether
-      // the slot counts. emit() reads base and target directly.
-      auto emit = [&](int j) {
+      // Writes change j of the word at slot m (and its rank at its class's
+      // next slot); counts it when `counts` is 1. emit() reads base and
+      // target directly.
+      auto emit = [&](int j, size_t counts) {
         const size_t i = b + static_cast<size_t>(j);
         const T old = base[i];
         s->pos[m] = static_cast<uint32_t>(i);
         s->delta[m] = static_cast<T>(target[i] - old);
-        s->old[m] = old;
         if constexpr (ranked) {
           const int c = class_of[spec.Exponent(old)];
           const uint64_t below = (uint64_t{1} << j) - 1u;
-          s->rank[m] = reach[c] - reach[c + 1] + static_cast<uint32_t>(std::popcount(at[c] & ~at[c + 1] & below));
+          s->cls[m] = static_cast<uint8_t>(c);
+          s->rank[c][ranks[c]] =
+              reach[c] - reach[c + 1] + static_cast<uint32_t>(std::popcount(at[c] & ~at[c + 1] & below));
+          ranks[c] += counts;
         }
+        m += counts;
       };
       // The first change without a branch (slot m is written even when the
-      // mask is empty: j is then 0, a valid element, and m does not
-      // advance); more than one change in a word is the rarer case.
-      emit(std::countr_zero(ne) & (kWord - 1));
-      m += ne != 0;
+      // mask is empty: j is then 0, a valid element, and nothing advances);
+      // more than one change in a word is the rarer case.
+      emit(std::countr_zero(ne) & (kWord - 1), ne != 0);
       ne &= ne - 1;
       while (ne != 0) {
-        emit(std::countr_zero(ne));
-        ++m;
+        emit(std::countr_zero(ne), 1);
         ne &= ne - 1;
       }
       if constexpr (ranked) {
@@ -121,9 +129,9 @@ void SweepChunkK(const T* base, const T* target, size_t n, const ClassSpec& spec
     }
     out->d.pos.insert(out->d.pos.end(), s->pos, s->pos + m);
     out->d.delta.insert(out->d.delta.end(), s->delta, s->delta + m);
-    if (ranked) {
-      out->old.insert(out->old.end(), s->old, s->old + m);
-      out->rank.insert(out->rank.end(), s->rank, s->rank + m);
+    if constexpr (ranked) {
+      out->cls.insert(out->cls.end(), s->cls, s->cls + m);
+      for (int c = 0; c < K; ++c) out->rank[c].insert(out->rank[c].end(), s->rank[c], s->rank[c] + ranks[c]);
     }
     segment_done(seg, seg_len);
   }
@@ -135,8 +143,8 @@ template <typename T, typename F>
 void SweepChunk(const T* base, const T* target, size_t n, const ClassSpec& spec, ChunkSweep<T>* out,
                 F&& segment_done) {
   out->d.Clear();
-  out->old.clear();
-  out->rank.clear();
+  out->cls.clear();
+  for (auto& r : out->rank) r.clear();
   static_assert(kMaxClasses == 8);
   switch (spec.k) {
     case 1: return SweepChunkK<1>(base, target, n, spec, out, segment_done);
