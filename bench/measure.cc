@@ -23,11 +23,12 @@ bool Equal(const std::vector<codec::MutableTensorView>& got, const std::vector<c
 // wsync's own codec behind the same interface as the baselines.
 class WsyncMethod : public Baseline {
  public:
-  explicit WsyncMethod(const MeasureOptions& o) {
+  WsyncMethod(const MeasureOptions& o, std::span<const codec::TensorView> base) {
     encode_.pool = o.pool;
     encode_.zstd_level = o.zstd_level;
     encode_.condition_on_base = o.condition;
     encode_.max_classes = o.max_classes;
+    if (!o.hash_base) encode_.base_set_checksum = codec::SetChecksum(base, o.pool);
     apply_.pool = o.pool;
   }
   std::string name() const override { return "wsync"; }
@@ -83,7 +84,7 @@ PairResult MeasurePair(const std::string& label, const std::vector<codec::Tensor
   }
 
   std::vector<std::unique_ptr<Baseline>> methods;
-  methods.push_back(std::make_unique<WsyncMethod>(options));
+  methods.push_back(std::make_unique<WsyncMethod>(options, base));
   if (options.baselines) {
     methods.push_back(MakePulseBaseline());
     methods.push_back(MakeNaiveBaseline());

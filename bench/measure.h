@@ -36,6 +36,10 @@ struct MeasureOptions {
   bool condition = true;
   ThreadPool* pool = nullptr;  // wsync's codec threads
   int max_classes = codec::EncodeOptions{}.max_classes;
+  // wsync encodes as a source does: the base's set checksum is known (it was
+  // the previous version's target checksum), computed here outside the timed
+  // encode. True: the encode hashes the base itself, as a caller without it.
+  bool hash_base = false;
 };
 
 // Pre-touched scratch reused across pairs (fresh memory is slow to fault in).

@@ -28,6 +28,7 @@ struct Common {
   int zstd_level = 3;
   bool json = false;
   bool no_condition = false;
+  bool hash_base = false;
   int max_classes = codec::EncodeOptions{}.max_classes;
 };
 
@@ -134,6 +135,7 @@ int RunCodec(const std::string& dir, int gap, bool baselines, const Common& c) {
   ThreadPool pool(c.threads);
   MeasureOptions mo{c.repeat, c.zstd_level, baselines, !c.no_condition, &pool};
   mo.max_classes = c.max_classes;
+  mo.hash_base = c.hash_base;
   Scratch scratch;
   std::vector<PairResult> pairs;
   uint64_t dense = 0;
@@ -170,6 +172,7 @@ int RunSynth(const SynthOptions& so, int steps, bool baselines, const std::strin
   save(prev, 0);
   MeasureOptions mo{c.repeat, c.zstd_level, baselines, !c.no_condition, &pool};
   mo.max_classes = c.max_classes;
+  mo.hash_base = c.hash_base;
   Scratch scratch;
   std::vector<PairResult> pairs;
   for (int s = 1; s <= steps; ++s) {
@@ -201,6 +204,8 @@ int main(int argc, char** argv) {
   app.add_option("--zstd-level", c.zstd_level, "zstd level of wsync's zstd-coded streams");
   app.add_flag("--json", c.json, "machine-readable output");
   app.add_flag("--no-condition", c.no_condition, "code wsync patches without conditioning on the base");
+  app.add_flag("--hash-base", c.hash_base,
+               "wsync's encode hashes the base (by default it is given the base's checksum, as a source knows it)");
   app.add_option("--max-classes", c.max_classes, "most exponent classes per chunk of wsync's patches (1..8)")
       ->check(CLI::Range(1, 8));
   int rc = 0;

@@ -77,7 +77,7 @@ StatusOr<PublishedVersion> VersionHistory::Publish(uint64_t version, const NewVe
     eo.target_version = version;
     WSYNC_ASSIGN_OR_RETURN(std::string kf, codec::EncodeKeyframe(buffers::Views(first), eo));
     WSYNC_ASSIGN_OR_RETURN(codec::PatchInfo info, codec::InspectPatch(kf));
-    out.set_checksum = info.target_set_checksum;
+    out.set_checksum = head_set_checksum_ = info.target_set_checksum;
     out.patch_bytes = kf.size();
     head_weights_ = std::move(first);
     oldest_weights_ = head_weights_;
@@ -89,6 +89,7 @@ StatusOr<PublishedVersion> VersionHistory::Publish(uint64_t version, const NewVe
   codec::EncodeOptions eo = options_.encode;
   eo.base_version = head_;
   eo.target_version = version;
+  eo.base_set_checksum = head_set_checksum_;  // the head was the last target: no second hash of it
   WSYNC_ASSIGN_OR_RETURN(std::string patch, next.encode(buffers::Views(head_weights_), eo));
   WSYNC_ASSIGN_OR_RETURN(codec::PatchInfo info, codec::InspectPatch(patch));
   if (next.load_head) {
@@ -103,7 +104,7 @@ StatusOr<PublishedVersion> VersionHistory::Publish(uint64_t version, const NewVe
   }
   out.base_version = head_;
   out.patch_bytes = patch.size();
-  out.set_checksum = info.target_set_checksum;
+  out.set_checksum = head_set_checksum_ = info.target_set_checksum;
   patches_[version] = std::move(patch);
   head_ = version;
   return out;

@@ -95,6 +95,7 @@ class VersionHistory : public PatchProvider {
   Options options_;
   mutable std::mutex mu_;
   uint64_t head_ = 0, oldest_ = 0;
+  uint64_t head_set_checksum_ = 0;  // SetChecksum of the head version (valid once head_ != 0)
   std::vector<buffers::OwnedTensor> head_weights_, oldest_weights_;
   bool head_stale_ = false;  // head_weights_ is behind: load through head_loader_
   std::function<Status(std::vector<buffers::OwnedTensor>&)> head_loader_;

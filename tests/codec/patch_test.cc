@@ -109,6 +109,31 @@ TEST(Patch, EncodingIsDeterministicAcrossThreadCounts) {
   EXPECT_EQ(*one, *many);
 }
 
+// A caller that knows the base's set checksum (a source: its head was the
+// last target) gets the same patch without the base being hashed; the
+// checksum it gives is the one recorded.
+TEST(Patch, GivenBaseChecksumIsRecordedAndChangesNothingElse) {
+  std::mt19937_64 rng(12);
+  std::vector<OwnedTensor> base = {RandomTensor("a", DType::kBF16, {3 << 19}, rng),
+                                   RandomTensor("b", DType::kF32, {1 << 16}, rng)};
+  std::vector<OwnedTensor> target = {Perturb(base[0], 0.01, rng), Perturb(base[1], 0.001, rng)};
+  ThreadPool pool(2);
+  EncodeOptions options;
+  options.pool = &pool;
+  auto hashed = Diff(base, target, options);
+  options.base_set_checksum = SetChecksum(buffers::Views(base));
+  auto given = Diff(base, target, options);
+  ASSERT_TRUE(hashed.ok() && given.ok());
+  EXPECT_EQ(*hashed, *given);
+
+  options.base_set_checksum = 42;
+  auto told = Diff(base, target, options);
+  ASSERT_TRUE(told.ok());
+  auto info = InspectPatch(*told);
+  ASSERT_TRUE(info.ok());
+  EXPECT_EQ(info->base_set_checksum, 42u);
+}
+
 TEST(Patch, EveryChunkModeRoundTrips) {
   // Clustered changes favour runs, a middling density the bitmap, a full
   // change dense planes, scattered ones the sparse mode.

@@ -52,6 +52,11 @@ TEST(VersionHistory, ServesMergedPatchesAndKeyframes) {
     ASSERT_TRUE(s.ok()) << s.status().ToString();
     EXPECT_EQ((*s)->kind(), codec::PatchKind::kPatch);
     EXPECT_TRUE(testing::SameBits(ApplyStream(**s, v[from - 1]), v[5])) << "from " << from;
+    // Each published patch names its base by the base's real set checksum
+    // (the source passes the head's, known from its own publish).
+    auto info = codec::InspectPatch((*h.Open(from, from + 1))->Assemble());
+    ASSERT_TRUE(info.ok());
+    EXPECT_EQ(info->base_set_checksum, codec::SetChecksum(buffers::Views(v[from - 1]))) << "from " << from;
   }
   // A keyframe for a sink that holds nothing.
   auto kf = h.Open(0, 6);

@@ -4,6 +4,7 @@
 #include <atomic>
 #include <cstring>
 #include <mutex>
+#include <optional>
 #include <unordered_map>
 #include <unordered_set>
 
@@ -392,7 +393,8 @@ StatusOr<std::string> EncodePatch(std::span<const TensorView> base, std::span<co
     });
   });
   std::vector<internal::EncodedChunk> encoded(tasks.size());
-  Digests base_digests(c.tensors), target_digests(c.tensors);
+  const bool hash_base = !options.base_set_checksum.has_value();
+  Digests base_digests(hash_base ? c.tensors : std::vector<TensorEntry>()), target_digests(c.tensors);
   ForEachChunk(options.pool, c, tasks, [&](size_t i, const TensorEntry& e, size_t ci, size_t n, auto zero) {
     using T = decltype(zero);
     const size_t ti = tasks[i].tensor;
@@ -402,21 +404,22 @@ StatusOr<std::string> EncodePatch(std::span<const TensorView> base, std::span<co
     // The chunk of a one-chunk tensor chooses its own classes here, right
     // before its sweep: a small one is then still in cache.
     const ClassSpec* source = e.chunks.size() > 1 ? &classes[i - (ci - ClassSourceChunk(ci))] : nullptr;
-    internal::ChunkDigester base_digest(&base_digests, ti, ci, c.chunk_bytes);
     internal::ChunkDigester target_digest(&target_digests, ti, ci, c.chunk_bytes);
+    std::optional<internal::ChunkDigester> base_digest;
+    if (hash_base) base_digest.emplace(&base_digests, ti, ci, c.chunk_bytes);
     encoded[i] = internal::EncodeChunkPair(b, t, n, codec_options(e), source, [&](size_t begin, size_t len) {
-      base_digest.Update(reinterpret_cast<const uint8_t*>(b + begin), len * sizeof(T));
+      if (base_digest) base_digest->Update(reinterpret_cast<const uint8_t*>(b + begin), len * sizeof(T));
       target_digest.Update(reinterpret_cast<const uint8_t*>(t + begin), len * sizeof(T));
     });
-    base_digest.Finish();
+    if (base_digest) base_digest->Finish();
     target_digest.Finish();
   });
   std::vector<uint64_t> base_sums;
   for (size_t t = 0; t < c.tensors.size(); ++t) {
     c.tensors[t].target_checksum = target_digests.Tensor(t);
-    base_sums.push_back(base_digests.Tensor(t));
+    if (hash_base) base_sums.push_back(base_digests.Tensor(t));
   }
-  c.base_set_checksum = internal::SetChecksumOf(base_sums);
+  c.base_set_checksum = hash_base ? internal::SetChecksumOf(base_sums) : *options.base_set_checksum;
   return Finish(c, tasks, encoded);
 }
 

@@ -15,6 +15,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -72,6 +73,14 @@ struct EncodeOptions {
   // Informational versions recorded in the header.
   uint64_t base_version = 0;
   uint64_t target_version = 0;
+  // The base's set checksum (SetChecksum(base)), when the caller knows it:
+  // a source does, it is the target_set_checksum of the patch or keyframe
+  // that made the base its head. EncodePatch then does not hash the base.
+  // REQUIRES: equal to SetChecksum(base). A wrong value cannot corrupt
+  // weights (every tensor's result is verified against the target's
+  // checksums), but appliers would then misreport a corrupt patch as a
+  // wrong base, and merges against the base would be refused.
+  std::optional<uint64_t> base_set_checksum;
   // Runs chunks in parallel when set.
   ThreadPool* pool = nullptr;
 };
