@@ -424,7 +424,10 @@ struct GapHistogram {
   static constexpr int kBins = 33 * 8;
   // bin = bit_width(g) * 8 + g's three leading bits (g itself below 8).
   static int Bin(uint32_t g) {
-    const int w = std::bit_width(g);
+    // bit_width(g) from an operand that is never zero: std::bit_width
+    // branches on zero, and zero gaps are common and unpredictable in a
+    // class that changes often.
+    const int w = 63 - std::countl_zero((uint64_t{g} << 1) | 1);
     return w * 8 + static_cast<int>(g >> std::max(w - 3, 0));
   }
   uint32_t n[kBins] = {};
