@@ -16,6 +16,7 @@
 #include "gpu_bench.h"
 #include "synth.h"
 #include "wsync/buffers/safetensors.h"
+#include "wsync/util/memory.h"
 
 namespace wsync::bench {
 namespace {
@@ -196,6 +197,9 @@ int RunSynth(const SynthOptions& so, int steps, bool baselines, const std::strin
 
 int main(int argc, char** argv) {
   using namespace wsync::bench;
+  // As wsyncd does: the codec's scratch stays mapped from one call to the
+  // next (fresh pages fault; the memcpy baseline's buffers are pre-touched).
+  wsync::RetainFreedMemory();
   CLI::App app{"wsync-bench: codec ratio and throughput against baselines"};
   app.require_subcommand(1);
   Common c;

@@ -14,6 +14,7 @@
 #include "wsync/control/coordinator_state.h"
 #include "wsync/control/server.h"
 #include "wsync/control/store.h"
+#include "wsync/util/memory.h"
 
 namespace {
 
@@ -112,6 +113,7 @@ int RunData(bool source, daemon::DataDaemonConfig config, const std::string& tok
 }  // namespace
 
 int main(int argc, char** argv) {
+  wsync::RetainFreedMemory();  // every publish and apply reuses the last one's scratch
   CLI::App app{"wsyncd: the wsync daemon"};
   app.require_subcommand(1);
   std::string log_level = "info";
