@@ -13,7 +13,7 @@ namespace wsync {
 // decoded change until the patch verifies, about 6 bytes per changed
 // element; an encode its streams), and by default glibc hands freed memory
 // back to the kernel, so the next call faults every page in again. On
-// virtual machines a fault costs tens of microseconds: on a 1.07 GB set, an
+// virtual machines a fault costs tens of microseconds: on a 1.13 GB set, an
 // apply spent more time faulting than decoding (docs/codec.md, "Memory").
 // A no-op where the C library is not glibc.
 void RetainFreedMemory(size_t retain_bytes = size_t{1} << 30);
