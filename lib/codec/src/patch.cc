@@ -394,7 +394,7 @@ StatusOr<std::string> EncodePatch(std::span<const TensorView> base, std::span<co
   });
   std::vector<internal::EncodedChunk> encoded(tasks.size());
   const bool hash_base = !options.base_set_checksum.has_value();
-  Digests base_digests(hash_base ? c.tensors : std::vector<TensorEntry>()), target_digests(c.tensors);
+  Digests base_digests(c.tensors), target_digests(c.tensors);  // base_digests stay unused when given
   ForEachChunk(options.pool, c, tasks, [&](size_t i, const TensorEntry& e, size_t ci, size_t n, auto zero) {
     using T = decltype(zero);
     const size_t ti = tasks[i].tensor;
