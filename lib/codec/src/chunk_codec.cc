@@ -22,6 +22,37 @@ constexpr size_t kMaxDpGroups = 64;
 template <typename T>
 constexpr int kBits = static_cast<int>(sizeof(T) * 8);
 
+// A stream ready for its rANS pass: the tables its symbols code with and
+// the bits that follow the rANS words (the symbols are the caller's).
+struct PendingStream {
+  RansTable tables[kMaxClasses];
+  BitWriter bits;
+  RansEncoder rans;
+  // The stream: its rANS words (the symbols encoded into `rans`), then bits.
+  void AppendTo(std::string* out) {
+    rans.Finish(out);
+    bits.AppendTo(out);
+  }
+};
+
+// What the host encoder codes a chunk's change with, one per thread: its
+// buffers keep their capacity from one chunk to the next, so that a chunk's
+// coding neither allocates nor faults in fresh pages once its thread has
+// coded one as large (a page fault costs more than coding its page's
+// changes). Held until the thread exits (a few MB per worker at most: a
+// fully changed 1 MiB chunk).
+struct CoderScratch {
+  std::vector<uint8_t> value_sym;                // change i's symbol, in position order
+  std::vector<uint32_t> gaps;                    // class after class
+  std::vector<const RansEncSymbol*> gap_coded;   // gap i's table entry
+  PendingStream values, positions;
+};
+
+CoderScratch& ThreadCoderScratch() {
+  static thread_local CoderScratch scratch;
+  return scratch;
+}
+
 // ---------------------------------------------------------------- classes
 
 double BinaryEntropyBits(double n, double m) {
@@ -232,7 +263,7 @@ inline constexpr uint8_t kValueExtra[kRansSymbols] = {0, 0, 0, 0, 0, 0, 0, 0, 0,
 
 // The encoder's side of kValueBase / kValueExtra (the decoder reads them).
 template <typename T>
-ValueSymbol ValueSymbolOf(T delta) {
+__attribute__((always_inline)) inline ValueSymbol ValueSymbolOf(T delta) {
   const int neg = static_cast<int>((delta >> (kBits<T> - 1)) & 1);
   const uint64_t mag = static_cast<uint64_t>(neg ? static_cast<T>(T{0} - delta) : delta);
   if (mag >= kValueBase[kValueEscape]) return {kValueEscape, 0, mag - kValueBase[kValueEscape]};
@@ -242,39 +273,46 @@ ValueSymbol ValueSymbolOf(T delta) {
   return {static_cast<uint8_t>(sym), kValueExtra[sym], mag - kValueBase[sym]};
 }
 
+// Prepares a chunk's value stream: each change's symbol (value_sym; coded
+// with its class's table) and the bits that refine the rarer, larger ones.
 template <typename T>
-void EncodeValues(const SparseDelta<T>& d, const std::vector<uint8_t>& cls, std::string* out) {
+void PrepareValues(const SparseDelta<T>& d, const std::vector<uint8_t>& cls, CoderScratch* scratch) {
   const size_t m = d.pos.size();
-  std::vector<ValueSymbol> syms(m);
-  uint32_t counts[kMaxClasses][kRansSymbols] = {};
+  scratch->value_sym.resize(m);
+  uint8_t* sym = scratch->value_sym.data();
+  // Two histograms take alternate changes: runs of one symbol (nearly every
+  // change is +-1) then do not chain their increments through memory.
+  uint32_t counts[2][kMaxClasses][kRansSymbols] = {};
   for (size_t i = 0; i < m; ++i) {
-    syms[i] = ValueSymbolOf(d.delta[i]);
-    ++counts[cls[i]][syms[i].sym];
+    sym[i] = ValueSymbolOf(d.delta[i]).sym;
+    ++counts[i & 1][cls[i]][sym[i]];
   }
-  BitWriter bits;
-  RansTable tables[kMaxClasses];
+  PendingStream& out = scratch->values;
+  out.bits.Clear();
+  bool refined = false;  // a symbol with bits occurs
   for (int c = 0; c < kMaxClasses; ++c) {
-    if (std::any_of(counts[c], counts[c] + kRansSymbols, [](uint32_t v) { return v > 0; })) {
-      tables[c] = ChooseRansTable(counts[c], &bits);
+    uint32_t* both = counts[0][c];
+    for (int v = 0; v < kRansSymbols; ++v) both[v] += counts[1][c][v];
+    if (std::any_of(both, both + kRansSymbols, [](uint32_t v) { return v > 0; })) {
+      out.tables[c] = ChooseRansTable(both, &out.bits);
     }
+    refined = refined || std::any_of(both + kValueFirstWithBits, both + kRansSymbols, [](uint32_t v) { return v > 0; });
   }
-  // At most a sign and a gamma code (1 + 127 bits) per change.
-  BitWriter::Cursor fields = bits.Open(m * 128);
-  for (size_t i = 0; i < m; ++i) {
-    const ValueSymbol& s = syms[i];
-    if (s.sym < kValueFirstWithBits) continue;  // |d| <= 5: nearly every change at RL rates
-    if (s.sym == kValueEscape) {
-      fields.Put(static_cast<uint64_t>((d.delta[i] >> (kBits<T> - 1)) & 1), 1);
-      fields.PutGamma(s.extra);
-    } else {
-      fields.Put(s.extra, s.extra_bits);
+  if (refined) {
+    // At most a sign and a gamma code (1 + 127 bits) per change.
+    BitWriter::Cursor fields = out.bits.Open(m * 128);
+    for (size_t i = 0; i < m; ++i) {
+      if (sym[i] < kValueFirstWithBits) continue;  // |d| <= 5: nearly every change at RL rates
+      const ValueSymbol v = ValueSymbolOf(d.delta[i]);
+      if (v.sym == kValueEscape) {
+        fields.Put(static_cast<uint64_t>((d.delta[i] >> (kBits<T> - 1)) & 1), 1);
+        fields.PutGamma(v.extra);
+      } else {
+        fields.Put(v.extra, v.extra_bits);
+      }
     }
+    out.bits.Close(fields);
   }
-  bits.Close(fields);
-  RansEncoder enc;
-  enc.Encode(m, [&](size_t i) -> const RansEncSymbol& { return tables[cls[i]].enc[syms[i].sym]; });
-  enc.Finish(out);
-  bits.AppendTo(out);
 }
 
 // Splits a rANS stream into its words and its bits.
@@ -501,7 +539,9 @@ ClassRanks GroupRanks(const std::vector<uint8_t>& cls, const uint32_t* rank, std
   return g;
 }
 
-void EncodeSparsePositions(const ClassRanks& ranks, const ClassSpec& spec, std::string* out) {
+// Prepares a sparse chunk's position stream: its class header goes to *out,
+// each gap's table entry to gap_coded (class after class), and the bits.
+void PreparePositions(const ClassRanks& ranks, const ClassSpec& spec, CoderScratch* scratch, std::string* out) {
   WriteClassHeader(spec, out);
   // Each class's gaps (class after class), sum and histogram. Within a
   // class nothing carries from one change to the next but its rank, and
@@ -509,7 +549,8 @@ void EncodeSparsePositions(const ClassRanks& ranks, const ClassSpec& spec, std::
   // not chain their increments.
   size_t start[kMaxClasses + 1] = {};
   for (int c = 0; c < kMaxClasses; ++c) start[c + 1] = start[c] + ranks.count[c];
-  std::vector<uint32_t> gaps(start[kMaxClasses]);
+  std::vector<uint32_t>& gaps = scratch->gaps;
+  gaps.resize(start[kMaxClasses]);
   uint64_t sum[kMaxClasses] = {};
   auto hist = std::make_unique<GapHistogram[]>(2 * static_cast<size_t>(spec.k));
   for (int c = 0; c < spec.k; ++c) {
@@ -528,10 +569,12 @@ void EncodeSparsePositions(const ClassRanks& ranks, const ClassSpec& spec, std::
     sum[c] = total;
   }
 
-  BitWriter bits;
+  PendingStream& stream = scratch->positions;
+  BitWriter& bits = stream.bits;
+  bits.Clear();
   for (int c = 0; c < spec.k; ++c) bits.PutGamma(ranks.count[c]);
   int shift[kMaxClasses] = {};
-  RansTable tables[kMaxClasses];
+  RansTable* tables = stream.tables;
   for (int c = 0; c < spec.k; ++c) {
     const size_t count = ranks.count[c];
     if (count == 0) continue;
@@ -546,7 +589,8 @@ void EncodeSparsePositions(const ClassRanks& ranks, const ClassSpec& spec, std::
     tables[c] = ChooseRansTable(best_counts, &bits);
   }
   // The refining bits in order, and each gap's rANS symbol with its table.
-  std::vector<const RansEncSymbol*> coded(gaps.size());
+  std::vector<const RansEncSymbol*>& coded = scratch->gap_coded;
+  coded.resize(gaps.size());
   // At most a gamma code (127 bits) and r <= 31 low bits per gap.
   BitWriter::Cursor fields = bits.Open(gaps.size() * 160);
   for (int c = 0; c < spec.k; ++c) {
@@ -567,10 +611,6 @@ void EncodeSparsePositions(const ClassRanks& ranks, const ClassSpec& spec, std::
     }
   }
   bits.Close(fields);
-  RansEncoder enc;
-  enc.Encode(coded.size(), [&](size_t i) -> const RansEncSymbol& { return *coded[i]; });
-  enc.Finish(out);
-  bits.AppendTo(out);
 }
 
 // Decodes the per-class ranks of a sparse chunk; positions follow from
@@ -939,36 +979,50 @@ EncodedChunk EncodeChunkCoded(size_t n, const SparseDelta<T>& d, const std::vect
   const bool try_bitmap = m * 32 > n;
   const bool try_dense = m * 4 > n;
 
-  auto consider = [&](ChunkMode mode, std::string pos, const std::string& val) {
-    if (best.mode == ChunkMode::kEmpty || pos.size() + val.size() < best.pos.size() + best.val.size()) {
+  // Every mode but dense codes the values in the same stream.
+  CoderScratch& scratch = ThreadCoderScratch();
+  PrepareValues(d, cls, &scratch);
+  PendingStream& values = scratch.values;
+  const uint8_t* sym = scratch.value_sym.data();
+  auto value_symbol = [&](size_t i) -> const RansEncSymbol& { return values.tables[cls[i]].enc[sym[i]]; };
+  std::string val, sparse;
+  if (try_sparse) {
+    // Both streams' rANS passes at once (their dependency chains overlap).
+    PreparePositions(ranks, spec, &scratch, &sparse);
+    const RansEncSymbol* const* gap = scratch.gap_coded.data();
+    RansEncoder::EncodePair(&values.rans, m, value_symbol, &scratch.positions.rans, scratch.gap_coded.size(),
+                            [&](size_t i) -> const RansEncSymbol& { return *gap[i]; });
+    scratch.positions.AppendTo(&sparse);
+  } else {
+    values.rans.Encode(m, value_symbol);
+  }
+  values.AppendTo(&val);
+
+  size_t best_size = 0;
+  auto consider = [&](ChunkMode mode, std::string pos, size_t val_size) {
+    if (best.mode == ChunkMode::kEmpty || pos.size() + val_size < best_size) {
       best.mode = mode;
       best.pos = std::move(pos);
-      best.val = val;
+      best_size = best.pos.size() + val_size;
     }
   };
-
-  std::string val;
-  EncodeValues(d, cls, &val);
-  if (try_sparse) {
-    std::string pos;
-    EncodeSparsePositions(ranks, spec, &pos);
-    consider(ChunkMode::kSparse, std::move(pos), val);
-  }
+  if (try_sparse) consider(ChunkMode::kSparse, std::move(sparse), val.size());
   if (try_runs) {
     std::string pos;
     EncodeRunPositions(d.pos, spec, &pos);
-    consider(ChunkMode::kRuns, std::move(pos), val);
+    consider(ChunkMode::kRuns, std::move(pos), val.size());
   }
   if (try_bitmap) {
     std::string pos;
     EncodeBitmapPositions(d.pos, n, spec, zstd_level, &pos);
-    consider(ChunkMode::kBitmap, std::move(pos), val);
+    consider(ChunkMode::kBitmap, std::move(pos), val.size());
   }
   if (try_dense) {
     std::string pos;
     EncodeDense(d, n, zstd_level, &pos);
-    consider(ChunkMode::kDense, std::move(pos), std::string());
+    consider(ChunkMode::kDense, std::move(pos), 0);
   }
+  if (best.mode != ChunkMode::kDense) best.val = std::move(val);
   return best;
 }
 
@@ -1047,7 +1101,9 @@ template <typename T>
 EncodedChunk EncodeChunkPair(const T* base, const T* target, size_t n, const ChunkCodecOptions& options,
                              const ClassSpec* classes, const std::function<void(size_t, size_t)>& segment_done) {
   const ClassSpec spec = classes != nullptr ? *classes : ChooseChunkClasses(base, target, n, options);
-  ChunkSweep<T> sweep;
+  // The sweep's output, like the coder's scratch, is the thread's own and
+  // keeps its capacity from chunk to chunk (see CoderScratch).
+  static thread_local ChunkSweep<T> sweep;
   SweepChunk(base, target, n, spec, &sweep, segment_done);
   if (sweep.d.pos.empty()) return EncodedChunk{};
   if (spec.k == 1) {

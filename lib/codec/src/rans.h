@@ -115,6 +115,8 @@ class BitWriter {
     out->append(reinterpret_cast<const char*>(buf_.data()), static_cast<size_t>((pos_ + 7) >> 3));
   }
   size_t bits() const { return static_cast<size_t>(pos_); }
+  // Empties the writer; its buffer is kept for the next bits.
+  void Clear() { pos_ = 0; }
 
  private:
   std::vector<uint8_t> buf_;
@@ -233,28 +235,71 @@ struct RansDecodeTable {
 // first-out: the symbols are coded from the last to the first.
 class RansEncoder {
  public:
-  // sym(i) returns symbol i's RansEncSymbol (a present one).
+  // sym(i) returns symbol i's RansEncSymbol (a present one). An encoder
+  // codes one stream; Encode starts it afresh (the word buffer is reused).
   template <typename F>
   void Encode(size_t n, F&& sym) {
-    words_.resize(n + 1);  // at most one word per symbol, and a spare slot for the unconditional store
-    uint16_t* out = words_.data();
-    uint32_t x0 = kRansLow, x1 = kRansLow;
-    size_t i = n;
-    if (i & 1) Step(x0, sym(--i), &out);
-    while (i > 0) {
-      Step(x1, sym(i - 1), &out);
-      Step(x0, sym(i - 2), &out);
-      i -= 2;
+    Pass p(this, n);
+    p.Start(sym);
+    p.Rest(sym);
+    p.Done();
+  }
+
+  // Encodes two streams, a's na symbols and b's nb, in one loop: each
+  // stream's bytes are Encode's, and the four states' dependency chains
+  // (a step waits for its state's previous one) run side by side.
+  template <typename FA, typename FB>
+  static void EncodePair(RansEncoder* a, size_t na, FA&& sym_a, RansEncoder* b, size_t nb, FB&& sym_b) {
+    Pass pa(a, na), pb(b, nb);
+    pa.Start(sym_a);
+    pb.Start(sym_b);
+    while (pa.i > 0 && pb.i > 0) {
+      pa.Two(sym_a);
+      pb.Two(sym_b);
     }
-    words_.resize(static_cast<size_t>(out - words_.data()));
-    state_[0] = x0;
-    state_[1] = x1;
+    pa.Rest(sym_a);
+    pb.Rest(sym_b);
+    pa.Done();
+    pb.Done();
   }
   // Appends the stream: varint word count, then the words in decoding order
   // (both final states first, high half first), little-endian.
   void Finish(std::string* out);
 
  private:
+  // One stream's encoding in progress: symbols [0, i) remain, coded from
+  // the last (symbol j with state j % 2): an odd count's last one first
+  // (Start), then two at a time.
+  struct Pass {
+    Pass(RansEncoder* e, size_t n) : enc(e), i(n) {
+      e->words_.resize(n + 1);  // at most one word per symbol, and a spare slot for the unconditional store
+      out = e->words_.data();
+    }
+    template <typename F>
+    void Start(F& sym) {
+      if (i & 1) Step(x0, sym(--i), &out);
+    }
+    template <typename F>
+    __attribute__((always_inline)) void Two(F& sym) {  // REQUIRES: i even, > 0
+      Step(x1, sym(i - 1), &out);
+      Step(x0, sym(i - 2), &out);
+      i -= 2;
+    }
+    template <typename F>
+    void Rest(F& sym) {
+      while (i > 0) Two(sym);
+    }
+    void Done() {
+      enc->words_.resize(static_cast<size_t>(out - enc->words_.data()));
+      enc->state_[0] = x0;
+      enc->state_[1] = x1;
+    }
+    RansEncoder* enc;
+    size_t i;
+    uint16_t* out;
+    uint32_t x0 = kRansLow, x1 = kRansLow;
+  };
+
   __attribute__((always_inline)) static void Step(uint32_t& x, const RansEncSymbol& s, uint16_t** out) {
     // Renormalize so that the coded state stays below 2^32 (a symbol of
     // probability 1 never needs it: its bound is 2^32).
