@@ -1,6 +1,7 @@
 // Timing of codecs over one (base, target) pair, baselines included.
 #pragma once
 
+#include <set>
 #include <string>
 #include <vector>
 
@@ -42,22 +43,36 @@ struct MeasureOptions {
   bool hash_base = false;
 };
 
-// Pre-touched scratch reused across pairs (fresh memory is slow to fault in).
+// Pre-touched scratch reused across pairs (fresh memory is slow to fault in),
+// and the memcpy baseline: sampled between the codecs' timed runs (before
+// every timed encode), so that a machine whose speed drifts is compared with
+// itself at the same moments.
 class Scratch {
  public:
   // Copies `base` into the scratch destination (untimed); returns its views.
   std::vector<codec::MutableTensorView> Reset(const std::vector<codec::TensorView>& base);
+  // Times one single-threaded memcpy of `bytes` (its buffers pre-touched and
+  // kept for the next sample).
+  void SampleMemcpy(uint64_t bytes);
+  // Median memcpy bandwidth over the samples, in bytes per second (0 before
+  // any).
+  double MemcpyBytesPerSecond() const;
+  // True the first time `method` is asked about: the caller runs it once
+  // untimed, as a warm-up (the steady state of a daemon that encodes or
+  // applies every step, whose allocator has its pages mapped by then).
+  bool FirstRun(const std::string& method);
 
  private:
   std::vector<buffers::OwnedTensor> dst_;
+  std::vector<uint8_t> copy_from_, copy_to_;
+  std::vector<double> memcpy_bps_;
+  std::set<std::string> warmed_;
 };
 
 PairResult MeasurePair(const std::string& label, const std::vector<codec::TensorView>& base,
                        const std::vector<codec::TensorView>& target, const MeasureOptions& options,
                        Scratch* scratch);
 
-// Median seconds of a single-threaded memcpy of `bytes` (pre-touched).
-double MemcpySeconds(uint64_t bytes, int repeat);
 
 double Median(std::vector<double> v);
 

@@ -139,14 +139,11 @@ int RunCodec(const std::string& dir, int gap, bool baselines, const Common& c) {
   mo.hash_base = c.hash_base;
   Scratch scratch;
   std::vector<PairResult> pairs;
-  uint64_t dense = 0;
   for (size_t i = 0; i + gap < snaps.size(); ++i) {
     std::string label = fs::path(files[i]).stem().string() + "->" + fs::path(files[i + gap]).stem().string();
     pairs.push_back(MeasurePair(label, snaps[i]->tensors(), snaps[i + gap]->tensors(), mo, &scratch));
-    dense = pairs.back().dense_bytes;
   }
-  const double memcpy_gbs = dense / MemcpySeconds(dense, std::max(5, c.repeat)) / 1e9;
-  Report(dir + " (gap " + std::to_string(gap) + ")", pairs, memcpy_gbs, c);
+  Report(dir + " (gap " + std::to_string(gap) + ")", pairs, scratch.MemcpyBytesPerSecond() / 1e9, c);
   for (const auto& p : pairs) {
     for (const auto& m : p.methods) {
       if (!m.exact) return 2;
@@ -185,7 +182,7 @@ int RunSynth(const SynthOptions& so, int steps, bool baselines, const std::strin
     std::swap(prev, cur);
   }
   const uint64_t dense = model.params() * 2;
-  const double memcpy_gbs = dense / MemcpySeconds(dense, std::max(5, c.repeat)) / 1e9;
+  const double memcpy_gbs = scratch.MemcpyBytesPerSecond() / 1e9;
   char title[128];
   std::snprintf(title, sizeof(title), "synthetic %.2f GB BF16 set, lr %g", dense / 1e9, so.lr);
   Report(title, pairs, memcpy_gbs, c);
