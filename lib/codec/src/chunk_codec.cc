@@ -375,12 +375,18 @@ Status DecodeValues(std::string_view stream, const std::vector<uint8_t>& cls, Sp
 // Classes of m changes from their old values old_of(i) (all 0 when
 // unconditioned).
 template <typename OldOf>
-std::vector<uint8_t> ClassesBy(size_t m, const ClassSpec& spec, OldOf&& old_of) {
-  std::vector<uint8_t> cls(m, 0);
+void ClassesInto(size_t m, const ClassSpec& spec, OldOf&& old_of, std::vector<uint8_t>* cls) {
+  cls->assign(m, 0);
   if (spec.k > 1) {
     const std::vector<uint8_t> class_of = ClassTable(spec);
-    for (size_t i = 0; i < m; ++i) cls[i] = class_of[spec.Exponent(old_of(i))];
+    for (size_t i = 0; i < m; ++i) (*cls)[i] = class_of[spec.Exponent(old_of(i))];
   }
+}
+
+template <typename OldOf>
+std::vector<uint8_t> ClassesBy(size_t m, const ClassSpec& spec, OldOf&& old_of) {
+  std::vector<uint8_t> cls;
+  ClassesInto(m, spec, old_of, &cls);
   return cls;
 }
 
@@ -1121,7 +1127,14 @@ EncodedChunk EncodeChunkPair(const T* base, const T* target, size_t n, const Chu
 template <typename T>
 Status DecodeChunkPositions(ChunkMode mode, uint64_t changed, std::string_view pos, std::string_view val,
                             size_t n, ExponentField exponent, ChunkPositions* cp, SparseDelta<T>* out) {
-  *cp = ChunkPositions{};
+  // Cleared, not replaced: a reused cp keeps its buffers' capacity.
+  cp->spec = ClassSpec{};
+  cp->values_pending = false;
+  cp->ranked = false;
+  cp->pos.clear();
+  cp->class_counts.clear();
+  cp->ranks.clear();
+  cp->delta.clear();
   out->Clear();
   if (changed > n) {
     return DataLossError(std::to_string(changed) + " changed elements in a chunk of " + std::to_string(n));
@@ -1166,7 +1179,10 @@ Status DecodeChunkValues(std::string_view val, const ChunkPositions& cp, const T
 template <typename T>
 Status DecodeChunk(ChunkMode mode, uint64_t changed, std::string_view pos, std::string_view val,
                    const T* base, size_t n, ExponentField exponent, SparseDelta<T>* out) {
-  ChunkPositions cp;
+  // The thread's own, kept from chunk to chunk (like the encoder's
+  // CoderScratch): the ranks' and classes' buffers keep their capacity.
+  static thread_local ChunkPositions cp;
+  static thread_local std::vector<uint8_t> cls;
   WSYNC_RETURN_IF_ERROR(DecodeChunkPositions(mode, changed, pos, val, n, exponent, &cp, out));
   if (!cp.values_pending) return Status::Ok();
   if (cp.spec.k > 1) {
@@ -1178,7 +1194,7 @@ Status DecodeChunk(ChunkMode mode, uint64_t changed, std::string_view pos, std::
   // The classes straight from the base (DecodeChunkValues's work without a
   // gathered copy of the old values, or of the positions).
   const uint32_t* at = cp.pos.data();
-  std::vector<uint8_t> cls = ClassesBy(cp.pos.size(), cp.spec, [base, at](size_t i) { return base[at[i]]; });
+  ClassesInto(cp.pos.size(), cp.spec, [base, at](size_t i) { return base[at[i]]; }, &cls);
   out->pos = std::move(cp.pos);
   return DecodeValues(val, cls, out);
 }

@@ -201,7 +201,8 @@ size_t ResolveRankSweepK(const T* base, size_t n, const ClassSpec& spec, const u
     const size_t bits = count[c] == 0 ? 0 : size_t{ranks[c][count[c] - 1]} + 1;
     offset[c + 1] = offset[c] + (bits + 63) / 64 + 1;
   }
-  std::vector<uint64_t> rank_bits(offset[K], 0);
+  static thread_local std::vector<uint64_t> rank_bits;  // capacity kept from chunk to chunk
+  rank_bits.assign(offset[K], 0);
   for (int c = 0; c < K; ++c) {
     uint64_t* bits = rank_bits.data() + offset[c];
     for (size_t i = 0; i < count[c]; ++i) bits[ranks[c][i] >> 6] |= uint64_t{1} << (ranks[c][i] & 63);
