@@ -73,7 +73,6 @@ PairResult MeasurePair(const std::string& label, const std::vector<codec::Tensor
                        const std::vector<codec::TensorView>& target, const MeasureOptions& options,
                        Scratch* scratch);
 
-
 double Median(std::vector<double> v);
 
 }  // namespace wsync::bench

@@ -39,8 +39,9 @@ struct PendingStream {
 // buffers keep their capacity from one chunk to the next, so that a chunk's
 // coding neither allocates nor faults in fresh pages once its thread has
 // coded one as large (a page fault costs more than coding its page's
-// changes). Held until the thread exits (a few MB per worker at most: a
-// fully changed 1 MiB chunk).
+// changes). Held until the thread exits: about 1 MB per worker at RL change
+// rates (1-2%), up to about 25 MB after a fully changed 1 MiB chunk (the
+// bit writers size for the longest codes).
 struct CoderScratch {
   std::vector<uint8_t> value_sym;                // change i's symbol, in position order
   std::vector<uint32_t> gaps;                    // class after class
