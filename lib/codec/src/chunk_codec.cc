@@ -384,16 +384,11 @@ void ClassesInto(size_t m, const ClassSpec& spec, OldOf&& old_of, std::vector<ui
   }
 }
 
-template <typename OldOf>
-std::vector<uint8_t> ClassesBy(size_t m, const ClassSpec& spec, OldOf&& old_of) {
-  std::vector<uint8_t> cls;
-  ClassesInto(m, spec, old_of, &cls);
-  return cls;
-}
-
 template <typename T>
 std::vector<uint8_t> ClassesOf(const T* old, size_t m, const ClassSpec& spec) {
-  return ClassesBy(m, spec, [old](size_t i) { return old[i]; });
+  std::vector<uint8_t> cls;
+  ClassesInto(m, spec, [old](size_t i) { return old[i]; }, &cls);
+  return cls;
 }
 
 // Per-class ranks of the changed positions (ascending, below n), by
