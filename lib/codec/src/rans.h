@@ -304,12 +304,15 @@ class RansEncoder {
     // Renormalize so that the coded state stays below 2^32 (a symbol of
     // probability 1 never needs it: its bound is 2^32).
     // Without a branch: the word is stored either way and kept when the
-    // state had to shrink (about one symbol in several, at random).
+    // state had to shrink (about one symbol in several, at random). The
+    // shift by 0 or 16 is what keeps it branch-free: GCC 12 compiled the
+    // select form (shrink ? x >> 16 : x) to a conditional jump on the
+    // state, which no predictor can learn.
     const uint64_t x_max = uint64_t{(kRansLow >> kRansPrecision) << 16} * s.freq;
-    const bool shrink = x >= x_max;
+    const uint32_t shrink = x >= x_max ? 1u : 0u;
     **out = static_cast<uint16_t>(x & 0xFFFF);
-    *out += shrink ? 1 : 0;
-    x = shrink ? x >> 16 : x;
+    *out += shrink;
+    x >>= 16 * shrink;
     const uint32_t q = static_cast<uint32_t>((static_cast<unsigned __int128>(x) * s.rcp) >> 63);
     x += s.bias + q * s.cmpl;
   }
@@ -362,11 +365,12 @@ class RansDecoder {
     const uint32_t e = t.entry[x & (kRansScale - 1)];
     x = ((e >> 4) & 0x7FF) * (x >> kRansPrecision) + (e >> 15);
     // Renormalize without a branch: a word is read when the state fell
-    // below 2^16.
-    const bool low = x < kRansLow;
+    // below 2^16 (a shift and a mask, not a select, which GCC 12 compiled
+    // to a conditional jump; see RansEncoder::Step).
+    const uint32_t low = x < kRansLow ? 1u : 0u;
     const uint32_t w = Word(*next);
-    x = low ? (x << 16) | w : x;
-    *next += low ? 1 : 0;
+    x = (x << (16 * low)) | (w & (0u - low));
+    *next += low;
     return e;
   }
 
