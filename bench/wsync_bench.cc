@@ -3,6 +3,7 @@
 // (synth). Figures are medians over pairs and repeats.
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
+#include <spdlog/sinks/stdout_color_sinks.h>
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
@@ -197,6 +198,8 @@ int main(int argc, char** argv) {
   // As wsyncd does: the codec's scratch stays mapped from one call to the
   // next (fresh pages fault; the memcpy baseline's buffers are pre-touched).
   wsync::RetainFreedMemory();
+  // Logs go to stderr: stdout carries the figures (--json: a JSON document).
+  spdlog::set_default_logger(spdlog::stderr_color_mt("wsync-bench"));
   CLI::App app{"wsync-bench: codec ratio and throughput against baselines"};
   app.require_subcommand(1);
   Common c;

@@ -1,5 +1,6 @@
 // wsync: the command-line client.
 #include <CLI/CLI.hpp>
+#include <spdlog/sinks/stdout_color_sinks.h>
 #include <spdlog/spdlog.h>
 
 #include <cstdio>
@@ -17,6 +18,8 @@ int main(int argc, char** argv) {
   wsync::cli::AddControlCommands(app, &run);
   wsync::cli::AddLocalCommands(app, &run);
   CLI11_PARSE(app, argc, argv);
+  // Warnings go to stderr: stdout carries results (--json: a JSON document).
+  spdlog::set_default_logger(spdlog::stderr_color_mt("wsync"));
   spdlog::set_level(spdlog::level::warn);
   wsync::Status status = run ? run() : wsync::InternalError("no command");
   if (!status.ok()) {
