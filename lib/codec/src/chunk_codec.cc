@@ -1123,14 +1123,7 @@ EncodedChunk EncodeChunkPair(const T* base, const T* target, size_t n, const Chu
 template <typename T>
 Status DecodeChunkPositions(ChunkMode mode, uint64_t changed, std::string_view pos, std::string_view val,
                             size_t n, ExponentField exponent, ChunkPositions* cp, SparseDelta<T>* out) {
-  // Cleared, not replaced: a reused cp keeps its buffers' capacity.
-  cp->spec = ClassSpec{};
-  cp->values_pending = false;
-  cp->ranked = false;
-  cp->pos.clear();
-  cp->class_counts.clear();
-  cp->ranks.clear();
-  cp->delta.clear();
+  cp->Clear();  // not replaced: a reused cp keeps its buffers' capacity
   out->Clear();
   if (changed > n) {
     return DataLossError(std::to_string(changed) + " changed elements in a chunk of " + std::to_string(n));

@@ -109,6 +109,18 @@ struct DecodedChunk {
   std::vector<uint64_t> class_counts;  // while ranked: changes per class
   std::vector<uint32_t> ranks;         // while ranked: ascending ranks, class after class
   std::vector<uint8_t> delta;          // once decoded: pos.size() elements of the width
+
+  // Back to a default-constructed chunk, keeping the vectors' capacity (a
+  // reused DecodedChunk then neither allocates nor faults in fresh pages).
+  void Clear() {
+    spec = ClassSpec{};
+    values_pending = false;
+    ranked = false;
+    pos.clear();
+    class_counts.clear();
+    ranks.clear();
+    delta.clear();
+  }
 };
 
 // Reads a patch or keyframe. The bytes must outlive the reader.
