@@ -9,6 +9,7 @@
 #include <ctime>
 #include <memory>
 
+#include "json_output.h"
 #include "wsync/control/client.h"
 #include "wsync/control/server.h"
 
@@ -55,15 +56,6 @@ StatusOr<std::unique_ptr<control::CoordinatorClient>> Connect(const Connection& 
   return control::NewCoordinatorClient(o);
 }
 
-void PrintJson(const google::protobuf::Message& m) {
-  std::string out;
-  google::protobuf::util::JsonPrintOptions opts;
-  opts.add_whitespace = true;
-  opts.always_print_primitive_fields = true;
-  (void)google::protobuf::util::MessageToJsonString(m, &out, opts);
-  std::printf("%s", out.c_str());
-  if (out.empty() || out.back() != '\n') std::printf("\n");
-}
 
 std::string Ago(int64_t then_ms, int64_t now_ms) {
   if (then_ms == 0) return "-";
@@ -92,6 +84,10 @@ void PrintNodes(const v1::StatusResponse& s) {
                 sink ? std::to_string(n.staleness()).c_str() : "-", n.parent().empty() ? "-" : n.parent().c_str(),
                 Ago(n.last_heartbeat_unix_ms(), s.now_unix_ms()).c_str(),
                 n.resync_keyframe() ? "  (resync from keyframe)" : "");
+    if (n.active_holds() > 0) {
+      std::printf("    %u hold(s) active, the oldest for %.1f s\n", n.active_holds(), n.oldest_hold_ms() / 1000.0);
+    }
+    if (!n.sync_error().empty()) std::printf("    cannot sync: %s\n", n.sync_error().c_str());
   }
 }
 

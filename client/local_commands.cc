@@ -9,6 +9,7 @@
 #include <cstring>
 #include <filesystem>
 
+#include "json_output.h"
 #include "wsync/buffers/region.h"
 #include "wsync/buffers/safetensors.h"
 #include "wsync/cuda/device_codec.h"
@@ -171,14 +172,24 @@ Status RunServeBuffers(const std::string& local, const std::string& like, const 
   }
 }
 
-Status RunLocalStatus(const std::string& local) {
+Status RunLocalStatus(const std::string& local, bool json) {
   auto stub = Connect(local);
   grpc::ClientContext ctx;
   Deadline(&ctx, 5000);
   v1::LocalStatusResponse st;
   WSYNC_RETURN_IF_ERROR(FromGrpc(stub->Status(&ctx, v1::LocalStatusRequest(), &st), "status of " + local));
+  if (json) {
+    PrintJson(st);
+    return Status::Ok();
+  }
   std::printf("%s %s: version %" PRIu64 ", %" PRIu64 " tensors, %" PRIu64 " bytes served\n", st.role().c_str(),
               st.name().c_str(), st.version(), st.tensors(), st.bytes_served());
+  if (st.active_holds() > 0) {
+    std::printf("%u hold(s) active, the oldest for %.1f s\n", st.active_holds(), st.oldest_hold_ms() / 1000.0);
+  }
+  if (!st.sync_error().empty()) {
+    std::printf("cannot sync (%" PRIu64 " failed attempts): %s\n", st.sync_failures(), st.sync_error().c_str());
+  }
   return Status::Ok();
 }
 
@@ -206,7 +217,9 @@ void AddLocalCommands(CLI::App& app, std::function<Status()>* run) {
     auto* cmd = app.add_subcommand("local-status", "a local daemon's role, version and bytes served");
     auto local = std::make_shared<std::string>();
     cmd->add_option("--local", *local, "the daemon's unix:PATH")->required();
-    cmd->callback([=] { *run = [=] { return RunLocalStatus(*local); }; });
+    auto json = std::make_shared<bool>(false);
+    cmd->add_flag("--json", *json, "every field of the daemon's status as JSON");
+    cmd->callback([=] { *run = [=] { return RunLocalStatus(*local, *json); }; });
   }
   {
     auto* cmd = app.add_subcommand("dump", "write a sink's current weights to a safetensors file");

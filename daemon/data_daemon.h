@@ -30,6 +30,11 @@ struct DataDaemonConfig {
   uint64_t node_ttl_ms = 10'000;
   unsigned threads = 2;                  // codec threads
   uint64_t rate_limit_bytes_per_s = 0;   // per data-plane link
+  uint64_t hold_ttl_ms = 30'000;         // sinks: a hold not renewed for this long ends
+  // Sinks: retry delays after a failed sync grow from the first to the last
+  // (x2 per failure, each drawn in [delay/2, delay]; docs/data-plane.md).
+  uint64_t retry_first_ms = 200;
+  uint64_t retry_max_ms = 30'000;
   uint64_t corrupt_every = 0;            // fault injection (tests)
   uint64_t fail_announce = 0;            // fault injection (tests): announcing this version fails
 };

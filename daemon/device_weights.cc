@@ -28,10 +28,34 @@ StatusOr<DeviceSource::Set> DeviceSource::Allocate(std::span<const codec::Tensor
 StatusOr<std::unique_ptr<DeviceSource>> DeviceSource::Create(std::span<const codec::TensorView> layout, int device) {
   std::unique_ptr<DeviceSource> d(new DeviceSource());
   d->device_ = device;
+  std::vector<codec::TensorView> published, cast;
+  for (const auto& t : layout) {
+    d->live_dtypes_.push_back(t.dtype);
+    codec::TensorView p = t;
+    p.dtype = buffers::PublishedDType(t.dtype);
+    published.push_back(p);
+    if (p.dtype != t.dtype) cast.push_back(p);
+  }
   WSYNC_ASSIGN_OR_RETURN(d->codec_, cuda::DeviceCodec::Create(device));
-  WSYNC_ASSIGN_OR_RETURN(d->previous_, Allocate(layout, device));
-  WSYNC_ASSIGN_OR_RETURN(d->snapshot_, Allocate(layout, device));
+  WSYNC_ASSIGN_OR_RETURN(d->previous_, Allocate(published, device));
+  WSYNC_ASSIGN_OR_RETURN(d->snapshot_, Allocate(published, device));
+  if (!cast.empty()) {
+    WSYNC_ASSIGN_OR_RETURN(d->cast_, Allocate(cast, device));
+  }
   return d;
+}
+
+Status DeviceSource::CastLive(std::span<const codec::TensorView> live) {
+  effective_.assign(live.begin(), live.end());
+  size_t c = 0;
+  for (auto& t : effective_) {
+    if (t.dtype != codec::DType::kF32) continue;
+    const auto& to = cast_.views[c++];
+    WSYNC_RETURN_IF_ERROR(codec_->CastFp32ToBf16(reinterpret_cast<const uint32_t*>(t.data),
+                                                 reinterpret_cast<uint16_t*>(to.data), t.NumElements()));
+    t = to.AsConst();
+  }
+  return Status::Ok();
 }
 
 Status DeviceSource::CopyDown(const Set& set, std::vector<buffers::OwnedTensor>& head) const {
@@ -46,16 +70,20 @@ bool DeviceSource::Matches(std::span<const codec::TensorView> layout, int device
   for (size_t i = 0; i < layout.size(); ++i) {
     const auto& a = layout[i];
     const auto& b = previous_.views[i];
-    if (a.name != b.name || a.dtype != b.dtype || a.shape != b.shape) return false;
+    if (a.name != b.name || a.dtype != live_dtypes_[i] || a.shape != b.shape) return false;
   }
   return true;
 }
 
-VersionHistory::NewVersion DeviceSource::Next(std::span<const codec::TensorView> live) {
+VersionHistory::NewVersion DeviceSource::Next(std::span<const codec::TensorView> trainer) {
   VersionHistory::NewVersion next;
-  next.layout = live;
-  next.encode = [this, live](std::span<const codec::TensorView> head,
-                             const codec::EncodeOptions& eo) -> StatusOr<std::string> {
+  // The published layout (dtypes after the cast); data unused.
+  layout_ = snapshot_.Const();
+  next.layout = layout_;
+  next.encode = [this, trainer](std::span<const codec::TensorView> head,
+                                const codec::EncodeOptions& eo) -> StatusOr<std::string> {
+    WSYNC_RETURN_IF_ERROR(CastLive(trainer));
+    const std::span<const codec::TensorView> live = effective_;
     if (!primed_) {
       // Created after earlier versions (the trainer registered again): the
       // history's host copy of the head becomes `previous`.
@@ -71,7 +99,9 @@ VersionHistory::NewVersion DeviceSource::Next(std::span<const codec::TensorView>
   };
   // The first version: snapshot straight into `previous`, and down to the
   // host for the keyframe.
-  next.fill = [this, live](std::vector<buffers::OwnedTensor>& head) -> Status {
+  next.fill = [this, trainer](std::vector<buffers::OwnedTensor>& head) -> Status {
+    WSYNC_RETURN_IF_ERROR(CastLive(trainer));
+    const std::span<const codec::TensorView> live = effective_;
     for (size_t i = 0; i < live.size(); ++i) {
       WSYNC_RETURN_IF_ERROR(cuda::CopyDeviceToDevice(previous_.views[i].data, live[i].data, live[i].NumBytes()));
     }
@@ -84,10 +114,10 @@ VersionHistory::NewVersion DeviceSource::Next(std::span<const codec::TensorView>
   return next;
 }
 
-StatusOr<uint64_t> RegionSetChecksum(std::span<const codec::TensorView> views, const buffers::Region& region,
-                                     ThreadPool* pool) {
-  if (!region.on_device()) return codec::SetChecksum(views, pool);
-  WSYNC_ASSIGN_OR_RETURN(auto dc, cuda::DeviceCodec::Create(region.device()));
+StatusOr<uint64_t> TensorsSetChecksum(const buffers::MappedTensors& tensors, ThreadPool* pool) {
+  const auto views = tensors.Views();
+  if (!tensors.on_device()) return codec::SetChecksum(views, pool);
+  WSYNC_ASSIGN_OR_RETURN(auto dc, cuda::DeviceCodec::Create(tensors.device()));
   std::vector<uint64_t> sums;
   for (const auto& t : views) {
     WSYNC_ASSIGN_OR_RETURN(uint64_t sum, dc->TensorChecksum(t.data, t.NumBytes()));

@@ -26,14 +26,16 @@ namespace wsync::daemon {
 
 class DeviceSource {
  public:
-  // Device buffers shaped like `layout` on `device`.
+  // Device buffers for the trainer's tensors `layout` on `device`, in the
+  // published layout (F32 tensors are published as BF16: cast on the device
+  // into a buffer of their own before each encode).
   static StatusOr<std::unique_ptr<DeviceSource>> Create(std::span<const codec::TensorView> layout, int device);
 
-  // Whether this state serves tensors of this layout on this device.
+  // Whether this state serves the trainer's tensors `layout` on this device.
   bool Matches(std::span<const codec::TensorView> layout, int device) const;
 
-  // The next version from `live` (device memory of the same layout).
-  // REQUIRES: `live` outlives the VersionHistory::Publish call.
+  // The next version from `live` (device memory of the layout given to
+  // Create). REQUIRES: `live` outlives the VersionHistory::Publish call.
   VersionHistory::NewVersion Next(std::span<const codec::TensorView> live);
 
  private:
@@ -46,15 +48,21 @@ class DeviceSource {
   static StatusOr<Set> Allocate(std::span<const codec::TensorView> layout, int device);
   Status CopyDown(const Set& set, std::vector<buffers::OwnedTensor>& head) const;
 
+  // Casts the live F32 tensors into cast_; `effective_` is what is encoded.
+  Status CastLive(std::span<const codec::TensorView> live);
+
   std::unique_ptr<cuda::DeviceCodec> codec_;
   Set previous_, snapshot_;
+  Set cast_;                                  // BF16 copies of the F32 tensors, in table order
+  std::vector<codec::DType> live_dtypes_;     // the trainer's dtypes
+  std::vector<codec::TensorView> effective_;  // live, with F32 tensors replaced by cast_
+  std::vector<codec::TensorView> layout_;     // the published layout (Next)
   int device_ = 0;
   bool primed_ = false;  // previous_ holds the head
 };
 
-// The set checksum (codec::SetChecksum) of tensors in a region, on the
-// device for device regions.
-StatusOr<uint64_t> RegionSetChecksum(std::span<const codec::TensorView> views, const buffers::Region& region,
-                                     ThreadPool* pool);
+// The set checksum (codec::SetChecksum) of registered tensors, on the
+// device for device memory.
+StatusOr<uint64_t> TensorsSetChecksum(const buffers::MappedTensors& tensors, ThreadPool* pool);
 
 }  // namespace wsync::daemon

@@ -171,6 +171,7 @@ void PatchServer::OnRequest(const Message& m) {
     r->peer = m.peer;
     r->channel = m.channel;
     if (!Get(m.payload, &pos, &r->from) || !Get(m.payload, &pos, &r->to) || stopping_) return;
+    ++pulls_served_;
     requests_[key] = r;
     for (auto it = workers_.begin(); it != workers_.end();) {
       if (it->finished->load()) {
@@ -383,17 +384,25 @@ void PatchFetcher::OnCorrupt(PeerId peer, uint32_t channel, uint64_t seq) {
 }
 
 void PatchFetcher::OnPeerFailed(PeerId peer, const Status& why) {
+  FailPending([peer](const Pending& p) { return p.parent == peer; }, why);
+}
+
+void PatchFetcher::FailAll(const Status& why) {
+  FailPending([](const Pending&) { return true; }, why);
+}
+
+void PatchFetcher::FailPending(const std::function<bool(const Pending&)>& which, const Status& why) {
   std::lock_guard<std::mutex> lock(mu_);
   for (auto it = pending_.begin(); it != pending_.end();) {
     Pending& p = *it->second;
-    if (p.parent != peer) {
+    if (!which(p)) {
       ++it;
       continue;
     }
     if (p.stream) p.stream->Fail(why);
     if (!p.header_seen) {
       p.header_seen = true;
-      p.header_code = StatusCode::kUnavailable;
+      p.header_code = why.code();
       p.header_error = why.message();
     }
     it = pending_.erase(it);

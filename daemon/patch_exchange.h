@@ -111,6 +111,7 @@ class PatchServer {
   void OnRequest(const transport::Message& m);
   void OnPeerFailed(transport::PeerId peer);
   uint64_t bytes_served() const { return bytes_served_.load(); }
+  uint64_t pulls_served() const { return pulls_served_.load(); }
 
  private:
   struct Request;
@@ -127,6 +128,7 @@ class PatchServer {
   std::vector<Worker> workers_;  // reaped as new requests arrive
   std::atomic<bool> stopping_{false};
   std::atomic<uint64_t> bytes_served_{0};
+  std::atomic<uint64_t> pulls_served_{0};  // PULL requests received
 };
 
 // Pulls patches from parents.
@@ -143,6 +145,8 @@ class PatchFetcher {
   void OnResponse(const transport::Message& m);
   void OnCorrupt(transport::PeerId peer, uint32_t channel, uint64_t seq);
   void OnPeerFailed(transport::PeerId peer, const Status& why);
+  // Fails every pull in flight with `why` (shutdown).
+  void FailAll(const Status& why);
   uint64_t refetches() const { return refetches_.load(); }
 
  private:
@@ -154,6 +158,8 @@ class PatchFetcher {
     StatusCode header_code = StatusCode::kOk;
     std::vector<std::pair<size_t, std::string>> early;  // chunks before the header (reordering-safe)
   };
+
+  void FailPending(const std::function<bool(const Pending&)>& which, const Status& why);
 
   transport::Transport* transport_;
   std::mutex mu_;

@@ -4,10 +4,9 @@
 
 namespace wsync::daemon {
 
-SinkWeights::SinkWeights(std::unique_ptr<buffers::Region> region, std::vector<buffers::TensorEntry> table,
-                         ThreadPool* pool, uint64_t applied_version, std::unique_ptr<cuda::DeviceCodec> device)
-    : region_(std::move(region)),
-      table_(std::move(table)),
+SinkWeights::SinkWeights(buffers::MappedTensors tensors, ThreadPool* pool, uint64_t applied_version,
+                         std::unique_ptr<cuda::DeviceCodec> device)
+    : tensors_(std::move(tensors)),
       pool_(pool),
       device_(std::move(device)),
       applied_(applied_version) {}
@@ -23,8 +22,12 @@ Status SinkWeights::Apply(const PatchStream& stream) {
   WSYNC_RETURN_IF_ERROR(stream.WaitComplete(std::chrono::steady_clock::now()).WithContext("apply"));
   std::unique_lock<std::mutex> lock(mu_);
   ++applies_waiting_;
-  cv_.wait(lock, [&] { return holds_ == 0 && !applying_; });
+  cv_.wait(lock, [&] { return (holds_ == 0 && !applying_) || closed_; });
   --applies_waiting_;
+  if (closed_) {
+    cv_.notify_all();
+    return AbortedError("the tensors were unregistered");
+  }
   if (stream.kind() == codec::PatchKind::kPatch && stream.from() != applied_) {
     cv_.notify_all();
     return FailedPreconditionError("patch " + std::to_string(stream.from()) + "->" + std::to_string(stream.to()) +
@@ -34,7 +37,7 @@ Status SinkWeights::Apply(const PatchStream& stream) {
   lock.unlock();
   const auto t0 = std::chrono::steady_clock::now();
   const std::string bytes = stream.Assemble();
-  auto views = buffers::TableMutableViews(table_, *region_);
+  auto views = tensors_.MutableViews();
   codec::ApplyOptions options;
   options.pool = pool_;
   Status s = device_ ? device_->ApplyPatch(bytes, views, options) : codec::ApplyPatch(bytes, views, options);
@@ -63,16 +66,37 @@ void SinkWeights::Release() {
   cv_.notify_all();
 }
 
+void SinkWeights::Close() {
+  std::unique_lock<std::mutex> lock(mu_);
+  closed_ = true;
+  cv_.notify_all();
+  cv_.wait(lock, [&] { return !applying_; });
+}
+
+void SinkWeights::SetSyncError(const Status& why, bool permanent) {
+  std::lock_guard<std::mutex> lock(mu_);
+  sync_error_ = why;
+  sync_error_permanent_ = permanent && !why.ok();
+  cv_.notify_all();
+}
+
+Status SinkWeights::sync_error() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return sync_error_;
+}
+
 Status SinkWeights::WaitForVersion(uint64_t v, std::chrono::steady_clock::time_point deadline) const {
   std::unique_lock<std::mutex> lock(mu_);
-  if (!cv_.wait_until(lock, deadline, [&] { return applied_ >= v; })) {
-    return DeadlineExceededError("version " + std::to_string(v) + " not applied in time (applied: " +
-                                 std::to_string(applied_) + ")");
+  if (!cv_.wait_until(lock, deadline, [&] { return applied_ >= v || sync_error_permanent_; })) {
+    std::string why = "version " + std::to_string(v) + " not applied in time (applied: " + std::to_string(applied_) + ")";
+    if (!sync_error_.ok()) why += "; last sync error: " + sync_error_.ToString();
+    return DeadlineExceededError(why);
   }
+  if (applied_ < v) return sync_error_;
   return Status::Ok();
 }
 
-std::vector<codec::TensorView> SinkWeights::Views() const { return buffers::TableViews(table_, *region_); }
+std::vector<codec::TensorView> SinkWeights::Views() const { return tensors_.Views(); }
 
 StatusOr<std::vector<buffers::OwnedTensor>> SinkWeights::HostCopy() const {
   const auto views = Views();

@@ -26,25 +26,36 @@ namespace wsync::daemon {
 
 class SinkWeights {
  public:
-  // REQUIRES: ValidateTable(table, region->size()) ok; pool may be null;
-  // `device` (the device codec) is set iff the region is device memory.
-  SinkWeights(std::unique_ptr<buffers::Region> region, std::vector<buffers::TensorEntry> table, ThreadPool* pool,
-              uint64_t applied_version = 0, std::unique_ptr<cuda::DeviceCodec> device = nullptr);
+  // pool may be null; `device` (the device codec) is set iff the tensors
+  // are in device memory.
+  SinkWeights(buffers::MappedTensors tensors, ThreadPool* pool, uint64_t applied_version = 0,
+              std::unique_ptr<cuda::DeviceCodec> device = nullptr);
   ~SinkWeights();
 
   uint64_t applied() const;
 
   // Applies `stream` (complete). A patch must start at the applied version
   // (FailedPrecondition otherwise: the caller pulls again or asks for a
-  // keyframe); a keyframe applies over anything.
+  // keyframe); a keyframe applies over anything. Aborted once closed.
   Status Apply(const PatchStream& stream);
+
+  // Waits for an apply in progress, then refuses every later one: the
+  // owner may free the memory once the SinkWeights is gone.
+  void Close();
+
+  // Why the daemon cannot bring these weights to the head (Ok: nothing is
+  // wrong). A `permanent` error (the tensors do not match the published
+  // layout) ends WaitForVersion at once; others are reported if it times out.
+  void SetSyncError(const Status& why, bool permanent);
+  Status sync_error() const;
 
   // Holds the weights stable; returns the version held. Blocks while an
   // apply runs or waits.
   uint64_t Hold();
   void Release();
 
-  // Blocks until the applied version is >= v; DeadlineExceeded otherwise.
+  // Blocks until the applied version is >= v; DeadlineExceeded otherwise
+  // (with the last sync error), or the permanent sync error at once.
   Status WaitForVersion(uint64_t v, std::chrono::steady_clock::time_point deadline) const;
 
   // The tensors; read them under a Hold. Device pointers when on_device():
@@ -55,8 +66,7 @@ class SinkWeights {
   StatusOr<std::vector<buffers::OwnedTensor>> HostCopy() const;
 
  private:
-  std::unique_ptr<buffers::Region> region_;
-  std::vector<buffers::TensorEntry> table_;
+  const buffers::MappedTensors tensors_;
   ThreadPool* pool_;
   std::unique_ptr<cuda::DeviceCodec> device_;
   mutable std::mutex mu_;
@@ -65,6 +75,9 @@ class SinkWeights {
   int holds_ = 0;
   int applies_waiting_ = 0;
   bool applying_ = false;
+  bool closed_ = false;
+  Status sync_error_;
+  bool sync_error_permanent_ = false;
 };
 
 }  // namespace wsync::daemon

@@ -149,6 +149,11 @@ int main(int argc, char** argv) {
     cmd->add_option("--threads", data.threads, "codec threads")->capture_default_str();
     cmd->add_option("--node-ttl-ms", data.node_ttl_ms, "heartbeat TTL")->capture_default_str();
     cmd->add_option("--rate-limit", data.rate_limit_bytes_per_s, "bytes/s per data-plane link (0: none)");
+    cmd->add_option("--hold-ttl-ms", data.hold_ttl_ms,
+                    "sinks: a hold that its holder does not renew for this long ends (0 < ms <= 600000)")
+        ->capture_default_str()->check(CLI::Range(uint64_t{1}, uint64_t{600'000}));
+    cmd->add_option("--retry-max-ms", data.retry_max_ms, "sinks: the longest delay between failed sync attempts")
+        ->capture_default_str()->check(CLI::Range(uint64_t{100}, uint64_t{600'000}));
     cmd->add_option("--inject-corrupt-every", data.corrupt_every, "fault injection: corrupt every Nth chunk sent")
         ->group("");
     cmd->add_option("--inject-fail-announce", data.fail_announce,

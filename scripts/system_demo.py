@@ -38,7 +38,7 @@ def tensor_digest(path):
 class System:
     """The processes of a wsync deployment on loopback, by name."""
 
-    def __init__(self, build, sinks, fanout, tmp, coordinator_args=(), source_args=(), device=-1):
+    def __init__(self, build, sinks, fanout, tmp, coordinator_args=(), source_args=(), device=-1, sink_args=()):
         self.wsync = os.path.join(build, "client", "wsync")
         self.wsyncd = os.path.join(build, "daemon", "wsyncd")
         self.tmp = tmp
@@ -49,6 +49,7 @@ class System:
                         WSYNC_COORDINATOR=f"unix:{tmp}/coordinator.sock")
         self.procs = {}  # name -> (argv, Popen)
         self.sinks = []
+        self.sink_args = list(sink_args)
         self.spawn("coordinator", [self.wsyncd, "coordinator", "--listen", f"unix:{tmp}/coordinator.sock",
                                    "--fanout", str(fanout), "--store-dir", f"{tmp}/store", *coordinator_args])
         self.wait_for(lambda: self.status() is not None, "coordinator")
@@ -60,7 +61,7 @@ class System:
     def start_sink(self, name):
         self.sinks.append(name)
         self.spawn(name, [self.wsyncd, "sink", "--name", name, "--local", f"unix:{self.tmp}/{name}.sock",
-                          "--node-ttl-ms", "3000"])
+                          "--node-ttl-ms", "3000", *self.sink_args])
 
     def spawn(self, name, argv):
         log = open(os.path.join(self.tmp, name + ".log"), "a")

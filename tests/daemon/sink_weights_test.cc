@@ -46,7 +46,7 @@ Fixture Make(int n) {
   return s;
 }
 
-std::unique_ptr<buffers::Region> RegionWith(const Fixture& s, const std::vector<OwnedTensor>& content) {
+buffers::MappedTensors RegionWith(const Fixture& s, const std::vector<OwnedTensor>& content) {
   auto r = buffers::CreateShm(s.shm, 200000 * 2 + 5000 * 2, /*unlink_on_close=*/true);
   EXPECT_TRUE(r.ok()) << r.status().ToString();
   uint64_t offset = 0;
@@ -54,7 +54,28 @@ std::unique_ptr<buffers::Region> RegionWith(const Fixture& s, const std::vector<
     std::memcpy((*r)->data() + offset, t.bytes.data(), t.bytes.size());
     offset += t.bytes.size();
   }
-  return std::move(*r);
+  std::vector<std::unique_ptr<buffers::Region>> regions;
+  regions.push_back(std::move(*r));
+  auto m = buffers::MappedTensors::Create(std::move(regions), s.table);
+  EXPECT_TRUE(m.ok()) << m.status().ToString();
+  return std::move(*m);
+}
+
+// Each tensor in a region of its own, as a PyTorch process's many allocations.
+buffers::MappedTensors RegionPerTensor(const Fixture& s, const std::vector<OwnedTensor>& content) {
+  std::vector<std::unique_ptr<buffers::Region>> regions;
+  std::vector<buffers::TensorEntry> table = s.table;
+  for (size_t i = 0; i < content.size(); ++i) {
+    auto r = buffers::CreateShm(s.shm + "-" + std::to_string(i), content[i].bytes.size(), /*unlink_on_close=*/true);
+    EXPECT_TRUE(r.ok()) << r.status().ToString();
+    std::memcpy((*r)->data(), content[i].bytes.data(), content[i].bytes.size());
+    regions.push_back(std::move(*r));
+    table[i].offset = 0;
+    table[i].region = static_cast<uint32_t>(i);
+  }
+  auto m = buffers::MappedTensors::Create(std::move(regions), std::move(table));
+  EXPECT_TRUE(m.ok()) << m.status().ToString();
+  return std::move(*m);
 }
 
 TEST(SinkWeights, HoldersOnlyEverSeeWholeVersions) {
@@ -62,7 +83,7 @@ TEST(SinkWeights, HoldersOnlyEverSeeWholeVersions) {
   Fixture s = Make(kVersions);
   std::set<uint64_t> valid;
   for (const auto& v : s.versions) valid.insert(codec::SetChecksum(buffers::Views(v)));
-  SinkWeights w(RegionWith(s, s.versions[0]), s.table, nullptr, 1);
+  SinkWeights w(RegionWith(s, s.versions[0]), nullptr, 1);
   std::atomic<bool> stop{false};
   std::atomic<int> checks{0}, torn{0};
   std::thread reader([&] {
@@ -97,7 +118,7 @@ TEST(SinkWeights, HoldersOnlyEverSeeWholeVersions) {
 
 TEST(SinkWeights, BadStreamsChangeNothing) {
   Fixture s = Make(4);
-  SinkWeights w(RegionWith(s, s.versions[1]), s.table, nullptr, 2);
+  SinkWeights w(RegionWith(s, s.versions[1]), nullptr, 2);
   // A patch that does not start at the applied version.
   EXPECT_EQ(w.Apply(**s.history->Open(1, 4)).code(), StatusCode::kFailedPrecondition);
   // A corrupt patch: DataLoss, weights and version unchanged.
@@ -114,6 +135,46 @@ TEST(SinkWeights, BadStreamsChangeNothing) {
   // An incomplete stream is refused.
   PatchStream partial(codec::PatchKind::kPatch, 4, 5, 10000, 4096);
   EXPECT_FALSE(w.Apply(partial).ok());
+}
+
+TEST(SinkWeights, TensorsInManyRegionsApplyBitExactly) {
+  Fixture s = Make(3);
+  SinkWeights w(RegionPerTensor(s, s.versions[0]), nullptr, 1);
+  ASSERT_TRUE(w.Apply(**s.history->Open(1, 3)).ok());
+  EXPECT_EQ(codec::SetChecksum(w.Views()), codec::SetChecksum(buffers::Views(s.versions[2])));
+}
+
+TEST(SinkWeights, RegistrationChecksEveryRegion) {
+  Fixture s = Make(1);
+  std::vector<std::unique_ptr<buffers::Region>> regions;
+  regions.push_back(*buffers::CreateShm(s.shm + "-small", 64, /*unlink_on_close=*/true));
+  auto table = s.table;
+  table[1].region = 1;  // no such region
+  auto m = buffers::MappedTensors::Create(std::move(regions), table);
+  EXPECT_EQ(m.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(m.status().message().find("'y'"), std::string::npos) << m.status().ToString();
+}
+
+TEST(SinkWeights, PermanentSyncErrorEndsWaitsAtOnce) {
+  Fixture s = Make(1);
+  SinkWeights w(RegionWith(s, s.versions[0]), nullptr, 1);
+  w.SetSyncError(UnavailableError("parent gone"), /*permanent=*/false);
+  Status late = w.WaitForVersion(2, std::chrono::steady_clock::now() + std::chrono::milliseconds(10));
+  EXPECT_EQ(late.code(), StatusCode::kDeadlineExceeded);
+  EXPECT_NE(late.message().find("parent gone"), std::string::npos);
+  w.SetSyncError(FailedPreconditionError("tensor 'x': shape [3]"), /*permanent=*/true);
+  const auto t0 = std::chrono::steady_clock::now();
+  Status now = w.WaitForVersion(2, t0 + std::chrono::seconds(30));
+  EXPECT_EQ(now.code(), StatusCode::kFailedPrecondition);
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(5));
+}
+
+TEST(SinkWeights, ClosedWeightsRefuseApplies) {
+  Fixture s = Make(2);
+  SinkWeights w(RegionWith(s, s.versions[0]), nullptr, 1);
+  w.Close();
+  EXPECT_EQ(w.Apply(**s.history->Open(1, 2)).code(), StatusCode::kAborted);
+  EXPECT_EQ(w.applied(), 1u);
 }
 
 }  // namespace

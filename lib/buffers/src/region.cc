@@ -1,5 +1,7 @@
 #include "wsync/buffers/region.h"
 
+#include "wsync/util/text.h"
+
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -92,17 +94,17 @@ Status ValidateTable(const std::vector<TensorEntry>& table, size_t region_size) 
   std::vector<std::pair<uint64_t, const TensorEntry*>> spans;
   for (const auto& t : table) {
     if (t.name.empty()) return InvalidArgumentError("a tensor has an empty name");
-    if (!names.insert(t.name).second) return InvalidArgumentError("tensor '" + t.name + "' appears twice");
+    if (!names.insert(t.name).second) return InvalidArgumentError("tensor " + Quoted(t.name) + " appears twice");
     const size_t width = codec::DTypeWidth(t.dtype);
-    if (width == 0) return InvalidArgumentError("tensor '" + t.name + "': invalid dtype");
+    if (width == 0) return InvalidArgumentError("tensor " + Quoted(t.name) + ": invalid dtype");
     const uint64_t bytes = t.NumBytes();
     if (bytes == UINT64_MAX || t.offset > region_size || bytes > region_size - t.offset) {
-      return InvalidArgumentError("tensor '" + t.name + "': bytes [" + std::to_string(t.offset) + ", +" +
+      return InvalidArgumentError("tensor " + Quoted(t.name) + ": bytes [" + std::to_string(t.offset) + ", +" +
                                   std::to_string(bytes) + ") outside the region of " + std::to_string(region_size) +
                                   " bytes");
     }
     if (t.offset % width != 0) {
-      return InvalidArgumentError("tensor '" + t.name + "': offset " + std::to_string(t.offset) +
+      return InvalidArgumentError("tensor " + Quoted(t.name) + ": offset " + std::to_string(t.offset) +
                                   " is not aligned to its element width " + std::to_string(width));
     }
     if (bytes > 0) spans.push_back({t.offset, &t});
@@ -111,7 +113,7 @@ Status ValidateTable(const std::vector<TensorEntry>& table, size_t region_size) 
   for (size_t i = 1; i < spans.size(); ++i) {
     const TensorEntry& prev = *spans[i - 1].second;
     if (prev.offset + prev.NumBytes() > spans[i].first) {
-      return InvalidArgumentError("tensors '" + prev.name + "' and '" + spans[i].second->name + "' overlap");
+      return InvalidArgumentError("tensors " + Quoted(prev.name) + " and " + Quoted(spans[i].second->name) + " overlap");
     }
   }
   return Status::Ok();
@@ -127,6 +129,61 @@ std::vector<codec::MutableTensorView> TableMutableViews(const std::vector<Tensor
   std::vector<codec::MutableTensorView> out;
   for (const auto& t : table) out.push_back({t.name, t.dtype, t.shape, region.data() + t.offset});
   return out;
+}
+
+}  // namespace wsync::buffers
+
+namespace wsync::buffers {
+
+StatusOr<MappedTensors> MappedTensors::Create(std::vector<std::unique_ptr<Region>> regions,
+                                              std::vector<TensorEntry> table) {
+  if (regions.empty()) return InvalidArgumentError("no memory region given");
+  std::vector<std::vector<TensorEntry>> by_region(regions.size());
+  for (const auto& t : table) {
+    if (t.region >= regions.size()) {
+      return InvalidArgumentError("tensor " + Quoted(t.name) + ": region " + std::to_string(t.region) + " of " +
+                                  std::to_string(regions.size()) + " given");
+    }
+    by_region[t.region].push_back(t);
+  }
+  std::unordered_set<std::string> names;
+  for (const auto& t : table) {
+    if (!names.insert(t.name).second) return InvalidArgumentError("tensor " + Quoted(t.name) + " appears twice");
+  }
+  for (size_t r = 0; r < regions.size(); ++r) {
+    WSYNC_RETURN_IF_ERROR(ValidateTable(by_region[r], regions[r]->size()).WithContext(regions[r]->description()));
+    if (regions[r]->on_device() != regions[0]->on_device() || regions[r]->device() != regions[0]->device()) {
+      return InvalidArgumentError("regions " + regions[0]->description() + " and " + regions[r]->description() +
+                                  " are in different memories: all regions of a registration must be host memory "
+                                  "or memory of one device");
+    }
+  }
+  MappedTensors m;
+  m.device_ = regions[0]->on_device() ? regions[0]->device() : -1;
+  m.regions_ = std::move(regions);
+  m.table_ = std::move(table);
+  return m;
+}
+
+std::vector<codec::TensorView> MappedTensors::Views() const {
+  std::vector<codec::TensorView> out;
+  out.reserve(table_.size());
+  for (const auto& t : table_) out.push_back({t.name, t.dtype, t.shape, regions_[t.region]->data() + t.offset});
+  return out;
+}
+
+std::vector<codec::MutableTensorView> MappedTensors::MutableViews() const {
+  std::vector<codec::MutableTensorView> out;
+  out.reserve(table_.size());
+  for (const auto& t : table_) out.push_back({t.name, t.dtype, t.shape, regions_[t.region]->data() + t.offset});
+  return out;
+}
+
+std::string MappedTensors::description() const {
+  std::string s = std::to_string(table_.size()) + " tensors in ";
+  for (size_t r = 0; r < regions_.size() && r < 3; ++r) s += (r ? ", " : "") + regions_[r]->description();
+  if (regions_.size() > 3) s += " and " + std::to_string(regions_.size() - 3) + " more regions";
+  return s;
 }
 
 }  // namespace wsync::buffers

@@ -1,5 +1,7 @@
 #include "wsync/buffers/safetensors.h"
 
+#include "wsync/codec/bf16.h"
+
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -180,22 +182,51 @@ bool SameLayout(const std::vector<OwnedTensor>& to, std::span<const codec::Tenso
   return true;
 }
 
+std::vector<OwnedTensor> PublishedCopy(std::span<const codec::TensorView> tensors) {
+  std::vector<OwnedTensor> out;
+  out.reserve(tensors.size());
+  for (const auto& t : tensors) {
+    OwnedTensor o{t.name, PublishedDType(t.dtype), t.shape, {}};
+    o.bytes.resize(o.View().NumBytes());
+    out.push_back(std::move(o));
+  }
+  return out;
+}
+
+codec::DType PublishedDType(codec::DType d) { return d == codec::DType::kF32 ? codec::DType::kBF16 : d; }
+
 Status CopyInto(std::span<const codec::TensorView> from, std::vector<OwnedTensor>& to, ThreadPool* pool) {
-  if (!SameLayout(to, from)) return InvalidArgumentError("copy: tensor names, dtypes or shapes differ");
+  bool layout_ok = to.size() == from.size();
+  for (size_t i = 0; layout_ok && i < to.size(); ++i) {
+    layout_ok = to[i].name == from[i].name && to[i].shape == from[i].shape &&
+                (to[i].dtype == from[i].dtype || (from[i].dtype == codec::DType::kF32 && to[i].dtype == codec::DType::kBF16));
+  }
+  if (!layout_ok) return InvalidArgumentError("copy: tensor names, dtypes or shapes differ");
+  // Pieces of 16 MiB of the destination, each a plain copy or a cast.
   constexpr size_t kPiece = size_t{16} << 20;
   struct Piece {
     uint8_t* to;
     const uint8_t* from;
-    size_t bytes;
+    size_t bytes;  // of the destination
+    bool cast;
   };
   std::vector<Piece> pieces;
   for (size_t i = 0; i < from.size(); ++i) {
-    const size_t n = from[i].NumBytes();
+    const bool cast = from[i].dtype != to[i].dtype;
+    const size_t n = to[i].bytes.size();
     for (size_t at = 0; at < n; at += kPiece) {
-      pieces.push_back({to[i].bytes.data() + at, from[i].data + at, std::min(kPiece, n - at)});
+      pieces.push_back({to[i].bytes.data() + at, from[i].data + (cast ? 2 * at : at), std::min(kPiece, n - at), cast});
     }
   }
-  ParallelFor(pool, pieces.size(), [&](size_t p) { std::memcpy(pieces[p].to, pieces[p].from, pieces[p].bytes); });
+  ParallelFor(pool, pieces.size(), [&](size_t p) {
+    const Piece& c = pieces[p];
+    if (!c.cast) {
+      std::memcpy(c.to, c.from, c.bytes);
+      return;
+    }
+    // F32 tensors are 4-byte aligned (ValidateTable), pieces start at 16 MiB multiples.
+    codec::CastFp32ToBf16(reinterpret_cast<const uint32_t*>(c.from), reinterpret_cast<uint16_t*>(c.to), c.bytes / 2);
+  });
   return Status::Ok();
 }
 

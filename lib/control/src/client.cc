@@ -4,6 +4,7 @@
 
 #include <chrono>
 #include <mutex>
+#include <set>
 
 #include "grpc_util.h"
 #include "wsync/util/file.h"
@@ -55,10 +56,7 @@ class GrpcClient : public CoordinatorClient {
   Status Watch(uint64_t after, const std::function<bool(const v1::VersionSummary&)>& on_version) override {
     grpc::ClientContext ctx;
     Prepare(&ctx, /*deadline=*/false);
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      watch_ctx_ = &ctx;
-    }
+    if (!Track(&ctx)) return Status::Ok();  // cancelled before it began
     v1::WatchRequest req;
     req.set_after(after);
     auto reader = stub_->Watch(&ctx, req);
@@ -72,10 +70,7 @@ class GrpcClient : public CoordinatorClient {
       }
     }
     grpc::Status s = reader->Finish();
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      watch_ctx_ = nullptr;
-    }
+    Untrack(&ctx);
     if (stopped || s.error_code() == grpc::StatusCode::CANCELLED) return Status::Ok();
     if (s.ok()) return UnavailableError("watch stream ended by the coordinator");
     return FromGrpc(s, "Watch " + options_.address);
@@ -139,9 +134,23 @@ class GrpcClient : public CoordinatorClient {
       return stub_->Status(c, req, r);
     });
   }
+  StatusOr<v1::GetLayoutResponse> GetLayout() override {
+    v1::GetLayoutRequest req;
+    return Call<v1::GetLayoutResponse>("GetLayout", [&](grpc::ClientContext* c, v1::GetLayoutResponse* r) {
+      return stub_->GetLayout(c, req, r);
+    });
+  }
+  Status SetLayout(const v1::Layout& layout) override {
+    v1::SetLayoutRequest req;
+    *req.mutable_layout() = layout;
+    return Call<v1::SetLayoutResponse>("SetLayout", [&](grpc::ClientContext* c, v1::SetLayoutResponse* r) {
+             return stub_->SetLayout(c, req, r);
+           }).status();
+  }
   void Cancel() override {
     std::lock_guard<std::mutex> lock(mu_);
-    if (watch_ctx_ != nullptr) watch_ctx_->TryCancel();
+    cancelled_ = true;
+    for (grpc::ClientContext* c : in_flight_) c->TryCancel();
   }
 
  private:
@@ -157,16 +166,33 @@ class GrpcClient : public CoordinatorClient {
   StatusOr<R> Call(const char* method, F&& f, int64_t extra_ms = 0) {
     grpc::ClientContext ctx;
     Prepare(&ctx, true, extra_ms);
+    // After Cancel, calls still run (Deregister on the way out) but no
+    // longer wait for a coordinator that is not there.
+    if (!Track(&ctx)) ctx.set_wait_for_ready(false);
     R resp;
     grpc::Status s = f(&ctx, &resp);
+    Untrack(&ctx);
     if (!s.ok()) return FromGrpc(s, std::string(method) + " " + options_.address);
     return resp;
+  }
+
+  // Registers a call for Cancel; false (not registered) once cancelled.
+  bool Track(grpc::ClientContext* ctx) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (cancelled_) return false;
+    in_flight_.insert(ctx);
+    return true;
+  }
+  void Untrack(grpc::ClientContext* ctx) {
+    std::lock_guard<std::mutex> lock(mu_);
+    in_flight_.erase(ctx);
   }
 
   std::unique_ptr<v1::Coordinator::Stub> stub_;
   ClientOptions options_;
   std::mutex mu_;
-  grpc::ClientContext* watch_ctx_ = nullptr;
+  bool cancelled_ = false;
+  std::set<grpc::ClientContext*> in_flight_;
 };
 
 }  // namespace

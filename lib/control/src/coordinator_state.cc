@@ -5,6 +5,8 @@
 
 #include <spdlog/spdlog.h>
 
+#include "wsync/control/layout.h"
+
 namespace wsync::control {
 
 using wsync::store::v1::NodeRecord;
@@ -53,6 +55,11 @@ StatusOr<std::unique_ptr<CoordinatorState>> CoordinatorState::Create(const Coord
   for (const auto& l : snap.leases()) {
     Record r;
     *r.mutable_lease_granted() = l;
+    s->Apply(r);
+  }
+  if (snap.has_layout()) {
+    Record r;
+    *r.mutable_layout_set() = snap.layout();
     s->Apply(r);
   }
   s->next_lease_id_ = std::max(s->next_lease_id_, snap.next_lease_id());
@@ -113,6 +120,9 @@ void CoordinatorState::Apply(const Record& r) {
     case Record::kLeaseReleased:
       leases_.erase(r.lease_released());
       break;
+    case Record::kLayoutSet:
+      layout_ = r.layout_set();
+      break;
     case Record::KIND_NOT_SET:
       break;
   }
@@ -150,6 +160,7 @@ wsync::store::v1::Snapshot CoordinatorState::MakeSnapshot() const {
   for (const auto& [id, l] : leases_) *snap.add_leases() = l;
   snap.set_next_lease_id(next_lease_id_);
   snap.set_next_incarnation(next_incarnation_);
+  if (layout_) *snap.mutable_layout() = *layout_;
   return snap;
 }
 
@@ -211,6 +222,9 @@ StatusOr<wsync::v1::HeartbeatResponse> CoordinatorState::Heartbeat(const wsync::
                         std::to_string(it->second.incarnation()));
   }
   it->second.set_last_heartbeat_unix_ms(clock_->NowMs());
+  it->second.set_sync_error(req.sync_error().substr(0, 1024));
+  it->second.set_active_holds(req.active_holds());
+  it->second.set_oldest_hold_ms(req.oldest_hold_ms());
   wsync::v1::HeartbeatResponse resp;
   *resp.mutable_node() = it->second;
   FillDerivedLocked(resp.mutable_node());
@@ -253,6 +267,25 @@ StatusOr<uint64_t> CoordinatorState::Publish(const VersionSummary& version) {
                version.source(), version.base_version(), version.patch_bytes(), version.dense_bytes(),
                version.keyframe() ? ", keyframe" : "");
   return version.version();
+}
+
+Status CoordinatorState::SetLayout(const wsync::v1::Layout& layout) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (layout_) return CheckLayout(*layout_, layout, "the tensors of this source");
+  if (layout.tensors_size() == 0) return InvalidArgumentError("a layout needs at least one tensor");
+  Record r;
+  *r.mutable_layout_set() = layout;
+  WSYNC_RETURN_IF_ERROR(Log(r));
+  spdlog::info("layout of {} tensors set by {}", layout.tensors_size(), layout.source());
+  return Status::Ok();
+}
+
+wsync::v1::GetLayoutResponse CoordinatorState::GetLayout() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  wsync::v1::GetLayoutResponse resp;
+  if (layout_) *resp.mutable_layout() = *layout_;
+  resp.set_set(layout_.has_value());
+  return resp;
 }
 
 wsync::v1::ListVersionsResponse CoordinatorState::ListVersions(uint64_t after) const {

@@ -167,6 +167,15 @@ class Service final : public v1::Coordinator::Service {
       }
     });
   }
+  grpc::Status SetLayout(ServerContext* ctx, const v1::SetLayoutRequest* req, v1::SetLayoutResponse*) override {
+    return Handle("SetLayout", ctx, [&] { return state_->SetLayout(req->layout()); });
+  }
+  grpc::Status GetLayout(ServerContext* ctx, const v1::GetLayoutRequest*, v1::GetLayoutResponse* resp) override {
+    return Handle("GetLayout", ctx, [&] {
+      *resp = state_->GetLayout();
+      return wsync::Status::Ok();
+    });
+  }
   grpc::Status Status(ServerContext* ctx, const v1::StatusRequest*, v1::StatusResponse* resp) override {
     return Handle("Status", ctx, [&] {
       *resp = state_->GetStatus();

@@ -26,6 +26,7 @@ struct TensorEntry {
   codec::DType dtype = codec::DType::kBF16;
   std::vector<uint64_t> shape;
   uint64_t offset = 0;  // bytes from the start of the region
+  uint32_t region = 0;  // which region, in a MappedTensors
 
   uint64_t NumBytes() const;
 };
@@ -63,5 +64,30 @@ Status ValidateTable(const std::vector<TensorEntry>& table, size_t region_size);
 // Views of the table's tensors in the region. REQUIRES: ValidateTable ok.
 std::vector<codec::TensorView> TableViews(const std::vector<TensorEntry>& table, Region& region);
 std::vector<codec::MutableTensorView> TableMutableViews(const std::vector<TensorEntry>& table, Region& region);
+
+// Tensors over any number of regions: what a process registers with its
+// daemon (every PyTorch allocation its own region, or all in one). Owns the
+// regions (unmapped on destruction). Immutable once created.
+class MappedTensors {
+ public:
+  // Checks every entry against its region (ValidateTable, per region; an
+  // entry naming no region is InvalidArgument naming it) and that the
+  // regions are all host memory or all memory of one device.
+  static StatusOr<MappedTensors> Create(std::vector<std::unique_ptr<Region>> regions,
+                                        std::vector<TensorEntry> table);
+
+  const std::vector<TensorEntry>& table() const { return table_; }
+  bool on_device() const { return device_ >= 0; }
+  int device() const { return device_; }  // -1: host memory
+  std::vector<codec::TensorView> Views() const;
+  std::vector<codec::MutableTensorView> MutableViews() const;
+  // "3 tensors in shm:/a, shm:/b": for logs.
+  std::string description() const;
+
+ private:
+  std::vector<std::unique_ptr<Region>> regions_;
+  std::vector<TensorEntry> table_;
+  int device_ = -1;
+};
 
 }  // namespace wsync::buffers

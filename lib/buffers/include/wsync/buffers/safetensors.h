@@ -70,7 +70,16 @@ std::vector<OwnedTensor> CopyTensors(std::span<const codec::TensorView> tensors)
 // True when `to` has the names, dtypes and shapes of `from`, in order.
 bool SameLayout(const std::vector<OwnedTensor>& to, std::span<const codec::TensorView> from);
 
-// Copies `from` into `to` (same layout, else InvalidArgument and nothing is
+// The dtype a source publishes for a registered dtype: F32 (trainer master
+// weights) is published as BF16; every other dtype as it is.
+codec::DType PublishedDType(codec::DType d);
+
+// Zeroed tensors in the published layout of `tensors` (PublishedDType).
+std::vector<OwnedTensor> PublishedCopy(std::span<const codec::TensorView> tensors);
+
+// Copies `from` into `to` (same names and shapes, and the same dtype or an
+// F32 tensor into a BF16 one, which is cast with round-to-nearest-even as
+// PyTorch's .to(torch.bfloat16); else InvalidArgument and nothing is
 // copied), in pieces over the pool (nullptr: this thread): one thread does
 // not reach the memory's bandwidth.
 Status CopyInto(std::span<const codec::TensorView> from, std::vector<OwnedTensor>& to, ThreadPool* pool);

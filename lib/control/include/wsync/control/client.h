@@ -44,7 +44,11 @@ class CoordinatorClient {
   virtual StatusOr<wsync::v1::ListLeasesResponse> ListLeases() = 0;
   virtual StatusOr<wsync::v1::MayPublishResponse> MayPublish(uint64_t version, int64_t wait_ms) = 0;
   virtual StatusOr<wsync::v1::StatusResponse> GetStatus() = 0;
-  // Ends a running Watch.
+  virtual StatusOr<wsync::v1::GetLayoutResponse> GetLayout() = 0;
+  virtual Status SetLayout(const wsync::v1::Layout& layout) = 0;
+  // For shutdown: ends every call in flight (a Watch, a MayPublish that
+  // waits) and every later Watch at once; later unary calls still run but
+  // fail at once instead of waiting for an unreachable coordinator.
   virtual void Cancel() = 0;
 };
 

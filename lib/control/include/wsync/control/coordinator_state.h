@@ -16,6 +16,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 
 #include "wsync/control/clock.h"
@@ -63,6 +64,12 @@ class CoordinatorState {
 
   wsync::v1::StatusResponse GetStatus() const;
 
+  // The first call sets the layout (durably); later ones check theirs
+  // against it (control/layout.h): FailedPrecondition naming the tensor.
+  Status SetLayout(const wsync::v1::Layout& layout);
+  // The layout; `set` false before any SetLayout.
+  wsync::v1::GetLayoutResponse GetLayout() const;
+
   // Expires nodes and leases whose TTL passed; reassigns parents.
   void Tick();
 
@@ -98,6 +105,7 @@ class CoordinatorState {
   std::map<std::string, wsync::v1::Node> nodes_;
   std::map<uint64_t, wsync::v1::VersionSummary> versions_;
   std::map<uint64_t, wsync::v1::Lease> leases_;
+  std::optional<wsync::v1::Layout> layout_;
   uint64_t next_lease_id_ = 1;
   uint64_t next_incarnation_ = 1;
 };

@@ -1,0 +1,47 @@
+#include "wsync/control/layout.h"
+
+#include <map>
+#include <string>
+
+#include "wsync/util/text.h"
+
+namespace wsync::control {
+namespace {
+
+std::string ShapeText(const wsync::v1::LayoutTensor& t) {
+  std::string s = "[";
+  for (int i = 0; i < t.shape_size(); ++i) s += (i ? ", " : "") + std::to_string(t.shape(i));
+  return s + "]";
+}
+
+}  // namespace
+
+Status CheckLayout(const wsync::v1::Layout& published, const wsync::v1::Layout& offered, const char* what) {
+  std::map<std::string, const wsync::v1::LayoutTensor*> want;
+  for (const auto& t : published.tensors()) want[t.name()] = &t;
+  const std::string from = published.source().empty() ? "" : " by " + Quoted(published.source());
+  for (const auto& t : offered.tensors()) {
+    auto it = want.find(t.name());
+    if (it == want.end()) {
+      return FailedPreconditionError(std::string(what) + " hold tensor " + Quoted(t.name()) +
+                                     ", which the layout published" + from + " does not have");
+    }
+    const auto& p = *it->second;
+    if (p.dtype() != t.dtype()) {
+      return FailedPreconditionError("tensor " + Quoted(t.name()) + ": dtype " + t.dtype() + " in " + what +
+                                     ", " + p.dtype() + " in the layout published" + from);
+    }
+    if (ShapeText(p) != ShapeText(t)) {
+      return FailedPreconditionError("tensor " + Quoted(t.name()) + ": shape " + ShapeText(t) + " in " + what +
+                                     ", " + ShapeText(p) + " in the layout published" + from);
+    }
+    want.erase(it);
+  }
+  if (!want.empty()) {
+    return FailedPreconditionError(std::string(what) + " lack tensor " + Quoted(want.begin()->first) + " (and " +
+                                   std::to_string(want.size() - 1) + " more) of the layout published" + from);
+  }
+  return Status::Ok();
+}
+
+}  // namespace wsync::control

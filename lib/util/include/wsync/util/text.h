@@ -1,0 +1,14 @@
+// Text from outside (tensor names, node names, file names) made safe to put
+// into an error message or a log line.
+#pragma once
+
+#include <string>
+#include <string_view>
+
+namespace wsync {
+
+// `s` in single quotes, with bytes outside printable ASCII, quotes and
+// backslashes written as \xNN, and cut after `max_bytes` of input ("...").
+std::string Quoted(std::string_view s, size_t max_bytes = 200);
+
+}  // namespace wsync
