@@ -1,0 +1,41 @@
+"""The local API channel: a unix socket to the daemon, stubs generated from
+proto/wsync/v1/local.proto at build time, errors as WsyncError."""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import grpc
+
+from .errors import from_rpc_error
+from .v1 import local_pb2 as pb
+from .v1 import local_pb2_grpc as pb_grpc
+
+__all__ = ["Local", "pb"]
+
+
+def _target(address: str) -> str:
+    if address.startswith("unix:"):
+        return address
+    if address.startswith("/"):
+        return "unix:" + address
+    raise ValueError(f"the local API is a unix socket: 'unix:/path' or '/path', not {address!r}")
+
+
+class Local:
+    """A connection to one daemon's local API."""
+
+    def __init__(self, address: str, timeout: float):
+        self.address = _target(address)
+        self.timeout = timeout
+        self.channel = grpc.insecure_channel(self.address)
+        self.stub = pb_grpc.LocalStub(self.channel)
+
+    def call(self, method: str, request: Any, timeout: float | None = None, wait_for_ready: bool = False) -> Any:
+        fn: Callable[..., Any] = getattr(self.stub, method)
+        try:
+            return fn(request, timeout=self.timeout if timeout is None else timeout, wait_for_ready=wait_for_ready)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e, f"{method} ({self.address})") from None
+
+    def close(self) -> None:
+        self.channel.close()

@@ -1,0 +1,176 @@
+"""The tensors a process registers with its daemon, and the memory they live
+in.
+
+CPU tensors are moved once, at registration, into POSIX shared memory that
+this client creates and owns (mode 0600), and the caller's tensors are
+rebound to views of it (`tensor.data = view`): a module's Parameters keep
+their identity, so an optimizer holding them keeps updating them in place,
+with no copy per step. CUDA tensors are never moved: the client exports the
+CUDA IPC handle of the storage that holds each (torch's own storage sharing),
+one region per storage; storages of one caching-allocator segment share one
+handle, which the daemon maps once.
+"""
+from __future__ import annotations
+
+import itertools
+import mmap
+import os
+import weakref
+from dataclasses import dataclass, field
+from typing import Dict, List, Mapping, Tuple, Union
+
+import torch
+
+from .v1 import local_pb2 as pb
+
+DTYPE_NAMES: Dict[torch.dtype, str] = {
+    torch.bool: "BOOL",
+    torch.uint8: "U8",
+    torch.int8: "I8",
+    torch.int16: "I16",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int32: "I32",
+    torch.float32: "F32",
+    torch.int64: "I64",
+    torch.float64: "F64",
+}
+for _name, _code in (("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2")):
+    if hasattr(torch, _name):
+        DTYPE_NAMES[getattr(torch, _name)] = _code
+
+_ALIGN = 256
+_counter = itertools.count()
+
+TensorsLike = Union[torch.nn.Module, Mapping[str, torch.Tensor]]
+
+
+def named_tensors(obj: TensorsLike) -> List[Tuple[str, torch.Tensor]]:
+    """The state_dict's tensors (names as in `state_dict()`), each storage
+    once: a tied weight registers under its first name only."""
+    if isinstance(obj, torch.nn.Module):
+        items = list(obj.state_dict(keep_vars=True).items())
+    elif isinstance(obj, Mapping):
+        items = list(obj.items())
+    else:
+        raise TypeError(f"register takes a torch.nn.Module or a dict of tensors, not {type(obj).__name__}")
+    out, seen = [], set()
+    for name, t in items:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name!r} is a {type(t).__name__}, not a tensor")
+        if t.dtype not in DTYPE_NAMES:
+            raise TypeError(f"tensor {name!r}: dtype {t.dtype} has no wsync encoding")
+        key = (t.device, t.data_ptr(), t.dtype, tuple(t.shape)) if t.numel() else (name,)
+        if key in seen:
+            continue
+        seen.add(key)
+        out.append((name, t))
+    if not out:
+        raise ValueError("no tensors to register")
+    devices = {t.device.type for _, t in out}
+    if len(devices) > 1:
+        raise ValueError(f"tensors on {sorted(devices)}: register host tensors and CUDA tensors separately")
+    return out
+
+
+class SharedMemory:
+    """A POSIX shared memory segment this process created (mode 0600),
+    unlinked when closed or when the process exits normally."""
+
+    def __init__(self, size: int, role: str):
+        self.name = f"/wsync-{role}-{os.getpid()}-{next(_counter)}"
+        self.size = max(size, 1)
+        fd = os.open("/dev/shm" + self.name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, self.size)
+            self.mmap = mmap.mmap(fd, self.size)
+        finally:
+            os.close(fd)
+        self._finalizer = weakref.finalize(self, _unlink, self.name)
+
+    def tensor(self, offset: int, like: torch.Tensor) -> torch.Tensor:
+        """A tensor shaped like `like` at `offset` in this segment."""
+        nbytes = like.numel() * like.element_size()
+        raw = torch.frombuffer(self.mmap, dtype=torch.uint8, count=nbytes, offset=offset) if nbytes else \
+            torch.empty(0, dtype=torch.uint8)
+        return raw.view(like.dtype).view(like.shape)
+
+    def unlink(self) -> None:
+        self._finalizer()
+
+
+def _unlink(name: str) -> None:
+    try:
+        os.unlink("/dev/shm" + name)
+    except FileNotFoundError:
+        pass
+
+
+@dataclass
+class Registration:
+    """What a register call sent: the request, and what keeps its memory."""
+    request: pb.RegisterTensorsRequest
+    names: List[str]
+    memory: List[SharedMemory] = field(default_factory=list)
+    tensors: List[torch.Tensor] = field(default_factory=list)  # keeps CUDA storages alive
+
+    def unlink(self) -> None:
+        for m in self.memory:
+            m.unlink()
+
+
+def _spec(name: str, t: torch.Tensor, region: int, offset: int) -> pb.TensorSpec:
+    return pb.TensorSpec(name=name, dtype=DTYPE_NAMES[t.dtype], shape=list(t.shape), offset=offset, region=region)
+
+
+def share_host(tensors: List[Tuple[str, torch.Tensor]], role: str, pack: bool) -> Registration:
+    """Moves CPU tensors into shared memory (one segment, or one per tensor
+    with pack=False) and rebinds each to its view there."""
+    reg = Registration(pb.RegisterTensorsRequest(), [n for n, _ in tensors])
+    groups = [tensors] if pack else [[nt] for nt in tensors]
+    for region, group in enumerate(groups):
+        offsets, size = [], 0
+        for _, t in group:
+            offsets.append(size)
+            size += (t.numel() * t.element_size() + _ALIGN - 1) // _ALIGN * _ALIGN
+        shm = SharedMemory(size, role)
+        reg.memory.append(shm)
+        reg.request.regions.append(pb.MemoryRegion(shm_name=shm.name))
+        for (name, t), off in zip(group, offsets):
+            view = shm.tensor(off, t)
+            with torch.no_grad():
+                view.copy_(t)
+            t.data = view  # the caller's tensor (a Parameter stays the same object) now lives in shared memory
+            reg.request.tensors.append(_spec(name, t, region, off))
+    return reg
+
+
+def share_cuda(tensors: List[Tuple[str, torch.Tensor]]) -> Registration:
+    """Exports the CUDA IPC handles of the storages holding the tensors (no
+    copy, no move): one region per storage."""
+    reg = Registration(pb.RegisterTensorsRequest(), [n for n, _ in tensors])
+    regions: Dict[Tuple[int, int], int] = {}
+    for name, t in tensors:
+        if not t.is_contiguous():
+            raise ValueError(f"tensor {name!r} is not contiguous: the sink writes it as a dense array")
+        storage = t.untyped_storage() if hasattr(t, "untyped_storage") else t.storage()._untyped()
+        key = (t.device.index, storage.data_ptr())
+        if key not in regions:
+            device, handle, size, offset = storage._share_cuda_()[:4]
+            if isinstance(handle, bytes) and len(handle) != 64:
+                raise ValueError(f"tensor {name!r}: torch returned a {len(handle)}-byte CUDA IPC handle (expandable "
+                                 "segments?); set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False")
+            text = f"wsync-ipc-v1:{device}:{offset}:{size}:{handle.hex()}"
+            regions[key] = len(reg.request.regions)
+            reg.request.regions.append(pb.MemoryRegion(cuda_ipc_handle=text))
+        offset = t.storage_offset() * t.element_size()
+        reg.request.tensors.append(_spec(name, t, regions[key], offset))
+        reg.tensors.append(t)
+    return reg
+
+
+def share(obj: TensorsLike, role: str, pack: bool = True) -> Registration:
+    tensors = named_tensors(obj)
+    if tensors[0][1].is_cuda:
+        return share_cuda(tensors)
+    return share_host(tensors, role, pack)

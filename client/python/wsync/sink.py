@@ -1,0 +1,157 @@
+"""The inference side: register the model's tensors in place, hold them
+around each batch, wait for versions."""
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+from typing import Dict, Iterator, Optional
+
+import grpc
+
+from ._rpc import Local, pb
+from ._tensors import Registration, TensorsLike, share
+from .errors import FailedPreconditionError, from_rpc_error
+
+
+class Sink:
+    """An inference server's connection to its `wsyncd sink`.
+
+    >>> snk = wsync.Sink("unix:/run/wsync/sink.sock")
+    >>> snk.register(model)                 # the sink writes these tensors
+    >>> with snk.hold() as version:         # no apply while held
+    ...     generate(...)
+    >>> snk.wait(version + 1, timeout=30)
+
+    Holds are leases: one ends when the `with` block exits, when this process
+    dies (its connection closes), or when it is not renewed within its TTL
+    (a background thread renews it while the block runs). Thread-safe.
+    """
+
+    def __init__(self, address: str = "unix:/run/wsync/sink.sock", *, timeout: float = 60.0,
+                 hold_ttl: Optional[float] = None):
+        """`hold_ttl`: seconds a hold lasts without renewal (default: the
+        sink's --hold-ttl-ms); renewed every third of it while held."""
+        self._local = Local(address, timeout)
+        self._registration: Optional[Registration] = None
+        self._hold_ttl_ms = int(hold_ttl * 1000) if hold_ttl else 0
+        self._lock = threading.Lock()
+        self._holds: Dict[int, float] = {}  # hold id -> renewal period (s)
+        self._renewer: Optional[threading.Thread] = None
+        self._wake = threading.Event()
+        self._closed = False
+
+    def register(self, model: TensorsLike, *, version: int = 0, pack: bool = True) -> None:
+        """Registers a module's state_dict tensors (or a dict of tensors) in
+        place: CPU tensors move into shared memory owned by this client and
+        are rebound (the module computes with them as before); CUDA tensors
+        are shared over CUDA IPC where they are. `version`: what they hold
+        already (0: nothing; the sink checks a claim against the version's
+        checksum).
+
+        Raises FailedPreconditionError naming the first tensor whose name,
+        dtype or shape differs from the published layout.
+        """
+        reg = share(model, "sink", pack)
+        reg.request.applied_version = version
+        self._local.call("RegisterTensors", reg.request, wait_for_ready=True)
+        old, self._registration = self._registration, reg
+        if old is not None:
+            old.unlink()
+
+    @contextlib.contextmanager
+    def hold(self, ttl: Optional[float] = None) -> Iterator[int]:
+        """Holds the weights stable; yields the version they hold. The sink
+        applies new versions only between holds."""
+        ttl_ms = int(ttl * 1000) if ttl else self._hold_ttl_ms
+        req = pb.HoldRequest(ttl_ms=ttl_ms, holder=f"pid {os.getpid()}")
+        call = self._local.stub.Hold(req, timeout=None)
+        try:
+            first = next(call)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e, f"Hold ({self._local.address})") from None
+        self._track(first.hold_id, first.ttl_ms / 3000.0)
+        try:
+            yield first.version
+        finally:
+            self._untrack(first.hold_id)
+            try:
+                self._local.stub.Release(pb.ReleaseRequest(hold_id=first.hold_id), timeout=self._local.timeout)
+            except grpc.RpcError:
+                pass  # ended already (TTL, shutdown): nothing is held
+            call.cancel()
+
+    def wait(self, version: int, timeout: float = 30.0) -> int:
+        """Blocks until `version` (or a later one) is applied; returns the
+        applied version. Raises DeadlineExceededError with the sink's last
+        sync error, or at once FailedPreconditionError when the registered
+        tensors cannot take the published versions."""
+        resp = self._local.call("WaitForVersion", pb.WaitForVersionRequest(version=version, timeout_ms=int(timeout * 1000)),
+                                timeout=timeout + self._local.timeout)
+        return resp.applied_version
+
+    def status(self) -> pb.LocalStatusResponse:
+        """The sink's view: applied and head versions, sync error, holds."""
+        return self._local.call("Status", pb.LocalStatusRequest())
+
+    @property
+    def version(self) -> int:
+        """The version the registered tensors hold now."""
+        return self.status().version
+
+    def unregister(self) -> None:
+        """Ends the holds and forgets the tensors: the sink writes them no more."""
+        if self._registration is None:
+            raise FailedPreconditionError("unregister: nothing registered", "FAILED_PRECONDITION")
+        self._local.call("Unregister", pb.UnregisterRequest())
+        self._registration.unlink()
+        self._registration = None
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._wake.set()
+        if self._registration is not None:
+            self._registration.unlink()
+        self._local.close()
+
+    def __enter__(self) -> "Sink":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # One renewal thread for every hold of this client.
+    def _track(self, hold_id: int, period: float) -> None:
+        with self._lock:
+            self._holds[hold_id] = max(period, 0.05)
+            if self._renewer is None or not self._renewer.is_alive():
+                self._renewer = threading.Thread(target=self._renew_loop, name="wsync-hold-renewal", daemon=True)
+                self._renewer.start()
+            self._wake.set()
+
+    def _untrack(self, hold_id: int) -> None:
+        with self._lock:
+            self._holds.pop(hold_id, None)
+
+    def _renew_loop(self) -> None:
+        due: Dict[int, float] = {}
+        while True:
+            with self._lock:
+                if self._closed or not self._holds:
+                    self._renewer = None
+                    return
+                now = time.monotonic()
+                holds = dict(self._holds)
+            for hold_id, period in holds.items():
+                if now >= due.setdefault(hold_id, now + period):
+                    try:
+                        self._local.stub.RenewHold(pb.RenewHoldRequest(hold_id=hold_id), timeout=max(period, 1.0))
+                    except grpc.RpcError:
+                        pass  # the hold ended; the with block finds out on release
+                    due[hold_id] = now + period
+            for gone in set(due) - set(holds):
+                del due[gone]
+            self._wake.wait(timeout=min(holds.values()) / 2)
+            self._wake.clear()

@@ -1,0 +1,152 @@
+"""The trainer side: register the model once, publish after every step."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import List, Optional
+
+from ._rpc import Local, pb
+from ._tensors import Registration, TensorsLike, share
+from .errors import FailedPreconditionError, StaleVersionError
+
+
+@dataclass
+class RegisterInfo:
+    """What a registration established.
+
+    Attributes:
+        tensors: names registered (the state_dict's, tied weights once).
+        cast_to_bf16: F32 tensors the source publishes as BF16 (round to
+            nearest even, bit-identical to tensor.to(torch.bfloat16)).
+        head_version: the newest version the coordinator knows.
+        next_version: the lowest version publish accepts now.
+    """
+    tensors: List[str]
+    cast_to_bf16: List[str]
+    head_version: int
+    next_version: int
+
+
+@dataclass
+class PublishStats:
+    """What a publish did.
+
+    Attributes:
+        version: the version published.
+        base_version: the version the patch starts from (0: keyframe).
+        patch_bytes: bytes of the patch (0 while pending).
+        dense_bytes: bytes of the published (BF16) tensors.
+        ratio: dense_bytes / patch_bytes (0 while pending).
+        encode_ms: snapshot + encode + announce, as the trainer waited.
+        copy_ms: with after_copy: the copy the trainer waited for.
+        pending: with after_copy: encoded and announced in the background;
+            a failure is raised by the next publish.
+    """
+    version: int
+    base_version: int
+    patch_bytes: int
+    dense_bytes: int
+    ratio: float
+    encode_ms: float
+    copy_ms: float
+    pending: bool
+
+
+_NEXT = re.compile(r"next valid version is (\d+)")
+
+
+class Source:
+    """A trainer's connection to its `wsyncd source`.
+
+    >>> src = wsync.Source("unix:/run/wsync/source.sock")
+    >>> src.register(model)          # CPU tensors move into shared memory once
+    >>> src.publish(step)            # after optimizer.step()
+
+    Not thread-safe: one trainer thread publishes.
+    """
+
+    def __init__(self, address: str = "unix:/run/wsync/source.sock", *, timeout: float = 60.0):
+        """`timeout`: seconds for calls other than publish's own wait."""
+        self._local = Local(address, timeout)
+        self._registration: Optional[Registration] = None
+        self._next_version = 1
+
+    def register(self, model: TensorsLike, *, pack: bool = True) -> RegisterInfo:
+        """Registers a module's state_dict tensors (or a dict of tensors).
+
+        CPU tensors are moved into shared memory owned by this client (one
+        segment, or one per tensor with pack=False) and rebound in place;
+        CUDA tensors stay where they are and are shared over CUDA IPC. F32
+        tensors are published as BF16. Registering again replaces the table.
+
+        Raises FailedPreconditionError naming the tensor when the layout
+        differs from the one the coordinator already recorded.
+        """
+        reg = share(model, "source", pack)
+        resp = self._local.call("RegisterTensors", reg.request, wait_for_ready=True)
+        old, self._registration = self._registration, reg
+        if old is not None:
+            old.unlink()
+        self._next_version = resp.next_version or resp.head_version + 1
+        return RegisterInfo(reg.names, list(resp.cast_to_bf16), resp.head_version, self._next_version)
+
+    @property
+    def next_version(self) -> int:
+        """The lowest version publish accepts (the head + 1, also after a
+        restart of any process)."""
+        return self._next_version
+
+    def publish(self, version: Optional[int] = None, *, after_copy: bool = False,
+                wait: float = 60.0) -> PublishStats:
+        """Publishes the registered tensors as `version` (default: next_version).
+
+        Returns once the version is encoded and announced, or with
+        after_copy=True once the source has copied the weights (the trainer
+        may step again at once). When the staleness bound holds the version
+        back, waits up to `wait` seconds, then raises AbortedError naming the
+        lagging sinks and why they lag. A version at or below the head raises
+        StaleVersionError carrying next_version.
+        """
+        if self._registration is None:
+            raise FailedPreconditionError("publish: nothing registered (call register first)", "FAILED_PRECONDITION")
+        v = self._next_version if version is None else int(version)
+        req = pb.LocalPublishRequest(version=v, wait_ms=int(wait * 1000), return_after_copy=after_copy)
+        try:
+            resp = self._local.call("Publish", req, timeout=self._local.timeout + wait)
+        except FailedPreconditionError as e:
+            m = _NEXT.search(e.message)
+            if m:
+                self._next_version = int(m.group(1))
+                raise StaleVersionError(e.message, self._next_version) from None
+            raise
+        self._next_version = max(self._next_version, resp.version + 1)
+        return PublishStats(
+            version=resp.version, base_version=resp.base_version, patch_bytes=resp.patch_bytes,
+            dense_bytes=resp.dense_bytes,
+            ratio=resp.dense_bytes / resp.patch_bytes if resp.patch_bytes else 0.0,
+            encode_ms=resp.encode_ms, copy_ms=resp.copy_ms, pending=resp.pending)
+
+    def status(self) -> pb.LocalStatusResponse:
+        """The daemon's view: head version, tensors, bytes and pulls served."""
+        return self._local.call("Status", pb.LocalStatusRequest())
+
+    def unregister(self) -> None:
+        """Forgets the tensors; the shared memory is released (the tensors
+        stay usable in this process)."""
+        self._local.call("Unregister", pb.UnregisterRequest())
+        if self._registration is not None:
+            self._registration.unlink()
+            self._registration = None
+
+    def close(self) -> None:
+        """Closes the connection and unlinks the shared memory names (the
+        daemon keeps its mapping until it is told otherwise)."""
+        if self._registration is not None:
+            self._registration.unlink()
+        self._local.close()
+
+    def __enter__(self) -> "Source":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,304 @@
+#!/usr/bin/python3
+"""The Python client (`import wsync`) against the real system on loopback: a
+coordinator, a source and sinks (real processes, gRPC, UCX over tcp), a
+trainer and inference servers in their own processes using the client.
+
+    client_test.py BUILD [SCENARIO ...]
+
+Scenarios:
+  train_lr1e-6, train_lr1e-5  real AdamW training, 8 steps, FP32 masters;
+                              two inference processes (one with every tensor
+                              in its own shared memory segment) verify every
+                              version bit for bit; a restarted trainer gets
+                              the next valid version
+  sigkill_holder              an inference process SIGKILLed while it holds,
+                              another SIGSTOPped while it holds (its hold
+                              lapses by TTL): the trainer keeps publishing
+                              within the TTL, the other sink keeps syncing
+  mismatch                    a model of other shapes: a clear error at once
+                              (registered before and after the layout exists);
+                              the source serves it a bounded number of pulls
+                              over a minute (WSYNC_MISMATCH_SECONDS)
+  sigterm                     SIGTERM stops an idle sink, and a sink whose
+                              inference server holds, within a second
+  gpu                         CUDA tensors in separate allocations (IPC, no
+                              relocation); skipped without a GPU and CUDA torch
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "..", "scripts"))
+from system_demo import System  # noqa: E402
+
+WORKERS = os.path.join(HERE, "client_workers.py")
+
+
+def check(cond, what):
+    if not cond:
+        raise AssertionError(what)
+    print(f"  ok: {what}", flush=True)
+
+
+class Worker:
+    """A client_workers.py process whose JSON lines are read as events."""
+
+    def __init__(self, system, name, *args):
+        self.name = name
+        self.log_path = os.path.join(system.tmp, name + ".out")
+        env = dict(system.env, PYTHONPATH=os.pathsep.join(
+            [os.path.join(system.build, "python"), os.environ.get("PYTHONPATH", "")]))
+        self.proc = subprocess.Popen(["/usr/bin/python3", WORKERS, *args], env=env,
+                                     stdout=open(self.log_path, "w"), stderr=subprocess.STDOUT)
+        system.procs["worker-" + name] = (None, self.proc)  # stopped with the system
+
+    def events(self):
+        out = []
+        for line in open(self.log_path):
+            if line.startswith("{"):
+                out.append(json.loads(line))
+        return out
+
+    def event(self, kind):
+        return [e for e in self.events() if e["event"] == kind]
+
+    def wait_event(self, kind, timeout=120):
+        end = time.time() + timeout
+        while time.time() < end:
+            if self.event(kind):
+                return self.event(kind)
+            if self.proc.poll() is not None and not self.event(kind):
+                break
+            time.sleep(0.05)
+        raise AssertionError(f"{self.name}: no '{kind}' event; output:\n{open(self.log_path).read()[-3000:]}")
+
+    def finish(self, timeout=180):
+        rc = self.proc.wait(timeout=timeout)
+        if rc != 0:
+            raise AssertionError(f"{self.name} exited {rc}:\n{open(self.log_path).read()[-3000:]}")
+
+
+def system(build, name, sinks=2, coordinator_args=(), sink_args=()):
+    tmp = tempfile.mkdtemp(prefix=f"wsync_client_{name}_")
+    print(f"== {name}", flush=True)
+    s = System(build, sinks, 4, tmp, coordinator_args, sink_args=sink_args)
+    s.build = build
+    for n in s.sinks:
+        s.wait_for(lambda: os.path.exists(f"{tmp}/{n}.sock"), f"{n}'s local API")
+    s.wait_for(lambda: os.path.exists(f"{tmp}/source.sock"), "the source's local API")
+    return s
+
+
+def local(s, name):
+    return f"unix:{s.tmp}/{name}.sock"
+
+
+def train(build, lr):
+    s = system(build, f"train_lr{lr}")
+    try:
+        a = Worker(s, "inference-a", "inference", local(s, "sink-0"), s.tmp, "a", "--until", "8", "--seed", "1")
+        b = Worker(s, "inference-b", "inference", local(s, "sink-1"), s.tmp, "b", "--until", "8", "--seed", "2",
+                   "--no-pack")
+        a.wait_event("registered")
+        b.wait_event("registered")
+        t = Worker(s, "trainer", "trainer", local(s, "source"), s.tmp, "--steps", "8", "--lr", lr, "--lockstep", "2")
+        t.finish()
+        a.finish()
+        b.finish()
+        reg = t.event("registered")[0]
+        check(reg["cast"] == reg["tensors"], f"all {reg['tensors']} FP32 master tensors are published as BF16")
+        pub = t.event("published")
+        check([p["version"] for p in pub] == list(range(1, 9)), "the trainer published versions 1..8, one per step")
+        ratios = [round(p["ratio"], 1) for p in pub[1:]]
+        print(f"  patch ratios of versions 2..8 (lr {lr}): {ratios}")
+        for w in (a, b):
+            ver = w.event("verified")
+            check([v["version"] for v in ver] == list(range(1, 9)) and all(not v["mismatched"] for v in ver),
+                  f"{w.name} held the trainer's BF16 weights bit for bit after every version 1..8")
+        # A restarted trainer continues from the coordinator's head.
+        r = Worker(s, "trainer-2", "trainer", local(s, "source"), s.tmp, "--steps", "1", "--lr", lr)
+        r.finish()
+        check(r.event("registered")[0]["next"] == 9, "a restarted trainer is told the next valid version (9)")
+        check(r.event("published")[0]["version"] == 9, "and publishes it")
+        code = ("import wsync, torch\n"
+                f"src = wsync.Source('{local(s, 'source')}')\n"
+                "src.register({'model.embed_tokens.weight': torch.zeros(512, 128)})\n")
+        p = subprocess.run(["/usr/bin/python3", "-c", code], env=dict(s.env, PYTHONPATH=os.path.join(build, "python")),
+                           capture_output=True, text=True)
+        check(p.returncode != 0 and "FailedPreconditionError" in p.stderr and "lm_head.weight" in p.stderr,
+              "a trainer registering another layout is refused, naming a tensor: " + p.stderr.strip().splitlines()[-1])
+        code = ("import wsync, torch, sys\n"
+                f"src = wsync.Source('{local(s, 'source')}')\n"
+                "sys.path.insert(0, 'examples')\n"
+                "from tiny_llama import LlamaForCausalLM\n"
+                "src.register(LlamaForCausalLM())\n"
+                "try:\n    src.publish(5)\nexcept wsync.StaleVersionError as e:\n    print(e.next_version)\n")
+        p = subprocess.run(["/usr/bin/python3", "-c", code], capture_output=True, text=True,
+                           env=dict(s.env, PYTHONPATH=os.path.join(build, "python")),
+                           cwd=os.path.join(HERE, "..", ".."))
+        check(p.stdout.strip() == "10", f"publish(5) after version 9 raises StaleVersionError(next_version=10): "
+                                        f"{p.stdout.strip()} {p.stderr.strip()[-300:]}")
+    finally:
+        s.stop()
+
+
+def sigkill_holder(build):
+    ttl_s = 3
+    s = system(build, "sigkill_holder", sinks=3, coordinator_args=["--max-staleness", "1", "--staleness-policy", "block"],
+               sink_args=["--hold-ttl-ms", str(ttl_s * 1000)])
+    try:
+        killed = Worker(s, "killed", "inference", local(s, "sink-0"), s.tmp, "k", "--until", "100", "--hold-forever")
+        stopped = Worker(s, "stopped", "inference", local(s, "sink-1"), s.tmp, "s", "--until", "100", "--hold-forever",
+                         "--hold-ttl", str(ttl_s))
+        other = Worker(s, "other", "inference", local(s, "sink-2"), s.tmp, "o", "--until", "6")
+        for w in (killed, stopped, other):
+            w.wait_event("registered")
+        t = Worker(s, "trainer", "trainer", local(s, "source"), s.tmp, "--steps", "6", "--lr", "1e-5",
+                   "--wait", "30")
+        killed.wait_event("holding")
+        stopped.wait_event("holding")
+        s.wait_for(lambda: {"sink-0", "sink-1"} <= lease_nodes(s), "the holds as coordinator leases", 10)
+        check(True, "the active holds appear in `wsync leases`")
+        killed.proc.send_signal(signal.SIGKILL)
+        stopped.proc.send_signal(signal.SIGSTOP)
+        t0 = time.time()
+        t.finish()
+        other.finish()
+        waits = [p["wait_s"] for p in t.event("published")]
+        print(f"  trainer's wait per publish (s): {[round(w, 2) for w in waits]}")
+        check(len(waits) == 6, "the trainer published all 6 versions")
+        check(max(waits) < ttl_s + 3, f"no publish waited longer than the hold TTL ({ttl_s} s) plus 3 s")
+        check([v["version"] for v in other.event("verified")][-1] == 6, "the other sink kept syncing, bit-exact, to 6")
+        check(time.time() - t0 < 60, "the whole run took under a minute")
+        s.wait_for(lambda: s.applied().get("sink-0", 0) >= 6 and s.applied().get("sink-1", 0) >= 6,
+                   "the holders' sinks apply once their holds end", 30)
+        check(True, "the SIGKILLed and the SIGSTOPped holders' sinks reached version 6 (their holds ended)")
+        stopped.proc.send_signal(signal.SIGKILL)
+    finally:
+        s.stop()
+
+
+def lease_nodes(s):
+    out = subprocess.run([s.wsync, "leases", "--json"], env=s.env, capture_output=True, text=True).stdout
+    return {lease["node"] for lease in json.loads(out or "{}").get("leases", [])}
+
+
+def mismatch(build):
+    seconds = float(os.environ.get("WSYNC_MISMATCH_SECONDS", "60"))
+    s = system(build, "mismatch", sinks=2)
+    try:
+        # Registered before any layout exists: refused once the trainer publishes.
+        early = Worker(s, "early", "mismatched", local(s, "sink-1"), "--linger", str(seconds))
+        early.wait_event("registered")
+        good = Worker(s, "good", "inference", local(s, "sink-0"), s.tmp, "g", "--until", "2")
+        good.wait_event("registered")
+        t = Worker(s, "trainer", "trainer", local(s, "source"), s.tmp, "--steps", "2", "--lr", "1e-5")
+        t.finish()
+        good.finish()
+        err = early.wait_event("error", timeout=30)[0]
+        check(err["code"] == "FAILED_PRECONDITION" and "tensor 'model." in err["error"],
+              f"a sink registered before the layout existed: wait() fails in {err['seconds']:.1f} s: {err['error']}")
+        # Registered after: refused at registration, naming the tensor.
+        late = Worker(s, "late", "mismatched", local(s, "sink-1"))
+        late_err = late.wait_event("error", timeout=30)[0]
+        check(late_err["code"] == "FAILED_PRECONDITION" and late_err["seconds"] < 5 and "shape" in late_err["error"],
+              f"a mismatched model is refused at registration in {late_err['seconds']:.2f} s: {late_err['error']}")
+        st = subprocess.run([s.wsync, "local-status", "--local", local(s, "sink-1")], env=s.env,
+                            capture_output=True, text=True).stdout
+        pulls0 = pulls(s, "sink-1")
+        time.sleep(seconds)
+        pulls1 = pulls(s, "sink-1")
+        check(pulls1 - pulls0 <= 2 and pulls1 <= 4,
+              f"the mismatched sink made {pulls1} pulls in all, {pulls1 - pulls0} over {seconds:.0f} s (bound: 2)")
+        status = subprocess.run([s.wsync, "status"], env=s.env, capture_output=True, text=True).stdout
+        check("sink-1" in status and "tensor" in status, "`wsync status` shows why sink-1 cannot sync")
+        del st
+    finally:
+        s.stop()
+
+
+def pulls(s, sink):
+    out = subprocess.run([s.wsync, "local-status", "--local", local(s, sink), "--json"], env=s.env,
+                         capture_output=True, text=True).stdout
+    return int(json.loads(out).get("pullsMade", 0))
+
+
+def sigterm(build):
+    s = system(build, "sigterm", sinks=2)
+    try:
+        holder = Worker(s, "holder", "inference", local(s, "sink-1"), s.tmp, "h", "--until", "100", "--hold-forever")
+        holder.wait_event("registered")
+        t = Worker(s, "trainer", "trainer", local(s, "source"), s.tmp, "--steps", "1", "--lr", "1e-5")
+        t.finish()
+        holder.wait_event("holding")
+        time.sleep(1.0)  # sink-0: idle, nothing registered; sink-1: its server holds
+        for name in ("sink-0", "sink-1"):
+            _, p = s.procs[name]
+            t0 = time.monotonic()
+            p.send_signal(signal.SIGTERM)
+            p.wait(timeout=10)
+            took = time.monotonic() - t0
+            check(took < 1.0, f"SIGTERM stopped {name} in {took:.2f} s")
+        holder.proc.kill()
+    finally:
+        s.stop()
+
+
+def gpu(build):
+    probe = subprocess.run(["/usr/bin/python3", "-c", "import torch; print(torch.cuda.is_available())"],
+                           capture_output=True, text=True)
+    if probe.stdout.strip() != "True":
+        print("SKIP: gpu: no CUDA device visible to torch (Debian's torch is CPU-only; run on a GPU machine with a "
+              "CUDA build of torch)")
+        return
+    code = r'''
+import os, sys, torch, wsync
+sys.path.insert(0, "examples")
+from tiny_llama import LlamaForCausalLM
+torch.manual_seed(0)
+trainer = LlamaForCausalLM().cuda()
+ptrs = {k: v.data_ptr() for k, v in trainer.state_dict().items()}
+src = wsync.Source(sys.argv[1]); src.register(trainer)
+assert ptrs == {k: v.data_ptr() for k, v in trainer.state_dict().items()}, "CUDA tensors were moved"
+infer = LlamaForCausalLM().to(torch.bfloat16).cuda()
+snk = wsync.Sink(sys.argv[2]); snk.register(infer)
+opt = torch.optim.AdamW(trainer.parameters(), lr=1e-5)
+for step in range(4):
+    trainer(torch.randint(0, 512, (2, 16))).float().mean().backward(); opt.step(); opt.zero_grad()
+    v = src.publish().version
+    snk.wait(v, timeout=60)
+    with snk.hold():
+        for k, t in trainer.state_dict().items():
+            assert torch.equal(t.to(torch.bfloat16).view(torch.int16), infer.state_dict()[k].view(torch.int16)), k
+print("gpu ok")
+'''
+    s = system(build, "gpu", sinks=1)
+    try:
+        p = subprocess.run(["/usr/bin/python3", "-c", code, local(s, "source"), local(s, "sink-0")],
+                           env=dict(s.env, PYTHONPATH=os.path.join(build, "python")), capture_output=True, text=True,
+                           cwd=os.path.join(HERE, "..", ".."), timeout=300)
+        check(p.returncode == 0 and "gpu ok" in p.stdout, "CUDA tensors sync bit-exactly over IPC: " + p.stderr[-500:])
+    finally:
+        s.stop()
+
+
+SCENARIOS = {
+    "train_lr1e-6": lambda b: train(b, "1e-6"),
+    "train_lr1e-5": lambda b: train(b, "1e-5"),
+    "sigkill_holder": sigkill_holder,
+    "mismatch": mismatch,
+    "sigterm": sigterm,
+    "gpu": gpu,
+}
+
+if __name__ == "__main__":
+    build = os.path.abspath(sys.argv[1])
+    names = sys.argv[2:] or list(SCENARIOS)
+    for n in names:
+        SCENARIOS[n](build)
+    print("client tests: all passed")

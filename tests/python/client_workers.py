@@ -1,0 +1,126 @@
+#!/usr/bin/python3
+"""Processes for client_test.py, each using the `wsync` Python client as a
+real trainer or inference server would.
+
+    client_workers.py trainer LOCAL DIR --steps N --lr LR [--no-pack] [--lockstep K] [--wait S]
+    client_workers.py inference LOCAL DIR NAME --until N [--seed S] [--no-pack] [--hold-forever]
+    client_workers.py mismatched LOCAL
+
+The trainer trains a Llama-style model for real (AdamW on FP32 masters),
+publishes every step and saves the BF16 weights it expects (its own
+tensor.to(torch.bfloat16)) as DIR/expect-vN.pt. With --lockstep K it waits
+after each publish until K inference processes wrote DIR/NAME.vN (they
+verified version N). An inference process builds its own model (own seed),
+registers it in place, and for every version: waits, holds, compares every
+tensor with the trainer's bit for bit, runs a batch, and writes DIR/NAME.vN.
+"""
+import argparse
+import glob
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples"))
+import wsync  # noqa: E402
+from tiny_llama import Config, LlamaForCausalLM  # noqa: E402
+
+
+def say(**kw):
+    print(json.dumps(kw), flush=True)
+
+
+def bits(t):
+    return t.detach().contiguous().view(torch.int16) if t.dtype == torch.bfloat16 else t.detach().contiguous()
+
+
+def trainer(a):
+    torch.manual_seed(1234)
+    model = LlamaForCausalLM()
+    opt = torch.optim.AdamW(model.parameters(), lr=a.lr)
+    src = wsync.Source(a.local)
+    info = src.register(model, pack=not a.no_pack)
+    params_before = [id(p) for p in model.parameters()]
+    say(event="registered", tensors=len(info.tensors), cast=len(info.cast_to_bf16), next=info.next_version)
+    for step in range(a.steps):
+        ids = torch.randint(0, model.config.vocab_size, (4, 24))
+        loss = torch.nn.functional.cross_entropy(model(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        expect = {k: v.detach().to(torch.bfloat16) for k, v in model.state_dict().items()}
+        version = src.next_version
+        torch.save(expect, os.path.join(a.dir, f"expect-v{version}.pt"))
+        t0 = time.monotonic()
+        stats = src.publish(wait=a.wait)
+        say(event="published", version=stats.version, bytes=stats.patch_bytes, ratio=stats.ratio,
+            wait_s=time.monotonic() - t0, loss=loss.item())
+        while a.lockstep and len(glob.glob(os.path.join(a.dir, f"*.v{version}"))) < a.lockstep:
+            time.sleep(0.01)
+    # The optimizer kept updating the registered (rebound) parameters in place.
+    assert params_before == [id(p) for p in model.parameters()]
+    say(event="done")
+
+
+def inference(a):
+    torch.manual_seed(a.seed)  # its own weights until the first version arrives
+    model = LlamaForCausalLM().to(torch.bfloat16).eval()
+    snk = wsync.Sink(a.local, hold_ttl=a.hold_ttl)
+    snk.register(model, pack=not a.no_pack)
+    say(event="registered")
+    version = 0
+    while version < a.until:
+        snk.wait(version + 1, timeout=120)
+        with snk.hold() as version:
+            expect = torch.load(os.path.join(a.dir, f"expect-v{version}.pt"))
+            state = model.state_dict()
+            bad = [k for k in expect if not torch.equal(bits(state[k]), bits(expect[k]))]
+            model.generate(torch.zeros(1, 1, dtype=torch.long), new_tokens=2)  # a batch under the hold
+            if a.hold_forever:
+                say(event="holding", version=version)
+                time.sleep(3600)
+        say(event="verified", version=version, mismatched=bad)
+        open(os.path.join(a.dir, f"{a.name}.v{version}"), "w").close()
+        if bad:
+            sys.exit(1)
+    say(event="done")
+
+
+def mismatched(a):
+    model = LlamaForCausalLM(Config(hidden_size=96, num_attention_heads=4, num_key_value_heads=2)).to(torch.bfloat16)
+    snk = wsync.Sink(a.local)
+    t0 = time.monotonic()
+    try:
+        snk.register(model)
+        say(event="registered")
+        snk.wait(1, timeout=60)
+        say(event="error", error="none", code="OK", seconds=time.monotonic() - t0)
+    except wsync.WsyncError as e:
+        say(event="error", error=e.message, code=e.code, cls=type(e).__name__, seconds=time.monotonic() - t0)
+    time.sleep(a.linger)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("role")
+    p.add_argument("local")
+    p.add_argument("dir", nargs="?")
+    p.add_argument("name", nargs="?")
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--lr", type=float, default=1e-5)
+    p.add_argument("--until", type=int, default=8)
+    p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--no-pack", action="store_true")
+    p.add_argument("--lockstep", type=int, default=0)
+    p.add_argument("--wait", type=float, default=60.0)
+    p.add_argument("--hold-ttl", type=float, default=None)
+    p.add_argument("--hold-forever", action="store_true")
+    p.add_argument("--linger", type=float, default=0.0)
+    a = p.parse_args()
+    {"trainer": trainer, "inference": inference, "mismatched": mismatched}[a.role](a)
+
+
+if __name__ == "__main__":
+    main()
