@@ -302,6 +302,7 @@ class Source : public Node, public v1::Local::Service {
 
   grpc::Status Publish(grpc::ServerContext*, const v1::LocalPublishRequest* req,
                        v1::LocalPublishResponse* resp) override {
+    const auto entered = Clock::now();
     // Publishes are serialized; the registration lock is taken only for the
     // snapshot, so waiting on the staleness policy blocks nothing else.
     std::lock_guard<std::mutex> publishing(publish_mu_);
@@ -347,6 +348,7 @@ class Source : public Node, public v1::Local::Service {
           for (const auto& t : snapshot_) resp->set_dense_bytes(resp->dense_bytes() + t.bytes.size());
           resp->set_pending(true);
           resp->set_copy_ms(MillisecondsSince(t0));
+          resp->set_server_ms(MillisecondsSince(entered));
           publisher_ = std::thread([this, version = req->version(), t0] {
             auto published = history_.Publish(version, &snapshot_);
             wsync::Status s = published.ok() ? Announce(*published, MillisecondsSince(t0)) : published.status();
@@ -371,6 +373,7 @@ class Source : public Node, public v1::Local::Service {
     resp->set_patch_bytes(pub->patch_bytes);
     resp->set_dense_bytes(pub->dense_bytes);
     resp->set_encode_ms(ms);
+    resp->set_server_ms(MillisecondsSince(entered));
     return grpc::Status::OK;
   }
 

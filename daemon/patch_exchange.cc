@@ -27,6 +27,7 @@ std::string Typed(ExchangeMessage type) { return std::string(1, static_cast<char
 
 constexpr auto kServeTimeout = std::chrono::minutes(10);  // longest wait for a relayed chunk
 constexpr auto kLinger = std::chrono::seconds(30);        // refetch window after the last chunk
+constexpr int kMaxRefetchesPerMessage = 4;                  // then the pull fails with DataLoss
 
 }  // namespace
 
@@ -376,6 +377,18 @@ void PatchFetcher::OnCorrupt(PeerId peer, uint32_t channel, uint64_t seq) {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = pending_.find(channel);
     if (it == pending_.end() || it->second->parent != peer) return;
+    if (++it->second->corrupt[seq] > kMaxRefetchesPerMessage) {
+      // A link that corrupts the same message again and again: the pull
+      // fails (the sink retries later, with backoff) instead of looping.
+      const Status why = DataLossError((seq == 0 ? std::string("the header") : "chunk " + std::to_string(seq - 1)) +
+                                       " of pull " + std::to_string(channel) + " arrived corrupt " +
+                                       std::to_string(kMaxRefetchesPerMessage + 1) + " times");
+      FailLocked(*it->second, why);
+      pending_.erase(it);
+      cv_.notify_all();
+      spdlog::warn("peer {}: {}", peer, why.ToString());
+      return;
+    }
   }
   ++refetches_;
   spdlog::warn("peer {}: {} of pull {} arrived corrupt: fetching it again", peer,
@@ -391,6 +404,15 @@ void PatchFetcher::FailAll(const Status& why) {
   FailPending([](const Pending&) { return true; }, why);
 }
 
+void PatchFetcher::FailLocked(Pending& p, const Status& why) {
+  if (p.stream) p.stream->Fail(why);
+  if (!p.header_seen) {
+    p.header_seen = true;
+    p.header_code = why.code();
+    p.header_error = why.message();
+  }
+}
+
 void PatchFetcher::FailPending(const std::function<bool(const Pending&)>& which, const Status& why) {
   std::lock_guard<std::mutex> lock(mu_);
   for (auto it = pending_.begin(); it != pending_.end();) {
@@ -399,12 +421,7 @@ void PatchFetcher::FailPending(const std::function<bool(const Pending&)>& which,
       ++it;
       continue;
     }
-    if (p.stream) p.stream->Fail(why);
-    if (!p.header_seen) {
-      p.header_seen = true;
-      p.header_code = why.code();
-      p.header_error = why.message();
-    }
+    FailLocked(p, why);
     it = pending_.erase(it);
   }
   cv_.notify_all();

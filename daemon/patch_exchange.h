@@ -157,9 +157,12 @@ class PatchFetcher {
     bool header_seen = false;
     StatusCode header_code = StatusCode::kOk;
     std::vector<std::pair<size_t, std::string>> early;  // chunks before the header (reordering-safe)
+    std::map<uint64_t, int> corrupt;                     // times each message arrived corrupt
   };
 
   void FailPending(const std::function<bool(const Pending&)>& which, const Status& why);
+  // Fails one pull: its stream, or Pull's wait for the header. REQUIRES: mu_ held.
+  static void FailLocked(Pending& p, const Status& why);
 
   transport::Transport* transport_;
   std::mutex mu_;

@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
-# The demo command (README): installs dependencies, builds, starts the real
-# system on loopback (a coordinator, a source, three sinks, one of them behind
-# a relay) and syncs every snapshot of a real RL run through it, verifying
-# every sink bit for bit; then shows the codec against its baselines.
+# The demo command (README): installs dependencies, builds, installs the
+# Python package `wsync` into Debian's Python, starts the real system on
+# loopback (a coordinator, a source, three sinks, one of them behind a relay)
+# and syncs every snapshot of a real RL run through it, verifying every sink
+# bit for bit; runs the Python examples (a PyTorch trainer and two inference
+# servers) against it; then shows the codec against its baselines.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 data="${WSYNC_DATA_DIR:-$(cd .. && pwd)/shared/data}"
 
 bash scripts/install-deps.sh
 cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo > /dev/null
-ninja -C build wsync wsyncd wsync-bench
+ninja -C build wsync wsyncd wsync-bench wsync_python
+bash scripts/install-python.sh build
 
 if [ ! -d "$data/rl-small-lr1e-6" ]; then
   echo "demo: no snapshots in $data (set WSYNC_DATA_DIR)" >&2
@@ -22,6 +25,10 @@ run="$data/rl-small-lr1e-6"
 echo
 echo "== the system on loopback: coordinator, source, 3 sinks (fan-out 2: one behind a relay)"
 UCX_TLS=tcp /usr/bin/python3 scripts/system_demo.py --build build --data "$run" --sinks 3 --fanout 2
+
+echo
+echo "== from Python: examples/trainer.py (AdamW on FP32 masters) and two examples/inference.py servers"
+UCX_TLS=tcp /usr/bin/python3 scripts/python_demo.py --build build --steps 6
 
 echo
 echo "== one optimizer step of a real RL run: diff, inspect, apply, verify"

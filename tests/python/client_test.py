@@ -19,8 +19,14 @@ Scenarios:
                               (registered before and after the layout exists);
                               the source serves it a bounded number of pulls
                               over a minute (WSYNC_MISMATCH_SECONDS)
-  sigterm                     SIGTERM stops an idle sink, and a sink whose
-                              inference server holds, within a second
+  persistent_failure          a source whose every chunk arrives corrupt: the
+                              sink reports why, backs off, and its pulls stay
+                              within the documented bound
+  reregister                  a sink's tensors registered again (other memory)
+                              and unregistered; a source's too
+  sigterm                     SIGTERM stops, each within a second: an idle
+                              sink, a sink whose inference server holds, a
+                              source, the coordinator
   gpu                         CUDA tensors in separate allocations (IPC, no
                               relocation); skipped without a GPU and CUDA torch
 """
@@ -83,10 +89,10 @@ class Worker:
             raise AssertionError(f"{self.name} exited {rc}:\n{open(self.log_path).read()[-3000:]}")
 
 
-def system(build, name, sinks=2, coordinator_args=(), sink_args=()):
+def system(build, name, sinks=2, coordinator_args=(), sink_args=(), source_args=()):
     tmp = tempfile.mkdtemp(prefix=f"wsync_client_{name}_")
     print(f"== {name}", flush=True)
-    s = System(build, sinks, 4, tmp, coordinator_args, sink_args=sink_args)
+    s = System(build, sinks, 4, tmp, coordinator_args, source_args, sink_args=sink_args)
     s.build = build
     for n in s.sinks:
         s.wait_for(lambda: os.path.exists(f"{tmp}/{n}.sock"), f"{n}'s local API")
@@ -228,6 +234,85 @@ def pulls(s, sink):
     return int(json.loads(out).get("pullsMade", 0))
 
 
+def persistent_failure(build):
+    seconds = 30
+    s = system(build, "persistent_failure", sinks=1, source_args=["--inject-corrupt-every", "1"])
+    try:
+        sink = Worker(s, "inference", "inference", local(s, "sink-0"), s.tmp, "i", "--until", "1")
+        sink.wait_event("registered")
+        t = Worker(s, "trainer", "trainer", local(s, "source"), s.tmp, "--steps", "1", "--lr", "1e-5")
+        t.finish()
+        t0 = time.time()
+        time.sleep(seconds)
+        made = pulls(s, "sink-0")
+        st = json.loads(subprocess.run([s.wsync, "local-status", "--local", local(s, "sink-0"), "--json"], env=s.env,
+                                       capture_output=True, text=True).stdout)
+        # docs/local-api.md: at most 2 pulls per attempt; attempts at 0, 0.1, 0.3, 0.7, 1.5, 3.1, 6.3, 12.7,
+        # 25.5 s at the shortest backoff draws: at most 9 attempts in the first 30 s.
+        check(0 < made <= 18, f"{made} pulls in {time.time() - t0:.0f} s under persistent corruption (bound: 18)")
+        check("corrupt" in st.get("syncError", ""), f"the sink says why: {st.get('syncError', '')[:160]}")
+        check(int(st.get("syncFailures", 0)) >= 3, f"{st.get('syncFailures')} consecutive failures recorded")
+        status = subprocess.run([s.wsync, "status"], env=s.env, capture_output=True, text=True).stdout
+        check("cannot sync" in status and "corrupt" in status, "`wsync status` shows the sink's error")
+        sink.proc.kill()
+    finally:
+        s.stop()
+
+
+def reregister(build):
+    s = system(build, "reregister", sinks=1)
+    code = r"""
+import sys, torch, wsync
+sys.path.insert(0, "examples")
+from tiny_llama import LlamaForCausalLM
+src = wsync.Source(sys.argv[1]); snk = wsync.Sink(sys.argv[2])
+torch.manual_seed(0)
+trainer = LlamaForCausalLM().to(torch.bfloat16)
+src.register(trainer)
+first = LlamaForCausalLM().to(torch.bfloat16)
+snk.register(first)
+def same(a, b):
+    return all(torch.equal(x.view(torch.int16), b.state_dict()[k].view(torch.int16)) for k, x in a.state_dict().items())
+v = src.publish().version
+assert snk.wait(v) == v and same(trainer, first)
+# Registered again: other memory, a fresh model; the old one is written no more.
+second = LlamaForCausalLM().to(torch.bfloat16)
+snk.register(second)
+with torch.no_grad():
+    for p in trainer.parameters(): p.add_(1e-2)
+# The trainer registers again too (its tensors move to new shared memory).
+src.register(trainer)
+before = {k: t.clone() for k, t in first.state_dict().items()}
+v = src.publish().version
+assert snk.wait(v) == v and same(trainer, second), "second registration synced"
+assert all(torch.equal(before[k], t) for k, t in first.state_dict().items()), "old tensors untouched"
+snk.unregister()
+assert snk.status().tensors == 0
+v = src.publish().version
+try:
+    snk.wait(v, timeout=1)
+    raise SystemExit("wait after unregister succeeded")
+except wsync.FailedPreconditionError as e:
+    print("unregistered:", e.message)
+src.unregister()
+try:
+    src.publish()
+    raise SystemExit("publish after unregister succeeded")
+except wsync.FailedPreconditionError as e:
+    print("source unregistered:", e.message)
+print("reregister ok")
+"""
+    try:
+        p = subprocess.run(["/usr/bin/python3", "-c", code, local(s, "source"), local(s, "sink-0")],
+                           env=dict(s.env, PYTHONPATH=os.path.join(build, "python")), capture_output=True, text=True,
+                           cwd=os.path.join(HERE, "..", ".."), timeout=300)
+        check(p.returncode == 0 and "reregister ok" in p.stdout,
+              "a sink registered again syncs into its new tensors and leaves the old ones alone; Unregister "
+              "ends it; a source registered again and unregistered: " + (p.stdout + p.stderr)[-600:])
+    finally:
+        s.stop()
+
+
 def sigterm(build):
     s = system(build, "sigterm", sinks=2)
     try:
@@ -245,6 +330,13 @@ def sigterm(build):
             took = time.monotonic() - t0
             check(took < 1.0, f"SIGTERM stopped {name} in {took:.2f} s")
         holder.proc.kill()
+        for name in ("source", "coordinator"):
+            _, p = s.procs[name]
+            t0 = time.monotonic()
+            p.send_signal(signal.SIGTERM)
+            p.wait(timeout=10)
+            took = time.monotonic() - t0
+            check(took < 1.0, f"SIGTERM stopped the {name} in {took:.2f} s")
     finally:
         s.stop()
 
@@ -292,6 +384,8 @@ SCENARIOS = {
     "train_lr1e-5": lambda b: train(b, "1e-5"),
     "sigkill_holder": sigkill_holder,
     "mismatch": mismatch,
+    "persistent_failure": persistent_failure,
+    "reregister": reregister,
     "sigterm": sigterm,
     "gpu": gpu,
 }

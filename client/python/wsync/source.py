@@ -41,6 +41,8 @@ class PublishStats:
         copy_ms: with after_copy: the copy the trainer waited for.
         pending: with after_copy: encoded and announced in the background;
             a failure is raised by the next publish.
+        server_ms: the daemon's whole time in the call (coordinator checks,
+            the wait for a previous background publish, copy or encode).
     """
     version: int
     base_version: int
@@ -50,6 +52,7 @@ class PublishStats:
     encode_ms: float
     copy_ms: float
     pending: bool
+    server_ms: float
 
 
 _NEXT = re.compile(r"next valid version is (\d+)")
@@ -124,7 +127,7 @@ class Source:
             version=resp.version, base_version=resp.base_version, patch_bytes=resp.patch_bytes,
             dense_bytes=resp.dense_bytes,
             ratio=resp.dense_bytes / resp.patch_bytes if resp.patch_bytes else 0.0,
-            encode_ms=resp.encode_ms, copy_ms=resp.copy_ms, pending=resp.pending)
+            encode_ms=resp.encode_ms, copy_ms=resp.copy_ms, pending=resp.pending, server_ms=resp.server_ms)
 
     def status(self) -> pb.LocalStatusResponse:
         """The daemon's view: head version, tensors, bytes and pulls served."""
