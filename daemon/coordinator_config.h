@@ -16,6 +16,7 @@ struct CoordinatorConfig {
   control::CoordinatorOptions state;
   control::ServerOptions server;
   std::string store_dir;   // empty: in memory only
+  bool salvage_store = false;  // start from what verifies (control::StoreOptions::salvage)
   std::string token_file;  // read into server.token
 };
 

@@ -5,6 +5,7 @@
 
 #include <csignal>
 #include <functional>
+#include <cstdio>
 #include <cstdlib>
 #include <thread>
 
@@ -57,9 +58,15 @@ int RunCoordinator(daemon::CoordinatorConfig config) {
     spdlog::warn("no --store-dir: state is kept in memory only and lost on restart");
     store = control::NewNullStore();
   } else {
-    auto opened = control::OpenLogStore(config.store_dir, &recovered);
+    control::StoreOptions so;
+    so.salvage = config.salvage_store;
+    auto opened = control::OpenLogStore(config.store_dir, &recovered, so);
     if (!opened.ok()) return Fail(opened.status());
     store = std::move(*opened);
+    if (config.salvage_store) {
+      if (recovered.salvage_report.empty()) std::fprintf(stderr, "salvage: the store verified; nothing was dropped\n");
+      for (const auto& line : recovered.salvage_report) std::fprintf(stderr, "salvage: %s\n", line.c_str());
+    }
   }
   auto state = control::CoordinatorState::Create(config.state, control::SystemClock(), std::move(store), recovered);
   if (!state.ok()) return Fail(state.status());
@@ -128,6 +135,9 @@ int main(int argc, char** argv) {
   coord->add_option("--config", config_file, "TOML file with a [coordinator] table")->check(CLI::ExistingFile);
   coord->add_option("--listen", listen, "host:port or unix:PATH (repeatable)");
   coord->add_option("--store-dir", config.store_dir, "directory of the durable store");
+  coord->add_flag("--salvage-store", config.salvage_store,
+                  "start from what verifies in a damaged store, setting damaged files aside and saying what was "
+                  "dropped (without it a damaged store stops the coordinator)");
   coord->add_option("--token-file", config.token_file, "file holding the bearer token (or env WSYNC_TOKEN)");
   coord->add_option("--max-staleness", max_staleness, "bound on head - applied per sink (0: none)");
   coord->add_option("--staleness-policy", policy, "block or evict");
@@ -178,6 +188,7 @@ int main(int argc, char** argv) {
     if (const char* env = std::getenv("WSYNC_TOKEN")) merged.server.token = env;
     if (!listen.empty()) merged.server.listen = listen;
     if (!config.store_dir.empty()) merged.store_dir = config.store_dir;
+    merged.salvage_store = config.salvage_store;
     if (!config.token_file.empty()) merged.token_file = config.token_file;
     if (!config.server.metrics_listen.empty()) merged.server.metrics_listen = config.server.metrics_listen;
     if (!config.server.tls.cert_file.empty()) merged.server.tls.cert_file = config.server.tls.cert_file;

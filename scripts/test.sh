@@ -21,7 +21,7 @@ echo "== sanitizers (ASan + UBSan, portable kernels)"
 cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=Debug -DWSYNC_SANITIZE=address,undefined \
   -DWSYNC_X86_64_V3=OFF -DWSYNC_CUDA=OFF -DWSYNC_BUILD_TESTS=ON > /dev/null
 # Only the unit-test executables (the integration tiers run in the main build).
-ninja -C build-asan -j "$jobs" util_test codec_test buffers_test regress_test control_test daemon_config_test \
+ninja -C build-asan -j "$jobs" util_test codec_test buffers_test regress_test regress_control_test control_test daemon_config_test \
   version_history_test sink_weights_test cuda_logic_test
 (cd build-asan && ctest -j "$jobs" -L unit --output-on-failure --timeout 600)
 

@@ -64,6 +64,7 @@ StatusOr<std::unique_ptr<CoordinatorState>> CoordinatorState::Create(const Coord
   }
   s->next_lease_id_ = std::max(s->next_lease_id_, snap.next_lease_id());
   s->next_incarnation_ = std::max(s->next_incarnation_, snap.next_incarnation());
+  s->version_floor_ = std::max(snap.version_floor(), recovered.version_floor);
   for (const auto& r : recovered.records) s->Apply(r);
   // Heartbeats are not durable: every node gets a TTL of grace from now.
   const int64_t now = clock->NowMs();
@@ -123,6 +124,9 @@ void CoordinatorState::Apply(const Record& r) {
     case Record::kLayoutSet:
       layout_ = r.layout_set();
       break;
+    case Record::kVersionFloor:
+      version_floor_ = std::max(version_floor_, r.version_floor());
+      break;
     case Record::KIND_NOT_SET:
       break;
   }
@@ -161,6 +165,7 @@ wsync::store::v1::Snapshot CoordinatorState::MakeSnapshot() const {
   snap.set_next_lease_id(next_lease_id_);
   snap.set_next_incarnation(next_incarnation_);
   if (layout_) *snap.mutable_layout() = *layout_;
+  snap.set_version_floor(version_floor_);
   return snap;
 }
 
@@ -248,7 +253,9 @@ Status CoordinatorState::Deregister(const std::string& name) {
 StatusOr<uint64_t> CoordinatorState::Publish(const VersionSummary& version) {
   if (version.version() == 0) return InvalidArgumentError("version 0 is reserved for 'none'");
   std::lock_guard<std::mutex> lock(mu_);
-  const uint64_t head = versions_.empty() ? 0 : versions_.rbegin()->first;
+  // Above the head, and above every version ever acknowledged (the store's
+  // high-water mark: higher than the head after a salvage lost records).
+  const uint64_t head = std::max(versions_.empty() ? 0 : versions_.rbegin()->first, version_floor_);
   if (version.version() <= head) {
     return FailedPreconditionError("version " + std::to_string(version.version()) +
                                    " is not above the head version " + std::to_string(head) +
@@ -292,7 +299,8 @@ wsync::v1::ListVersionsResponse CoordinatorState::ListVersions(uint64_t after) c
   std::lock_guard<std::mutex> lock(mu_);
   wsync::v1::ListVersionsResponse resp;
   for (auto it = versions_.upper_bound(after); it != versions_.end(); ++it) *resp.add_versions() = it->second;
-  resp.set_head_version(versions_.empty() ? 0 : versions_.rbegin()->first);
+  // Publishers read the next valid version from it: the floor counts.
+  resp.set_head_version(std::max(versions_.empty() ? 0 : versions_.rbegin()->first, version_floor_));
   return resp;
 }
 

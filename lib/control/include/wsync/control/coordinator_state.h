@@ -106,6 +106,7 @@ class CoordinatorState {
   std::map<uint64_t, wsync::v1::VersionSummary> versions_;
   std::map<uint64_t, wsync::v1::Lease> leases_;
   std::optional<wsync::v1::Layout> layout_;
+  uint64_t version_floor_ = 0;  // no version at or below it is published (Recovered::version_floor)
   uint64_t next_lease_id_ = 1;
   uint64_t next_incarnation_ = 1;
 };
