@@ -129,14 +129,12 @@ Status RunDiff(const std::string& base_path, const std::string& target_path, con
   return Status::Ok();
 }
 
-Status RunApply(const std::vector<std::string>& inputs, const std::string& out, unsigned threads) {
-  const std::string& patch_path = inputs.back();
-  WSYNC_ASSIGN_OR_RETURN(std::string patch, ReadFile(patch_path));
-  WSYNC_ASSIGN_OR_RETURN(codec::PatchInfo info, codec::InspectPatch(patch));
+// The tensors a patch applies to: a copy of `base` (when given), or zeros
+// shaped as a keyframe's tensors.
+StatusOr<std::vector<OwnedTensor>> StartingTensors(const codec::PatchInfo& info, const SafetensorsFile* base,
+                                                   const std::string& patch_path) {
   std::vector<OwnedTensor> tensors;
-  std::unique_ptr<SafetensorsFile> base;
-  if (inputs.size() == 2) {
-    WSYNC_ASSIGN_OR_RETURN(base, SafetensorsFile::Open(inputs[0]));
+  if (base != nullptr) {
     tensors = buffers::CopyTensors(base->tensors());
   } else if (info.kind == codec::PatchKind::kKeyframe) {
     for (const auto& t : info.tensors) {
@@ -145,6 +143,18 @@ Status RunApply(const std::vector<std::string>& inputs, const std::string& out, 
   } else {
     return InvalidArgumentError(patch_path + " is a patch: apply needs its base (wsync apply BASE PATCH -o OUT)");
   }
+  return tensors;
+}
+
+Status RunApply(const std::vector<std::string>& inputs, const std::string& out, unsigned threads) {
+  const std::string& patch_path = inputs.back();
+  WSYNC_ASSIGN_OR_RETURN(std::string patch, ReadFile(patch_path));
+  WSYNC_ASSIGN_OR_RETURN(codec::PatchInfo info, codec::InspectPatch(patch));
+  std::unique_ptr<SafetensorsFile> base;
+  if (inputs.size() == 2) {
+    WSYNC_ASSIGN_OR_RETURN(base, SafetensorsFile::Open(inputs[0]));
+  }
+  WSYNC_ASSIGN_OR_RETURN(std::vector<OwnedTensor> tensors, StartingTensors(info, base.get(), patch_path));
   ThreadPool pool(threads);
   codec::ApplyOptions options;
   options.pool = &pool;
@@ -180,8 +190,26 @@ Status RunMerge(const std::string& base_path, const std::string& p1, const std::
     return Status(merged.status().code(), merged.status().message() + " (pass --base BASE.safetensors)");
   }
   if (!merged.ok()) return merged.status();
+  // The inputs' container checksums cover only their bytes as written: a
+  // payload changed and re-checksummed decodes to other changes. Applying
+  // the result checks every tensor against the second input's target
+  // checksums, as a sink would, before anything is written.
+  WSYNC_ASSIGN_OR_RETURN(codec::PatchInfo info, codec::InspectPatch(*merged));
+  const bool verifiable = base != nullptr || info.kind == codec::PatchKind::kKeyframe;
+  if (verifiable) {
+    WSYNC_ASSIGN_OR_RETURN(std::vector<OwnedTensor> tensors, StartingTensors(info, base.get(), p1));
+    codec::ApplyOptions options;
+    options.pool = &pool;
+    Status s = codec::ApplyPatch(*merged, buffers::MutableViews(tensors), options);
+    if (!s.ok()) {
+      return DataLossError("the merge of " + p1 + " and " + p2 + " does not reproduce the second's target (" +
+                           s.message() + "): an input is corrupt; nothing written");
+    }
+  }
   WSYNC_RETURN_IF_ERROR(WriteFileAtomic(out, *merged));
-  std::printf("%s: %s\n", out.c_str(), FormatBytes(merged->size()).c_str());
+  std::printf("%s: %s%s\n", out.c_str(), FormatBytes(merged->size()).c_str(),
+              verifiable ? ", verified against the target checksums"
+                         : " (not verified: without --base only the inputs' container checksums were checked)");
   return Status::Ok();
 }
 

@@ -162,6 +162,8 @@ class Node : public DataDaemon {
   virtual void StopRole() {}
   virtual void OnHeartbeat(const v1::HeartbeatResponse&) {}
   virtual void FillHeartbeat(v1::HeartbeatRequest*) {}
+  // After every (re)registration with the coordinator.
+  virtual void AfterRegister(const v1::Node&) {}
 
   Status Register() {
     v1::RegisterRequest r;
@@ -174,6 +176,7 @@ class Node : public DataDaemon {
     r.set_ttl_ms(config_.node_ttl_ms);
     WSYNC_ASSIGN_OR_RETURN(auto resp, coordinator_->Register(r));
     incarnation_ = resp.node().incarnation();
+    AfterRegister(resp.node());
     return Status::Ok();
   }
 
@@ -762,6 +765,17 @@ class Sink : public Node, public v1::Local::Service, public PatchProvider {
     Kick();
   }
 
+  // The coordinator remembers the applied version of an earlier process of
+  // this name: what it shows must be what this one holds.
+  void AfterRegister(const v1::Node& node) override {
+    const auto w = weights();
+    const uint64_t applied = w ? w->applied() : 0;
+    if (node.applied_version() == applied) return;
+    if (auto n = coordinator_->ReportApplied(config_.name, applied); !n.ok()) {
+      spdlog::warn("sink {}: report: {}", config_.name, n.status().ToString());
+    }
+  }
+
   void FillHeartbeat(v1::HeartbeatRequest* h) override {
     if (auto w = weights(); w && !w->sync_error().ok()) h->set_sync_error(w->sync_error().ToString());
     const auto [holds, oldest_ms] = HoldSummary();
@@ -908,6 +922,16 @@ class Sink : public Node, public v1::Local::Service, public PatchProvider {
     return NotFoundError("parent " + Quoted(parent) + " is not registered");
   }
 
+  // Closes and forgets the connection to `parent` (the next attempt
+  // connects again, to the address the coordinator has then): endpoints are
+  // released, not leaked, when a parent fails or restarts.
+  void DropPeer(const std::string& parent) {
+    auto it = peers_.find(parent);
+    if (it == peers_.end()) return;
+    transport_->Disconnect(it->second);
+    peers_.erase(it);
+  }
+
   // The next attempt after a failure comes at once (new tensors registered,
   // a new parent, shutdown).
   void ResetBackoff() {
@@ -938,8 +962,13 @@ class Sink : public Node, public v1::Local::Service, public PatchProvider {
         std::unique_lock<std::mutex> lock(sync_mu_);
         sync_cv_.wait_for(lock, std::chrono::milliseconds(500), [&] { return kicked_ || stopping_.load(); });
         kicked_ = false;
-        // After a failure, wait out the delay: new versions do not shorten it.
-        sync_cv_.wait_until(lock, next_attempt, [&] { return stopping_.load() || backoff_reset_; });
+        // After a failure, wait out the delay: new versions do not shorten
+        // it, unless the parent lacked the version (then a newer one may be
+        // what it has: a restarted source starts its history again).
+        sync_cv_.wait_until(lock, next_attempt, [&] {
+          return stopping_.load() || backoff_reset_ || (retry_on_new_head_ > 0 && head_.load() > retry_on_new_head_);
+        });
+        retry_on_new_head_ = 0;
         if (backoff_reset_) next_attempt = Clock::now();
         backoff_reset_ = false;
         if (Clock::now() < next_attempt) continue;
@@ -978,9 +1007,13 @@ class Sink : public Node, public v1::Local::Service, public PatchProvider {
         Kick();  // a version may have come meanwhile
         continue;
       }
-      if (s.code() == StatusCode::kUnavailable) peers_.erase(parent);
+      if (s.code() == StatusCode::kUnavailable || s.code() == StatusCode::kDeadlineExceeded) DropPeer(parent);
       const auto delay = RetryDelay(++failures_);
       next_attempt = Clock::now() + delay;
+      if (s.code() == StatusCode::kNotFound) {
+        std::lock_guard<std::mutex> lock(sync_mu_);
+        retry_on_new_head_ = head;
+      }
       s = s.WithContext("sync " + std::to_string(w->applied()) + "->" + std::to_string(head) + " from " + Quoted(parent));
       w->SetSyncError(s, /*permanent=*/false);
       spdlog::warn("sink {}: {} (failure {}; next attempt in {} ms)", config_.name, s.ToString(), failures_.load(),
@@ -1039,6 +1072,7 @@ class Sink : public Node, public v1::Local::Service, public PatchProvider {
   std::condition_variable sync_cv_;
   bool kicked_ = false;
   bool backoff_reset_ = false;
+  uint64_t retry_on_new_head_ = 0;  // > 0: a head above it ends the retry delay (under sync_mu_)
   std::mutex holds_mu_;
   std::condition_variable holds_cv_;
   std::map<uint64_t, HoldState> holds_;

@@ -162,7 +162,10 @@ StatusOr<std::vector<buffers::OwnedTensor>> VersionHistory::WeightsAt(uint64_t v
 
 StatusOr<std::shared_ptr<PatchStream>> VersionHistory::Open(uint64_t from, uint64_t to) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (head_ == 0) return UnavailableError("nothing published yet");
+  // NotFound, as for any version not held: the puller waits for a newer
+  // version (a restarted source publishes its history anew).
+  if (head_ == 0) return NotFoundError("version " + std::to_string(to) + " is not held: nothing published since "
+                                       "this source started");
   if (to < oldest_ || to > head_ || (to != head_ && to != oldest_ && !patches_.count(to))) {
     return NotFoundError("version " + std::to_string(to) + " is not held (held: " + std::to_string(oldest_) +
                          ".." + std::to_string(head_) + ")");
