@@ -33,6 +33,14 @@ Status GetString(const toml::table& t, const std::string& path, const char* key,
   return Status::Ok();
 }
 
+Status GetBool(const toml::table& t, const std::string& path, const char* key, bool* out) {
+  const toml::node* n = t.get(key);
+  if (n == nullptr) return Status::Ok();
+  if (!n->is_boolean()) return Bad(path, key, "must be true or false");
+  *out = *n->value<bool>();
+  return Status::Ok();
+}
+
 }  // namespace
 
 StatusOr<wsync::v1::StalenessPolicy> ParsePolicy(const std::string& name) {
@@ -58,7 +66,7 @@ Status LoadCoordinatorToml(const std::string& path, CoordinatorConfig* config) {
   if (t == nullptr) return Status::Ok();
   static const std::set<std::string> kKeys = {"listen", "store_dir", "token_file", "max_staleness",
                                               "staleness_policy", "fanout", "node_ttl_ms", "max_ttl_ms",
-                                              "metrics_listen", "tls"};
+                                              "metrics_listen", "metrics_auth", "reflection", "tls"};
   for (const auto& [key, node] : *t) {
     if (!kKeys.count(std::string(key.str()))) return Bad(path, std::string(key.str()), "unknown key");
   }
@@ -74,6 +82,8 @@ Status LoadCoordinatorToml(const std::string& path, CoordinatorConfig* config) {
   WSYNC_RETURN_IF_ERROR(GetString(*t, path, "store_dir", &config->store_dir));
   WSYNC_RETURN_IF_ERROR(GetString(*t, path, "token_file", &config->token_file));
   WSYNC_RETURN_IF_ERROR(GetString(*t, path, "metrics_listen", &config->server.metrics_listen));
+  WSYNC_RETURN_IF_ERROR(GetBool(*t, path, "metrics_auth", &config->server.metrics_auth));
+  WSYNC_RETURN_IF_ERROR(GetBool(*t, path, "reflection", &config->server.reflection));
   WSYNC_RETURN_IF_ERROR(GetInt(*t, path, "max_staleness", &config->state.max_staleness, 0, 1'000'000'000));
   WSYNC_RETURN_IF_ERROR(GetInt(*t, path, "fanout", &config->state.fanout, 1, 1024));
   WSYNC_RETURN_IF_ERROR(GetInt(*t, path, "node_ttl_ms", &config->state.default_ttl_ms, 100, 86'400'000));

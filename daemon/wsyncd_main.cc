@@ -144,6 +144,12 @@ int main(int argc, char** argv) {
   coord->add_option("--fanout", fanout, "children per parent in the sync tree");
   coord->add_option("--node-ttl-ms", ttl, "default node and lease TTL");
   coord->add_option("--metrics-listen", config.server.metrics_listen, "Prometheus endpoint host:port");
+  bool metrics_no_auth = false, reflection = false;
+  coord->add_flag("--metrics-no-auth", metrics_no_auth,
+                  "serve /metrics without the token (by default, with a token, it asks for HTTP basic auth with "
+                  "the token as the password)");
+  coord->add_flag("--reflection", reflection,
+                  "enable gRPC server reflection (grpcurl); it is not behind the token");
   coord->add_option("--tls-cert", config.server.tls.cert_file, "server certificate (PEM)");
   coord->add_option("--tls-key", config.server.tls.key_file, "server key (PEM)");
   coord->add_option("--tls-client-ca", config.server.tls.client_ca_file, "CA of client certificates: require mTLS");
@@ -191,6 +197,8 @@ int main(int argc, char** argv) {
     merged.salvage_store = config.salvage_store;
     if (!config.token_file.empty()) merged.token_file = config.token_file;
     if (!config.server.metrics_listen.empty()) merged.server.metrics_listen = config.server.metrics_listen;
+    if (metrics_no_auth) merged.server.metrics_auth = false;
+    if (reflection) merged.server.reflection = true;
     if (!config.server.tls.cert_file.empty()) merged.server.tls.cert_file = config.server.tls.cert_file;
     if (!config.server.tls.key_file.empty()) merged.server.tls.key_file = config.server.tls.key_file;
     if (!config.server.tls.client_ca_file.empty()) merged.server.tls.client_ca_file = config.server.tls.client_ca_file;

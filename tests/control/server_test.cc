@@ -230,8 +230,9 @@ TEST_F(Tls, ServerTlsAndRequiredClientCertificates) {
 namespace wsync::control {
 namespace {
 
-// Fetches http://127.0.0.1:port/metrics with a plain socket.
-std::string HttpGet(int port, const std::string& path) {
+// Fetches http://127.0.0.1:port/metrics with a plain socket (`auth`: an
+// Authorization header value).
+std::string HttpGet(int port, const std::string& path, const std::string& auth = "") {
   int fd = ::socket(AF_INET, SOCK_STREAM, 0);
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
@@ -241,7 +242,8 @@ std::string HttpGet(int port, const std::string& path) {
     ::close(fd);
     return "";
   }
-  const std::string req = "GET " + path + " HTTP/1.0\r\nHost: localhost\r\n\r\n";
+  const std::string req = "GET " + path + " HTTP/1.0\r\nHost: localhost\r\n" +
+                          (auth.empty() ? "" : "Authorization: " + auth + "\r\n") + "\r\n";
   (void)!::write(fd, req.data(), req.size());
   std::string out;
   char buf[4096];
@@ -270,6 +272,31 @@ TEST(CoordinatorServer, ExportsPrometheusMetrics) {
   EXPECT_NE(body.find("wsync_sink_staleness{sink=\"sink-m\"} 7"), std::string::npos) << body;
   EXPECT_NE(body.find("wsync_coordinator_rpcs_total{code=\"0\",method=\"Publish\"} 1"), std::string::npos) << body;
   EXPECT_NE(body.find("wsync_nodes{role=\"ROLE_SINK\",state=\"NODE_ALIVE\"} 1"), std::string::npos) << body;
+}
+
+// Issue 18, item 6: the metrics endpoint served sink names and staleness to
+// anyone. With a token it asks for it (basic auth, the token as password).
+TEST(CoordinatorServer, MetricsAreBehindTheToken) {
+  ServerOptions o;
+  o.listen = {"127.0.0.1:0"};
+  o.metrics_listen = "127.0.0.1:0";
+  o.token = "s3cret";
+  o.tick_ms = 20;
+  Running r = StartServer(o);
+  auto c = Client(r.tcp, "s3cret");
+  v1::RegisterRequest reg;
+  reg.set_name("sink-secret-name");
+  reg.set_role(v1::ROLE_SINK);
+  ASSERT_TRUE(c->Register(reg).ok());
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  const std::string anonymous = HttpGet(r.server->metrics_port(), "/metrics");
+  EXPECT_NE(anonymous.find("401"), std::string::npos) << anonymous;
+  EXPECT_EQ(anonymous.find("sink-secret-name"), std::string::npos) << anonymous;
+  // "wsync:wrong" and "wsync:s3cret" in base64.
+  EXPECT_EQ(HttpGet(r.server->metrics_port(), "/metrics", "Basic d3N5bmM6d3Jvbmc=").find("sink-secret-name"),
+            std::string::npos);
+  const std::string body = HttpGet(r.server->metrics_port(), "/metrics", "Basic d3N5bmM6czNjcmV0");
+  EXPECT_NE(body.find("sink-secret-name"), std::string::npos) << body;
 }
 
 }  // namespace

@@ -61,7 +61,16 @@ def main():
         status = stub.Status(pb.StatusRequest(), metadata=md, timeout=5)
         assert status.head_version == 3, status
         assert [n.name for n in status.nodes] == ["py-trainer"], status
-        print("PASS: python client published, watched and read status")
+
+        # Issue 18, item 6: reflection answered without the token. It is off
+        # unless --reflection: the method does not exist.
+        reflect = daemon.channel().stream_stream("/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo")
+        try:
+            list(reflect(iter([b"\x3a\x00"]), timeout=5))  # list_services = ""
+            raise AssertionError("reflection answered without --reflection")
+        except grpc.RpcError as e:
+            assert e.code() == grpc.StatusCode.UNIMPLEMENTED, e.code()
+        print("PASS: python client published, watched and read status; reflection is off")
     finally:
         daemon.stop()
 

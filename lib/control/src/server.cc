@@ -3,6 +3,8 @@
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
+#include <grpcpp/impl/server_builder_option.h>
+#include <grpcpp/impl/server_builder_plugin.h>
 #include <prometheus/counter.h>
 #include <prometheus/exposer.h>
 #include <prometheus/gauge.h>
@@ -24,6 +26,16 @@ namespace {
 using grpc::ServerContext;
 namespace v1 = wsync::v1;
 
+// Removes the reflection plugin, which linking gRPC's reflection library
+// registers for every server of the process.
+class WithoutReflection : public grpc::ServerBuilderOption {
+ public:
+  void UpdateArguments(grpc::ChannelArguments*) override {}
+  void UpdatePlugins(std::vector<std::unique_ptr<grpc::ServerBuilderPlugin>>* plugins) override {
+    std::erase_if(*plugins, [](const auto& p) { return p->name() == "proto_server_reflection"; });
+  }
+};
+
 // Constant-time comparison, so the token does not leak through timing.
 bool SameSecret(const std::string& a, const std::string& b) {
   if (a.size() != b.size()) return false;
@@ -34,9 +46,15 @@ bool SameSecret(const std::string& a, const std::string& b) {
 
 class Metrics {
  public:
-  explicit Metrics(const std::string& listen) {
+  // `token` non-empty: requests must carry it as the basic-auth password.
+  Metrics(const std::string& listen, const std::string& token) {
     registry_ = std::make_shared<prometheus::Registry>();
     exposer_ = std::make_unique<prometheus::Exposer>(listen);
+    if (!token.empty()) {
+      exposer_->RegisterAuth([token](const std::string&, const std::string& password) {
+        return SameSecret(password, token);
+      }, "wsync");
+    }
     exposer_->RegisterCollectable(registry_);
     rpcs_ = &prometheus::BuildCounter().Name("wsync_coordinator_rpcs_total").Help("RPCs by method and code").Register(*registry_);
     latency_ = &prometheus::BuildHistogram().Name("wsync_coordinator_rpc_seconds").Help("RPC latency").Register(*registry_);
@@ -268,7 +286,7 @@ StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(const Serv
   impl->state_ = state;
   if (!options.metrics_listen.empty()) {
     try {
-      impl->metrics_ = std::make_unique<Metrics>(options.metrics_listen);
+      impl->metrics_ = std::make_unique<Metrics>(options.metrics_listen, options.metrics_auth ? options.token : "");
     } catch (const std::exception& e) {
       return UnavailableError("metrics listener " + options.metrics_listen + ": " + e.what());
     }
@@ -292,6 +310,7 @@ StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(const Serv
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
+  if (!options.reflection) builder.SetOption(std::make_unique<WithoutReflection>());
   std::vector<std::unique_ptr<int>> bound;
   for (const auto& addr : options.listen) {
     bound.push_back(std::make_unique<int>(0));

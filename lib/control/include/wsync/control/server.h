@@ -27,6 +27,13 @@ struct ServerOptions {
   std::string token;                // required "authorization: Bearer <token>"; empty: none
   TlsOptions tls;
   std::string metrics_listen;       // Prometheus "host:port"; empty: off
+  // With a token: /metrics asks for HTTP basic auth with the token as the
+  // password (any user name; Prometheus: basic_auth.password_file). Off:
+  // served to anyone who reaches metrics_listen (sink names, staleness).
+  bool metrics_auth = true;
+  // gRPC server reflection (grpcurl). Reflection is not behind the token:
+  // it lists the services and messages to anyone who reaches the port.
+  bool reflection = false;
   int tick_ms = 200;                // how often TTLs are checked
 };
 
