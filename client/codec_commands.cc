@@ -13,6 +13,7 @@
 #include "wsync/codec/codec.h"
 #include "wsync/util/file.h"
 #include "wsync/util/thread_pool.h"
+#include "wsync/util/text.h"
 
 namespace wsync::cli {
 namespace {
@@ -81,7 +82,7 @@ StatusOr<std::vector<codec::TensorView>> AlignByName(const std::vector<codec::Te
     for (const auto& t : target) {
       if (t.name == b.name) found = &t;
     }
-    if (found == nullptr) return InvalidArgumentError("tensor '" + b.name + "' is in the base but not the target");
+    if (found == nullptr) return InvalidArgumentError("tensor " + Quoted(b.name) + " is in the base but not the target");
     out.push_back(*found);
   }
   if (target.size() != base.size()) return InvalidArgumentError("the target has tensors the base lacks");
@@ -235,7 +236,7 @@ Status RunInspect(const std::string& patch_path, const std::string& base_path, b
     std::vector<codec::TensorView> ordered;
     for (const auto& t : info.tensors) {
       const codec::TensorView* v = base->Find(t.name);
-      if (v == nullptr) return FailedPreconditionError("base lacks tensor '" + t.name + "'");
+      if (v == nullptr) return FailedPreconditionError("base lacks tensor " + Quoted(t.name));
       ordered.push_back(*v);
     }
     auto target = buffers::CopyTensors(ordered);

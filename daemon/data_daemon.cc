@@ -468,8 +468,24 @@ class Source : public Node, public v1::Local::Service {
     v.set_set_checksum(pub.set_checksum);
     v.set_keyframe(pub.base_version == 0);
     v.set_source(config_.name);
-    auto head = coordinator_->Publish(v);
-    if (!head.ok()) return head.status();
+    // A lost answer is retried (the coordinator takes the same summary
+    // again as a success), a bounded number of times.
+    StatusOr<uint64_t> head = UnavailableError("not announced");
+    for (int attempt = 0; attempt < 4; ++attempt) {
+      if (attempt > 0 && !SleepFor(std::chrono::milliseconds(250 << attempt))) break;
+      head = coordinator_->Publish(v);
+      if (head.ok() || (head.status().code() != StatusCode::kUnavailable &&
+                        head.status().code() != StatusCode::kDeadlineExceeded)) {
+        break;
+      }
+      spdlog::warn("source {}: announcing version {}: {} (attempt {} of 4)", config_.name, pub.version,
+                   head.status().ToString(), attempt + 1);
+    }
+    if (!head.ok()) {
+      return head.status().WithContext("version " + std::to_string(pub.version) +
+                                       " is encoded, but the coordinator did not confirm it (it may have stored it: "
+                                       "`wsync versions` shows it if so)");
+    }
     coordinator_head_ = std::max(coordinator_head_.load(), *head);
     spdlog::info("source {}: version {} published: {} patch bytes for {} dense ({:.1f}x), encoded in {:.1f} ms",
                  config_.name, pub.version, pub.patch_bytes, pub.dense_bytes,

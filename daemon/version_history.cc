@@ -1,4 +1,5 @@
 #include "version_history.h"
+#include "wsync/util/text.h"
 
 #include <utility>
 
@@ -47,14 +48,38 @@ Status VersionHistory::Accepts(uint64_t version, std::span<const codec::TensorVi
   return AcceptsLocked(version, layout);
 }
 
+namespace {
+
+// The first difference between the head's layout and a new one, naming the tensor.
+std::string LayoutDifference(const std::vector<buffers::OwnedTensor>& head, std::span<const codec::TensorView> next) {
+  auto shape = [](const std::vector<uint64_t>& s) {
+    std::string out = "[";
+    for (size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
+    return out + "]";
+  };
+  for (size_t i = 0; i < head.size() && i < next.size(); ++i) {
+    const auto& a = head[i];
+    const auto& b = next[i];
+    if (a.name != b.name) return "tensor " + std::to_string(i) + " is " + Quoted(b.name) + ", was " + Quoted(a.name);
+    if (a.dtype != b.dtype) {
+      return "tensor " + Quoted(b.name) + " is " + std::string(codec::DTypeName(b.dtype)) + ", was " +
+             std::string(codec::DTypeName(a.dtype));
+    }
+    if (a.shape != b.shape) return "tensor " + Quoted(b.name) + " has shape " + shape(b.shape) + ", was " + shape(a.shape);
+  }
+  return std::to_string(next.size()) + " tensors, was " + std::to_string(head.size());
+}
+
+}  // namespace
+
 Status VersionHistory::AcceptsLocked(uint64_t version, std::span<const codec::TensorView> layout) const {
   if (version <= head_) {
     return FailedPreconditionError("version " + std::to_string(version) + " is not above the head " +
                                    std::to_string(head_));
   }
   if (head_ != 0 && !buffers::SameLayout(head_weights_, layout)) {
-    return InvalidArgumentError("version " + std::to_string(version) +
-                                ": tensor names, dtypes or shapes differ from the previous version");
+    return InvalidArgumentError("version " + std::to_string(version) + ": " + LayoutDifference(head_weights_, layout) +
+                                " (the previous version's layout)");
   }
   return Status::Ok();
 }

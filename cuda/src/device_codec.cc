@@ -16,6 +16,7 @@
 #include "wsync/cuda/kernels.h"
 #include "wsync/util/first_error.h"
 #include "wsync/util/thread_pool.h"
+#include "wsync/util/text.h"
 
 namespace wsync::cuda {
 namespace {
@@ -310,10 +311,10 @@ Status CheckPairs(std::span<const TensorView> a, std::span<const TensorView> b, 
   }
   for (size_t i = 0; i < a.size(); ++i) {
     if (a[i].name != b[i].name) {
-      return InvalidArgumentError("tensor " + std::to_string(i) + ": '" + a[i].name + "' vs '" + b[i].name + "'");
+      return InvalidArgumentError("tensor " + std::to_string(i) + ": " + Quoted(a[i].name) + " vs " + Quoted(b[i].name));
     }
     if (a[i].dtype != b[i].dtype || a[i].shape != b[i].shape) {
-      return InvalidArgumentError("tensor '" + a[i].name + "': base and target differ in dtype or shape");
+      return InvalidArgumentError("tensor " + Quoted(a[i].name) + ": base and target differ in dtype or shape");
     }
   }
   return Status::Ok();
@@ -460,8 +461,8 @@ Status DeviceCodec::Impl::ApplyKeyframe(const codec::staged::PatchReader& r, std
   WSYNC_RETURN_IF_ERROR(error.status());
   for (size_t t = 0; t < match.size(); ++t) {
     if (codec::TensorChecksum(values[t].data(), values[t].size(), options.pool) != r.target_checksum(t)) {
-      return DataLossError("tensor '" + r.tensor_name(t) +
-                           "': keyframe content does not match its checksum; destination not modified");
+      return DataLossError("tensor " + Quoted(r.tensor_name(t)) +
+                           ": keyframe content does not match its checksum; destination not modified");
     }
   }
   for (size_t t = 0; t < match.size(); ++t) {
@@ -555,7 +556,7 @@ Status DeviceCodec::Impl::ApplyDelta(const codec::staged::PatchReader& r, std::s
       const size_t e = err[0] - 1;
       const Chunk& ch = chunks[by_tensor[t][e_chunk[e]]];
       error.Record(by_tensor[t][e_chunk[e]],
-                   DataLossError("tensor '" + r.tensor_name(t) + "' chunk " + std::to_string(ch.index) +
+                   DataLossError("tensor " + Quoted(r.tensor_name(t)) + " chunk " + std::to_string(ch.index) +
                                  ": position stream: class " + std::to_string(e_cls[e]) + " rank " +
                                  std::to_string(e_rank[e]) + " beyond its elements"));
       break;
@@ -625,8 +626,8 @@ Status DeviceCodec::Impl::ApplyDelta(const codec::staged::PatchReader& r, std::s
     for (size_t u = 0; u < match.size(); ++u) WSYNC_RETURN_IF_ERROR(scatter(u, true));
     WSYNC_ASSIGN_OR_RETURN(bool holds, HoldsBase(r, dst, match));
     if (!holds) return WrongBase(r);
-    return DataLossError("tensor '" + r.tensor_name(t) +
-                         "': result does not match the patch's checksum (the patch is corrupted); "
+    return DataLossError("tensor " + Quoted(r.tensor_name(t)) +
+                         ": result does not match the patch's checksum (the patch is corrupted); "
                          "change undone, destination unchanged");
   }
   return Status::Ok();

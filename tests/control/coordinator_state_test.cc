@@ -48,7 +48,9 @@ TEST(CoordinatorState, VersionsOnlyGrow) {
   auto s = Make(&clock);
   ASSERT_TRUE(s->Publish(V(1)).ok());
   ASSERT_TRUE(s->Publish(V(5)).ok());
-  EXPECT_EQ(s->Publish(V(5)).status().code(), StatusCode::kFailedPrecondition);
+  auto other5 = V(5);
+  other5.set_set_checksum(99);
+  EXPECT_EQ(s->Publish(other5).status().code(), StatusCode::kFailedPrecondition);
   EXPECT_EQ(s->Publish(V(3)).status().code(), StatusCode::kFailedPrecondition);
   EXPECT_EQ(s->Publish(V(0)).status().code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(s->head(), 5u);
@@ -56,6 +58,26 @@ TEST(CoordinatorState, VersionsOnlyGrow) {
   ASSERT_EQ(list.versions_size(), 1);
   EXPECT_EQ(list.versions(0).version(), 5u);
   EXPECT_EQ(s->ListVersions(0).versions_size(), 2);
+}
+
+// Issue 18, item 7: a publish whose answer was lost (the client saw
+// Unavailable) had been stored; the publisher's retry of the same summary is
+// told it was, and nothing changes.
+TEST(CoordinatorState, RetryOfAStoredPublishSucceedsAndChangesNothing) {
+  FakeClock clock;
+  auto s = Make(&clock);
+  auto v = V(1);
+  v.set_set_checksum(0x1234);
+  v.set_source("trainer-0");
+  ASSERT_TRUE(s->Publish(v).ok());
+  const uint64_t gen = s->generation();
+  auto again = s->Publish(v);
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ(*again, 1u);
+  EXPECT_EQ(s->generation(), gen);
+  EXPECT_EQ(s->ListVersions(0).versions_size(), 1);
+  v.set_source("trainer-1");  // another publisher's version 1: refused
+  EXPECT_EQ(s->Publish(v).status().code(), StatusCode::kFailedPrecondition);
 }
 
 TEST(CoordinatorState, NodesExpireAfterTheirTtlAndMustReregister) {
@@ -266,7 +288,10 @@ TEST(CoordinatorState, RecoversEverythingFromItsStore) {
   EXPECT_EQ(after.leases(0).version(), 6u);
   EXPECT_EQ(FindNode(after, "sink")->applied_version(), 6u);
   EXPECT_EQ(FindNode(after, "sink")->incarnation(), FindNode(before, "sink")->incarnation());
-  EXPECT_EQ((*s)->Publish(V(7)).status().code(), StatusCode::kFailedPrecondition);
+  auto another7 = V(7);
+  another7.set_set_checksum(99);
+  EXPECT_EQ((*s)->Publish(another7).status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_EQ((*s)->Publish(V(8)).status().code(), StatusCode::kOk);
   // Lease ids keep growing too.
   auto l = (*s)->AcquireLease("sink", 7, 1000);
   ASSERT_TRUE(l.ok());

@@ -14,6 +14,7 @@
 #include <nlohmann/json.hpp>
 
 #include "wsync/util/file.h"
+#include "wsync/util/text.h"
 
 namespace wsync::buffers {
 namespace {
@@ -138,7 +139,7 @@ Status WriteSafetensors(const std::string& path, std::span<const codec::TensorVi
   }
   uint64_t offset = 0;
   for (const auto& t : tensors) {
-    if (header.contains(t.name)) return InvalidArgumentError("tensor '" + t.name + "' appears twice");
+    if (header.contains(t.name)) return InvalidArgumentError("tensor " + Quoted(t.name) + " appears twice");
     header[t.name] = {{"dtype", std::string(codec::DTypeName(t.dtype))},
                       {"shape", t.shape},
                       {"data_offsets", {offset, offset + t.NumBytes()}}};

@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "wsync/codec/codec.h"
+#include "wsync/util/text.h"
 
 namespace wsync::codec {
 namespace {
@@ -61,7 +62,7 @@ StatusOr<DiffStats> AnalyzeDiff(std::span<const TensorView> base, std::span<cons
     const TensorView& b = base[i];
     const TensorView& t = target[i];
     if (b.name != t.name || b.dtype != t.dtype || b.shape != t.shape) {
-      return InvalidArgumentError("tensor " + std::to_string(i) + " ('" + b.name + "') differs in name, dtype or shape");
+      return InvalidArgumentError("tensor " + std::to_string(i) + " (" + Quoted(b.name) + ") differs in name, dtype or shape");
     }
     // Deltas are counted per tensor: the value entropy is a per-tensor sum.
     std::unordered_map<uint64_t, uint64_t> deltas;

@@ -5,6 +5,7 @@
 #include "bytes.h"
 #include "wsync/codec/checksum.h"
 #include "zstd_util.h"
+#include "wsync/util/text.h"
 
 namespace wsync::codec::internal {
 
@@ -144,7 +145,7 @@ StatusOr<Container> ReadContainer(std::string_view data, bool verify_checksum) {
       return d.status().WithContext("tensor " + std::to_string(i));
     }
     t.name = std::string(name);
-    const std::string where = "tensor '" + t.name + "'";
+    const std::string where = "tensor " + Quoted(t.name);
     if (!IsValidDType(dtype)) return DataLossError(where + ": unknown dtype code " + std::to_string(dtype));
     t.dtype = static_cast<DType>(dtype);
     if (!d.VarintAtMost(&ndim, kMaxDims, "rank")) return d.status().WithContext(where);

@@ -14,6 +14,7 @@
 #include "wsync/codec/checksum.h"
 #include "wsync/codec/codec.h"
 #include "wsync/util/thread_pool.h"
+#include "wsync/util/text.h"
 
 namespace wsync::codec {
 namespace {
@@ -60,15 +61,15 @@ Status ValidateOptions(const EncodeOptions& o) {
 }
 
 Status ValidateTensor(const TensorView& t, bool need_data) {
-  if (DTypeWidth(t.dtype) == 0) return InvalidArgumentError("tensor '" + t.name + "': invalid dtype");
+  if (DTypeWidth(t.dtype) == 0) return InvalidArgumentError("tensor " + Quoted(t.name) + ": invalid dtype");
   if (t.shape.size() > internal::kMaxDims) {
-    return InvalidArgumentError("tensor '" + t.name + "': rank " + std::to_string(t.shape.size()) + " exceeds 16");
+    return InvalidArgumentError("tensor " + Quoted(t.name) + ": rank " + std::to_string(t.shape.size()) + " exceeds 16");
   }
   if (t.NumBytes() > internal::kMaxTensorBytes) {
-    return InvalidArgumentError("tensor '" + t.name + "': too large");
+    return InvalidArgumentError("tensor " + Quoted(t.name) + ": too large");
   }
   if (need_data && t.NumBytes() > 0 && t.data == nullptr) {
-    return InvalidArgumentError("tensor '" + t.name + "': no data");
+    return InvalidArgumentError("tensor " + Quoted(t.name) + ": no data");
   }
   if (t.name.size() > internal::kMaxNameBytes) {
     return InvalidArgumentError("tensor name of " + std::to_string(t.name.size()) + " bytes is too long");
@@ -81,7 +82,7 @@ Status ValidateSet(std::span<const TensorView> set, bool need_data) {
   std::unordered_set<std::string_view> names;
   for (const TensorView& t : set) {
     WSYNC_RETURN_IF_ERROR(ValidateTensor(t, need_data));
-    if (!names.insert(t.name).second) return InvalidArgumentError("tensor '" + t.name + "' appears twice");
+    if (!names.insert(t.name).second) return InvalidArgumentError("tensor " + Quoted(t.name) + " appears twice");
   }
   return Status::Ok();
 }
@@ -141,30 +142,30 @@ StatusOr<std::vector<const MutableTensorView*>> MatchTensors(const Container& c,
   std::unordered_map<std::string_view, const MutableTensorView*> by_name;
   for (const auto& t : dst) {
     if (!by_name.emplace(t.name, &t).second) {
-      return InvalidArgumentError("destination tensor '" + t.name + "' appears twice");
+      return InvalidArgumentError("destination tensor " + Quoted(t.name) + " appears twice");
     }
   }
   std::vector<const MutableTensorView*> out;
   std::unordered_set<std::string_view> seen;
   for (const TensorEntry& e : c.tensors) {
-    if (!seen.insert(e.name).second) return DataLossError("patch names tensor '" + e.name + "' twice");
+    if (!seen.insert(e.name).second) return DataLossError("patch names tensor " + Quoted(e.name) + " twice");
     auto it = by_name.find(e.name);
     if (it == by_name.end()) {
-      return FailedPreconditionError("tensor '" + e.name + "' of the patch is not in the destination");
+      return FailedPreconditionError("tensor " + Quoted(e.name) + " of the patch is not in the destination");
     }
     const MutableTensorView& d = *it->second;
     if (d.dtype != e.dtype || d.shape != e.shape) {
-      return FailedPreconditionError("tensor '" + e.name + "': destination is " +
+      return FailedPreconditionError("tensor " + Quoted(e.name) + ": destination is " +
                                      std::string(DTypeName(d.dtype)) + " of another shape or dtype than the patch's " +
                                      std::string(DTypeName(e.dtype)));
     }
-    if (d.data == nullptr && e.nbytes > 0) return InvalidArgumentError("tensor '" + e.name + "': no data");
+    if (d.data == nullptr && e.nbytes > 0) return InvalidArgumentError("tensor " + Quoted(e.name) + ": no data");
     out.push_back(&d);
   }
   if (!allow_extra && dst.size() != c.tensors.size()) {
     for (const auto& t : dst) {
       if (!seen.count(t.name)) {
-        return FailedPreconditionError("destination tensor '" + t.name + "' is not in the patch");
+        return FailedPreconditionError("destination tensor " + Quoted(t.name) + " is not in the patch");
       }
     }
   }
@@ -172,7 +173,7 @@ StatusOr<std::vector<const MutableTensorView*>> MatchTensors(const Container& c,
 }
 
 std::string ChunkWhere(const TensorEntry& t, size_t c) {
-  return "tensor '" + t.name + "' chunk " + std::to_string(c);
+  return "tensor " + Quoted(t.name) + " chunk " + std::to_string(c);
 }
 
 }  // namespace internal
@@ -359,11 +360,11 @@ StatusOr<std::string> EncodePatch(std::span<const TensorView> base, std::span<co
     const TensorView& b = base[i];
     const TensorView& t = target[i];
     if (b.name != t.name) {
-      return InvalidArgumentError("tensor " + std::to_string(i) + ": base is '" + b.name + "', target is '" +
-                                  t.name + "'");
+      return InvalidArgumentError("tensor " + std::to_string(i) + ": base is " + Quoted(b.name) + ", target is " +
+                                  Quoted(t.name));
     }
     if (b.dtype != t.dtype || b.shape != t.shape) {
-      return InvalidArgumentError("tensor '" + b.name + "': base and target differ in dtype or shape");
+      return InvalidArgumentError("tensor " + Quoted(b.name) + ": base and target differ in dtype or shape");
     }
     c.tensors.push_back(EntryFor(t, c.chunk_bytes));
   }
@@ -468,8 +469,8 @@ StatusOr<std::string> MergePatches(std::string_view first, std::string_view seco
     const TensorEntry& x = a.tensors[t];
     const TensorEntry& y = b.tensors[t];
     if (x.name != y.name || x.dtype != y.dtype || x.shape != y.shape) {
-      return FailedPreconditionError("tensor " + std::to_string(t) + " differs between the patches ('" + x.name +
-                                     "' vs '" + y.name + "')");
+      return FailedPreconditionError("tensor " + std::to_string(t) + " differs between the patches (" + Quoted(x.name) +
+                                     " vs " + Quoted(y.name) + ")");
     }
     a_targets.push_back(x.target_checksum);
   }
@@ -486,7 +487,7 @@ StatusOr<std::string> MergePatches(std::string_view first, std::string_view seco
     for (size_t t = 0; t < a.tensors.size(); ++t) {
       auto it = by_name.find(a.tensors[t].name);
       if (it == by_name.end() || it->second->dtype != a.tensors[t].dtype || it->second->shape != a.tensors[t].shape) {
-        return FailedPreconditionError("base tensor '" + a.tensors[t].name + "' is missing or of another dtype or shape");
+        return FailedPreconditionError("base tensor " + Quoted(a.tensors[t].name) + " is missing or of another dtype or shape");
       }
       base_of[t] = it->second;
       ordered.push_back(*it->second);

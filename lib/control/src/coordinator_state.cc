@@ -6,6 +6,7 @@
 #include <spdlog/spdlog.h>
 
 #include "wsync/control/layout.h"
+#include "wsync/util/text.h"
 
 namespace wsync::control {
 
@@ -179,7 +180,7 @@ void CoordinatorState::NotifyLocked() {
 StatusOr<wsync::v1::RegisterResponse> CoordinatorState::Register(const wsync::v1::RegisterRequest& req) {
   WSYNC_RETURN_IF_ERROR(CheckName(req.name()));
   if (req.role() == wsync::v1::ROLE_UNSPECIFIED || !wsync::v1::Role_IsValid(req.role())) {
-    return InvalidArgumentError("node '" + req.name() + "': role is unspecified");
+    return InvalidArgumentError("node " + Quoted(req.name()) + ": role is unspecified");
   }
   if (req.ttl_ms() > options_.max_ttl_ms) {
     return InvalidArgumentError("TTL " + std::to_string(req.ttl_ms()) + " ms exceeds the maximum " +
@@ -219,10 +220,10 @@ StatusOr<wsync::v1::HeartbeatResponse> CoordinatorState::Heartbeat(const wsync::
   ExpireLocked();
   auto it = nodes_.find(req.name());
   if (it == nodes_.end() || it->second.state() != wsync::v1::NODE_ALIVE) {
-    return NotFoundError("node '" + req.name() + "' is not registered or expired; register again");
+    return NotFoundError("node " + Quoted(req.name()) + " is not registered or expired; register again");
   }
   if (req.incarnation() != 0 && req.incarnation() != it->second.incarnation()) {
-    return AbortedError("node '" + req.name() + "': heartbeat from incarnation " +
+    return AbortedError("node " + Quoted(req.name()) + ": heartbeat from incarnation " +
                         std::to_string(req.incarnation()) + ", current is " +
                         std::to_string(it->second.incarnation()));
   }
@@ -256,6 +257,12 @@ StatusOr<uint64_t> CoordinatorState::Publish(const VersionSummary& version) {
   // Above the head, and above every version ever acknowledged (the store's
   // high-water mark: higher than the head after a salvage lost records).
   const uint64_t head = std::max(versions_.empty() ? 0 : versions_.rbegin()->first, version_floor_);
+  if (auto it = versions_.find(version.version()); it != versions_.end() &&
+      it->second.set_checksum() == version.set_checksum() && it->second.source() == version.source() &&
+      it->second.base_version() == version.base_version()) {
+    // A retry of a publish that was stored but whose answer was lost.
+    return version.version();
+  }
   if (version.version() <= head) {
     return FailedPreconditionError("version " + std::to_string(version.version()) +
                                    " is not above the head version " + std::to_string(head) +

@@ -48,6 +48,8 @@ class CoordinatorState {
   Status Deregister(const std::string& name);
 
   // FailedPrecondition unless version > head; InvalidArgument for version 0.
+  // The same summary again (version, base, set checksum, source) is Ok: a
+  // publisher retrying after a lost answer learns that it was stored.
   StatusOr<uint64_t> Publish(const wsync::v1::VersionSummary& version);
   wsync::v1::ListVersionsResponse ListVersions(uint64_t after) const;
 
