@@ -188,6 +188,10 @@ class Node : public DataDaemon {
 
   void HeartbeatLoop() {
     while (!stopping_) {
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        heartbeat_in_flight_ = true;
+      }
       v1::HeartbeatRequest h;
       h.set_name(config_.name);
       h.set_incarnation(incarnation_);
@@ -202,8 +206,25 @@ class Node : public DataDaemon {
       } else if (!stopping_) {
         spdlog::warn("{}: heartbeat: {}", config_.name, resp.status().ToString());
       }
-      SleepFor(std::chrono::milliseconds(config_.node_ttl_ms / 4));
+      std::unique_lock<std::mutex> lock(mu_);
+      ++heartbeat_rounds_;
+      heartbeat_in_flight_ = false;
+      wake_.notify_all();
+      wake_.wait_for(lock, std::chrono::milliseconds(config_.node_ttl_ms / 4),
+                     [&] { return stopping_.load() || heartbeat_now_; });
+      heartbeat_now_ = false;
     }
+  }
+
+  // Heartbeats now (registering again if the coordinator marked this node
+  // dead) and waits up to `timeout` for that round to finish.
+  void HeartbeatNow(std::chrono::milliseconds timeout) {
+    std::unique_lock<std::mutex> lock(mu_);
+    // A round in flight may have been sent before the request: wait for the next.
+    const uint64_t done = heartbeat_rounds_ + (heartbeat_in_flight_ ? 2 : 1);
+    heartbeat_now_ = true;
+    wake_.notify_all();
+    wake_.wait_for(lock, timeout, [&] { return stopping_.load() || heartbeat_rounds_ >= done; });
   }
 
   DataDaemonConfig config_;
@@ -220,6 +241,9 @@ class Node : public DataDaemon {
   std::atomic<bool> stopping_{false};
   std::mutex mu_;
   std::condition_variable wake_;
+  uint64_t heartbeat_rounds_ = 0;     // under mu_
+  bool heartbeat_now_ = false;        // under mu_
+  bool heartbeat_in_flight_ = false;  // under mu_
 };
 
 // ------------------------------------------------------------------ source
@@ -895,6 +919,8 @@ class Sink : public Node, public v1::Local::Service, public PatchProvider {
                          : coordinator_->AcquireLease(config_.name, d.version, d.ttl_ms);
         if (l.ok()) {
           granted.push_back({d.hold, l->id()});
+        } else if (d.lease != 0 && l.status().code() == StatusCode::kNotFound) {
+          granted.push_back({d.hold, 0});  // the lease ended (the node was marked dead): acquire anew
         } else if (!stopping_) {
           spdlog::debug("sink {}: lease for hold {}: {}", config_.name, d.hold, l.status().ToString());
         }
@@ -903,24 +929,32 @@ class Sink : public Node, public v1::Local::Service, public PatchProvider {
       for (const auto& [hold, lease] : granted) {
         auto it = holds_.find(hold);
         if (it == holds_.end()) {
-          leases_to_release_.push_back(lease);  // ended meanwhile
+          if (lease != 0) leases_to_release_.push_back(lease);  // ended meanwhile
           continue;
         }
         it->second.lease_id = lease;
         it->second.lease_renewed = Clock::now();
+        if (lease == 0) holds_cv_.notify_all();
       }
     }
   }
 
   void WatchLoop() {
     while (!stopping_) {
-      wsync::Status s = coordinator_->Watch(head_.load(), [this](const v1::VersionSummary& v) {
+      v1::WatchRequest req;
+      req.set_after(head_.load());
+      req.set_node(config_.name);
+      req.set_incarnation(incarnation_.load());
+      wsync::Status s = coordinator_->Watch(req, [this](const v1::VersionSummary& v) {
         head_ = std::max(head_.load(), v.version());
         Kick();
         return !stopping_.load();
       });
       if (stopping_) return;
       if (!s.ok()) spdlog::debug("sink {}: watch: {}", config_.name, s.ToString());
+      // A broken stream marks this node dead at the coordinator: register
+      // again (a heartbeat does) before watching under the new incarnation.
+      HeartbeatNow(std::chrono::seconds(2));
       SleepFor(std::chrono::milliseconds(200));
     }
   }

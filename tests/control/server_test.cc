@@ -44,6 +44,12 @@ Running StartServer(ServerOptions options, CoordinatorOptions state_options = {}
   return r;
 }
 
+v1::WatchRequest WatchFrom(uint64_t after) {
+  v1::WatchRequest r;
+  r.set_after(after);
+  return r;
+}
+
 std::unique_ptr<CoordinatorClient> Client(const std::string& address, const std::string& token = "") {
   ClientOptions o;
   o.address = address;
@@ -81,8 +87,11 @@ TEST(CoordinatorServer, ServesOnPortZeroAndUnixSocket) {
   EXPECT_EQ(status->head_version(), 1u);
   ASSERT_EQ(status->nodes_size(), 1);
   EXPECT_EQ(status->nodes(0).data_address(), std::string("\x00\x01opaque", 8));  // opaque bytes survive
-  // Errors keep their code across the wire.
-  auto again = tcp->Publish(V(1));
+  // Errors keep their code across the wire (another summary of version 1;
+  // the same one again would be a retry, answered with success).
+  auto other = V(1);
+  other.set_set_checksum(42);
+  auto again = tcp->Publish(other);
   EXPECT_EQ(again.status().code(), StatusCode::kFailedPrecondition);
   EXPECT_NE(again.status().message().find("versions only grow"), std::string::npos);
   r.server->Shutdown();
@@ -127,7 +136,7 @@ TEST(CoordinatorServer, WatchStreamsBacklogThenNewVersionsAndResumes) {
   auto watcher = Client(r.tcp);
   std::vector<uint64_t> seen;
   std::thread t([&] {
-    Status s = watcher->Watch(0, [&](const v1::VersionSummary& v) {
+    Status s = watcher->Watch(WatchFrom(0), [&](const v1::VersionSummary& v) {
       seen.push_back(v.version());
       return v.version() < 4;
     });
@@ -141,7 +150,7 @@ TEST(CoordinatorServer, WatchStreamsBacklogThenNewVersionsAndResumes) {
   // A reconnecting watcher resumes after what it saw, missing nothing.
   ASSERT_TRUE(publisher->Publish(V(5)).ok());
   std::vector<uint64_t> resumed;
-  ASSERT_TRUE(watcher->Watch(4, [&](const v1::VersionSummary& v) {
+  ASSERT_TRUE(watcher->Watch(WatchFrom(4), [&](const v1::VersionSummary& v) {
                        resumed.push_back(v.version());
                        return false;
                      }).ok());

@@ -53,12 +53,10 @@ class GrpcClient : public CoordinatorClient {
       return stub_->ListVersions(c, req, r);
     });
   }
-  Status Watch(uint64_t after, const std::function<bool(const v1::VersionSummary&)>& on_version) override {
+  Status Watch(const v1::WatchRequest& req, const std::function<bool(const v1::VersionSummary&)>& on_version) override {
     grpc::ClientContext ctx;
     Prepare(&ctx, /*deadline=*/false);
     if (!Track(&ctx)) return Status::Ok();  // cancelled before it began
-    v1::WatchRequest req;
-    req.set_after(after);
     auto reader = stub_->Watch(&ctx, req);
     v1::VersionSummary v;
     bool stopped = false;

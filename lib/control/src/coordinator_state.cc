@@ -447,6 +447,19 @@ void CoordinatorState::Tick() {
   ExpireLocked();
 }
 
+void CoordinatorState::WatchBroken(const std::string& name, uint64_t incarnation) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = nodes_.find(name);
+  if (it == nodes_.end() || it->second.state() != wsync::v1::NODE_ALIVE || it->second.incarnation() != incarnation) {
+    return;
+  }
+  it->second.set_state(wsync::v1::NODE_DEAD);
+  spdlog::warn("node {}: its watch stream broke: marked dead, its leases end (it registers again if alive)",
+               Quoted(name));
+  ExpireLocked();  // ends its leases, reassigns parents
+  NotifyLocked();
+}
+
 void CoordinatorState::ExpireLocked() {
   const int64_t now = clock_->NowMs();
   bool changed = false;

@@ -125,16 +125,22 @@ class Service final : public v1::Coordinator::Service {
                      grpc::ServerWriter<v1::VersionSummary>* writer) override {
     return Handle("Watch", ctx, [&] {
       uint64_t after = req->after();
-      while (!ctx->IsCancelled() && !stopping_) {
+      bool broken = false;
+      while (!broken && !stopping_) {
         // Read the generation first: a publish after the listing wakes us.
         const uint64_t gen = state_->generation();
         const v1::ListVersionsResponse pending = state_->ListVersions(after);
         for (const auto& v : pending.versions()) {
-          if (!writer->Write(v)) return wsync::Status::Ok();  // client went away
+          if (!writer->Write(v)) {
+            broken = true;  // client went away
+            break;
+          }
           after = v.version();
         }
-        state_->WaitForChange(gen, std::chrono::steady_clock::now() + std::chrono::milliseconds(500));
+        if (ctx->IsCancelled()) broken = true;
+        if (!broken) state_->WaitForChange(gen, std::chrono::steady_clock::now() + std::chrono::milliseconds(200));
       }
+      if (broken && !stopping_ && !req->node().empty()) state_->WatchBroken(req->node(), req->incarnation());
       return wsync::Status::Ok();
     });
   }

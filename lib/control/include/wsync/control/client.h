@@ -34,9 +34,11 @@ class CoordinatorClient {
   virtual Status Deregister(const std::string& name) = 0;
   virtual StatusOr<uint64_t> Publish(const wsync::v1::VersionSummary& version) = 0;
   virtual StatusOr<wsync::v1::ListVersionsResponse> ListVersions(uint64_t after) = 0;
-  // Calls on_version for every version > after, then for new ones, until
-  // on_version returns false, the stream breaks (Unavailable) or Cancel().
-  virtual Status Watch(uint64_t after, const std::function<bool(const wsync::v1::VersionSummary&)>& on_version) = 0;
+  // Calls on_version for every version > req.after, then for new ones,
+  // until on_version returns false, the stream breaks (Unavailable) or
+  // Cancel(). req.node / req.incarnation: see WatchRequest.
+  virtual Status Watch(const wsync::v1::WatchRequest& req,
+                       const std::function<bool(const wsync::v1::VersionSummary&)>& on_version) = 0;
   virtual StatusOr<wsync::v1::Node> ReportApplied(const std::string& name, uint64_t version) = 0;
   virtual StatusOr<wsync::v1::Lease> AcquireLease(const std::string& node, uint64_t version, uint64_t ttl_ms) = 0;
   virtual StatusOr<wsync::v1::Lease> RenewLease(uint64_t id, uint64_t ttl_ms) = 0;

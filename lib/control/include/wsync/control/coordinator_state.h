@@ -75,6 +75,10 @@ class CoordinatorState {
   // Expires nodes and leases whose TTL passed; reassigns parents.
   void Tick();
 
+  // The node's Watch stream broke: the node (of that incarnation) is marked
+  // dead now, as if its TTL had passed, and its leases end.
+  void WatchBroken(const std::string& name, uint64_t incarnation);
+
   uint64_t head() const;
 
   // A counter that grows on every change; WaitForChange returns once it
