@@ -24,6 +24,11 @@ Scenarios:
                               within the documented bound
   reregister                  a sink's tensors registered again (other memory)
                               and unregistered; a source's too
+  daemon_restart              the source and then the sink SIGKILLed and
+                              restarted under a running trainer and inference
+                              server: the client registers the same memory
+                              again, the sink resumes from the version its
+                              buffers hold (a patch, not a keyframe)
   sigterm                     SIGTERM stops, each within a second: an idle
                               sink, a sink whose inference server holds, a
                               source, the coordinator
@@ -313,6 +318,63 @@ print("reregister ok")
         s.stop()
 
 
+def daemon_restart(build):
+    s = system(build, "daemon_restart", sinks=1)
+    code = r"""
+import os, sys, time, torch, wsync
+sys.path.insert(0, "examples")
+from tiny_llama import LlamaForCausalLM
+d = sys.argv[3]
+def pause(n):
+    open(f"{d}/ready{n}", "w").close()
+    while not os.path.exists(f"{d}/go{n}"):
+        time.sleep(0.02)
+torch.manual_seed(0)
+trainer = LlamaForCausalLM()
+opt = torch.optim.AdamW(trainer.parameters(), lr=1e-5)
+infer = LlamaForCausalLM().to(torch.bfloat16)
+src = wsync.Source(sys.argv[1]); src.register(trainer)
+snk = wsync.Sink(sys.argv[2]); snk.register(infer)
+def step():
+    ids = torch.randint(0, 512, (2, 16))
+    torch.nn.functional.cross_entropy(trainer(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten()).backward()
+    opt.step(); opt.zero_grad()
+    v = src.publish().version
+    snk.wait(v, timeout=60)
+    with snk.hold() as held:
+        assert held == v, (held, v)
+        for k, t in trainer.state_dict().items():
+            assert torch.equal(t.to(torch.bfloat16).view(torch.int16), infer.state_dict()[k].view(torch.int16)), k
+    return v
+versions = [step(), step()]
+pause(1)                 # the source daemon is SIGKILLed and restarted
+versions.append(step())  # publish registers the trainer's memory again
+pause(2)                 # the sink daemon is SIGKILLed and restarted
+versions.append(step())  # wait registers the inference memory again, holding version 3
+print("daemon restart ok", versions)
+"""
+    try:
+        p = subprocess.Popen(["/usr/bin/python3", "-c", code, local(s, "source"), local(s, "sink-0"), s.tmp],
+                             env=dict(s.env, PYTHONPATH=os.path.join(build, "python")), stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True, cwd=os.path.join(HERE, "..", ".."))
+        s.procs["worker-restart"] = (None, p)
+        for n, daemon in ((1, "source"), (2, "sink-0")):
+            s.wait_for(lambda: os.path.exists(f"{s.tmp}/ready{n}") or p.poll() is not None, f"pause {n}", 120)
+            check(p.poll() is None, f"the client runs up to pause {n}")
+            s.kill(daemon, signal.SIGKILL)
+            s.restart(daemon)
+            s.wait_for(lambda: subprocess.run([s.wsync, "local-status", "--local", local(s, daemon)], env=s.env,
+                                              capture_output=True).returncode == 0, f"the restarted {daemon}")
+            open(f"{s.tmp}/go{n}", "w").close()
+        out, _ = p.communicate(timeout=180)
+        check(p.returncode == 0 and "daemon restart ok [1, 2, 3, 4]" in out,
+              "the trainer and the inference server went on across both restarts, bit-exact: " + out.strip()[-300:])
+        check("holding version 3" in s.log("sink-0") and "patch 3->4" in s.log("sink-0"),
+              "the restarted sink took the buffers as version 3 and caught up with a patch 3->4")
+    finally:
+        s.stop()
+
+
 def sigterm(build):
     s = system(build, "sigterm", sinks=2)
     try:
@@ -386,6 +448,7 @@ SCENARIOS = {
     "mismatch": mismatch,
     "persistent_failure": persistent_failure,
     "reregister": reregister,
+    "daemon_restart": daemon_restart,
     "sigterm": sigterm,
     "gpu": gpu,
 }

@@ -41,6 +41,7 @@ class Sink:
         self._renewer: Optional[threading.Thread] = None
         self._wake = threading.Event()
         self._closed = False
+        self._held = 0  # the last version this client saw its tensors hold
 
     def register(self, model: TensorsLike, *, version: int = 0, pack: bool = True) -> None:
         """Registers a module's state_dict tensors (or a dict of tensors) in
@@ -57,8 +58,22 @@ class Sink:
         reg.request.applied_version = version
         self._local.call("RegisterTensors", reg.request, wait_for_ready=True)
         old, self._registration = self._registration, reg
+        self._held = version
         if old is not None:
             old.unlink()
+
+    def _again(self, call):
+        """`call()`, after registering the same memory again if the daemon
+        restarted and forgot it (saying which version it holds: the sink
+        checks that against the version's checksum)."""
+        try:
+            return call()
+        except FailedPreconditionError as e:
+            if "no tensors registered" not in e.message or self._registration is None:
+                raise
+            self._registration.request.applied_version = self._held
+            self._local.call("RegisterTensors", self._registration.request, wait_for_ready=True)
+            return call()
 
     @contextlib.contextmanager
     def hold(self, ttl: Optional[float] = None) -> Iterator[int]:
@@ -66,11 +81,14 @@ class Sink:
         applies new versions only between holds."""
         ttl_ms = int(ttl * 1000) if ttl else self._hold_ttl_ms
         req = pb.HoldRequest(ttl_ms=ttl_ms, holder=f"pid {os.getpid()}")
-        call = self._local.stub.Hold(req, timeout=None)
-        try:
-            first = next(call)
-        except grpc.RpcError as e:
-            raise from_rpc_error(e, f"Hold ({self._local.address})") from None
+        def start():
+            call = self._local.stub.Hold(req, timeout=None)
+            try:
+                return call, next(call)
+            except grpc.RpcError as e:
+                raise from_rpc_error(e, f"Hold ({self._local.address})") from None
+        call, first = self._again(start)
+        self._held = first.version
         self._track(first.hold_id, first.ttl_ms / 3000.0)
         try:
             yield first.version
@@ -86,9 +104,10 @@ class Sink:
         """Blocks until `version` (or a later one) is applied; returns the
         applied version. Raises DeadlineExceededError with the sink's last
         sync error, or at once FailedPreconditionError when the registered
-        tensors cannot take the published versions."""
-        resp = self._local.call("WaitForVersion", pb.WaitForVersionRequest(version=version, timeout_ms=int(timeout * 1000)),
-                                timeout=timeout + self._local.timeout)
+        tensors cannot take the published versions. hold() and wait()
+        register the same memory again if the sink restarted."""
+        req = pb.WaitForVersionRequest(version=version, timeout_ms=int(timeout * 1000))
+        resp = self._again(lambda: self._local.call("WaitForVersion", req, timeout=timeout + self._local.timeout))
         return resp.applied_version
 
     def status(self) -> pb.LocalStatusResponse:

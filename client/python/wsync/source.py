@@ -56,6 +56,7 @@ class PublishStats:
 
 
 _NEXT = re.compile(r"next valid version is (\d+)")
+_NOT_REGISTERED = "no tensors registered"
 
 
 class Source:
@@ -108,14 +109,22 @@ class Source:
         may step again at once). When the staleness bound holds the version
         back, waits up to `wait` seconds, then raises AbortedError naming the
         lagging sinks and why they lag. A version at or below the head raises
-        StaleVersionError carrying next_version.
+        StaleVersionError carrying next_version. If the daemon restarted (it
+        knows no tensors), the same memory is registered again first.
         """
         if self._registration is None:
             raise FailedPreconditionError("publish: nothing registered (call register first)", "FAILED_PRECONDITION")
         v = self._next_version if version is None else int(version)
         req = pb.LocalPublishRequest(version=v, wait_ms=int(wait * 1000), return_after_copy=after_copy)
         try:
-            resp = self._local.call("Publish", req, timeout=self._local.timeout + wait)
+            try:
+                resp = self._local.call("Publish", req, timeout=self._local.timeout + wait)
+            except FailedPreconditionError as e:
+                if _NOT_REGISTERED not in e.message:
+                    raise
+                # The daemon restarted and forgot the tensors: the same memory again, once.
+                self._local.call("RegisterTensors", self._registration.request, wait_for_ready=True)
+                resp = self._local.call("Publish", req, timeout=self._local.timeout + wait)
         except FailedPreconditionError as e:
             m = _NEXT.search(e.message)
             if m:
