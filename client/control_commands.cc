@@ -79,7 +79,8 @@ void PrintNodes(const v1::StatusResponse& s) {
   for (const auto& n : s.nodes()) {
     const bool sink = n.role() == v1::ROLE_SINK;
     std::printf("%-24s %-7s %-6s %-21s %8s %9s %-16s %-12s%s\n", n.name().c_str(), RoleName(n.role()).c_str(),
-                n.state() == v1::NODE_ALIVE ? "alive" : "dead", n.host().c_str(),
+                n.state() == v1::NODE_ALIVE ? "alive" : n.state() == v1::NODE_DISCONNECTED ? "gone" : "dead",
+                n.host().c_str(),
                 sink ? std::to_string(n.applied_version()).c_str() : "-",
                 sink ? std::to_string(n.staleness()).c_str() : "-", n.parent().empty() ? "-" : n.parent().c_str(),
                 Ago(n.last_heartbeat_unix_ms(), s.now_unix_ms()).c_str(),

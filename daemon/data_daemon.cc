@@ -343,6 +343,19 @@ class Source : public Node, public v1::Local::Service {
       if (!tensors_) return ToGrpc(FailedPreconditionError("no tensors registered"));
       layout = layout_;
     }
+    if (head_pub_.version != 0 && req->version() == head_pub_.version && !head_announced_) {
+      // A retry of the last publish, whose announce failed: the version is
+      // encoded; announce it now. (Once announced, the same version again
+      // is refused as not above the head: it may carry other weights.)
+      if (wsync::Status s = Announce(head_pub_, 0); !s.ok()) return ToGrpc(s);
+      head_announced_ = true;
+      resp->set_version(head_pub_.version);
+      resp->set_base_version(head_pub_.base_version);
+      resp->set_patch_bytes(head_pub_.patch_bytes);
+      resp->set_dense_bytes(head_pub_.dense_bytes);
+      resp->set_server_ms(MillisecondsSince(entered));
+      return grpc::Status::OK;
+    }
     if (wsync::Status s = CheckVersion(req->version()); !s.ok()) return ToGrpc(s);
     if (!layout_set_) {
       // The first publish of this registration fixes (or checks) the layout.
@@ -378,7 +391,12 @@ class Source : public Node, public v1::Local::Service {
           resp->set_server_ms(MillisecondsSince(entered));
           publisher_ = std::thread([this, version = req->version(), t0] {
             auto published = history_.Publish(version, &snapshot_);
+            if (published.ok()) {
+              head_pub_ = *published;
+              head_announced_ = false;
+            }
             wsync::Status s = published.ok() ? Announce(*published, MillisecondsSince(t0)) : published.status();
+            if (published.ok() && s.ok()) head_announced_ = true;
             if (!s.ok()) {
               s = s.WithContext("version " + std::to_string(version) + ", copied and published in the background");
               spdlog::error("source {}: {}", config_.name, s.ToString());
@@ -393,8 +411,11 @@ class Source : public Node, public v1::Local::Service {
       }
     }
     if (!pub.ok()) return ToGrpc(pub.status());
+    head_pub_ = *pub;
+    head_announced_ = false;
     const double ms = MillisecondsSince(t0);
     if (wsync::Status s = Announce(*pub, ms); !s.ok()) return ToGrpc(s);
+    head_announced_ = true;
     resp->set_version(pub->version);
     resp->set_base_version(pub->base_version);
     resp->set_patch_bytes(pub->patch_bytes);
@@ -424,10 +445,16 @@ class Source : public Node, public v1::Local::Service {
 
   void OnHeartbeat(const v1::HeartbeatResponse& hb) override {
     coordinator_head_ = std::max(coordinator_head_.load(), hb.head_version());
-    // Keep what leased or live sinks need; with none, only the head.
+    // Keep what leased or live sinks need, and at least the last
+    // retain_versions versions: a sink that restarts reports nothing until
+    // its server registers its buffers again, and should still catch up
+    // with one merged patch rather than a keyframe.
     auto status = coordinator_->GetStatus();
     if (!status.ok()) return;
-    const uint64_t needed = status->oldest_needed_version() ? status->oldest_needed_version() : history_.head();
+    const uint64_t head = history_.head();
+    const uint64_t window = head > config_.retain_versions ? head - config_.retain_versions : 0;
+    uint64_t needed = status->oldest_needed_version() ? status->oldest_needed_version() : head;
+    needed = std::max<uint64_t>(std::min(needed, window), 1);
     wsync::Status s = history_.Retain(needed);
     if (!s.ok()) spdlog::warn("source {}: retain: {}", config_.name, s.ToString());
   }
@@ -539,6 +566,11 @@ class Source : public Node, public v1::Local::Service {
   std::thread publisher_;
   wsync::Status background_status_;
   bool layout_set_ = false;  // the coordinator holds layout_ (under publish_mu_)
+  // The last version this source encoded, and whether the coordinator
+  // confirmed it (under publish_mu_; written by the background publisher
+  // before JoinBackground returns).
+  PublishedVersion head_pub_;
+  bool head_announced_ = false;
   // The copy's own threads: the codec's pool may be busy serving a merge.
   ThreadPool copy_pool_{config_.threads};
   std::mutex state_mu_;  // tensors_, layout_, cast_, device_

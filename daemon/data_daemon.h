@@ -31,6 +31,7 @@ struct DataDaemonConfig {
   unsigned threads = 2;                  // codec threads
   uint64_t rate_limit_bytes_per_s = 0;   // per data-plane link
   uint64_t hold_ttl_ms = 30'000;         // sinks: a hold not renewed for this long ends
+  uint64_t retain_versions = 4;          // sources: versions kept back from the head at least
   // Sinks: retry delays after a failed sync grow from the first to the last
   // (x2 per failure, each drawn in [delay/2, delay]; docs/data-plane.md).
   uint64_t retry_first_ms = 200;

@@ -1,4 +1,5 @@
 #include "patch_exchange.h"
+#include "wsync/util/text.h"
 
 #include <spdlog/spdlog.h>
 
@@ -116,6 +117,7 @@ void ExchangeHandler::OnMessage(Message m) {
       break;
     case ExchangeMessage::kHeader:
     case ExchangeMessage::kChunk:
+    case ExchangeMessage::kAbort:
       if (fetcher_ != nullptr) fetcher_->OnResponse(m);
       break;
     default:
@@ -264,6 +266,20 @@ void PatchServer::Serve(std::shared_ptr<Request> r) {
     std::lock_guard<std::mutex> lock(r->mu);
     return std::exchange(r->refetch, {});
   };
+  // After the header, a stream that fails (a relay's own parent went away,
+  // or it stalled past kServeTimeout) is reported: the puller fails its pull
+  // now instead of waiting for chunks that will not come.
+  auto abort = [&] {
+    if (cancelled()) return finish();
+    Status why = s->WaitComplete(std::chrono::steady_clock::now());
+    if (why.ok()) why = UnavailableError("the stream stalled");
+    std::string msg = Typed(ExchangeMessage::kAbort);
+    Put<uint8_t>(&msg, static_cast<uint8_t>(why.code()));
+    msg += why.message();
+    (void)transport_->Send(r->peer, r->channel, 0, msg);
+    spdlog::info("peer {} pull {}->{} aborted: {}", r->peer, r->from, r->to, why.ToString());
+    finish();
+  };
   // A refetch names a message by its seq: 0 is the header, i + 1 chunk i.
   auto resend = [&](size_t seq) {
     if (seq == 0) return transport_->Send(r->peer, r->channel, 0, header).ok();
@@ -271,9 +287,10 @@ void PatchServer::Serve(std::shared_ptr<Request> r) {
   };
   for (size_t i = 0; i < s->chunks(); ++i) {
     for (size_t again : take_refetches()) {
-      if (again <= i && !resend(again)) return finish();
+      if (again <= i && !resend(again)) return abort();
     }
-    if (cancelled() || !send_chunk(i)) return finish();
+    if (cancelled()) return finish();
+    if (!send_chunk(i)) return abort();
   }
   // Linger for refetches until the fetcher says it is done.
   const auto until = std::chrono::steady_clock::now() + kLinger;
@@ -333,6 +350,16 @@ void PatchFetcher::OnResponse(const Message& m) {
     auto it = pending_.find(m.channel);
     if (it == pending_.end() || it->second->parent != m.peer) return;
     Pending& p = *it->second;
+    if (type == ExchangeMessage::kAbort) {
+      uint8_t code = 0;
+      size_t pos = 1;
+      const bool known = Get(m.payload, &pos, &code) && code != 0 && code <= static_cast<uint8_t>(StatusCode::kUnauthenticated);
+      FailLocked(p, Status(known ? static_cast<StatusCode>(code) : StatusCode::kUnavailable,
+                           "parent: " + Quoted(m.payload.substr(std::min(pos, m.payload.size())), 400)));
+      pending_.erase(it);
+      cv_.notify_all();
+      return;
+    }
     if (type == ExchangeMessage::kHeader) {
       size_t pos = 1;
       uint8_t code = 0, kind = 0;

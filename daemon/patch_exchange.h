@@ -76,7 +76,7 @@ class PatchProvider {
 };
 
 // Message types (first payload byte).
-enum class ExchangeMessage : uint8_t { kPull = 1, kHeader = 2, kChunk = 3, kRefetch = 4, kCancel = 5 };
+enum class ExchangeMessage : uint8_t { kPull = 1, kHeader = 2, kChunk = 3, kRefetch = 4, kCancel = 5, kAbort = 6 };
 
 // Routes a transport's messages: requests to the server, responses to the
 // fetcher. Install it as the transport's Handler. Teardown order: Detach(),

@@ -168,6 +168,10 @@ int main(int argc, char** argv) {
     cmd->add_option("--hold-ttl-ms", data.hold_ttl_ms,
                     "sinks: a hold that its holder does not renew for this long ends (0 < ms <= 600000)")
         ->capture_default_str()->check(CLI::Range(uint64_t{1}, uint64_t{600'000}));
+    cmd->add_option("--retain-versions", data.retain_versions,
+                    "sources: keep the patches of at least this many versions back from the head (a restarted "
+                    "sink catches up with one merged patch), besides what leases and live sinks need")
+        ->capture_default_str();
     cmd->add_option("--retry-max-ms", data.retry_max_ms, "sinks: the longest delay between failed sync attempts")
         ->capture_default_str()->check(CLI::Range(uint64_t{100}, uint64_t{600'000}));
     cmd->add_option("--inject-corrupt-every", data.corrupt_every, "fault injection: corrupt every Nth chunk sent")

@@ -169,6 +169,35 @@ TEST_P(PatchExchangeTest, ParentFailureFailsThePull) {
   EXPECT_EQ(s.code(), StatusCode::kUnavailable) << s.ToString();
 }
 
+// A relay whose own parent dies mid-stream: its child's pull fails at once
+// (ABORT), not after the child's deadline. (Found by scripts/fault_campaign.py:
+// a sink behind a relay waited 5 minutes for chunks that would never come.)
+TEST_P(PatchExchangeTest, RelayWhoseParentFailsAbortsItsChildren) {
+  Versions v = MakeVersions();
+  transport::TransportOptions slow;
+  slow.rate_limit_bytes_per_s = 64 << 10;
+  auto source = MakeNode(slow);
+  auto relay = MakeNode();
+  auto sink = MakeNode();
+  source->provider.streams[{1, 2}] = PatchStream::FromBytes(codec::PatchKind::kPatch, 1, 2, v.patch, kChunk);
+  auto up = relay->transport->Connect(source->transport->LocalConnInfo());
+  ASSERT_TRUE(up.ok());
+  auto incoming = relay->fetcher->Pull(*up, 1, 2, 10s);
+  ASSERT_TRUE(incoming.ok());
+  relay->provider.streams[{1, 2}] = *incoming;
+  auto down = sink->transport->Connect(relay->transport->LocalConnInfo());
+  ASSERT_TRUE(down.ok());
+  auto outgoing = sink->fetcher->Pull(*down, 1, 2, 10s);
+  ASSERT_TRUE(outgoing.ok()) << outgoing.status().ToString();
+  ASSERT_TRUE((*outgoing)->Wait(0, std::chrono::steady_clock::now() + 10s).ok());
+  source.reset();  // the relay's parent dies mid-stream
+  const auto t0 = std::chrono::steady_clock::now();
+  Status s = (*outgoing)->WaitComplete(t0 + 60s);
+  EXPECT_EQ(s.code(), StatusCode::kUnavailable) << s.ToString();
+  EXPECT_NE(s.message().find("parent:"), std::string::npos) << s.ToString();
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 15s);
+}
+
 INSTANTIATE_TEST_SUITE_P(Both, PatchExchangeTest, ::testing::Values(Kind::kLoopback, Kind::kUcx),
                          [](const auto& info) { return info.param == Kind::kLoopback ? "Loopback" : "Ucx"; });
 

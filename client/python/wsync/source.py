@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import re
+import time
 from dataclasses import dataclass
 from typing import List, Optional
 
 from ._rpc import Local, pb
 from ._tensors import Registration, TensorsLike, share
-from .errors import FailedPreconditionError, StaleVersionError
+from .errors import FailedPreconditionError, StaleVersionError, UnavailableError
 
 
 @dataclass
@@ -116,15 +117,35 @@ class Source:
             raise FailedPreconditionError("publish: nothing registered (call register first)", "FAILED_PRECONDITION")
         v = self._next_version if version is None else int(version)
         req = pb.LocalPublishRequest(version=v, wait_ms=int(wait * 1000), return_after_copy=after_copy)
+        def call():
+            # Unavailable (the coordinator did not confirm the version, or the
+            # connection to a restarted daemon broke) is retried a few times
+            # over about 4 s. The source announces an unconfirmed version
+            # again; a version it confirmed meanwhile is answered as stale
+            # with the next one, which after an Unavailable means: published.
+            retried = False
+            for delay in (0.1, 0.3, 0.9, 2.7, None):
+                try:
+                    return self._local.call("Publish", req, timeout=self._local.timeout + wait, wait_for_ready=True)
+                except UnavailableError:
+                    if delay is None:
+                        raise
+                    retried = True
+                    time.sleep(delay)
+                except FailedPreconditionError as e:
+                    m = _NEXT.search(e.message)
+                    if retried and m and int(m.group(1)) == v + 1:
+                        return pb.LocalPublishResponse(version=v)
+                    raise
         try:
             try:
-                resp = self._local.call("Publish", req, timeout=self._local.timeout + wait)
+                resp = call()
             except FailedPreconditionError as e:
                 if _NOT_REGISTERED not in e.message:
                     raise
                 # The daemon restarted and forgot the tensors: the same memory again, once.
                 self._local.call("RegisterTensors", self._registration.request, wait_for_ready=True)
-                resp = self._local.call("Publish", req, timeout=self._local.timeout + wait)
+                resp = call()
         except FailedPreconditionError as e:
             m = _NEXT.search(e.message)
             if m:

@@ -219,13 +219,19 @@ StatusOr<wsync::v1::HeartbeatResponse> CoordinatorState::Heartbeat(const wsync::
   std::lock_guard<std::mutex> lock(mu_);
   ExpireLocked();
   auto it = nodes_.find(req.name());
-  if (it == nodes_.end() || it->second.state() != wsync::v1::NODE_ALIVE) {
+  if (it == nodes_.end() || it->second.state() == wsync::v1::NODE_DEAD) {
     return NotFoundError("node " + Quoted(req.name()) + " is not registered or expired; register again");
   }
   if (req.incarnation() != 0 && req.incarnation() != it->second.incarnation()) {
     return AbortedError("node " + Quoted(req.name()) + ": heartbeat from incarnation " +
                         std::to_string(req.incarnation()) + ", current is " +
                         std::to_string(it->second.incarnation()));
+  }
+  if (it->second.state() == wsync::v1::NODE_DISCONNECTED) {
+    // Its watch broke but the process lives: alive again.
+    it->second.set_state(wsync::v1::NODE_ALIVE);
+    AssignParentsLocked();
+    NotifyLocked();
   }
   it->second.set_last_heartbeat_unix_ms(clock_->NowMs());
   it->second.set_sync_error(req.sync_error().substr(0, 1024));
@@ -315,9 +321,10 @@ StatusOr<Node> CoordinatorState::ReportApplied(const std::string& name, uint64_t
   std::lock_guard<std::mutex> lock(mu_);
   ExpireLocked();
   auto it = nodes_.find(name);
-  if (it == nodes_.end() || it->second.state() != wsync::v1::NODE_ALIVE) {
-    return NotFoundError("node '" + name + "' is not registered or expired; register again");
+  if (it == nodes_.end() || it->second.state() == wsync::v1::NODE_DEAD) {
+    return NotFoundError("node " + Quoted(name) + " is not registered or expired; register again");
   }
+  if (it->second.state() == wsync::v1::NODE_DISCONNECTED) it->second.set_state(wsync::v1::NODE_ALIVE);  // it speaks
   const uint64_t head = versions_.empty() ? 0 : versions_.rbegin()->first;
   if (version > head) {
     return InvalidArgumentError("node '" + name + "' reports version " + std::to_string(version) +
@@ -350,8 +357,8 @@ StatusOr<Lease> CoordinatorState::AcquireLease(const std::string& node, uint64_t
   std::lock_guard<std::mutex> lock(mu_);
   ExpireLocked();
   auto it = nodes_.find(node);
-  if (it == nodes_.end() || it->second.state() != wsync::v1::NODE_ALIVE) {
-    return NotFoundError("node '" + node + "' is not registered or expired");
+  if (it == nodes_.end() || it->second.state() == wsync::v1::NODE_DEAD) {
+    return NotFoundError("node " + Quoted(node) + " is not registered or expired");
   }
   if (!versions_.count(version)) {
     return NotFoundError("version " + std::to_string(version) + " was never published");
@@ -453,10 +460,9 @@ void CoordinatorState::WatchBroken(const std::string& name, uint64_t incarnation
   if (it == nodes_.end() || it->second.state() != wsync::v1::NODE_ALIVE || it->second.incarnation() != incarnation) {
     return;
   }
-  it->second.set_state(wsync::v1::NODE_DEAD);
-  spdlog::warn("node {}: its watch stream broke: marked dead, its leases end (it registers again if alive)",
-               Quoted(name));
-  ExpireLocked();  // ends its leases, reassigns parents
+  it->second.set_state(wsync::v1::NODE_DISCONNECTED);
+  spdlog::warn("node {}: its watch stream broke: disconnected (dead at its TTL unless it heartbeats)", Quoted(name));
+  AssignParentsLocked();
   NotifyLocked();
 }
 
@@ -464,7 +470,7 @@ void CoordinatorState::ExpireLocked() {
   const int64_t now = clock_->NowMs();
   bool changed = false;
   for (auto& [name, n] : nodes_) {
-    if (n.state() == wsync::v1::NODE_ALIVE && now - n.last_heartbeat_unix_ms() > static_cast<int64_t>(n.ttl_ms())) {
+    if (n.state() != wsync::v1::NODE_DEAD && now - n.last_heartbeat_unix_ms() > static_cast<int64_t>(n.ttl_ms())) {
       n.set_state(wsync::v1::NODE_DEAD);
       changed = true;
       spdlog::warn("node {} missed its TTL of {} ms: marked dead, its leases end", name, n.ttl_ms());
@@ -473,7 +479,7 @@ void CoordinatorState::ExpireLocked() {
   std::vector<uint64_t> ended;
   for (const auto& [id, l] : leases_) {
     auto it = nodes_.find(l.node());
-    const bool owner_dead = it == nodes_.end() || it->second.state() != wsync::v1::NODE_ALIVE;
+    const bool owner_dead = it == nodes_.end() || it->second.state() == wsync::v1::NODE_DEAD;
     if (owner_dead || now > l.expires_unix_ms()) ended.push_back(id);
   }
   for (uint64_t id : ended) {
@@ -604,7 +610,8 @@ wsync::v1::StatusResponse CoordinatorState::GetStatus() const {
     Node* out = resp.add_nodes();
     *out = n;
     FillDerivedLocked(out);
-    if (n.role() == wsync::v1::ROLE_SINK && n.state() == wsync::v1::NODE_ALIVE && n.applied_version() != 0) {
+    // A disconnected sink may be back in a moment: keep what it needs until its TTL.
+    if (n.role() == wsync::v1::ROLE_SINK && n.state() != wsync::v1::NODE_DEAD && n.applied_version() != 0) {
       needed = needed == 0 ? n.applied_version() : std::min(needed, n.applied_version());
     }
   }

@@ -76,7 +76,8 @@ class CoordinatorState {
   void Tick();
 
   // The node's Watch stream broke: the node (of that incarnation) is marked
-  // dead now, as if its TTL had passed, and its leases end.
+  // disconnected now (NODE_DISCONNECTED: not a parent, not blocking
+  // publishes; its applied version still kept for it until its TTL).
   void WatchBroken(const std::string& name, uint64_t incarnation);
 
   uint64_t head() const;

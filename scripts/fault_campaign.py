@@ -1,0 +1,351 @@
+#!/usr/bin/python3
+"""A fault campaign against the real system on loopback.
+
+A coordinator (its store on a small tmpfs when one can be mounted), a source
+and three sinks (fan-out 2: one behind a relay), each sink with a stand-in
+inference server (`wsync serve-buffers`); a trainer in this process publishes
+synthetic BF16 versions through the Python client (`wsync.Source`). Each round
+injects one fault, chosen at random, at a random point (before a version is
+published, or while the sinks are syncing it):
+
+  kill_coordinator  SIGKILL and restart of the coordinator
+  kill_source       SIGKILL and restart of the source
+  kill_sink         SIGKILL and restart of a sink without children
+  kill_relay        SIGKILL and restart of a sink that relays to another
+  corrupt_chunks    the source restarted to corrupt every 5th chunk it sends
+  swap_buffers      a sink's inference server replaced by one with mismatched
+                    tensors (refused, naming the tensor), then the right one again
+  disk_full         the coordinator's store fills up (publishes fail, nothing is
+                    acknowledged), then space comes back
+  slow_link         the source restarted with a rate limit of 4 MB/s per link
+
+After every round every sink must reach the head and hold the trainer's bits
+exactly (dumped and compared bit for bit), every acknowledged version must
+still be listed by the coordinator and no version number handed out twice,
+and the daemons' file descriptors and memory must stay bounded.
+
+    fault_campaign.py --build BUILD [--seed N] [--minutes M] [--rounds R] [--json FILE]
+
+Without --seed a random seed is drawn and printed: rerun with it to replay.
+"""
+import argparse
+import glob
+import hashlib
+import json
+import os
+import random
+import signal
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from system_demo import System  # noqa: E402
+
+KINDS = ["kill_coordinator", "kill_source", "kill_sink", "kill_relay", "corrupt_chunks", "swap_buffers",
+         "disk_full", "slow_link"]
+CONVERGE_S = 120
+MAX_FDS = 256
+
+
+def write_safetensors(path, tensors):
+    """tensors: {name: torch tensor (BF16)}."""
+    import torch
+    header, offset = {}, 0
+    for name, t in tensors.items():
+        n = t.numel() * t.element_size()
+        header[name] = {"dtype": "BF16", "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    h = json.dumps(header).encode()
+    h += b" " * (-len(h) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(h)) + h)
+        for t in tensors.values():
+            f.write(t.contiguous().view(torch.uint8).numpy().tobytes())
+
+
+def read_safetensors(path):
+    """{name: bytes}, and the metadata."""
+    b = open(path, "rb").read()
+    n = struct.unpack("<Q", b[:8])[0]
+    h = json.loads(b[8:8 + n])
+    meta = h.pop("__metadata__", {})
+    return {k: b[8 + n + v["data_offsets"][0]:8 + n + v["data_offsets"][1]] for k, v in h.items()}, meta
+
+
+def differing_bits(a, b):
+    if len(a) != len(b):
+        return 8 * max(len(a), len(b))
+    x = int.from_bytes(a, "little") ^ int.from_bytes(b, "little")
+    return bin(x).count("1")
+
+
+class Campaign:
+    def __init__(self, build, seed, tmp):
+        import torch
+        import wsync
+        self.torch, self.wsync = torch, wsync
+        self.rng = random.Random(seed)
+        self.gen = torch.Generator().manual_seed(seed)
+        self.tmp = tmp
+        self.tmpfs = False
+        os.makedirs(f"{tmp}/store")
+        if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m,mode=0700", "tmpfs", f"{tmp}/store"],
+                          capture_output=True).returncode == 0:
+            self.tmpfs = True
+        self.kinds = [k for k in KINDS if k != "disk_full" or self.tmpfs]
+        self.model = {f"layers.{i}.weight": (torch.randn(256, 1024, generator=self.gen) * 0.02).to(torch.bfloat16)
+                      for i in range(8)}
+        self.like = f"{tmp}/like.safetensors"
+        write_safetensors(self.like, self.model)
+        self.mismatched = f"{tmp}/mismatched.safetensors"
+        write_safetensors(self.mismatched, {**self.model, "layers.0.weight": torch.zeros(128, 1024, dtype=torch.bfloat16)})
+        self.s = System(build, 3, 2, tmp, coordinator_args=["--node-ttl-ms", "3000"])
+        self.source_argv = list(self.s.procs["source"][0])
+        for n in self.s.sinks:
+            self.s.wait_for(lambda: os.path.exists(f"{tmp}/{n}.sock"), f"{n}'s local API")
+        self.s.attach_buffers(self.like)
+        self.wait_local("source")
+        self.src = wsync.Source(f"unix:{tmp}/source.sock", timeout=30)
+        self.src.register(self.model)
+        self.acknowledged = []  # versions publish() returned
+        self.refused = 0        # publishes refused (nothing acknowledged)
+        self.faults = {k: 0 for k in KINDS}
+        self.converge = []      # seconds from each fault to every sink verified at the head
+        self.divergent_bits = 0
+        self.verified = 0
+        self.peak = {}          # daemon -> (max fds, max RSS kB)
+        self.baseline_rss = {}
+
+    # ---- processes
+    def local_ok(self, name):
+        return subprocess.run([self.s.wsync, "local-status", "--local", f"unix:{self.tmp}/{name}.sock"],
+                              env=self.s.env, capture_output=True).returncode == 0
+
+    def wait_local(self, name):
+        self.s.wait_for(lambda: self.local_ok(name), f"{name}'s local API", 60)
+
+    def restart(self, name, argv=None):
+        if argv is not None:
+            self.s.procs[name] = (argv, self.s.procs[name][1])
+        self.s.kill(name, signal.SIGKILL)
+        self.s.restart(name)
+        if name == "coordinator":
+            self.s.wait_for(lambda: self.s.status() is not None, "the coordinator", 60)
+        else:
+            self.wait_local(name)
+
+    def sample(self):
+        for name, (_, p) in self.s.procs.items():
+            if name.endswith("-buffers") or p.poll() is not None:
+                continue
+            try:
+                nfd = len(os.listdir(f"/proc/{p.pid}/fd"))
+                rss = next(int(line.split()[1]) for line in open(f"/proc/{p.pid}/status") if line.startswith("VmRSS"))
+            except (FileNotFoundError, StopIteration, ProcessLookupError):
+                continue
+            old = self.peak.get(name, (0, 0))
+            self.peak[name] = (max(old[0], nfd), max(old[1], rss))
+            self.baseline_rss.setdefault(name, rss)
+
+    # ---- the trainer
+    def step(self):
+        """An optimizer step's worth of one-ulp changes."""
+        torch = self.torch
+        for t in self.model.values():
+            bits = t.view(torch.int16).view(-1)
+            idx = torch.randint(0, bits.numel(), (bits.numel() // 100,), generator=self.gen)
+            bits[idx] += (torch.randint(0, 2, idx.shape, generator=self.gen, dtype=torch.int16) * 2 - 1)
+
+    def publish(self):
+        self.step()
+        try:
+            v = self.src.publish(wait=30).version
+        except self.wsync.WsyncError as e:
+            self.refused += 1
+            print(f"    publish refused ({e.code}): {e.message[:160]}", flush=True)
+            return None
+        if self.acknowledged and v <= self.acknowledged[-1]:
+            raise AssertionError(f"version {v} handed out again (last acknowledged {self.acknowledged[-1]})")
+        self.acknowledged.append(v)
+        return v
+
+    # ---- checks
+    def converged(self, head):
+        applied = self.s.applied()
+        return all(applied.get(n, 0) >= head for n in self.s.sinks)
+
+    def verify(self, head):
+        """Every sink holds the trainer's bits of `head`; returns the time it took."""
+        t0 = time.time()
+        self.s.wait_for(lambda: self.converged(head), f"every sink at version {head}", CONVERGE_S)
+        expect = {k: t.contiguous().view(self.torch.uint8).numpy().tobytes() for k, t in self.model.items()}
+        for n in self.s.sinks:
+            out = f"{self.tmp}/{n}.dump.safetensors"
+            self.s.dump(n, out, head)
+            got, meta = read_safetensors(out)
+            os.unlink(out)
+            if int(meta.get("wsync_version", 0)) != head:
+                raise AssertionError(f"{n} dumped version {meta.get('wsync_version')}, not {head}")
+            bits = sum(differing_bits(got.get(k, b""), v) for k, v in expect.items())
+            self.divergent_bits += bits
+            self.verified += 1
+            if bits:
+                raise AssertionError(f"{n} at version {head}: {bits} bits differ from the trainer's")
+        return time.time() - t0
+
+    def check_versions(self):
+        out = subprocess.run([self.s.wsync, "versions", "--json"], env=self.s.env, capture_output=True, text=True)
+        listed = {int(v["version"]) for v in json.loads(out.stdout).get("versions", [])}
+        lost = [v for v in self.acknowledged if v not in listed]
+        if lost:
+            raise AssertionError(f"acknowledged versions lost by the coordinator: {lost}")
+
+    # ---- faults
+    def inject(self, kind):
+        s = self.s
+        if kind == "kill_coordinator":
+            self.restart("coordinator")
+        elif kind == "kill_source":
+            self.restart("source", self.source_argv)
+        elif kind in ("kill_sink", "kill_relay"):
+            parents = s.parents()
+            relays = sorted({p for p in parents.values() if p in s.sinks})
+            leaves = sorted(n for n in s.sinks if n not in relays)
+            pool = relays if kind == "kill_relay" and relays else leaves
+            self.restart(self.rng.choice(pool))
+        elif kind == "corrupt_chunks":
+            self.restart("source", self.source_argv + ["--inject-corrupt-every", "5"])
+        elif kind == "slow_link":
+            self.restart("source", self.source_argv + ["--rate-limit", "4000000"])
+        elif kind == "swap_buffers":
+            sink = self.rng.choice(s.sinks)
+            _, p = s.procs[f"{sink}-buffers"]
+            p.send_signal(signal.SIGTERM)
+            p.wait(timeout=10)
+            bad = subprocess.run([s.wsync, "serve-buffers", "--local", f"unix:{self.tmp}/{sink}.sock", "--like",
+                                  self.mismatched], env=s.env, capture_output=True, text=True, timeout=60)
+            if bad.returncode == 0 or "'layers.0.weight'" not in bad.stderr:
+                raise AssertionError(f"mismatched buffers on {sink} were not refused by name: {bad.stderr}")
+            s.attach_buffers(self.like, [sink])
+        elif kind == "disk_full":
+            filler = f"{self.tmp}/store/filler"
+            fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o600)
+            try:
+                while os.write(fd, b"\0" * 4096) > 0:
+                    pass
+            except OSError:
+                pass  # full
+            finally:
+                os.close(fd)
+            v = self.publish()  # the coordinator cannot log it: refused, or acknowledged only if it fit
+            os.unlink(filler)
+            if v is not None:
+                print(f"    version {v} was acknowledged with the disk full (it fit)", flush=True)
+
+    def round(self, i):
+        kind = self.rng.choice(self.kinds)
+        mid_sync = self.rng.random() < 0.5
+        self.faults[kind] += 1
+        if mid_sync:
+            self.publish()
+            t0 = time.time()
+            self.inject(kind)
+        else:
+            t0 = time.time()
+            self.inject(kind)
+        # The next version published after the fault, then the round's check.
+        head = self.publish()
+        if head is None:
+            head = self.publish()
+        if kind in ("corrupt_chunks", "slow_link"):
+            head = self.publish() or head  # a second version through the faulty link
+        self.verify(head)
+        took = time.time() - t0
+        self.converge.append((took, kind))
+        self.check_versions()
+        self.sample()
+        print(f"  round {i}: {kind}{' (mid-sync)' if mid_sync else ''}: every sink bit-exact at version {head} "
+              f"{took:.1f} s after the fault", flush=True)
+
+    def report(self, seed, elapsed):
+        worst = max(self.converge) if self.converge else (0, "-")
+        growth = {n: (self.peak[n][1] - self.baseline_rss.get(n, 0)) // 1024 for n in self.peak}
+        r = {
+            "seed": seed, "seconds": round(elapsed), "rounds": len(self.converge),
+            "versions_acknowledged": len(self.acknowledged), "publishes_refused": self.refused,
+            "sink_versions_verified": self.verified, "faults": self.faults, "divergent_bits": self.divergent_bits,
+            "lost_versions": 0, "reused_versions": 0,
+            "worst_converge_s": round(worst[0], 1), "worst_converge_fault": worst[1],
+            "median_converge_s": round(sorted(c for c, _ in self.converge)[len(self.converge) // 2], 1)
+            if self.converge else 0,
+            "max_fds": {n: p[0] for n, p in self.peak.items()},
+            "max_rss_mb": {n: p[1] // 1024 for n, p in self.peak.items()},
+            "rss_growth_mb": growth, "disk_full_tested": self.tmpfs,
+        }
+        for n, (nfd, _) in self.peak.items():
+            if nfd > MAX_FDS:
+                raise AssertionError(f"{n} held {nfd} file descriptors (bound {MAX_FDS})")
+        return r
+
+    def stacks(self):
+        """Every daemon's threads into its log folder (gdb, when installed), for a failure's report."""
+        for name, (_, p) in self.s.procs.items():
+            if name.endswith("-buffers") or p.poll() is not None:
+                continue
+            with open(f"{self.tmp}/{name}.stacks", "w") as f:
+                subprocess.run(["gdb", "-p", str(p.pid), "-batch", "-ex", "thread apply all bt"], stdout=f,
+                               stderr=subprocess.STDOUT, timeout=60, check=False)
+
+    def close(self):
+        try:
+            self.s.stop()
+        finally:
+            if self.tmpfs:
+                subprocess.run(["umount", "-l", f"{self.tmp}/store"], capture_output=True)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--build", required=True)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--minutes", type=float, default=2.0)
+    p.add_argument("--rounds", type=int, default=1000)
+    p.add_argument("--json", default=None)
+    a = p.parse_args()
+    sys.path.insert(0, os.path.join(os.path.abspath(a.build), "python"))
+    seed = a.seed if a.seed is not None else random.SystemRandom().randrange(1 << 31)
+    print(f"fault campaign: seed {seed} (replay: fault_campaign.py --build {a.build} --seed {seed}), "
+          f"{a.minutes} min", flush=True)
+    tmp = tempfile.mkdtemp(prefix=f"wsync_campaign_{seed}_")
+    c = Campaign(a.build, seed, tmp)
+    t0 = time.time()
+    try:
+        first = c.publish()
+        c.verify(first)
+        c.sample()
+        i = 0
+        while i < a.rounds and time.time() - t0 < a.minutes * 60:
+            i += 1
+            c.round(i)
+        r = c.report(seed, time.time() - t0)
+    except BaseException:
+        print(f"fault campaign FAILED with seed {seed}; logs in {tmp}", flush=True)
+        c.stacks()
+        raise
+    finally:
+        c.close()
+    print(json.dumps(r, indent=1))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(r, f, indent=1)
+    print(f"PASS: {r['rounds']} faults, {r['versions_acknowledged']} versions, {r['sink_versions_verified']} sink "
+          f"versions verified bit-exact, divergent bits {r['divergent_bits']}, lost versions 0, worst convergence "
+          f"{r['worst_converge_s']} s ({r['worst_converge_fault']})")
+
+
+if __name__ == "__main__":
+    main()
