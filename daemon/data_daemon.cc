@@ -344,9 +344,17 @@ class Source : public Node, public v1::Local::Service {
       layout = layout_;
     }
     if (head_pub_.version != 0 && req->version() == head_pub_.version && !head_announced_) {
-      // A retry of the last publish, whose announce failed: the version is
-      // encoded; announce it now. (Once announced, the same version again
-      // is refused as not above the head: it may carry other weights.)
+      // The version is encoded, but the coordinator did not confirm it. The
+      // same weights again are a retry: announce it now. Other weights (the
+      // trainer stepped on) must not pass as this version.
+      auto same = HeadHoldsTheRegisteredWeights();
+      if (!same.ok()) return ToGrpc(same.status());
+      if (!*same) {
+        return ToGrpc(FailedPreconditionError(
+            "version " + std::to_string(req->version()) + " was encoded from other weights and its announce failed; "
+            "it cannot be published again with these: the next valid version is " +
+            std::to_string(req->version() + 1)));
+      }
       if (wsync::Status s = Announce(head_pub_, 0); !s.ok()) return ToGrpc(s);
       head_announced_ = true;
       resp->set_version(head_pub_.version);
@@ -466,6 +474,25 @@ class Source : public Node, public v1::Local::Service {
     std::vector<codec::TensorView> out(views.begin(), views.end());
     for (auto& t : out) t.dtype = buffers::PublishedDType(t.dtype);
     return out;
+  }
+
+  // Whether the registered weights, as they would be published now (F32
+  // cast), are the encoded head's (its set checksum). REQUIRES: publish_mu_.
+  StatusOr<bool> HeadHoldsTheRegisteredWeights() {
+    std::lock_guard<std::mutex> lock(state_mu_);
+    const auto views = tensors_->Views();
+    if (device_) {
+      if (cast_) return false;  // no device checksum of the cast: treated as other weights
+      WSYNC_ASSIGN_OR_RETURN(uint64_t sum, TensorsSetChecksum(*tensors_, &pool_));
+      return sum == head_pub_.set_checksum;
+    }
+    if (!cast_) return codec::SetChecksum(views, &pool_) == head_pub_.set_checksum;
+    // snapshot_ is scratch between publishes (the previous head's buffers).
+    if (!buffers::CopyInto(views, snapshot_, &copy_pool_).ok()) {
+      snapshot_ = buffers::PublishedCopy(views);
+      WSYNC_RETURN_IF_ERROR(buffers::CopyInto(views, snapshot_, &copy_pool_));
+    }
+    return codec::SetChecksum(buffers::Views(snapshot_), &pool_) == head_pub_.set_checksum;
   }
 
   // A version must be above every version the coordinator acknowledged,

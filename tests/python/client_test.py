@@ -29,6 +29,12 @@ Scenarios:
                               server: the client registers the same memory
                               again, the sink resumes from the version its
                               buffers hold (a patch, not a keyframe)
+  unconfirmed_publish         a version whose announce fails (injected): the
+                              client retries it (bounded), the trainer steps
+                              on; the same version number with the new weights
+                              is refused (StaleVersionError), never published
+                              with the old content; the next one reaches the
+                              sink bit-exact (found by the fault campaign)
   sigterm                     SIGTERM stops, each within a second: an idle
                               sink, a sink whose inference server holds, a
                               source, the coordinator
@@ -375,6 +381,55 @@ print("daemon restart ok", versions)
         s.stop()
 
 
+def unconfirmed_publish(build):
+    s = system(build, "unconfirmed_publish", sinks=1, source_args=["--inject-fail-announce", "3"])
+    code = r"""
+import sys, time, torch, wsync
+sys.path.insert(0, "examples")
+from tiny_llama import LlamaForCausalLM
+torch.manual_seed(0)
+trainer = LlamaForCausalLM().to(torch.bfloat16)
+infer = LlamaForCausalLM().to(torch.bfloat16)
+src = wsync.Source(sys.argv[1]); src.register(trainer)
+snk = wsync.Sink(sys.argv[2]); snk.register(infer)
+def step():
+    with torch.no_grad():
+        for p in trainer.parameters():
+            p.view(torch.int16).view(-1)[::97] += 1
+def same():
+    return all(torch.equal(t.view(torch.int16), infer.state_dict()[k].view(torch.int16))
+               for k, t in trainer.state_dict().items())
+for _ in range(2):
+    step(); v = src.publish().version; snk.wait(v); assert same()
+step()
+t0 = time.time()
+try:
+    src.publish()  # version 3: its announce fails every time
+    raise SystemExit("version 3 was published")
+except wsync.UnavailableError as e:
+    print(f"version 3 unconfirmed after {time.time() - t0:.1f} s of retries:", e.message[-90:])
+step()             # the trainer goes on
+try:
+    src.publish(3)
+    raise SystemExit("version 3 was published with the old weights")
+except wsync.StaleVersionError as e:
+    print("version 3 again with new weights refused; next", e.next_version)
+v = src.publish().version
+snk.wait(v, timeout=60)
+with snk.hold() as held:
+    assert held == v == 4 and same(), (held, v)
+print("unconfirmed ok")
+"""
+    try:
+        p = subprocess.run(["/usr/bin/python3", "-c", code, local(s, "source"), local(s, "sink-0")],
+                           env=dict(s.env, PYTHONPATH=os.path.join(build, "python")), capture_output=True, text=True,
+                           cwd=os.path.join(HERE, "..", ".."), timeout=300)
+        check(p.returncode == 0 and "unconfirmed ok" in p.stdout and "next 4" in p.stdout,
+              "an unconfirmed version is never published with other weights: " + (p.stdout + p.stderr)[-700:])
+    finally:
+        s.stop()
+
+
 def sigterm(build):
     s = system(build, "sigterm", sinks=2)
     try:
@@ -449,6 +504,7 @@ SCENARIOS = {
     "persistent_failure": persistent_failure,
     "reregister": reregister,
     "daemon_restart": daemon_restart,
+    "unconfirmed_publish": unconfirmed_publish,
     "sigterm": sigterm,
     "gpu": gpu,
 }

@@ -133,8 +133,10 @@ class Source:
                     retried = True
                     time.sleep(delay)
                 except FailedPreconditionError as e:
+                    # "not above the head" after an Unavailable: our version
+                    # was stored (its answer was lost), not someone else's.
                     m = _NEXT.search(e.message)
-                    if retried and m and int(m.group(1)) == v + 1:
+                    if retried and m and int(m.group(1)) == v + 1 and "is not above the head" in e.message:
                         return pb.LocalPublishResponse(version=v)
                     raise
         try:
