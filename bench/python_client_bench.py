@@ -16,10 +16,8 @@ a checkpoint file every time: it maps the file and copies it into fresh
 shared memory per step.
 """
 import argparse
-import json
 import os
 import statistics
-import struct
 import subprocess
 import sys
 import tempfile
@@ -29,22 +27,7 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "scripts"))
-from system_demo import System  # noqa: E402
-
-
-def write_safetensors(path, tensors):
-    header, offset = {}, 0
-    for name, t in tensors.items():
-        n = t.numel() * t.element_size()
-        header[name] = {"dtype": "BF16", "shape": list(t.shape), "data_offsets": [offset, offset + n]}
-        offset += n
-    h = json.dumps(header).encode()
-    h += b" " * (-len(h) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(h)))
-        f.write(h)
-        for t in tensors.values():
-            f.write(t.contiguous().view(torch.uint8).numpy().tobytes())
+from system_demo import System, write_safetensors  # noqa: E402
 
 
 def step(tensors, gen, fraction=0.015):

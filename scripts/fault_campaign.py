@@ -29,8 +29,6 @@ and the daemons' file descriptors and memory must stay bounded.
 Without --seed a random seed is drawn and printed: rerun with it to replay.
 """
 import argparse
-import glob
-import hashlib
 import json
 import os
 import random
@@ -43,28 +41,13 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from system_demo import System  # noqa: E402
+from system_demo import System, write_safetensors  # noqa: E402
 
 KINDS = ["kill_coordinator", "kill_source", "kill_sink", "kill_relay", "corrupt_chunks", "swap_buffers",
          "disk_full", "slow_link"]
 CONVERGE_S = 120
 MAX_FDS = 256
-
-
-def write_safetensors(path, tensors):
-    """tensors: {name: torch tensor (BF16)}."""
-    import torch
-    header, offset = {}, 0
-    for name, t in tensors.items():
-        n = t.numel() * t.element_size()
-        header[name] = {"dtype": "BF16", "shape": list(t.shape), "data_offsets": [offset, offset + n]}
-        offset += n
-    h = json.dumps(header).encode()
-    h += b" " * (-len(h) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(h)) + h)
-        for t in tensors.values():
-            f.write(t.contiguous().view(torch.uint8).numpy().tobytes())
+MAX_RSS_MB = 512  # per daemon, for a 4 MiB model: growth without bound would cross it in a long run
 
 
 def read_safetensors(path):
@@ -286,9 +269,11 @@ class Campaign:
             "max_rss_mb": {n: p[1] // 1024 for n, p in self.peak.items()},
             "rss_growth_mb": growth, "disk_full_tested": self.tmpfs,
         }
-        for n, (nfd, _) in self.peak.items():
+        for n, (nfd, rss) in self.peak.items():
             if nfd > MAX_FDS:
                 raise AssertionError(f"{n} held {nfd} file descriptors (bound {MAX_FDS})")
+            if rss // 1024 > MAX_RSS_MB:
+                raise AssertionError(f"{n} used {rss // 1024} MB (bound {MAX_RSS_MB} MB)")
         return r
 
     def stacks(self):

@@ -35,6 +35,22 @@ def tensor_digest(path):
     return m.hexdigest()
 
 
+def write_safetensors(path, tensors):
+    """Writes {name: torch tensor} (BF16) as a safetensors file."""
+    import torch
+    header, offset = {}, 0
+    for name, t in tensors.items():
+        n = t.numel() * t.element_size()
+        header[name] = {"dtype": "BF16", "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    h = json.dumps(header).encode()
+    h += b" " * (-len(h) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(h)) + h)
+        for t in tensors.values():
+            f.write(t.contiguous().view(torch.uint8).numpy().tobytes())
+
+
 class System:
     """The processes of a wsync deployment on loopback, by name."""
 

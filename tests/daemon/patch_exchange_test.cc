@@ -92,6 +92,24 @@ StatusOr<std::shared_ptr<PatchStream>> OfferAndPull(Node& source, Node& sink, co
   return sink.fetcher->Pull(peer, 1, 2, 10s);
 }
 
+// `source` offers patch 1->2; `relay` pulls it and serves the stream it is
+// still receiving (cut-through); `sink` pulls it from the relay.
+void ThroughRelay(Node& source, Node& relay, Node& sink, const std::string& patch,
+                  std::shared_ptr<PatchStream>* incoming, std::shared_ptr<PatchStream>* outgoing) {
+  source.provider.streams[{1, 2}] = PatchStream::FromBytes(codec::PatchKind::kPatch, 1, 2, patch, kChunk);
+  auto up = relay.transport->Connect(source.transport->LocalConnInfo());
+  ASSERT_TRUE(up.ok());
+  auto in = relay.fetcher->Pull(*up, 1, 2, 10s);
+  ASSERT_TRUE(in.ok()) << in.status().ToString();
+  relay.provider.streams[{1, 2}] = *in;
+  auto down = sink.transport->Connect(relay.transport->LocalConnInfo());
+  ASSERT_TRUE(down.ok());
+  auto out = sink.fetcher->Pull(*down, 1, 2, 10s);
+  ASSERT_TRUE(out.ok()) << out.status().ToString();
+  *incoming = *in;
+  *outgoing = *out;
+}
+
 void ExpectAppliesExactly(const Versions& v, const std::string& bytes) {
   auto dst = v.v1;
   auto views = buffers::MutableViews(dst);
@@ -137,22 +155,13 @@ TEST_P(PatchExchangeTest, RelayForwardsChunksAsTheyArrive) {
   auto source = MakeNode(slow);
   auto relay = MakeNode();
   auto sink = MakeNode();
-  source->provider.streams[{1, 2}] = PatchStream::FromBytes(codec::PatchKind::kPatch, 1, 2, v.patch, kChunk);
-  auto up = relay->transport->Connect(source->transport->LocalConnInfo());
-  ASSERT_TRUE(up.ok());
-  auto incoming = relay->fetcher->Pull(*up, 1, 2, 10s);
-  ASSERT_TRUE(incoming.ok());
-  // The relay serves the stream it is still receiving.
-  relay->provider.streams[{1, 2}] = *incoming;
-  auto down = sink->transport->Connect(relay->transport->LocalConnInfo());
-  ASSERT_TRUE(down.ok());
-  auto outgoing = sink->fetcher->Pull(*down, 1, 2, 10s);
-  ASSERT_TRUE(outgoing.ok()) << outgoing.status().ToString();
+  std::shared_ptr<PatchStream> incoming, outgoing;
+  ASSERT_NO_FATAL_FAILURE(ThroughRelay(*source, *relay, *sink, v.patch, &incoming, &outgoing));
   // The sink had its first chunk before the relay had its last.
-  ASSERT_TRUE((*outgoing)->Wait(0, std::chrono::steady_clock::now() + 10s).ok());
-  EXPECT_FALSE((*incoming)->WaitComplete(std::chrono::steady_clock::now()).ok()) << "no overlap: not cut-through";
-  ASSERT_TRUE((*outgoing)->WaitComplete(std::chrono::steady_clock::now() + 30s).ok());
-  ExpectAppliesExactly(v, (*outgoing)->Assemble());
+  ASSERT_TRUE(outgoing->Wait(0, std::chrono::steady_clock::now() + 10s).ok());
+  EXPECT_FALSE(incoming->WaitComplete(std::chrono::steady_clock::now()).ok()) << "no overlap: not cut-through";
+  ASSERT_TRUE(outgoing->WaitComplete(std::chrono::steady_clock::now() + 30s).ok());
+  ExpectAppliesExactly(v, outgoing->Assemble());
   EXPECT_EQ(source->server->bytes_served(), v.patch.size());  // the source sent it once
 }
 
@@ -179,20 +188,12 @@ TEST_P(PatchExchangeTest, RelayWhoseParentFailsAbortsItsChildren) {
   auto source = MakeNode(slow);
   auto relay = MakeNode();
   auto sink = MakeNode();
-  source->provider.streams[{1, 2}] = PatchStream::FromBytes(codec::PatchKind::kPatch, 1, 2, v.patch, kChunk);
-  auto up = relay->transport->Connect(source->transport->LocalConnInfo());
-  ASSERT_TRUE(up.ok());
-  auto incoming = relay->fetcher->Pull(*up, 1, 2, 10s);
-  ASSERT_TRUE(incoming.ok());
-  relay->provider.streams[{1, 2}] = *incoming;
-  auto down = sink->transport->Connect(relay->transport->LocalConnInfo());
-  ASSERT_TRUE(down.ok());
-  auto outgoing = sink->fetcher->Pull(*down, 1, 2, 10s);
-  ASSERT_TRUE(outgoing.ok()) << outgoing.status().ToString();
-  ASSERT_TRUE((*outgoing)->Wait(0, std::chrono::steady_clock::now() + 10s).ok());
+  std::shared_ptr<PatchStream> incoming, outgoing;
+  ASSERT_NO_FATAL_FAILURE(ThroughRelay(*source, *relay, *sink, v.patch, &incoming, &outgoing));
+  ASSERT_TRUE(outgoing->Wait(0, std::chrono::steady_clock::now() + 10s).ok());
   source.reset();  // the relay's parent dies mid-stream
   const auto t0 = std::chrono::steady_clock::now();
-  Status s = (*outgoing)->WaitComplete(t0 + 60s);
+  Status s = outgoing->WaitComplete(t0 + 60s);
   EXPECT_EQ(s.code(), StatusCode::kUnavailable) << s.ToString();
   EXPECT_NE(s.message().find("parent:"), std::string::npos) << s.ToString();
   EXPECT_LT(std::chrono::steady_clock::now() - t0, 15s);

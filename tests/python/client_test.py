@@ -100,6 +100,13 @@ class Worker:
             raise AssertionError(f"{self.name} exited {rc}:\n{open(self.log_path).read()[-3000:]}")
 
 
+def run_client(s, build, code, *args):
+    """Runs `code` with the built `wsync` package, given the source's and sink-0's local addresses (and args)."""
+    return subprocess.run(["/usr/bin/python3", "-c", code, local(s, "source"), local(s, "sink-0"), *args],
+                          env=dict(s.env, PYTHONPATH=os.path.join(build, "python")), capture_output=True, text=True,
+                          cwd=os.path.join(HERE, "..", ".."), timeout=300)
+
+
 def system(build, name, sinks=2, coordinator_args=(), sink_args=(), source_args=()):
     tmp = tempfile.mkdtemp(prefix=f"wsync_client_{name}_")
     print(f"== {name}", flush=True)
@@ -314,9 +321,7 @@ except wsync.FailedPreconditionError as e:
 print("reregister ok")
 """
     try:
-        p = subprocess.run(["/usr/bin/python3", "-c", code, local(s, "source"), local(s, "sink-0")],
-                           env=dict(s.env, PYTHONPATH=os.path.join(build, "python")), capture_output=True, text=True,
-                           cwd=os.path.join(HERE, "..", ".."), timeout=300)
+        p = run_client(s, build, code)
         check(p.returncode == 0 and "reregister ok" in p.stdout,
               "a sink registered again syncs into its new tensors and leaves the old ones alone; Unregister "
               "ends it; a source registered again and unregistered: " + (p.stdout + p.stderr)[-600:])
@@ -421,9 +426,7 @@ with snk.hold() as held:
 print("unconfirmed ok")
 """
     try:
-        p = subprocess.run(["/usr/bin/python3", "-c", code, local(s, "source"), local(s, "sink-0")],
-                           env=dict(s.env, PYTHONPATH=os.path.join(build, "python")), capture_output=True, text=True,
-                           cwd=os.path.join(HERE, "..", ".."), timeout=300)
+        p = run_client(s, build, code)
         check(p.returncode == 0 and "unconfirmed ok" in p.stdout and "next 4" in p.stdout,
               "an unconfirmed version is never published with other weights: " + (p.stdout + p.stderr)[-700:])
     finally:
@@ -488,9 +491,7 @@ print("gpu ok")
 '''
     s = system(build, "gpu", sinks=1)
     try:
-        p = subprocess.run(["/usr/bin/python3", "-c", code, local(s, "source"), local(s, "sink-0")],
-                           env=dict(s.env, PYTHONPATH=os.path.join(build, "python")), capture_output=True, text=True,
-                           cwd=os.path.join(HERE, "..", ".."), timeout=300)
+        p = run_client(s, build, code)
         check(p.returncode == 0 and "gpu ok" in p.stdout, "CUDA tensors sync bit-exactly over IPC: " + p.stderr[-500:])
     finally:
         s.stop()

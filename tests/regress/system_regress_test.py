@@ -18,14 +18,13 @@ import glob
 import json
 import os
 import signal
-import struct
 import subprocess
 import sys
 import tempfile
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "scripts"))
-from system_demo import System  # noqa: E402
+from system_demo import System, write_safetensors  # noqa: E402
 
 
 def check(cond, what):
@@ -42,19 +41,10 @@ def pid(s, name):
     return s.procs[name][1].pid
 
 
-def write_safetensors(path, tensors):
+def write_zeros(path, tensors):
     """tensors: [(name, shape)] of BF16 zeros."""
-    header, offset = {}, 0
-    for name, shape in tensors:
-        n = 2
-        for d in shape:
-            n *= d
-        header[name] = {"dtype": "BF16", "shape": shape, "data_offsets": [offset, offset + n]}
-        offset += n
-    h = json.dumps(header).encode()
-    h += b" " * (-len(h) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(h)) + h + bytes(offset))
+    import torch
+    write_safetensors(path, {name: torch.zeros(shape, dtype=torch.bfloat16) for name, shape in tensors})
 
 
 def cli(s, *args):
@@ -113,7 +103,7 @@ def main():
         s.restart("source")
         s.wait_for(lambda: local_status(s, "source").get("role") == "source", "the restarted source")
         other = os.path.join(tmp, "other.safetensors")
-        write_safetensors(other, [("model.embed_tokens.weight", [4096, 128])])
+        write_zeros(other, [("model.embed_tokens.weight", [4096, 128])])
         p = cli(s, "publish", "--local", f"unix:{tmp}/source.sock", other, "--version", "3")
         check(p.returncode != 0 and "'model.embed_tokens.weight'" in p.stderr and "shape" in p.stderr,
               "a checkpoint of another layout is refused, naming the tensor: " + p.stderr.strip())
@@ -122,7 +112,7 @@ def main():
 
         print("== item 7: names from input are escaped", flush=True)
         odd = os.path.join(tmp, "odd.safetensors")
-        write_safetensors(odd, [("bad\nname\x01", [4])])
+        write_zeros(odd, [("bad\nname\x01", [4])])
         p = cli(s, "publish", "--local", f"unix:{tmp}/source.sock", odd, "--version", "3")
         check(p.returncode != 0 and "bad\\x0aname\\x01" in p.stderr and p.stderr.strip().count("\n") == 0,
               "a tensor name with a newline and a control byte is printed escaped, on one line: " + p.stderr.strip())
