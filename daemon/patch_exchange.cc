@@ -34,6 +34,18 @@ constexpr int kMaxRefetchesPerMessage = 4;                  // then the pull fai
 
 // ------------------------------------------------------------ PatchStream
 
+Status CheckStreamShape(uint64_t total_bytes, uint32_t chunk_bytes) {
+  if (chunk_bytes < kMinChunkBytes || chunk_bytes > kMaxChunkBytes) {
+    return DataLossError("header: chunk size " + std::to_string(chunk_bytes) + " outside [" +
+                         std::to_string(kMinChunkBytes) + ", " + std::to_string(kMaxChunkBytes) + "]");
+  }
+  if (total_bytes / chunk_bytes >= kMaxStreamChunks) {
+    return DataLossError("header: " + std::to_string(total_bytes) + " bytes in chunks of " +
+                         std::to_string(chunk_bytes) + " is more than " + std::to_string(kMaxStreamChunks) + " chunks");
+  }
+  return Status::Ok();
+}
+
 PatchStream::PatchStream(codec::PatchKind kind, uint64_t from, uint64_t to, uint64_t total_bytes,
                          uint32_t chunk_bytes)
     : kind_(kind),
@@ -315,6 +327,8 @@ StatusOr<std::shared_ptr<PatchStream>> PatchFetcher::Pull(PeerId parent, uint64_
   uint32_t channel;
   auto p = std::make_shared<Pending>();
   p->parent = parent;
+  p->from = from;
+  p->to = to;
   {
     std::lock_guard<std::mutex> lock(mu_);
     channel = next_channel_++;
@@ -361,23 +375,13 @@ void PatchFetcher::OnResponse(const Message& m) {
       return;
     }
     if (type == ExchangeMessage::kHeader) {
-      size_t pos = 1;
-      uint8_t code = 0, kind = 0;
-      uint64_t from = 0, to = 0, total = 0;
-      uint32_t chunk = 0;
-      if (!Get(m.payload, &pos, &code) || !Get(m.payload, &pos, &kind) || !Get(m.payload, &pos, &from) ||
-          !Get(m.payload, &pos, &to) || !Get(m.payload, &pos, &total) || !Get(m.payload, &pos, &chunk) ||
-          (code == 0 && (chunk == 0 || (kind != 1 && kind != 2)))) {
-        p.header_code = StatusCode::kDataLoss;
-        p.header_error = "malformed header";
-      } else {
-        p.header_code = static_cast<StatusCode>(code);
-        p.header_error = m.payload.substr(pos);
-        if (code == 0) {
-          p.stream = std::make_shared<PatchStream>(static_cast<codec::PatchKind>(kind), from, to, total, chunk);
-          for (auto& [i, bytes] : p.early) (void)p.stream->Put(i, std::move(bytes));
-          p.early.clear();
-        }
+      if (p.header_seen) return;  // a repeated header (a refetch of seq 0) changes nothing
+      Status checked = ParseHeader(m.payload, p);
+      if (!checked.ok()) {
+        spdlog::warn("peer {}: pull {}: {}", m.peer, m.channel, checked.ToString());
+        p.header_code = checked.code();
+        p.header_error = checked.message();
+        p.stream.reset();
       }
       p.header_seen = true;
       cv_.notify_all();
@@ -385,6 +389,12 @@ void PatchFetcher::OnResponse(const Message& m) {
     } else if (m.seq == 0) {
       return;  // a chunk never has seq 0
     } else if (!p.stream) {
+      if (p.early.size() >= kMaxEarlyChunks) {
+        FailLocked(p, DataLossError("more than " + std::to_string(kMaxEarlyChunks) + " chunks before the header"));
+        pending_.erase(it);
+        cv_.notify_all();
+        return;
+      }
       p.early.push_back({static_cast<size_t>(m.seq - 1), m.payload.substr(1)});
       return;
     } else {
@@ -429,6 +439,41 @@ void PatchFetcher::OnPeerFailed(PeerId peer, const Status& why) {
 
 void PatchFetcher::FailAll(const Status& why) {
   FailPending([](const Pending&) { return true; }, why);
+}
+
+Status PatchFetcher::ParseHeader(std::string_view payload, Pending& p) {
+  size_t pos = 1;
+  uint8_t code = 0, kind = 0;
+  uint64_t from = 0, to = 0, total = 0;
+  uint32_t chunk = 0;
+  if (!Get(payload, &pos, &code) || !Get(payload, &pos, &kind) || !Get(payload, &pos, &from) ||
+      !Get(payload, &pos, &to) || !Get(payload, &pos, &total) || !Get(payload, &pos, &chunk)) {
+    return DataLossError("header: " + std::to_string(payload.size()) + " bytes, shorter than its 31 fixed bytes");
+  }
+  if (code > static_cast<uint8_t>(StatusCode::kUnauthenticated)) {
+    return DataLossError("header: status " + std::to_string(code) + " is not a status code");
+  }
+  if (code != 0) {
+    p.header_code = static_cast<StatusCode>(code);
+    p.header_error = Quoted(payload.substr(pos), 400);
+    return Status::Ok();
+  }
+  if (kind != static_cast<uint8_t>(codec::PatchKind::kPatch) && kind != static_cast<uint8_t>(codec::PatchKind::kKeyframe)) {
+    return DataLossError("header: kind " + std::to_string(kind) + " is neither a patch (1) nor a keyframe (2)");
+  }
+  // The answer to (from, to) is that patch, or a keyframe of `to`.
+  const bool keyframe = kind == static_cast<uint8_t>(codec::PatchKind::kKeyframe);
+  if (to != p.to || (keyframe ? from != 0 : from != p.from)) {
+    return DataLossError("header: announces " + std::string(keyframe ? "a keyframe " : "a patch ") + std::to_string(from) +
+                         "->" + std::to_string(to) + " for a pull of " + std::to_string(p.from) + "->" +
+                         std::to_string(p.to));
+  }
+  WSYNC_RETURN_IF_ERROR(CheckStreamShape(total, chunk));
+  p.header_code = StatusCode::kOk;
+  p.stream = std::make_shared<PatchStream>(static_cast<codec::PatchKind>(kind), from, to, total, chunk);
+  for (auto& [i, bytes] : p.early) (void)p.stream->Put(i, std::move(bytes));
+  p.early.clear();
+  return Status::Ok();
 }
 
 void PatchFetcher::FailLocked(Pending& p, const Status& why) {

@@ -27,9 +27,26 @@
 
 namespace wsync::daemon {
 
+// Limits on what a HEADER may announce (docs/data-plane.md): a stream is
+// at most kMaxStreamChunks chunks of kMinChunkBytes..kMaxChunkBytes, so a
+// header from a hostile or broken peer costs the puller at most a fixed
+// bookkeeping allocation (kMaxStreamChunks entries), never `total` bytes.
+inline constexpr uint32_t kMinChunkBytes = 4u << 10;
+inline constexpr uint32_t kMaxChunkBytes = 64u << 20;
+inline constexpr uint64_t kMaxStreamChunks = 1u << 20;
+// Chunks a puller keeps that arrive before their header (the transport
+// delivers in order; more than this is a broken peer).
+inline constexpr size_t kMaxEarlyChunks = 64;
+
+// Ok when a stream of `total_bytes` in chunks of `chunk_bytes` is within
+// the limits above; DataLoss naming the field otherwise.
+Status CheckStreamShape(uint64_t total_bytes, uint32_t chunk_bytes);
+
 // The bytes of one patch or keyframe, possibly still arriving.
 class PatchStream {
  public:
+  // REQUIRES: CheckStreamShape(total_bytes, chunk_bytes) ok, or the values
+  // come from this process (FromBytes).
   PatchStream(codec::PatchKind kind, uint64_t from, uint64_t to, uint64_t total_bytes, uint32_t chunk_bytes);
   // A complete stream over `bytes`.
   static std::shared_ptr<PatchStream> FromBytes(codec::PatchKind kind, uint64_t from, uint64_t to,
@@ -152,6 +169,7 @@ class PatchFetcher {
  private:
   struct Pending {
     transport::PeerId parent;
+    uint64_t from = 0, to = 0;            // what was asked for
     std::shared_ptr<PatchStream> stream;  // null until the header arrives
     std::string header_error;
     bool header_seen = false;
@@ -161,6 +179,10 @@ class PatchFetcher {
   };
 
   void FailPending(const std::function<bool(const Pending&)>& which, const Status& why);
+  // Checks every field of a HEADER for pull `p` before use; on success sets
+  // p's header code and text, or its stream (with the chunks that came
+  // early). DataLoss naming the field otherwise. REQUIRES: mu_ held.
+  static Status ParseHeader(std::string_view payload, Pending& p);
   // Fails one pull: its stream, or Pull's wait for the header. REQUIRES: mu_ held.
   static void FailLocked(Pending& p, const Status& why);
 

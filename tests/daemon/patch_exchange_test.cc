@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <random>
+#include <thread>
 
 #include "../codec/test_tensors.h"
 
@@ -197,6 +198,109 @@ TEST_P(PatchExchangeTest, RelayWhoseParentFailsAbortsItsChildren) {
   EXPECT_EQ(s.code(), StatusCode::kUnavailable) << s.ToString();
   EXPECT_NE(s.message().find("parent:"), std::string::npos) << s.ToString();
   EXPECT_LT(std::chrono::steady_clock::now() - t0, 15s);
+}
+
+// A peer that answers every PULL with a crafted HEADER (or other bytes),
+// from a thread of its own (handlers must not block on a full window).
+class HostileServer : public transport::Handler {
+ public:
+  ~HostileServer() override {
+    for (auto& t : senders) t.join();
+  }
+  void OnMessage(transport::Message m) override {
+    if (m.payload.empty() || m.payload[0] != static_cast<char>(ExchangeMessage::kPull)) return;
+    std::lock_guard<std::mutex> lock(mu);
+    senders.emplace_back([this, peer = m.peer, channel = m.channel, answer = answer] {
+      for (const auto& [seq, payload] : answer) {
+        if (!transport->Send(peer, channel, seq, payload).ok()) return;
+      }
+    });
+  }
+  void OnCorrupt(transport::PeerId, uint32_t, uint64_t) override {}
+  void OnPeerFailed(transport::PeerId, const Status&) override {}
+  std::mutex mu;
+  std::vector<std::pair<uint64_t, std::string>> answer;  // (seq, payload) sent for every PULL
+  std::vector<std::thread> senders;
+  transport::Transport* transport = nullptr;
+};
+
+std::string Header(uint8_t code, uint8_t kind, uint64_t from, uint64_t to, uint64_t total, uint32_t chunk,
+                   size_t cut = 0) {
+  std::string h(1, static_cast<char>(ExchangeMessage::kHeader));
+  auto put = [&](const void* v, size_t n) { h.append(static_cast<const char*>(v), n); };
+  put(&code, 1);
+  put(&kind, 1);
+  put(&from, 8);
+  put(&to, 8);
+  put(&total, 8);
+  put(&chunk, 4);
+  h.resize(h.size() - cut);
+  return h;
+}
+
+// Issue 19: header fields were used unchecked (`total` and `chunk` sized an
+// allocation: 2^60 bytes threw on the transport's progress thread; the
+// status code was cast unchecked). Every bad header now fails the pull with
+// DataLoss naming the field, at a fixed cost.
+TEST_P(PatchExchangeTest, HostileHeadersFailThePullCleanly) {
+  HostileServer hostile;
+  std::unique_ptr<transport::Transport> t;
+  if (GetParam() == Kind::kLoopback) {
+    t = fabric_.Create({}, &hostile);
+  } else {
+    transport::TransportOptions o;
+    o.listen = "127.0.0.1:0";
+    t = std::move(*transport::CreateUcxTransport(o, &hostile));
+  }
+  hostile.transport = t.get();
+  auto sink = MakeNode();
+  auto peer = sink->transport->Connect(t->LocalConnInfo());
+  ASSERT_TRUE(peer.ok());
+  const struct {
+    const char* what;
+    std::vector<std::pair<uint64_t, std::string>> answer;
+    const char* expect;
+  } cases[] = {
+      {"2^60 bytes", {{0, Header(0, 1, 1, 2, uint64_t{1} << 60, 1 << 20)}}, "chunks"},
+      {"zero chunk size", {{0, Header(0, 1, 1, 2, 100, 0)}}, "chunk size"},
+      {"huge chunk size", {{0, Header(0, 1, 1, 2, 100, 1u << 31)}}, "chunk size"},
+      {"status 200", {{0, Header(200, 1, 1, 2, 100, 1 << 20)}}, "status"},
+      {"kind 7", {{0, Header(0, 7, 1, 2, 100, 1 << 20)}}, "kind"},
+      {"other versions", {{0, Header(0, 1, 1, 9, 100, 1 << 20)}}, "announces"},
+      {"truncated", {{0, Header(0, 1, 1, 2, 100, 1 << 20, 5)}}, "shorter"},
+      {"only a type byte", {{0, std::string(1, static_cast<char>(ExchangeMessage::kHeader))}}, "shorter"},
+  };
+  for (const auto& c : cases) {
+    {
+      std::lock_guard<std::mutex> lock(hostile.mu);
+      hostile.answer = c.answer;
+    }
+    auto pulled = sink->fetcher->Pull(*peer, 1, 2, 10s);
+    ASSERT_FALSE(pulled.ok()) << c.what;
+    EXPECT_EQ(pulled.status().code(), StatusCode::kDataLoss) << c.what << ": " << pulled.status().ToString();
+    EXPECT_NE(pulled.status().message().find(c.expect), std::string::npos) << c.what << ": " << pulled.status().ToString();
+  }
+  // A flood of chunks before any header: the pull fails, memory stays bounded.
+  std::vector<std::pair<uint64_t, std::string>> flood;
+  for (uint64_t i = 1; i <= kMaxEarlyChunks + 10; ++i) {
+    flood.push_back({i, std::string(1, static_cast<char>(ExchangeMessage::kChunk)) + std::string(kChunk, 'x')});
+  }
+  {
+    std::lock_guard<std::mutex> lock(hostile.mu);
+    hostile.answer = flood;
+  }
+  auto flooded = sink->fetcher->Pull(*peer, 1, 2, 10s);
+  EXPECT_EQ(flooded.status().code(), StatusCode::kDataLoss) << flooded.status().ToString();
+  EXPECT_NE(flooded.status().message().find("before the header"), std::string::npos) << flooded.status().ToString();
+  // The hostile peer's answer with a valid header still works: the puller is unharmed.
+  {
+    std::lock_guard<std::mutex> lock(hostile.mu);
+    hostile.answer = {{0, Header(5, 0, 0, 0, 0, 0) + "no such version"}};
+  }
+  auto refused = sink->fetcher->Pull(*peer, 1, 2, 10s);
+  EXPECT_EQ(refused.status().code(), StatusCode::kNotFound) << refused.status().ToString();
+  sink.reset();
+  t.reset();
 }
 
 INSTANTIATE_TEST_SUITE_P(Both, PatchExchangeTest, ::testing::Values(Kind::kLoopback, Kind::kUcx),
