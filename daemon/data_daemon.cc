@@ -357,10 +357,7 @@ class Source : public Node, public v1::Local::Service {
       }
       if (wsync::Status s = Announce(head_pub_, 0); !s.ok()) return ToGrpc(s);
       head_announced_ = true;
-      resp->set_version(head_pub_.version);
-      resp->set_base_version(head_pub_.base_version);
-      resp->set_patch_bytes(head_pub_.patch_bytes);
-      resp->set_dense_bytes(head_pub_.dense_bytes);
+      FillResponse(head_pub_, resp);
       resp->set_server_ms(MillisecondsSince(entered));
       return grpc::Status::OK;
     }
@@ -386,10 +383,7 @@ class Source : public Node, public v1::Local::Service {
       if ((req->return_after_copy() || cast_) && !device_) {
         // The source's own copy: taken (and cast) now, encoded from it.
         if (wsync::Status s = history_.Accepts(req->version(), LayoutViews(views)); !s.ok()) return ToGrpc(s);
-        if (!buffers::CopyInto(views, snapshot_, &copy_pool_).ok()) {
-          snapshot_ = buffers::PublishedCopy(views);
-          if (wsync::Status s = buffers::CopyInto(views, snapshot_, &copy_pool_); !s.ok()) return ToGrpc(s);
-        }
+        if (wsync::Status s = CopyToSnapshot(views); !s.ok()) return ToGrpc(s);
         if (req->return_after_copy()) {
           resp->set_version(req->version());
           resp->set_base_version(history_.head());
@@ -424,10 +418,7 @@ class Source : public Node, public v1::Local::Service {
     const double ms = MillisecondsSince(t0);
     if (wsync::Status s = Announce(*pub, ms); !s.ok()) return ToGrpc(s);
     head_announced_ = true;
-    resp->set_version(pub->version);
-    resp->set_base_version(pub->base_version);
-    resp->set_patch_bytes(pub->patch_bytes);
-    resp->set_dense_bytes(pub->dense_bytes);
+    FillResponse(*pub, resp);
     resp->set_encode_ms(ms);
     resp->set_server_ms(MillisecondsSince(entered));
     return grpc::Status::OK;
@@ -488,11 +479,23 @@ class Source : public Node, public v1::Local::Service {
     }
     if (!cast_) return codec::SetChecksum(views, &pool_) == head_pub_.set_checksum;
     // snapshot_ is scratch between publishes (the previous head's buffers).
-    if (!buffers::CopyInto(views, snapshot_, &copy_pool_).ok()) {
-      snapshot_ = buffers::PublishedCopy(views);
-      WSYNC_RETURN_IF_ERROR(buffers::CopyInto(views, snapshot_, &copy_pool_));
-    }
+    WSYNC_RETURN_IF_ERROR(CopyToSnapshot(views));
     return codec::SetChecksum(buffers::Views(snapshot_), &pool_) == head_pub_.set_checksum;
+  }
+
+  // Copies (and casts) `views` into snapshot_, reallocating it when its
+  // layout is not theirs. REQUIRES: publish_mu_ and state_mu_ held.
+  wsync::Status CopyToSnapshot(std::span<const codec::TensorView> views) {
+    if (buffers::CopyInto(views, snapshot_, &copy_pool_).ok()) return wsync::Status::Ok();
+    snapshot_ = buffers::PublishedCopy(views);
+    return buffers::CopyInto(views, snapshot_, &copy_pool_);
+  }
+
+  static void FillResponse(const PublishedVersion& pub, v1::LocalPublishResponse* resp) {
+    resp->set_version(pub.version);
+    resp->set_base_version(pub.base_version);
+    resp->set_patch_bytes(pub.patch_bytes);
+    resp->set_dense_bytes(pub.dense_bytes);
   }
 
   // A version must be above every version the coordinator acknowledged,
@@ -662,14 +665,9 @@ class Sink : public Node, public v1::Local::Service, public PatchProvider {
     auto reg = OpenRegistered(*req);
     if (!reg.ok()) return ToGrpc(reg.status());
     // Refused at once when the tensors cannot take the versions published.
-    auto published = coordinator_->GetLayout();
-    if (published.ok() && published->set()) {
-      const auto views = reg->Views();
-      if (auto s = control::CheckLayout(published->layout(), LayoutOf(views, false), "the registered tensors");
-          !s.ok()) {
-        spdlog::warn("sink {}: registration refused: {}", config_.name, s.ToString());
-        return ToGrpc(s);
-      }
+    if (auto s = CheckPublishedLayout(reg->Views()); !s.ok()) {
+      spdlog::warn("sink {}: registration refused: {}", config_.name, s.ToString());
+      return ToGrpc(s);
     }
     // Trust a claimed version only if the tensors' checksum is that version's
     // (a sink that died mid-apply leaves torn weights: those get a keyframe).
@@ -1093,7 +1091,7 @@ class Sink : public Node, public v1::Local::Service, public PatchProvider {
       }
       const uint64_t head = head_.load();
       if (!w || w.get() == mismatched_ || parent.empty() || w->applied() >= head) continue;
-      wsync::Status s = CheckPublishedLayout(*w);
+      wsync::Status s = CheckPublishedLayout(w->Views());
       if (!s.ok()) {
         // Tensors that cannot take the published versions never will: no
         // pull until they are registered again.
@@ -1130,15 +1128,15 @@ class Sink : public Node, public v1::Local::Service, public PatchProvider {
     }
   }
 
-  // Ok unless a layout is published and `w` does not match it.
-  wsync::Status CheckPublishedLayout(const SinkWeights& w) {
+  // Ok unless a layout is published and `views` do not match it.
+  wsync::Status CheckPublishedLayout(std::span<const codec::TensorView> views) {
     auto published = coordinator_->GetLayout();
     if (!published.ok() || !published->set()) return wsync::Status::Ok();  // checked again next time
-    const auto views = w.Views();
     return control::CheckLayout(published->layout(), LayoutOf(views, false), "the registered tensors")
         .WithContext("the registered tensors cannot take the published versions; register tensors of the "
                      "published layout");
   }
+
 
   wsync::Status SyncOnce(const std::shared_ptr<SinkWeights>& w, const std::string& parent, uint64_t from,
                          uint64_t to) {

@@ -262,7 +262,7 @@ StatusOr<uint64_t> CoordinatorState::Publish(const VersionSummary& version) {
   std::lock_guard<std::mutex> lock(mu_);
   // Above the head, and above every version ever acknowledged (the store's
   // high-water mark: higher than the head after a salvage lost records).
-  const uint64_t head = std::max(versions_.empty() ? 0 : versions_.rbegin()->first, version_floor_);
+  const uint64_t head = AcknowledgedHeadLocked();
   if (auto it = versions_.find(version.version()); it != versions_.end() &&
       it->second.set_checksum() == version.set_checksum() && it->second.source() == version.source() &&
       it->second.base_version() == version.base_version()) {
@@ -313,7 +313,7 @@ wsync::v1::ListVersionsResponse CoordinatorState::ListVersions(uint64_t after) c
   wsync::v1::ListVersionsResponse resp;
   for (auto it = versions_.upper_bound(after); it != versions_.end(); ++it) *resp.add_versions() = it->second;
   // Publishers read the next valid version from it: the floor counts.
-  resp.set_head_version(std::max(versions_.empty() ? 0 : versions_.rbegin()->first, version_floor_));
+  resp.set_head_version(AcknowledgedHeadLocked());
   return resp;
 }
 
@@ -452,6 +452,10 @@ StatusOr<wsync::v1::MayPublishResponse> CoordinatorState::MayPublish(uint64_t ve
 void CoordinatorState::Tick() {
   std::lock_guard<std::mutex> lock(mu_);
   ExpireLocked();
+}
+
+uint64_t CoordinatorState::AcknowledgedHeadLocked() const {
+  return std::max(versions_.empty() ? 0 : versions_.rbegin()->first, version_floor_);
 }
 
 void CoordinatorState::WatchBroken(const std::string& name, uint64_t incarnation) {

@@ -99,6 +99,9 @@ class CoordinatorState {
   void AssignParentsLocked();
   bool IsDescendantLocked(const std::string& node, const std::string& ancestor) const;
   uint64_t OldestLeasedLocked() const;
+  // The highest version ever acknowledged: the head, or the store's floor
+  // after a salvage that lost versions. REQUIRES: mu_ held.
+  uint64_t AcknowledgedHeadLocked() const;
   void FillDerivedLocked(wsync::v1::Node* n) const;
   void NotifyLocked();
 
