@@ -9,7 +9,7 @@
 #include <random>
 #include <vector>
 
-#include "bytes.h"
+#include "wsync/util/bytes.h"
 
 namespace wsync::codec::internal {
 namespace {

@@ -7,7 +7,7 @@
 #include <limits>
 #include <memory>
 
-#include "bytes.h"
+#include "wsync/util/bytes.h"
 #include "range_coder.h"
 #include "rans.h"
 #include "sweep.h"

@@ -2,7 +2,7 @@
 
 #include <cstring>
 
-#include "bytes.h"
+#include "wsync/util/bytes.h"
 #include "wsync/codec/checksum.h"
 #include "zstd_util.h"
 #include "wsync/util/text.h"

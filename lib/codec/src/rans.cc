@@ -2,7 +2,7 @@
 
 #include <cmath>
 
-#include "bytes.h"
+#include "wsync/util/bytes.h"
 
 namespace wsync::codec::internal {
 namespace {

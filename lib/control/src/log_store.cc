@@ -11,6 +11,7 @@
 #include <spdlog/spdlog.h>
 
 #include "wsync/control/store.h"
+#include "wsync/util/bytes.h"
 #include "wsync/util/crc32c.h"
 #include "wsync/util/file.h"
 
@@ -29,23 +30,10 @@ Status FsyncDir(const std::string& dir) {
   return s;
 }
 
-template <typename T>
-void PutLE(std::string* out, T v) {
-  char b[sizeof(T)];
-  std::memcpy(b, &v, sizeof(T));  // little-endian hosts only (x86-64, aarch64)
-  out->append(b, sizeof(T));
-}
-template <typename T>
-T GetLE(const char* p) {
-  T v;
-  std::memcpy(&v, p, sizeof(T));
-  return v;
-}
-
 std::string EncodeSnapshot(const std::string& payload) {
   std::string out(kSnapshotMagic, sizeof(kSnapshotMagic));
-  PutLE<uint64_t>(&out, payload.size());
-  PutLE<uint32_t>(&out, Crc32c(payload.data(), payload.size()));
+  ByteWriter(&out).U64(payload.size());
+  ByteWriter(&out).U32(Crc32c(payload.data(), payload.size()));
   return out + payload;
 }
 
@@ -57,12 +45,12 @@ Status DecodeSnapshot(const std::string& path, const std::string& bytes, wsync::
   if (std::memcmp(bytes.data(), kSnapshotMagic, sizeof(kSnapshotMagic)) != 0) {
     return DataLossError(path + ": bytes 0-7 are not the snapshot magic 'WSYNCSN1'");
   }
-  const uint64_t len = GetLE<uint64_t>(bytes.data() + 8);
+  const uint64_t len = LoadLE<uint64_t>(bytes.data() + 8);
   if (len != bytes.size() - kSnapshotHeader) {
     return DataLossError(path + ": the header (offset 8) says " + std::to_string(len) + " payload bytes, the file has " +
                          std::to_string(bytes.size() - kSnapshotHeader));
   }
-  if (Crc32c(bytes.data() + kSnapshotHeader, len) != GetLE<uint32_t>(bytes.data() + 16)) {
+  if (Crc32c(bytes.data() + kSnapshotHeader, len) != LoadLE<uint32_t>(bytes.data() + 16)) {
     return DataLossError(path + ": the payload (offset 20, " + std::to_string(len) + " bytes) fails its CRC-32C");
   }
   if (!snap->ParseFromArray(bytes.data() + kSnapshotHeader, static_cast<int>(len))) {
@@ -74,9 +62,9 @@ Status DecodeSnapshot(const std::string& path, const std::string& bytes, wsync::
 // A frame at `pos` that passes every check (the record it holds in *r).
 bool ValidFrame(const std::string& log, size_t pos, wsync::store::v1::Record* r) {
   if (log.size() - pos < 8) return false;
-  const uint32_t len = GetLE<uint32_t>(log.data() + pos);
+  const uint32_t len = LoadLE<uint32_t>(log.data() + pos);
   if (len == 0 || len > kMaxRecordBytes || log.size() - pos - 8 < len) return false;
-  if (Crc32c(log.data() + pos + 8, len) != GetLE<uint32_t>(log.data() + pos + 4)) return false;
+  if (Crc32c(log.data() + pos + 8, len) != LoadLE<uint32_t>(log.data() + pos + 4)) return false;
   return r->ParseFromArray(log.data() + pos + 8, static_cast<int>(len));
 }
 
@@ -118,8 +106,8 @@ class LogStore : public Store {
     std::string payload;
     if (!record.SerializeToString(&payload)) return InternalError("cannot serialize a store record");
     std::string frame;
-    PutLE<uint32_t>(&frame, static_cast<uint32_t>(payload.size()));
-    PutLE<uint32_t>(&frame, Crc32c(payload.data(), payload.size()));
+    ByteWriter(&frame).U32(static_cast<uint32_t>(payload.size()));
+    ByteWriter(&frame).U32(Crc32c(payload.data(), payload.size()));
     frame += payload;
     if (broken_) return DataLossError(dir_ + "/wal.log could not be repaired after a failed write; restart");
     Status s = WriteAll(fd_, frame.data(), frame.size(), dir_ + "/wal.log");
@@ -172,8 +160,8 @@ class LogStore : public Store {
 
   static Status WriteHighWater(const std::string& dir, uint64_t version) {
     std::string bytes;
-    PutLE<uint64_t>(&bytes, version);
-    PutLE<uint32_t>(&bytes, Crc32c(bytes.data(), 8));
+    ByteWriter(&bytes).U64(version);
+    ByteWriter(&bytes).U32(Crc32c(bytes.data(), 8));
     WSYNC_RETURN_IF_ERROR(WriteFileAtomic(dir + "/versions.hwm", bytes, 0600));
     return FsyncDir(dir);
   }
@@ -242,7 +230,7 @@ StatusOr<std::unique_ptr<Store>> OpenLogStore(const std::string& dir, Recovered*
   for (wsync::store::v1::Record r; pos < log.size(); r.Clear()) {
     if (!ValidFrame(log, pos, &r)) break;
     recovered->records.push_back(std::move(r));
-    pos += 8 + GetLE<uint32_t>(log.data() + pos);
+    pos += 8 + LoadLE<uint32_t>(log.data() + pos);
   }
   if (pos < log.size()) {
     const size_t next = NextValidFrame(log, pos);
@@ -272,12 +260,12 @@ StatusOr<std::unique_ptr<Store>> OpenLogStore(const std::string& dir, Recovered*
   uint64_t high_water = 0;
   if (std::filesystem::exists(hwm_path)) {
     WSYNC_ASSIGN_OR_RETURN(std::string bytes, ReadFile(hwm_path));
-    if (bytes.size() != 12 || Crc32c(bytes.data(), 8) != GetLE<uint32_t>(bytes.data() + 8)) {
+    if (bytes.size() != 12 || Crc32c(bytes.data(), 8) != LoadLE<uint32_t>(bytes.data() + 8)) {
       const std::string why = hwm_path + " (" + std::to_string(bytes.size()) + " bytes) fails its checks";
       if (!options.salvage) return DataLossError(why + salvage_hint);
       WSYNC_RETURN_IF_ERROR(SetAside(hwm_path, recovered, why));
     } else {
-      high_water = GetLE<uint64_t>(bytes.data());
+      high_water = LoadLE<uint64_t>(bytes.data());
     }
   }
   const uint64_t highest = HighestVersion(*recovered);

@@ -12,6 +12,7 @@
 #include <thread>
 
 #include "wsync/transport/transport.h"
+#include "wsync/util/bytes.h"
 #include "wsync/util/crc32c.h"
 
 namespace wsync::transport::internal {
@@ -28,26 +29,23 @@ struct FrameHeader {
   uint64_t link_seq = 0;  // per-connection send order (UCX may reorder across lanes and protocols)
 
   void EncodeTo(char* out) const {
-    const uint32_t magic = kMagic;
-    std::memcpy(out, &magic, 4);
-    std::memcpy(out + 4, &channel, 4);
-    std::memcpy(out + 8, &seq, 8);
-    std::memcpy(out + 16, &crc, 4);
-    std::memcpy(out + 20, &length, 4);
-    std::memcpy(out + kLinkSeqOffset, &link_seq, 8);
+    StoreLE<uint32_t>(out, kMagic);
+    StoreLE(out + 4, channel);
+    StoreLE(out + 8, seq);
+    StoreLE(out + 16, crc);
+    StoreLE(out + 20, length);
+    StoreLE(out + kLinkSeqOffset, link_seq);
   }
   // False when the bytes are not a frame header.
   bool DecodeFrom(const void* data, size_t n) {
     if (n != kBytes) return false;
     const char* in = static_cast<const char*>(data);
-    uint32_t magic;
-    std::memcpy(&magic, in, 4);
-    std::memcpy(&channel, in + 4, 4);
-    std::memcpy(&seq, in + 8, 8);
-    std::memcpy(&crc, in + 16, 4);
-    std::memcpy(&length, in + 20, 4);
-    std::memcpy(&link_seq, in + kLinkSeqOffset, 8);
-    return magic == kMagic;
+    channel = LoadLE<uint32_t>(in + 4);
+    seq = LoadLE<uint64_t>(in + 8);
+    crc = LoadLE<uint32_t>(in + 16);
+    length = LoadLE<uint32_t>(in + 20);
+    link_seq = LoadLE<uint64_t>(in + kLinkSeqOffset);
+    return LoadLE<uint32_t>(in) == kMagic;
   }
 };
 
@@ -132,6 +130,11 @@ class Window {
   uint32_t in_flight_ = 0;
   bool failed_ = false;
 };
+
+// The longest payload accepted from a peer (TransportOptions).
+inline uint32_t MessageLimit(const TransportOptions& o, bool trusted) {
+  return trusted || o.max_untrusted_message_bytes == 0 ? o.max_message_bytes : o.max_untrusted_message_bytes;
+}
 
 // Counts sends for fault injection.
 class Corrupter {

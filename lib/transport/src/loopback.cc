@@ -4,6 +4,8 @@
 #include <deque>
 #include <map>
 
+#include <spdlog/spdlog.h>
+
 #include "common.h"
 
 namespace wsync::transport {
@@ -17,6 +19,7 @@ struct LoopLink {
   PeerId remote_peer = 0;
   std::shared_ptr<Window> window;
   std::shared_ptr<RateLimiter> limiter;
+  bool trusted = true;  // false for an accepted peer until Trust()
 };
 
 // The receiving side of a loopback transport: an event queue drained by its
@@ -89,6 +92,12 @@ class LoopCore : public std::enable_shared_from_this<LoopCore> {
     return std::exchange(links_, {});
   }
 
+  void Trust(PeerId id) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = links_.find(id);
+    if (it != links_.end()) it->second.trusted = true;
+  }
+
   TransportStats stats() const {
     std::lock_guard<std::mutex> lock(mu_);
     return stats_;
@@ -130,6 +139,14 @@ class LoopCore : public std::enable_shared_from_this<LoopCore> {
         break;
       }
       case Event::kMessage: {
+        LoopLink link;
+        if (!GetLink(e.peer, &link)) break;  // dropped already
+        if (e.payload.size() > MessageLimit(options_, link.trusted)) {
+          DropPeer(e.peer, "a message of " + std::to_string(e.payload.size()) + " bytes is over the limit of " +
+                               std::to_string(MessageLimit(options_, link.trusted)));
+          if (e.sender_window) e.sender_window->Release();
+          break;
+        }
         const bool intact = Crc32c(e.payload.data(), e.payload.size()) == e.header.crc;
         {
           std::lock_guard<std::mutex> lock(mu_);
@@ -146,6 +163,18 @@ class LoopCore : public std::enable_shared_from_this<LoopCore> {
         break;
       }
     }
+  }
+
+  // The transport drops a peer: both sides see it fail.
+  void DropPeer(PeerId peer, const std::string& why) {
+    LoopLink link;
+    if (!RemoveLink(peer, &link)) return;
+    spdlog::warn("transport: dropping peer {}: {}", peer, why);
+    link.window->Fail();
+    if (auto remote = link.remote.lock()) {
+      remote->Push({Event::kFailed, link.remote_peer, {}, {}, nullptr, UnavailableError("dropped by the peer: " + why)});
+    }
+    handler_->OnPeerFailed(peer, UnavailableError("dropped: " + why));
   }
 
   Handler* handler_;
@@ -210,7 +239,7 @@ class LoopTransport : public Transport {
     LoopLink mine{remote, 0, std::make_shared<internal::Window>(o.window),
                   std::make_shared<internal::RateLimiter>(o.rate_limit_bytes_per_s)};
     LoopLink theirs{core_, 0, std::make_shared<internal::Window>(ro.window),
-                    std::make_shared<internal::RateLimiter>(ro.rate_limit_bytes_per_s)};
+                    std::make_shared<internal::RateLimiter>(ro.rate_limit_bytes_per_s), /*trusted=*/false};
     const PeerId local = core_->AddLink(mine);
     theirs.remote_peer = local;
     const PeerId remote_id = remote->AddLink(theirs);
@@ -252,6 +281,8 @@ class LoopTransport : public Transport {
                     UnavailableError("peer disconnected")});
     }
   }
+
+  void Trust(PeerId peer) override { core_->Trust(peer); }
 
   TransportStats stats() const override { return core_->stats(); }
 

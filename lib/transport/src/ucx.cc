@@ -157,7 +157,7 @@ class UcxTransport : public Transport {
         done->set_value(UcsError(s, "connect to " + where));
         return;
       }
-      done->set_value(AddPeer(h));
+      done->set_value(AddPeer(h, /*trusted=*/true));
     });
     return result.get();
   }
@@ -211,6 +211,12 @@ class UcxTransport : public Transport {
     });
   }
 
+  void Trust(PeerId peer) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = peers_.find(peer);
+    if (it != peers_.end()) it->second.trusted = true;
+  }
+
   TransportStats stats() const override {
     std::lock_guard<std::mutex> lock(mu_);
     return stats_;
@@ -227,7 +233,13 @@ class UcxTransport : public Transport {
     uint64_t next_send = 0;     // link sequence of the next message posted (progress thread)
     uint64_t next_deliver = 0;
     std::map<uint64_t, RecvOp*> slots;
+    bool trusted = true;    // false for an accepted peer until Trust()
+    bool dropping = false;  // over a limit: being dropped, its messages ignored
   };
+
+  // Link sequence numbers ahead of the next one to deliver that a receive
+  // may take (the sender's window is far smaller; a peer past it is broken).
+  static constexpr uint64_t kMaxReorder = 4096;
 
   void Post(std::function<void()> op) {
     {
@@ -237,11 +249,12 @@ class UcxTransport : public Transport {
     ucp_worker_signal(worker_);
   }
 
-  PeerId AddPeer(ucp_ep_h ep) {
+  PeerId AddPeer(ucp_ep_h ep, bool trusted) {
     std::lock_guard<std::mutex> lock(mu_);
     const PeerId id = next_peer_++;
     Peer& p = peers_[id];
     p.ep = ep;
+    p.trusted = trusted;
     p.window = std::make_shared<internal::Window>(options_.window);
     p.limiter = std::make_shared<internal::RateLimiter>(options_.rate_limit_bytes_per_s);
     ep_to_peer_[ep] = id;
@@ -284,7 +297,7 @@ class UcxTransport : public Transport {
       delete op;
       return;
     }
-    std::memcpy(op->header + FrameHeader::kLinkSeqOffset, &link_seq, 8);
+    StoreLE(op->header + FrameHeader::kLinkSeqOffset, link_seq);
     ucp_request_param_t param{};
     param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
     param.cb.send = &UcxTransport::OnSendDone;
@@ -327,7 +340,7 @@ class UcxTransport : public Transport {
       spdlog::warn("transport: cannot accept a connection: {}", ucs_status_string(s));
       return;
     }
-    self->handler_->OnAccept(self->AddPeer(h));
+    self->handler_->OnAccept(self->AddPeer(h, /*trusted=*/false));
   }
 
   static void OnEpError(void* arg, ucp_ep_h ep, ucs_status_t status) {
@@ -344,6 +357,22 @@ class UcxTransport : public Transport {
     self->CloseEp(ep, /*force=*/true);
     self->handler_->OnPeerFailed(peer, UnavailableError(std::string("peer connection failed: ") +
                                                         ucs_status_string(status)));
+  }
+
+  // Drops a peer that broke the transport's limits: closes it, tells the
+  // handler (the other side sees its connection fail). Progress thread.
+  void DropPeer(PeerId peer, const std::string& why) {
+    ucp_ep_h ep = nullptr;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = peers_.find(peer);
+      if (it == peers_.end()) return;
+      ep = it->second.ep;
+      ErasePeerLocked(it);
+    }
+    spdlog::warn("transport: dropping peer {}: {}", peer, why);
+    CloseEp(ep, /*force=*/true);
+    handler_->OnPeerFailed(peer, UnavailableError("dropped: " + why));
   }
 
   // Fails the peer's window and forgets it. Completed but undelivered
@@ -372,6 +401,7 @@ class UcxTransport : public Transport {
     FrameHeader h;
     PeerId peer = 0;
     uint64_t slot = 0;
+    std::string drop;  // why the peer is dropped
     {
       std::lock_guard<std::mutex> lock(self->mu_);
       if ((param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) != 0) {
@@ -384,13 +414,25 @@ class UcxTransport : public Transport {
         return UCS_OK;
       }
       Peer& p = self->peers_[peer];
+      if (p.dropping) return UCS_OK;
       slot = h.link_seq;
-      if (slot < p.next_deliver || slot > p.next_deliver + (1u << 20) || p.slots.count(slot)) {
-        spdlog::warn("transport: dropping a message with link sequence {} from peer {} (expecting {})", slot, peer,
-                     p.next_deliver);
-        return UCS_OK;
+      const uint32_t limit = internal::MessageLimit(self->options_, p.trusted);
+      if (length > limit) {
+        drop = "a message of " + std::to_string(length) + " bytes is over the limit of " + std::to_string(limit);
+      } else if (slot < p.next_deliver || slot > p.next_deliver + kMaxReorder || p.slots.count(slot)) {
+        drop = "link sequence " + std::to_string(slot) + " where " + std::to_string(p.next_deliver) + " was next";
       }
-      p.slots[slot] = nullptr;
+      if (drop.empty()) {
+        p.slots[slot] = nullptr;
+      } else {
+        p.dropping = true;
+      }
+    }
+    if (!drop.empty()) {
+      // Nothing is allocated for the message; the peer goes (from the
+      // progress loop, outside this callback).
+      self->Post([self, peer, drop] { self->DropPeer(peer, drop); });
+      return UCS_OK;
     }
     auto* op = new RecvOp{self, peer, slot, h, std::string(length, '\0')};
     if ((param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) == 0) {

@@ -45,8 +45,9 @@ class Handler {
   virtual void OnCorrupt(PeerId peer, uint32_t channel, uint64_t seq) = 0;
   // A peer connected to us (its first message follows).
   virtual void OnAccept(PeerId peer) {}
-  // The connection to `peer` failed or was closed by the other side; no
-  // further messages from it will arrive and sends to it fail.
+  // The connection to `peer` failed, was closed by the other side, or was
+  // dropped by the transport (a message over the limits); no further
+  // messages from it will arrive and sends to it fail.
   virtual void OnPeerFailed(PeerId peer, const Status& why) = 0;
 };
 
@@ -56,6 +57,13 @@ struct TransportOptions {
   uint64_t rate_limit_bytes_per_s = 0;   // per peer; 0: unlimited
   // Fault injection for tests: corrupt every Nth payload sent (0: never).
   uint64_t corrupt_every = 0;
+  // The longest payload accepted from a peer; a longer one is not received:
+  // the peer is dropped (OnPeerFailed) before any buffer is allocated for it.
+  uint32_t max_message_bytes = (64u << 20) + 4096;
+  // The longest payload accepted from a peer that connected to us until
+  // Trust(peer) (0: max_message_bytes). A peer that has not proved who it is
+  // costs the receiver at most window * this many bytes.
+  uint32_t max_untrusted_message_bytes = 0;
 };
 
 struct TransportStats {
@@ -86,6 +94,10 @@ class Transport {
 
   // Closes the connection to `peer` (the other side sees OnPeerFailed).
   virtual void Disconnect(PeerId peer) = 0;
+
+  // Lifts the limit of max_untrusted_message_bytes for a peer that connected
+  // to us (peers we connected to are trusted from the start).
+  virtual void Trust(PeerId peer) = 0;
 
   virtual TransportStats stats() const = 0;
 };

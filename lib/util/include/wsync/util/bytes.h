@@ -1,4 +1,10 @@
-// Little-endian byte writing and bounds-checked reading (private).
+// The project's one integer codec: little-endian fixed-width integers and
+// LEB128 varints, written to a string and read back with every read checked
+// against the remaining length. Used by the patch format, the pull protocol,
+// the transport's frame and the coordinator's store.
+//
+// Reads never throw or read out of bounds; the first failure sticks and the
+// status names what was being read (`what`) and the field.
 #pragma once
 
 #include <cstdint>
@@ -8,7 +14,21 @@
 
 #include "wsync/util/status.h"
 
-namespace wsync::codec::internal {
+namespace wsync {
+
+// The fixed-width little-endian value at p. REQUIRES: sizeof(T) bytes there.
+template <typename T>
+T LoadLE(const char* p) {
+  uint64_t r = 0;
+  for (size_t i = 0; i < sizeof(T); ++i) r |= static_cast<uint64_t>(static_cast<uint8_t>(p[i])) << (8 * i);
+  return static_cast<T>(r);
+}
+
+// Writes v at p, little-endian. REQUIRES: sizeof(T) writable bytes there.
+template <typename T>
+void StoreLE(char* p, T v) {
+  for (size_t i = 0; i < sizeof(T); ++i) p[i] = static_cast<char>(static_cast<uint64_t>(v) >> (8 * i));
+}
 
 class ByteWriter {
  public:
@@ -26,6 +46,7 @@ class ByteWriter {
     U8(static_cast<uint8_t>(v));
   }
   void Bytes(std::string_view s) { out_->append(s); }
+  std::string* out() { return out_; }
   size_t size() const { return out_->size(); }
 
  private:
@@ -92,10 +113,8 @@ class ByteReader {
   template <typename T>
   bool Fixed(T* v, size_t n, const char* field) {
     if (n > data_.size() - pos_) return Fail(field, "truncated");
-    uint64_t r = 0;
-    for (size_t i = 0; i < n; ++i) r |= static_cast<uint64_t>(static_cast<uint8_t>(data_[pos_ + i])) << (8 * i);
+    *v = LoadLE<T>(data_.data() + pos_);
     pos_ += n;
-    *v = static_cast<T>(r);
     return true;
   }
 
@@ -105,4 +124,4 @@ class ByteReader {
   Status status_;
 };
 
-}  // namespace wsync::codec::internal
+}  // namespace wsync
