@@ -13,6 +13,7 @@
 #include <map>
 
 #include "control_bench.h"
+#include "security_bench.h"
 #include "measure.h"
 #include "gpu_bench.h"
 #include "synth.h"
@@ -256,6 +257,12 @@ int main(int argc, char** argv) {
     cb.json = c.json;
     rc = RunControlBench(cb);
   });
+
+  auto* security = app.add_subcommand("security", "the cost of data-plane authentication and encryption per pull");
+  SecurityBenchOptions sb;
+  security->add_option("--sizes", sb.sizes, "bytes per pull")->capture_default_str();
+  security->add_option("--repeat", sb.repeat, "pulls per size and mode (median)")->capture_default_str();
+  security->callback([&] { rc = RunSecurityBench(sb); });
 
   CLI11_PARSE(app, argc, argv);
   return rc;

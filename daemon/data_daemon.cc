@@ -16,7 +16,7 @@
 #include <utility>
 
 #include "device_weights.h"
-#include "patch_exchange.h"
+#include "wsync/exchange/exchange.h"
 #include "sink_weights.h"
 #include "version_history.h"
 #include "wsync/buffers/device_region.h"
@@ -31,6 +31,9 @@ namespace wsync::daemon {
 namespace {
 
 namespace v1 = wsync::v1;
+using exchange::ExchangeHandler;
+using exchange::PatchFetcher;
+using exchange::PatchServer;
 using Clock = std::chrono::steady_clock;
 
 grpc::Status ToGrpc(const Status& s) {
@@ -107,10 +110,20 @@ class Node : public DataDaemon {
     to.listen = config_.listen;
     to.rate_limit_bytes_per_s = config_.rate_limit_bytes_per_s;
     to.corrupt_every = config_.corrupt_every;
+    to.max_message_bytes = exchange::kMaxMessageBytes;
+    if (config_.security.mode != exchange::SecurityMode::kNone) {
+      to.max_untrusted_message_bytes = exchange::kMaxUntrustedMessageBytes;
+    }
     WSYNC_ASSIGN_OR_RETURN(transport_, transport::CreateUcxTransport(to, &handler_));
-    server_ = std::make_unique<PatchServer>(transport_.get(), provider);
-    fetcher_ = std::make_unique<PatchFetcher>(transport_.get());
+    WSYNC_RETURN_IF_ERROR(handler_.Bind(transport_.get()));
+    server_ = std::make_unique<PatchServer>(&handler_, provider);
+    fetcher_ = std::make_unique<PatchFetcher>(&handler_);
     handler_.Attach(server_.get(), fetcher_.get());
+    if (config_.security.mode == exchange::SecurityMode::kNone) {
+      spdlog::warn("data plane without security: anyone who reaches {} can pull the weights (give the daemon the "
+                   "cluster token: docs/security.md)",
+                   transport_->LocalConnInfo());
+    }
     control::ClientOptions co = config_.coordinator;
     co.wait_for_ready = true;
     WSYNC_ASSIGN_OR_RETURN(coordinator_, control::NewCoordinatorClient(co));
@@ -126,8 +139,9 @@ class Node : public DataDaemon {
       return ErrnoToStatus(errno, "chmod 0600 " + config_.local_socket);
     }
     heartbeat_ = std::thread([this] { HeartbeatLoop(); });
-    spdlog::info("{} {} up: data plane {}, local API unix:{}", role_ == v1::ROLE_SOURCE ? "source" : "sink",
-                 config_.name, transport_->LocalConnInfo(), config_.local_socket);
+    spdlog::info("{} {} up: data plane {} (security {}), local API unix:{}",
+                 role_ == v1::ROLE_SOURCE ? "source" : "sink", config_.name, transport_->LocalConnInfo(),
+                 exchange::SecurityModeName(config_.security.mode), config_.local_socket);
     return Status::Ok();
   }
 
@@ -230,7 +244,7 @@ class Node : public DataDaemon {
   DataDaemonConfig config_;
   v1::Role role_;
   ThreadPool pool_;
-  ExchangeHandler handler_;
+  ExchangeHandler handler_{config_.security};
   std::unique_ptr<transport::Transport> transport_;
   std::unique_ptr<PatchServer> server_;
   std::unique_ptr<PatchFetcher> fetcher_;

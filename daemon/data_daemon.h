@@ -18,6 +18,7 @@
 #include <string>
 
 #include "wsync/control/client.h"
+#include "wsync/exchange/exchange.h"
 #include "wsync/util/status.h"
 
 namespace wsync::daemon {
@@ -27,6 +28,7 @@ struct DataDaemonConfig {
   control::ClientOptions coordinator;    // address, token, TLS
   std::string local_socket;              // unix socket path of the local API (mode 0600)
   std::string listen = "127.0.0.1:0";    // data-plane (UCX) listen address
+  exchange::SecurityOptions security;    // what data-plane peers must prove (docs/security.md)
   uint64_t node_ttl_ms = 10'000;
   unsigned threads = 2;                  // codec threads
   uint64_t rate_limit_bytes_per_s = 0;   // per data-plane link

@@ -16,13 +16,15 @@
 #include <mutex>
 #include <vector>
 
-#include "patch_exchange.h"
+#include "wsync/exchange/exchange.h"
 #include "wsync/buffers/region.h"
 #include "wsync/buffers/safetensors.h"
 #include "wsync/cuda/device_codec.h"
 #include "wsync/util/thread_pool.h"
 
 namespace wsync::daemon {
+
+using exchange::PatchStream;
 
 class SinkWeights {
  public:

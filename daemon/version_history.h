@@ -18,11 +18,14 @@
 #include <string>
 #include <vector>
 
-#include "patch_exchange.h"
+#include "wsync/exchange/exchange.h"
 #include "wsync/buffers/safetensors.h"
 #include "wsync/codec/codec.h"
 
 namespace wsync::daemon {
+
+using exchange::PatchProvider;
+using exchange::PatchStream;
 
 struct PublishedVersion {
   uint64_t version = 0;

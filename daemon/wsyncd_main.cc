@@ -94,7 +94,8 @@ int RunCoordinator(daemon::CoordinatorConfig config) {
   return 0;
 }
 
-int RunData(bool source, daemon::DataDaemonConfig config, const std::string& token_file) {
+int RunData(bool source, daemon::DataDaemonConfig config, const std::string& token_file,
+            const std::string& security) {
   if (config.coordinator.address.empty()) {
     if (const char* env = std::getenv("WSYNC_COORDINATOR")) config.coordinator.address = env;
   }
@@ -105,6 +106,16 @@ int RunData(bool source, daemon::DataDaemonConfig config, const std::string& tok
   } else if (const char* env = std::getenv("WSYNC_TOKEN")) {
     config.coordinator.token = env;
   }
+  // The data plane's credential is the cluster token (docs/security.md).
+  if (security == "auto") {
+    config.security.mode = config.coordinator.token.empty() ? exchange::SecurityMode::kNone
+                                                            : exchange::SecurityMode::kAuthenticate;
+  } else {
+    auto mode = exchange::ParseSecurityMode(security);
+    if (!mode.ok()) return Fail(mode.status());
+    config.security.mode = *mode;
+  }
+  config.security.cluster_token = config.coordinator.token;
   if (config.local_socket.rfind("unix:", 0) == 0) config.local_socket = config.local_socket.substr(5);
   if (config.local_socket.empty()) return Fail(InvalidArgumentError("--local unix:PATH is required"));
   if (config.name.empty()) return Fail(InvalidArgumentError("--name is required"));
@@ -154,11 +165,15 @@ int main(int argc, char** argv) {
   coord->add_option("--tls-key", config.server.tls.key_file, "server key (PEM)");
   coord->add_option("--tls-client-ca", config.server.tls.client_ca_file, "CA of client certificates: require mTLS");
   daemon::DataDaemonConfig data;
-  std::string data_token_file;
+  std::string data_token_file, data_security = "auto";
   auto add_data_flags = [&](CLI::App* cmd) {
     cmd->add_option("--coordinator", data.coordinator.address, "host:port or unix:PATH (env WSYNC_COORDINATOR)");
     cmd->add_option("--token-file", data_token_file, "bearer token file (or env WSYNC_TOKEN)");
     cmd->add_option("--tls-ca", data.coordinator.tls_ca_file, "CA certificate: TLS to the coordinator");
+    cmd->add_option("--data-security", data_security,
+                    "what data-plane peers must prove: none, auth (the cluster token, by a challenge), encrypt "
+                    "(auth, and every message AES-256-GCM); auto: auth with a token, none without")
+        ->capture_default_str()->check(CLI::IsMember({"auto", "none", "auth", "encrypt"}));
     cmd->add_option("--local", data.local_socket, "unix:PATH of the local API (mode 0600)")->required();
     cmd->add_option("--listen", data.listen, "data-plane (UCX) listen address host:port")->capture_default_str();
     cmd->add_option("--name", data.name, "unique node name")->required();
@@ -216,6 +231,6 @@ int main(int argc, char** argv) {
     }
     return RunCoordinator(merged);
   }
-  if (source->parsed() || sink->parsed()) return RunData(source->parsed(), data, data_token_file);
+  if (source->parsed() || sink->parsed()) return RunData(source->parsed(), data, data_token_file, data_security);
   return 0;
 }

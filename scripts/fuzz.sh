@@ -1,16 +1,20 @@
 #!/usr/bin/env bash
-# Builds the patch decoder fuzzer with clang (libFuzzer + ASan + UBSan) and
-# runs it for a bounded time from a generated seed corpus.
-#   scripts/fuzz.sh [SECONDS]   (default 60)
+# Builds the fuzzers with clang (libFuzzer + ASan + UBSan) and runs each for
+# a bounded time from a generated seed corpus: the patch decoder, then the
+# pull protocol's parsers (both directions) and its sealed messages.
+#   scripts/fuzz.sh [SECONDS]   (default 60, split between the two)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 seconds="${1:-60}"
 build=build-fuzz
 CC=clang CXX=clang++ cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
   -DWSYNC_FUZZ=ON -DWSYNC_SANITIZE=address,undefined -DWSYNC_BUILD_TESTS=ON -DWSYNC_CUDA=OFF > /dev/null
-ninja -C "$build" patch_fuzzer patch_fuzz_seeds > /dev/null
-corpus="$build/fuzz-corpus"
-mkdir -p "$corpus"
-"$build/tests/fuzz/patch_fuzz_seeds" "$corpus"
-"$build/tests/fuzz/patch_fuzzer" -max_total_time="$seconds" -timeout=10 -rss_limit_mb=2048 \
-  -print_final_stats=1 "$corpus" 2>&1 | tail -n 15
+ninja -C "$build" patch_fuzzer patch_fuzz_seeds exchange_fuzzer exchange_fuzz_seeds > /dev/null
+for target in patch exchange; do
+  corpus="$build/fuzz-corpus-$target"
+  mkdir -p "$corpus"
+  "$build/tests/fuzz/${target}_fuzz_seeds" "$corpus"
+  echo "-- ${target}_fuzzer ($((seconds / 2)) s)"
+  "$build/tests/fuzz/${target}_fuzzer" -max_total_time="$((seconds / 2))" -timeout=10 -rss_limit_mb=2048 \
+    -print_final_stats=1 "$corpus" 2>&1 | tail -n 15
+done

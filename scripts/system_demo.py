@@ -54,7 +54,8 @@ def write_safetensors(path, tensors):
 class System:
     """The processes of a wsync deployment on loopback, by name."""
 
-    def __init__(self, build, sinks, fanout, tmp, coordinator_args=(), source_args=(), device=-1, sink_args=()):
+    def __init__(self, build, sinks, fanout, tmp, coordinator_args=(), source_args=(), device=-1, sink_args=(),
+                 token=None, data_security=None):
         self.wsync = os.path.join(build, "client", "wsync")
         self.wsyncd = os.path.join(build, "daemon", "wsyncd")
         self.tmp = tmp
@@ -63,14 +64,17 @@ class System:
         self.device_args = ["--device", str(device)] if device >= 0 else []
         self.env = dict(os.environ, UCX_TLS=os.environ.get("UCX_TLS", "tcp"),
                         WSYNC_COORDINATOR=f"unix:{tmp}/coordinator.sock")
+        if token:  # the cluster token: the coordinator's bearer token and the data plane's credential
+            self.env["WSYNC_TOKEN"] = token
+        security = ["--data-security", data_security] if data_security else []
         self.procs = {}  # name -> (argv, Popen)
         self.sinks = []
-        self.sink_args = list(sink_args)
+        self.sink_args = list(sink_args) + (["--data-security", data_security] if data_security else [])
         self.spawn("coordinator", [self.wsyncd, "coordinator", "--listen", f"unix:{tmp}/coordinator.sock",
                                    "--fanout", str(fanout), "--store-dir", f"{tmp}/store", *coordinator_args])
         self.wait_for(lambda: self.status() is not None, "coordinator")
         self.spawn("source", [self.wsyncd, "source", "--name", "source", "--local", f"unix:{tmp}/source.sock",
-                              "--node-ttl-ms", "3000", *source_args])
+                              "--node-ttl-ms", "3000", *security, *source_args])
         for i in range(sinks):
             self.start_sink(f"sink-{i}")
 
@@ -184,6 +188,9 @@ def main():
     ap.add_argument("--keep", action="store_true", help="keep the logs")
     ap.add_argument("--device", type=int, default=-1,
                     help="GPU whose memory holds the trainer's and servers' weights (CUDA IPC); default: shared memory")
+    ap.add_argument("--token", help="cluster token (coordinator and data plane)")
+    ap.add_argument("--data-security", choices=["none", "auth", "encrypt"],
+                    help="what data-plane peers must prove (default: auth with a token, none without)")
     args = ap.parse_args()
     if args.device >= 0 and not gpu_present():
         print("SKIP: no GPU (nvidia-smi finds none)")
@@ -192,12 +199,15 @@ def main():
     if len(snaps) < 2:
         sys.exit(f"no snapshots in {args.data}")
     tmp = tempfile.mkdtemp(prefix="wsync_system_")
-    system = System(args.build, args.sinks, args.fanout, tmp, device=args.device)
+    system = System(args.build, args.sinks, args.fanout, tmp, device=args.device, token=args.token,
+                    data_security=args.data_security)
     ok = True
     try:
         system.attach_buffers(snaps[0])
         where = f"GPU {args.device} (CUDA IPC)" if args.device >= 0 else "shared memory"
-        print(f"{args.sinks} sinks, fan-out {args.fanout}, {len(snaps)} snapshots of {args.data}, weights in {where}")
+        security = args.data_security or ("auth" if args.token else "none")
+        print(f"{args.sinks} sinks, fan-out {args.fanout}, {len(snaps)} snapshots of {args.data}, weights in {where}, "
+              f"data-plane security {security}")
         print(f"{'version':>7} {'wire bytes':>12} {'dense bytes':>12} {'ratio':>8} {'sync ms':>8}  bit-exact")
         for i, snap in enumerate(snaps):
             version = i + 1

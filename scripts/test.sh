@@ -4,7 +4,8 @@
 #   2. builds with gcc and runs every test (unit, real data, CLI),
 #   3. builds with ASan + UBSan and the portable (non-AVX2) kernels and runs
 #      the unit tests again,
-#   4. fuzzes the patch decoder for a bounded time (WSYNC_FUZZ_SECONDS, 60).
+#   4. fuzzes the patch decoder and the pull protocol for a bounded time
+#      (WSYNC_FUZZ_SECONDS, 90, split between them).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 jobs="$(nproc)"
@@ -22,11 +23,11 @@ cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=Debug -DWSYNC_SANITIZE=addr
   -DWSYNC_X86_64_V3=OFF -DWSYNC_CUDA=OFF -DWSYNC_BUILD_TESTS=ON > /dev/null
 # Only the unit-test executables (the integration tiers run in the main build).
 ninja -C build-asan -j "$jobs" util_test codec_test buffers_test regress_test regress_control_test control_test daemon_config_test \
-  version_history_test sink_weights_test cuda_logic_test
+  version_history_test sink_weights_test cuda_logic_test exchange_wire_test
 (cd build-asan && ctest -j "$jobs" -L unit --output-on-failure --timeout 600)
 
-echo "== fuzz the patch decoder (${WSYNC_FUZZ_SECONDS:-60} s)"
-bash scripts/fuzz.sh "${WSYNC_FUZZ_SECONDS:-60}"
+echo "== fuzz the patch decoder and the pull protocol (${WSYNC_FUZZ_SECONDS:-90} s)"
+bash scripts/fuzz.sh "${WSYNC_FUZZ_SECONDS:-90}"
 
 echo "== all tests"
 cd build && ctest -j "$jobs" --output-on-failure --timeout 900

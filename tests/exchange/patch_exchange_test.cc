@@ -1,7 +1,7 @@
 // Pulling patches between daemons, over the loopback transport and over UCX
 // (tcp on 127.0.0.1): bit-exact delivery, refetch of corrupted chunks,
 // errors from the provider, cut-through relaying, parent failure.
-#include "patch_exchange.h"
+#include "wsync/exchange/exchange.h"
 
 #include <gtest/gtest.h>
 
@@ -9,65 +9,16 @@
 #include <thread>
 
 #include "../codec/test_tensors.h"
+#include "exchange_testlib.h"
 
-namespace wsync::daemon {
+namespace wsync::exchange {
 namespace {
 
 using namespace std::chrono_literals;
 
 constexpr uint32_t kChunk = 4 << 10;
 
-// Serves fixed streams by (from, to).
-class MapProvider : public PatchProvider {
- public:
-  StatusOr<std::shared_ptr<PatchStream>> Open(uint64_t from, uint64_t to) override {
-    std::lock_guard<std::mutex> lock(mu);
-    auto it = streams.find({from, to});
-    if (it == streams.end()) {
-      return NotFoundError("no patch " + std::to_string(from) + "->" + std::to_string(to) + " here");
-    }
-    return it->second;
-  }
-  std::mutex mu;
-  std::map<std::pair<uint64_t, uint64_t>, std::shared_ptr<PatchStream>> streams;
-};
-
-// One daemon's data-plane end: transport + server + fetcher.
-struct Node {
-  ~Node() {
-    handler.Detach();
-    server.reset();
-    fetcher.reset();
-    transport.reset();
-  }
-  ExchangeHandler handler;
-  MapProvider provider;
-  std::unique_ptr<transport::Transport> transport;
-  std::unique_ptr<PatchServer> server;
-  std::unique_ptr<PatchFetcher> fetcher;
-};
-
-enum class Kind { kLoopback, kUcx };
-
-class PatchExchangeTest : public ::testing::TestWithParam<Kind> {
- protected:
-  std::unique_ptr<Node> MakeNode(transport::TransportOptions o = {}) {
-    auto n = std::make_unique<Node>();
-    if (GetParam() == Kind::kLoopback) {
-      n->transport = fabric_.Create(o, &n->handler);
-    } else {
-      o.listen = "127.0.0.1:0";
-      auto t = transport::CreateUcxTransport(o, &n->handler);
-      EXPECT_TRUE(t.ok()) << t.status().ToString();
-      n->transport = std::move(*t);
-    }
-    n->server = std::make_unique<PatchServer>(n->transport.get(), &n->provider);
-    n->fetcher = std::make_unique<PatchFetcher>(n->transport.get());
-    n->handler.Attach(n->server.get(), n->fetcher.get());
-    return n;
-  }
-  transport::LoopbackFabric fabric_;
-};
+class PatchExchangeTest : public ExchangeTest {};
 
 // A real patch between two random versions, and the versions.
 struct Versions {
@@ -248,9 +199,7 @@ TEST_P(PatchExchangeTest, HostileHeadersFailThePullCleanly) {
   if (GetParam() == Kind::kLoopback) {
     t = fabric_.Create({}, &hostile);
   } else {
-    transport::TransportOptions o;
-    o.listen = "127.0.0.1:0";
-    t = std::move(*transport::CreateUcxTransport(o, &hostile));
+    t = RawUcx(&hostile);
   }
   hostile.transport = t.get();
   auto sink = MakeNode();
@@ -267,8 +216,8 @@ TEST_P(PatchExchangeTest, HostileHeadersFailThePullCleanly) {
       {"status 200", {{0, Header(200, 1, 1, 2, 100, 1 << 20)}}, "status"},
       {"kind 7", {{0, Header(0, 7, 1, 2, 100, 1 << 20)}}, "kind"},
       {"other versions", {{0, Header(0, 1, 1, 9, 100, 1 << 20)}}, "announces"},
-      {"truncated", {{0, Header(0, 1, 1, 2, 100, 1 << 20, 5)}}, "shorter"},
-      {"only a type byte", {{0, std::string(1, static_cast<char>(ExchangeMessage::kHeader))}}, "shorter"},
+      {"truncated", {{0, Header(0, 1, 1, 2, 100, 1 << 20, 5)}}, "truncated"},
+      {"only a type byte", {{0, std::string(1, static_cast<char>(ExchangeMessage::kHeader))}}, "truncated"},
   };
   for (const auto& c : cases) {
     {
@@ -303,8 +252,7 @@ TEST_P(PatchExchangeTest, HostileHeadersFailThePullCleanly) {
   t.reset();
 }
 
-INSTANTIATE_TEST_SUITE_P(Both, PatchExchangeTest, ::testing::Values(Kind::kLoopback, Kind::kUcx),
-                         [](const auto& info) { return info.param == Kind::kLoopback ? "Loopback" : "Ucx"; });
+INSTANTIATE_TEST_SUITE_P(Both, PatchExchangeTest, ::testing::Values(Kind::kLoopback, Kind::kUcx), KindName);
 
 }  // namespace
-}  // namespace wsync::daemon
+}  // namespace wsync::exchange

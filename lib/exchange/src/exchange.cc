@@ -1,30 +1,14 @@
-#include "patch_exchange.h"
-#include "wsync/util/text.h"
+#include "wsync/exchange/exchange.h"
 
 #include <spdlog/spdlog.h>
 
-#include <cstring>
+#include "wire.h"
 
-namespace wsync::daemon {
+namespace wsync::exchange {
 namespace {
 
 using transport::Message;
 using transport::PeerId;
-
-template <typename T>
-void Put(std::string* out, T v) {
-  out->append(reinterpret_cast<const char*>(&v), sizeof(T));
-}
-
-template <typename T>
-bool Get(std::string_view in, size_t* pos, T* v) {
-  if (in.size() - *pos < sizeof(T)) return false;
-  std::memcpy(v, in.data() + *pos, sizeof(T));
-  *pos += sizeof(T);
-  return true;
-}
-
-std::string Typed(ExchangeMessage type) { return std::string(1, static_cast<char>(type)); }
 
 constexpr auto kServeTimeout = std::chrono::minutes(10);  // longest wait for a relayed chunk
 constexpr auto kLinger = std::chrono::seconds(30);        // refetch window after the last chunk
@@ -116,38 +100,6 @@ void PatchStream::Fail(const Status& why) {
   cv_.notify_all();
 }
 
-// -------------------------------------------------------- ExchangeHandler
-
-void ExchangeHandler::OnMessage(Message m) {
-  if (m.payload.empty()) return;
-  std::shared_lock<std::shared_mutex> lock(mu_);
-  switch (static_cast<ExchangeMessage>(m.payload[0])) {
-    case ExchangeMessage::kPull:
-    case ExchangeMessage::kRefetch:
-    case ExchangeMessage::kCancel:
-      if (server_ != nullptr) server_->OnRequest(m);
-      break;
-    case ExchangeMessage::kHeader:
-    case ExchangeMessage::kChunk:
-    case ExchangeMessage::kAbort:
-      if (fetcher_ != nullptr) fetcher_->OnResponse(m);
-      break;
-    default:
-      spdlog::warn("peer {}: unknown exchange message type {}", m.peer, static_cast<int>(m.payload[0]));
-  }
-}
-
-void ExchangeHandler::OnCorrupt(transport::PeerId peer, uint32_t channel, uint64_t seq) {
-  std::shared_lock<std::shared_mutex> lock(mu_);
-  if (fetcher_ != nullptr) fetcher_->OnCorrupt(peer, channel, seq);
-}
-
-void ExchangeHandler::OnPeerFailed(transport::PeerId peer, const Status& why) {
-  std::shared_lock<std::shared_mutex> lock(mu_);
-  if (server_ != nullptr) server_->OnPeerFailed(peer);
-  if (fetcher_ != nullptr) fetcher_->OnPeerFailed(peer, why);
-}
-
 // ------------------------------------------------------------- PatchServer
 
 struct PatchServer::Request {
@@ -160,8 +112,7 @@ struct PatchServer::Request {
   bool done = false;  // cancelled, completed or peer failed
 };
 
-PatchServer::PatchServer(transport::Transport* transport, PatchProvider* provider)
-    : transport_(transport), provider_(provider) {}
+PatchServer::PatchServer(ExchangeHandler* link, PatchProvider* provider) : link_(link), provider_(provider) {}
 
 PatchServer::~PatchServer() {
   stopping_ = true;
@@ -177,17 +128,16 @@ PatchServer::~PatchServer() {
 }
 
 void PatchServer::OnRequest(const Message& m) {
-  const auto type = static_cast<ExchangeMessage>(m.payload[0]);
+  const auto type = static_cast<ExchangeMessage>(wire::TypeOf(m.payload));
   const auto key = std::make_pair(m.peer, m.channel);
-  std::lock_guard<std::mutex> lock(mu_);
   if (type == ExchangeMessage::kPull) {
-    size_t pos = 1;
-    auto r = std::make_shared<Request>();
-    r->peer = m.peer;
-    r->channel = m.channel;
-    if (!Get(m.payload, &pos, &r->from) || !Get(m.payload, &pos, &r->to) || stopping_) return;
-    ++pulls_served_;
-    requests_[key] = r;
+    auto pull = wire::ParsePull(m.payload);
+    if (!pull.ok()) {
+      spdlog::warn("peer {}: {}", m.peer, pull.status().ToString());
+      return Refuse(m, 0, 0, InvalidArgumentError(pull.status().message()));
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopping_) return;
     for (auto it = workers_.begin(); it != workers_.end();) {
       if (it->finished->load()) {
         it->thread.join();
@@ -196,6 +146,29 @@ void PatchServer::OnRequest(const Message& m) {
         ++it;
       }
     }
+    size_t from_peer = 0;
+    for (const auto& [k, r] : requests_) from_peer += k.first == m.peer ? 1 : 0;
+    if (requests_.size() >= kMaxPulls || from_peer >= kMaxPullsPerPeer) {
+      if (const uint64_t n = ++pulls_refused_; (n & (n - 1)) == 0) {  // 1, 2, 4, ...: a flood is not a log flood
+        spdlog::warn("peer {}: {} pulls refused so far for too many in flight", m.peer, n);
+      }
+      return Refuse(m, pull->from, pull->to,
+                    ResourceExhaustedError(std::to_string(from_peer) + " pulls from this peer and " +
+                                           std::to_string(requests_.size()) + " in all in flight (limits " +
+                                           std::to_string(kMaxPullsPerPeer) + " and " + std::to_string(kMaxPulls) + ")"));
+    }
+    auto r = std::make_shared<Request>();
+    r->peer = m.peer;
+    r->channel = m.channel;
+    r->from = pull->from;
+    r->to = pull->to;
+    ++pulls_served_;
+    if (auto old = requests_.find(key); old != requests_.end()) {
+      std::lock_guard<std::mutex> rl(old->second->mu);  // a channel reused: the old pull ends
+      old->second->done = true;
+      old->second->cv.notify_all();
+    }
+    requests_[key] = r;
     auto finished = std::make_shared<std::atomic<bool>>(false);
     workers_.push_back({std::thread([this, r, finished] {
                           Serve(r);
@@ -204,15 +177,36 @@ void PatchServer::OnRequest(const Message& m) {
                         finished});
     return;
   }
+  if (Status bare = wire::ParseBare(m.payload, type); !bare.ok()) {
+    spdlog::warn("peer {}: {}", m.peer, bare.ToString());
+    return;
+  }
+  std::lock_guard<std::mutex> lock(mu_);
   auto it = requests_.find(key);
   if (it == requests_.end()) return;
   std::lock_guard<std::mutex> rl(it->second->mu);
   if (type == ExchangeMessage::kRefetch) {
-    it->second->refetch.push_back(static_cast<size_t>(m.seq));
+    if (it->second->refetch.size() < kMaxStreamChunks) it->second->refetch.push_back(static_cast<size_t>(m.seq));
   } else {
     it->second->done = true;
   }
   it->second->cv.notify_all();
+}
+
+void PatchServer::Refuse(const Message& m, uint64_t from, uint64_t to, const Status& why) {
+  wire::Header h;
+  h.code = why.code();
+  h.error = why.message();
+  h.from = from;
+  h.to = to;
+  // On the progress thread: the answer goes from the handler's outbox.
+  if (!link_->SendSoon(m.peer, m.channel, 0, wire::Encode(h))) return;
+  spdlog::debug("peer {} pull {}->{} refused: {}", m.peer, from, to, why.ToString());
+}
+
+size_t PatchServer::pulls_in_flight() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return requests_.size();
 }
 
 void PatchServer::OnPeerFailed(PeerId peer) {
@@ -231,27 +225,25 @@ void PatchServer::Serve(std::shared_ptr<Request> r) {
     requests_.erase({r->peer, r->channel});
   };
   auto stream = provider_->Open(r->from, r->to);
-  std::string header = Typed(ExchangeMessage::kHeader);
   if (!stream.ok()) {
-    Put<uint8_t>(&header, static_cast<uint8_t>(stream.status().code()));
-    Put<uint8_t>(&header, 0);
-    Put<uint64_t>(&header, r->from);
-    Put<uint64_t>(&header, r->to);
-    Put<uint64_t>(&header, 0);
-    Put<uint32_t>(&header, 0);
-    header += stream.status().message();
-    (void)transport_->Send(r->peer, r->channel, 0, header);
+    wire::Header refused;
+    refused.code = stream.status().code();
+    refused.error = stream.status().message();
+    refused.from = r->from;
+    refused.to = r->to;
+    (void)link_->Send(r->peer, r->channel, 0, wire::Encode(refused));
     spdlog::info("peer {} pull {}->{} refused: {}", r->peer, r->from, r->to, stream.status().ToString());
     return finish();
   }
   const auto& s = *stream;
-  Put<uint8_t>(&header, 0);
-  Put<uint8_t>(&header, static_cast<uint8_t>(s->kind()));
-  Put<uint64_t>(&header, s->from());
-  Put<uint64_t>(&header, s->to());
-  Put<uint64_t>(&header, s->total_bytes());
-  Put<uint32_t>(&header, s->chunk_bytes());
-  if (!transport_->Send(r->peer, r->channel, 0, header).ok()) return finish();
+  wire::Header h;
+  h.kind = s->kind();
+  h.from = s->from();
+  h.to = s->to();
+  h.total = s->total_bytes();
+  h.chunk = s->chunk_bytes();
+  const std::string header = wire::Encode(h);
+  if (!link_->Send(r->peer, r->channel, 0, header).ok()) return finish();
   auto cancelled = [&] {
     std::lock_guard<std::mutex> lock(r->mu);
     return r->done;
@@ -268,9 +260,7 @@ void PatchServer::Serve(std::shared_ptr<Request> r) {
       }
     }
     if (!bytes.ok()) return false;
-    std::string msg = Typed(ExchangeMessage::kChunk);
-    msg += *bytes;
-    if (!transport_->Send(r->peer, r->channel, i + 1, msg).ok()) return false;
+    if (!link_->Send(r->peer, r->channel, i + 1, wire::EncodeChunk(*bytes)).ok()) return false;
     bytes_served_ += bytes->size();
     return true;
   };
@@ -285,16 +275,13 @@ void PatchServer::Serve(std::shared_ptr<Request> r) {
     if (cancelled()) return finish();
     Status why = s->WaitComplete(std::chrono::steady_clock::now());
     if (why.ok()) why = UnavailableError("the stream stalled");
-    std::string msg = Typed(ExchangeMessage::kAbort);
-    Put<uint8_t>(&msg, static_cast<uint8_t>(why.code()));
-    msg += why.message();
-    (void)transport_->Send(r->peer, r->channel, 0, msg);
+    (void)link_->Send(r->peer, r->channel, 0, wire::Encode(ExchangeMessage::kAbort, {why.code(), why.message()}));
     spdlog::info("peer {} pull {}->{} aborted: {}", r->peer, r->from, r->to, why.ToString());
     finish();
   };
   // A refetch names a message by its seq: 0 is the header, i + 1 chunk i.
   auto resend = [&](size_t seq) {
-    if (seq == 0) return transport_->Send(r->peer, r->channel, 0, header).ok();
+    if (seq == 0) return link_->Send(r->peer, r->channel, 0, header).ok();
     return seq - 1 >= s->chunks() || send_chunk(seq - 1);
   };
   for (size_t i = 0; i < s->chunks(); ++i) {
@@ -324,6 +311,8 @@ void PatchServer::Serve(std::shared_ptr<Request> r) {
 
 StatusOr<std::shared_ptr<PatchStream>> PatchFetcher::Pull(PeerId parent, uint64_t from, uint64_t to,
                                                           std::chrono::milliseconds timeout) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  WSYNC_RETURN_IF_ERROR(link_->Establish(parent, deadline));
   uint32_t channel;
   auto p = std::make_shared<Pending>();
   p->parent = parent;
@@ -334,16 +323,13 @@ StatusOr<std::shared_ptr<PatchStream>> PatchFetcher::Pull(PeerId parent, uint64_
     channel = next_channel_++;
     pending_[channel] = p;
   }
-  std::string msg = Typed(ExchangeMessage::kPull);
-  Put<uint64_t>(&msg, from);
-  Put<uint64_t>(&msg, to);
-  Status sent = transport_->Send(parent, channel, 0, msg);
+  Status sent = link_->Send(parent, channel, 0, wire::Encode(wire::Pull{from, to}));
   std::unique_lock<std::mutex> lock(mu_);
   if (!sent.ok()) {
     pending_.erase(channel);
     return sent;
   }
-  if (!cv_.wait_for(lock, timeout, [&] { return p->header_seen; })) {
+  if (!cv_.wait_until(lock, deadline, [&] { return p->header_seen; })) {
     pending_.erase(channel);
     return DeadlineExceededError("pull " + std::to_string(from) + "->" + std::to_string(to) +
                                  ": no answer from the parent in time");
@@ -357,7 +343,7 @@ StatusOr<std::shared_ptr<PatchStream>> PatchFetcher::Pull(PeerId parent, uint64_
 }
 
 void PatchFetcher::OnResponse(const Message& m) {
-  const auto type = static_cast<ExchangeMessage>(m.payload[0]);
+  const auto type = static_cast<ExchangeMessage>(wire::TypeOf(m.payload));
   std::shared_ptr<PatchStream> complete;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -365,18 +351,15 @@ void PatchFetcher::OnResponse(const Message& m) {
     if (it == pending_.end() || it->second->parent != m.peer) return;
     Pending& p = *it->second;
     if (type == ExchangeMessage::kAbort) {
-      uint8_t code = 0;
-      size_t pos = 1;
-      const bool known = Get(m.payload, &pos, &code) && code != 0 && code <= static_cast<uint8_t>(StatusCode::kUnauthenticated);
-      FailLocked(p, Status(known ? static_cast<StatusCode>(code) : StatusCode::kUnavailable,
-                           "parent: " + Quoted(m.payload.substr(std::min(pos, m.payload.size())), 400)));
+      auto abort = wire::ParseRefusal(m.payload, ExchangeMessage::kAbort);
+      FailLocked(p, abort.ok() ? Status(abort->code, "parent: " + abort->text) : abort.status());
       pending_.erase(it);
       cv_.notify_all();
       return;
     }
     if (type == ExchangeMessage::kHeader) {
       if (p.header_seen) return;  // a repeated header (a refetch of seq 0) changes nothing
-      Status checked = ParseHeader(m.payload, p);
+      Status checked = TakeHeader(m.payload, p);
       if (!checked.ok()) {
         spdlog::warn("peer {}: pull {}: {}", m.peer, m.channel, checked.ToString());
         p.header_code = checked.code();
@@ -386,19 +369,24 @@ void PatchFetcher::OnResponse(const Message& m) {
       p.header_seen = true;
       cv_.notify_all();
       if (!p.stream) return;
-    } else if (m.seq == 0) {
-      return;  // a chunk never has seq 0
-    } else if (!p.stream) {
-      if (p.early.size() >= kMaxEarlyChunks) {
-        FailLocked(p, DataLossError("more than " + std::to_string(kMaxEarlyChunks) + " chunks before the header"));
-        pending_.erase(it);
-        cv_.notify_all();
+    } else {
+      auto chunk = wire::ParseChunk(m.payload);
+      if (!chunk.ok() || m.seq == 0) {  // a chunk never has seq 0
+        spdlog::warn("peer {}: pull {}: {}", m.peer, m.channel,
+                     chunk.ok() ? std::string("a chunk with seq 0") : chunk.status().ToString());
         return;
       }
-      p.early.push_back({static_cast<size_t>(m.seq - 1), m.payload.substr(1)});
-      return;
-    } else {
-      Status s = p.stream->Put(static_cast<size_t>(m.seq - 1), m.payload.substr(1));
+      if (!p.stream) {
+        if (p.early.size() >= kMaxEarlyChunks) {
+          FailLocked(p, DataLossError("more than " + std::to_string(kMaxEarlyChunks) + " chunks before the header"));
+          pending_.erase(it);
+          cv_.notify_all();
+          return;
+        }
+        p.early.push_back({static_cast<size_t>(m.seq - 1), std::string(*chunk)});
+        return;
+      }
+      Status s = p.stream->Put(static_cast<size_t>(m.seq - 1), std::string(*chunk));
       if (!s.ok()) spdlog::warn("peer {}: {}", m.peer, s.ToString());
     }
     if (p.stream->WaitComplete(std::chrono::steady_clock::now()).ok()) {
@@ -406,7 +394,7 @@ void PatchFetcher::OnResponse(const Message& m) {
       pending_.erase(it);
     }
   }
-  if (complete) (void)transport_->Send(m.peer, m.channel, 0, Typed(ExchangeMessage::kCancel));
+  if (complete) (void)link_->Send(m.peer, m.channel, 0, wire::EncodeBare(ExchangeMessage::kCancel));
 }
 
 void PatchFetcher::OnCorrupt(PeerId peer, uint32_t channel, uint64_t seq) {
@@ -430,7 +418,7 @@ void PatchFetcher::OnCorrupt(PeerId peer, uint32_t channel, uint64_t seq) {
   ++refetches_;
   spdlog::warn("peer {}: {} of pull {} arrived corrupt: fetching it again", peer,
                seq == 0 ? std::string("the header") : "chunk " + std::to_string(seq - 1), channel);
-  (void)transport_->Send(peer, channel, seq, Typed(ExchangeMessage::kRefetch));
+  (void)link_->Send(peer, channel, seq, wire::EncodeBare(ExchangeMessage::kRefetch));
 }
 
 void PatchFetcher::OnPeerFailed(PeerId peer, const Status& why) {
@@ -441,36 +429,23 @@ void PatchFetcher::FailAll(const Status& why) {
   FailPending([](const Pending&) { return true; }, why);
 }
 
-Status PatchFetcher::ParseHeader(std::string_view payload, Pending& p) {
-  size_t pos = 1;
-  uint8_t code = 0, kind = 0;
-  uint64_t from = 0, to = 0, total = 0;
-  uint32_t chunk = 0;
-  if (!Get(payload, &pos, &code) || !Get(payload, &pos, &kind) || !Get(payload, &pos, &from) ||
-      !Get(payload, &pos, &to) || !Get(payload, &pos, &total) || !Get(payload, &pos, &chunk)) {
-    return DataLossError("header: " + std::to_string(payload.size()) + " bytes, shorter than its 31 fixed bytes");
-  }
-  if (code > static_cast<uint8_t>(StatusCode::kUnauthenticated)) {
-    return DataLossError("header: status " + std::to_string(code) + " is not a status code");
-  }
-  if (code != 0) {
-    p.header_code = static_cast<StatusCode>(code);
-    p.header_error = Quoted(payload.substr(pos), 400);
+Status PatchFetcher::TakeHeader(std::string_view payload, Pending& p) {
+  WSYNC_ASSIGN_OR_RETURN(wire::Header h, wire::ParseHeader(payload));
+  if (h.code != StatusCode::kOk) {
+    p.header_code = h.code;
+    p.header_error = h.error;
     return Status::Ok();
   }
-  if (kind != static_cast<uint8_t>(codec::PatchKind::kPatch) && kind != static_cast<uint8_t>(codec::PatchKind::kKeyframe)) {
-    return DataLossError("header: kind " + std::to_string(kind) + " is neither a patch (1) nor a keyframe (2)");
-  }
+  const uint64_t from = h.from, to = h.to;
   // The answer to (from, to) is that patch, or a keyframe of `to`.
-  const bool keyframe = kind == static_cast<uint8_t>(codec::PatchKind::kKeyframe);
+  const bool keyframe = h.kind == codec::PatchKind::kKeyframe;
   if (to != p.to || (keyframe ? from != 0 : from != p.from)) {
     return DataLossError("header: announces " + std::string(keyframe ? "a keyframe " : "a patch ") + std::to_string(from) +
                          "->" + std::to_string(to) + " for a pull of " + std::to_string(p.from) + "->" +
                          std::to_string(p.to));
   }
-  WSYNC_RETURN_IF_ERROR(CheckStreamShape(total, chunk));
   p.header_code = StatusCode::kOk;
-  p.stream = std::make_shared<PatchStream>(static_cast<codec::PatchKind>(kind), from, to, total, chunk);
+  p.stream = std::make_shared<PatchStream>(h.kind, from, to, h.total, h.chunk);
   for (auto& [i, bytes] : p.early) (void)p.stream->Put(i, std::move(bytes));
   p.early.clear();
   return Status::Ok();
@@ -499,4 +474,4 @@ void PatchFetcher::FailPending(const std::function<bool(const Pending&)>& which,
   cv_.notify_all();
 }
 
-}  // namespace wsync::daemon
+}  // namespace wsync::exchange

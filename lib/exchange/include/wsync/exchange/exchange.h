@@ -1,4 +1,5 @@
-// Pulling patches between daemons over a Transport (docs/data-plane.md).
+// wsync::exchange: the pull protocol between daemons, over a Transport
+// (docs/data-plane.md gives its grammar, docs/security.md its security).
 //
 // A sink pulls (from, to) from its parent: one PULL message, answered by a
 // HEADER (kind, size, chunk size, or an error) and the patch bytes in CHUNK
@@ -7,17 +8,26 @@
 // can serve to its own children while it still fills: chunks are forwarded
 // as they arrive (cut-through).
 //
-// Thread safety: PatchStream, PatchServer and PatchFetcher are thread-safe.
+// With a cluster token, every peer proves it holds the token before it may
+// send a request or receive a byte (a challenge-response handshake), and
+// every message after it may be encrypted and authenticated (AES-256-GCM).
+//
+// Thread safety: every class here is thread-safe.
 #pragma once
 
+#include <array>
+#include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <shared_mutex>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -25,7 +35,7 @@
 #include "wsync/transport/transport.h"
 #include "wsync/util/status.h"
 
-namespace wsync::daemon {
+namespace wsync::exchange {
 
 // Limits on what a HEADER may announce (docs/data-plane.md): a stream is
 // at most kMaxStreamChunks chunks of kMinChunkBytes..kMaxChunkBytes, so a
@@ -37,6 +47,20 @@ inline constexpr uint64_t kMaxStreamChunks = 1u << 20;
 // Chunks a puller keeps that arrive before their header (the transport
 // delivers in order; more than this is a broken peer).
 inline constexpr size_t kMaxEarlyChunks = 64;
+// Pulls a server serves at once, from one peer and from all peers; more are
+// refused (ResourceExhausted), each refusal costing one small message.
+inline constexpr size_t kMaxPullsPerPeer = 8;
+inline constexpr size_t kMaxPulls = 128;
+// Peers that connected and have not finished the handshake; more are
+// refused at once. A handshake not finished in time is dropped.
+inline constexpr size_t kMaxHandshakes = 64;
+inline constexpr auto kHandshakeTimeout = std::chrono::seconds(10);
+// Refusals and denials waiting to be sent off the progress thread.
+inline constexpr size_t kMaxQueuedSends = 1024;
+// Transport limits for a daemon's options: the longest message at all (a
+// sealed chunk of the largest size) and before the handshake.
+inline constexpr uint32_t kMaxMessageBytes = kMaxChunkBytes + 64;
+inline constexpr uint32_t kMaxUntrustedMessageBytes = 256;
 
 // Ok when a stream of `total_bytes` in chunks of `chunk_bytes` is within
 // the limits above; DataLoss naming the field otherwise.
@@ -93,50 +117,134 @@ class PatchProvider {
 };
 
 // Message types (first payload byte).
-enum class ExchangeMessage : uint8_t { kPull = 1, kHeader = 2, kChunk = 3, kRefetch = 4, kCancel = 5, kAbort = 6 };
+enum class ExchangeMessage : uint8_t {
+  kPull = 1,
+  kHeader = 2,
+  kChunk = 3,
+  kRefetch = 4,
+  kCancel = 5,
+  kAbort = 6,
+  kHello = 7,
+  kChallenge = 8,
+  kProof = 9,
+  kDenied = 10,
+  kSealed = 11,
+};
 
-// Routes a transport's messages: requests to the server, responses to the
-// fetcher. Install it as the transport's Handler. Teardown order: Detach(),
-// then destroy the server and fetcher, then the transport.
+// What a daemon's data plane demands of its peers (docs/security.md).
+enum class SecurityMode : uint8_t {
+  kNone = 0,          // anyone who reaches the port may pull
+  kAuthenticate = 1,  // peers prove the cluster token; bytes travel in clear
+  kEncrypt = 2,       // and every message is encrypted and authenticated
+};
+std::string_view SecurityModeName(SecurityMode mode);
+// "none", "auth" or "encrypt"; InvalidArgument otherwise.
+StatusOr<SecurityMode> ParseSecurityMode(std::string_view name);
+
+struct SecurityOptions {
+  SecurityMode mode = SecurityMode::kNone;
+  std::string cluster_token;  // REQUIRES: non-empty unless mode is kNone
+};
+
+struct ExchangeStats {
+  uint64_t peers_authenticated = 0;
+  uint64_t peers_refused = 0;  // wrong credential, wrong mode, requests before the handshake
+  uint64_t messages_rejected = 0;  // failed to parse or to authenticate
+};
+
+// The gate between a transport and the pull protocol: authenticates peers,
+// seals and opens messages, and routes requests to the server and responses
+// to the fetcher. Install it as the transport's Handler, then Bind() the
+// transport. Teardown order: Detach(), then destroy the server and fetcher,
+// then the transport, then this.
 class PatchServer;
 class PatchFetcher;
 class ExchangeHandler : public transport::Handler {
  public:
-  void Attach(PatchServer* server, PatchFetcher* fetcher) {
-    std::unique_lock<std::shared_mutex> lock(mu_);
-    server_ = server;
-    fetcher_ = fetcher;
-  }
-  // Returns once no callback runs into the server or fetcher any more.
-  void Detach() { Attach(nullptr, nullptr); }
+  // InvalidArgument (at Bind) when a mode needs a token and has none.
+  explicit ExchangeHandler(SecurityOptions security = {});
+  ~ExchangeHandler() override;
+
+  Status Bind(transport::Transport* transport);
+  void Attach(PatchServer* server, PatchFetcher* fetcher);
+  // Returns once no callback runs into the server or fetcher any more and
+  // nothing queued by SendSoon runs; later SendSoon calls are dropped.
+  void Detach();
+
+  // For a peer we connected to: runs the handshake (once per connection) and
+  // returns when both sides have proved the credential. Unauthenticated or
+  // PermissionDenied naming the reason when the peer refused us or could not
+  // prove itself; DeadlineExceeded at the deadline. Ok at once without
+  // security.
+  Status Establish(transport::PeerId peer, std::chrono::steady_clock::time_point deadline);
+  // Sends one exchange message (sealed when encrypting). Messages to one
+  // peer go out in the order of the calls.
+  Status Send(transport::PeerId peer, uint32_t channel, uint64_t seq, std::string_view message);
+  // Send() from another thread, for callers on the transport's progress
+  // thread (which must not block on a full window). At most kMaxQueuedSends
+  // wait; past that the message is dropped (its pull times out) and false
+  // is returned.
+  bool SendSoon(transport::PeerId peer, uint32_t channel, uint64_t seq, std::string message);
+  SecurityMode mode() const { return security_.mode; }
+  ExchangeStats stats() const;
+
   void OnMessage(transport::Message m) override;
   void OnCorrupt(transport::PeerId peer, uint32_t channel, uint64_t seq) override;
+  void OnAccept(transport::PeerId peer) override;
   void OnPeerFailed(transport::PeerId peer, const Status& why) override;
 
  private:
-  std::shared_mutex mu_;
+  struct Peer;
+  // Hands a verified plaintext message to the server or the fetcher.
+  void Route(transport::Message m);
+  // Refuses a peer: DENIED with `why`, a log line, the connection closed.
+  void Refuse(transport::PeerId peer, StatusCode code, const std::string& why);
+  void OnHandshake(const std::shared_ptr<Peer>& p, const transport::Message& m);
+  std::shared_ptr<Peer> Find(transport::PeerId peer);
+  // Runs `task` on the outbox thread; false when kMaxQueuedSends wait or
+  // the handler is detached.
+  bool Post(std::function<void()> task);
+  void RunOutbox();
+
+  const SecurityOptions security_;
+  std::array<uint8_t, 32> key_{};
+  std::atomic<transport::Transport*> transport_{nullptr};
+  std::shared_mutex route_mu_;
   PatchServer* server_ = nullptr;
   PatchFetcher* fetcher_ = nullptr;
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::map<transport::PeerId, std::shared_ptr<Peer>> peers_;
+  ExchangeStats stats_;
+  std::mutex outbox_mu_;
+  std::condition_variable outbox_cv_;
+  std::deque<std::function<void()>> outbox_;
+  bool outbox_open_ = false;
+  std::thread outbox_thread_;
 };
 
 // Answers pulls: one sender thread per request, streaming chunks as the
 // provider's stream makes them available.
 class PatchServer {
  public:
-  PatchServer(transport::Transport* transport, PatchProvider* provider);
+  PatchServer(ExchangeHandler* link, PatchProvider* provider);
   ~PatchServer();
   void OnRequest(const transport::Message& m);
   void OnPeerFailed(transport::PeerId peer);
   uint64_t bytes_served() const { return bytes_served_.load(); }
   uint64_t pulls_served() const { return pulls_served_.load(); }
+  uint64_t pulls_refused() const { return pulls_refused_.load(); }  // over kMaxPulls / kMaxPullsPerPeer
+  size_t pulls_in_flight() const;
 
  private:
   struct Request;
   void Serve(std::shared_ptr<Request> r);
 
-  transport::Transport* transport_;
+  void Refuse(const transport::Message& m, uint64_t from, uint64_t to, const Status& why);
+
+  ExchangeHandler* link_;
   PatchProvider* provider_;
-  std::mutex mu_;
+  mutable std::mutex mu_;
   std::map<std::pair<transport::PeerId, uint32_t>, std::shared_ptr<Request>> requests_;
   struct Worker {
     std::thread thread;
@@ -146,12 +254,13 @@ class PatchServer {
   std::atomic<bool> stopping_{false};
   std::atomic<uint64_t> bytes_served_{0};
   std::atomic<uint64_t> pulls_served_{0};  // PULL requests received
+  std::atomic<uint64_t> pulls_refused_{0};
 };
 
 // Pulls patches from parents.
 class PatchFetcher {
  public:
-  explicit PatchFetcher(transport::Transport* transport) : transport_(transport) {}
+  explicit PatchFetcher(ExchangeHandler* link) : link_(link) {}
 
   // Starts pulling (from, to) from `parent`; returns the stream, which fills
   // as chunks arrive (the caller may serve it onwards at once). The stream
@@ -182,11 +291,11 @@ class PatchFetcher {
   // Checks every field of a HEADER for pull `p` before use; on success sets
   // p's header code and text, or its stream (with the chunks that came
   // early). DataLoss naming the field otherwise. REQUIRES: mu_ held.
-  static Status ParseHeader(std::string_view payload, Pending& p);
+  static Status TakeHeader(std::string_view payload, Pending& p);
   // Fails one pull: its stream, or Pull's wait for the header. REQUIRES: mu_ held.
   static void FailLocked(Pending& p, const Status& why);
 
-  transport::Transport* transport_;
+  ExchangeHandler* link_;
   std::mutex mu_;
   std::condition_variable cv_;
   std::map<uint32_t, std::shared_ptr<Pending>> pending_;  // Pull keeps its own reference
@@ -194,4 +303,4 @@ class PatchFetcher {
   std::atomic<uint64_t> refetches_{0};
 };
 
-}  // namespace wsync::daemon
+}  // namespace wsync::exchange
