@@ -77,58 +77,86 @@ Status VersionHistory::AcceptsLocked(uint64_t version, std::span<const codec::Te
     return FailedPreconditionError("version " + std::to_string(version) + " is not above the head " +
                                    std::to_string(head_));
   }
-  if (head_ != 0 && !buffers::SameLayout(head_weights_, layout)) {
-    return InvalidArgumentError("version " + std::to_string(version) + ": " + LayoutDifference(head_weights_, layout) +
+  if (head_ != 0 && !buffers::SameLayout(*head_weights_, layout)) {
+    return InvalidArgumentError("version " + std::to_string(version) + ": " + LayoutDifference(*head_weights_, layout) +
                                 " (the previous version's layout)");
   }
   return Status::Ok();
 }
 
+std::shared_ptr<VersionHistory::Weights> VersionHistory::Writable(std::shared_ptr<Weights> spare, const Weights& like) {
+  if (spare && spare.use_count() == 1 && buffers::SameLayout(*spare, buffers::Views(like))) return spare;
+  auto fresh = std::make_shared<Weights>();
+  for (const auto& t : like) fresh->push_back({t.name, t.dtype, t.shape, std::vector<uint8_t>(t.bytes.size())});
+  return fresh;
+}
+
 StatusOr<PublishedVersion> VersionHistory::Publish(uint64_t version, const NewVersion& next) {
-  std::lock_guard<std::mutex> lock(mu_);
-  WSYNC_RETURN_IF_ERROR(AcceptsLocked(version, next.layout));
+  std::lock_guard<std::mutex> publishing(publish_mu_);
+  std::shared_ptr<const Weights> head;
+  uint64_t head_version = 0, head_checksum = 0;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    WSYNC_RETURN_IF_ERROR(AcceptsLocked(version, next.layout));
+    if (head_stale_ && !next.load_head) WSYNC_RETURN_IF_ERROR(LoadHeadLocked());  // a host publish after lazy ones
+    head = head_weights_;
+    head_version = head_;
+    head_checksum = head_set_checksum_;
+  }
+  // From here on only this thread changes the state; pulls read what they
+  // share, so the encode runs without the lock.
   PublishedVersion out;
   out.version = version;
   for (const auto& t : next.layout) out.dense_bytes += t.NumBytes();
-  if (head_ == 0 || (head_stale_ && !next.load_head)) {
-    // A first version, or a host publish after lazy device ones.
-    WSYNC_RETURN_IF_ERROR(LoadHeadLocked());
-  }
-  if (head_ == 0) {
-    std::vector<buffers::OwnedTensor> first;
-    for (const auto& t : next.layout) first.push_back({t.name, t.dtype, t.shape, std::vector<uint8_t>(t.NumBytes())});
-    WSYNC_RETURN_IF_ERROR(next.fill(first));
+  if (head_version == 0) {
+    auto first = std::make_shared<Weights>();
+    for (const auto& t : next.layout) first->push_back({t.name, t.dtype, t.shape, std::vector<uint8_t>(t.NumBytes())});
+    WSYNC_RETURN_IF_ERROR(next.fill(*first));
     codec::EncodeOptions eo = options_.encode;
     eo.target_version = version;
-    WSYNC_ASSIGN_OR_RETURN(std::string kf, codec::EncodeKeyframe(buffers::Views(first), eo));
+    WSYNC_ASSIGN_OR_RETURN(std::string kf, codec::EncodeKeyframe(buffers::Views(*first), eo));
     WSYNC_ASSIGN_OR_RETURN(codec::PatchInfo info, codec::InspectPatch(kf));
-    out.set_checksum = head_set_checksum_ = info.target_set_checksum;
+    out.set_checksum = info.target_set_checksum;
     out.patch_bytes = kf.size();
+    auto stream =
+        PatchStream::FromBytes(codec::PatchKind::kKeyframe, 0, version, std::move(kf), options_.stream_chunk_bytes);
+    auto oldest = std::make_shared<Weights>(*first);
+    std::lock_guard<std::mutex> lock(mu_);
+    head_set_checksum_ = out.set_checksum;
     head_weights_ = std::move(first);
-    oldest_weights_ = head_weights_;
-    cache_[{0, version}] = PatchStream::FromBytes(codec::PatchKind::kKeyframe, 0, version, std::move(kf),
-                                                  options_.stream_chunk_bytes);
+    oldest_weights_ = std::move(oldest);
     head_ = oldest_ = version;
+    CacheLocked({0, version}, std::move(stream), 0);
     return out;
   }
   codec::EncodeOptions eo = options_.encode;
-  eo.base_version = head_;
+  eo.base_version = head_version;
   eo.target_version = version;
-  eo.base_set_checksum = head_set_checksum_;  // the head was the last target: no second hash of it
-  WSYNC_ASSIGN_OR_RETURN(std::string patch, next.encode(buffers::Views(head_weights_), eo));
-  WSYNC_ASSIGN_OR_RETURN(codec::PatchInfo info, codec::InspectPatch(patch));
+  eo.base_set_checksum = head_checksum;  // the head was the last target: no second hash of it
+  WSYNC_ASSIGN_OR_RETURN(std::string encoded, next.encode(buffers::Views(*head), eo));
+  WSYNC_ASSIGN_OR_RETURN(codec::PatchInfo info, codec::InspectPatch(encoded));
+  auto patch = std::make_shared<const std::string>(std::move(encoded));
+  std::shared_ptr<Weights> filled;
+  if (!next.load_head) {
+    // The new head goes into buffers no pull reads (a failed fill leaves the
+    // head as it was).
+    std::shared_ptr<Weights> spare;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      spare = std::exchange(spare_, nullptr);
+    }
+    filled = Writable(std::move(spare), *head);
+    WSYNC_RETURN_IF_ERROR(next.fill(*filled).WithContext("version " + std::to_string(version)));
+  }
+  std::lock_guard<std::mutex> lock(mu_);
   if (next.load_head) {
     head_stale_ = true;
     head_loader_ = next.load_head;
-  } else if (Status filled = next.fill(head_weights_); !filled.ok()) {
-    // The head copy may be torn: rebuild it from the oldest copy and the chain.
-    std::vector<buffers::OwnedTensor> w = oldest_weights_;
-    for (const auto& [v, p] : patches_) WSYNC_RETURN_IF_ERROR(ApplyInPlace(p, w, options_.encode.pool));
-    head_weights_ = std::move(w);
-    return filled.WithContext("version " + std::to_string(version));
+  } else {
+    spare_ = std::exchange(head_weights_, std::move(filled));
   }
   out.base_version = head_;
-  out.patch_bytes = patch.size();
+  out.patch_bytes = patch->size();
   out.set_checksum = head_set_checksum_ = info.target_set_checksum;
   patches_[version] = std::move(patch);
   head_ = version;
@@ -136,18 +164,47 @@ StatusOr<PublishedVersion> VersionHistory::Publish(uint64_t version, const NewVe
 }
 
 Status VersionHistory::Retain(uint64_t oldest_needed) {
+  std::lock_guard<std::mutex> publishing(publish_mu_);
+  std::vector<std::pair<uint64_t, std::shared_ptr<const std::string>>> chain;
+  std::shared_ptr<const Weights> shared;
+  std::shared_ptr<Weights> moving;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto it = patches_.begin(); it != patches_.end() && it->first <= std::min(oldest_needed, head_); ++it) {
+      chain.push_back(*it);
+    }
+    if (chain.empty()) return Status::Ok();
+    if (oldest_weights_.use_count() == 1) {
+      // Nobody reads it: moved forward in place (ms); pulls that need it wait.
+      moving = oldest_weights_;
+      oldest_moving_ = true;
+    } else {
+      shared = oldest_weights_;  // a pull reads it: move a copy forward
+    }
+  }
+  if (!moving) moving = std::make_shared<Weights>(*shared);
+  // ApplyPatch is all or nothing: on an error `moving` holds `reached`.
+  Status applied = Status::Ok();
+  uint64_t reached = 0;
+  for (const auto& [v, p] : chain) {
+    applied = ApplyInPlace(*p, *moving, options_.encode.pool);
+    if (!applied.ok()) break;
+    reached = v;
+  }
   std::lock_guard<std::mutex> lock(mu_);
-  while (!patches_.empty() && patches_.begin()->first <= std::min(oldest_needed, head_)) {
-    auto it = patches_.begin();
-    WSYNC_RETURN_IF_ERROR(ApplyInPlace(it->second, oldest_weights_, options_.encode.pool));
-    oldest_ = it->first;
-    patches_.erase(it);
+  if (reached != 0) {
+    oldest_weights_ = std::move(moving);
+    oldest_ = reached;
+    patches_.erase(patches_.begin(), patches_.upper_bound(reached));
+    for (auto it = cache_.begin(); it != cache_.end();) {
+      const bool stale = (it->first.first != 0 && it->first.first < oldest_) || it->first.second < oldest_;
+      if (stale) stats_.bytes -= it->second.stream->total_bytes();
+      it = stale ? cache_.erase(it) : std::next(it);
+    }
   }
-  for (auto it = cache_.begin(); it != cache_.end();) {
-    const bool stale = (it->first.first != 0 && it->first.first < oldest_) || it->first.second < oldest_;
-    it = stale ? cache_.erase(it) : std::next(it);
-  }
-  return Status::Ok();
+  oldest_moving_ = false;
+  built_.notify_all();
+  return applied;
 }
 
 uint64_t VersionHistory::head() const {
@@ -162,7 +219,10 @@ uint64_t VersionHistory::oldest() const {
 
 Status VersionHistory::LoadHeadLocked() {
   if (!head_stale_) return Status::Ok();
-  WSYNC_RETURN_IF_ERROR(head_loader_(head_weights_).WithContext("loading the head version"));
+  // A pull or a publish may read the stale buffers still: load into free ones.
+  auto target = Writable(std::exchange(spare_, nullptr), *head_weights_);
+  WSYNC_RETURN_IF_ERROR(head_loader_(*target).WithContext("loading the head version"));
+  spare_ = std::exchange(head_weights_, std::move(target));
   head_stale_ = false;
   head_loader_ = nullptr;
   return Status::Ok();
@@ -173,20 +233,62 @@ Status VersionHistory::MaterializeHead() {
   return LoadHeadLocked();
 }
 
-StatusOr<std::vector<buffers::OwnedTensor>> VersionHistory::WeightsAt(uint64_t v) {
-  if (v == head_) {
-    WSYNC_RETURN_IF_ERROR(LoadHeadLocked());
-    return head_weights_;
+VersionHistory::CacheStats VersionHistory::cache_stats() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  CacheStats s = stats_;
+  s.entries = cache_.size();
+  return s;
+}
+
+// Built outside the lock; two pulls of one stream wait for the same build.
+struct VersionHistory::Build {
+  bool done = false;
+  StatusOr<std::shared_ptr<PatchStream>> result = UnavailableError("not built yet");
+};
+
+void VersionHistory::CacheLocked(std::pair<uint64_t, uint64_t> key, std::shared_ptr<PatchStream> stream, double cost_s) {
+  const uint64_t bytes = stream->total_bytes();
+  cache_[key] = Cached{std::move(stream), cost_s, ++accesses_};
+  stats_.bytes += bytes;
+  uint64_t dense = 0;
+  if (head_weights_) {
+    for (const auto& t : *head_weights_) dense += t.bytes.size();
   }
-  std::vector<buffers::OwnedTensor> w = oldest_weights_;
-  for (auto it = patches_.begin(); it != patches_.end() && it->first <= v; ++it) {
-    WSYNC_RETURN_IF_ERROR(ApplyInPlace(it->second, w, options_.encode.pool));
+  const uint64_t max_bytes = options_.cache_bytes != 0 ? options_.cache_bytes : 2 * dense;
+  // The entry that is cheapest to rebuild for how recently it was used goes
+  // first: a stored patch (cost 0) before a merge, a merge before a keyframe,
+  // and an entry not used for long before one in use. The newest stays.
+  while (cache_.size() > 1 && (cache_.size() > options_.cache_entries || stats_.bytes > max_bytes)) {
+    auto victim = cache_.end();
+    double lowest = 0;
+    for (auto it = cache_.begin(); it != cache_.end(); ++it) {
+      if (it->first == key) continue;
+      const double value = (it->second.cost_s + 1e-6) / static_cast<double>(1 + accesses_ - it->second.last_use);
+      if (victim == cache_.end() || value < lowest) {
+        victim = it;
+        lowest = value;
+      }
+    }
+    stats_.bytes -= victim->second.stream->total_bytes();
+    ++stats_.evictions;
+    cache_.erase(victim);
   }
-  return w;
+}
+
+StatusOr<std::shared_ptr<const VersionHistory::Weights>> VersionHistory::WeightsAt(
+    uint64_t v, std::shared_ptr<const Weights> head_copy, uint64_t head_version,
+    std::shared_ptr<const Weights> oldest_copy, const std::map<uint64_t, std::shared_ptr<const std::string>>& chain) {
+  if (v == head_version && head_copy) return head_copy;
+  if (chain.empty() || chain.begin()->first > v) return oldest_copy;  // v is the oldest
+  auto w = std::make_shared<Weights>(*oldest_copy);
+  for (auto it = chain.begin(); it != chain.end() && it->first <= v; ++it) {
+    WSYNC_RETURN_IF_ERROR(ApplyInPlace(*it->second, *w, options_.encode.pool));
+  }
+  return std::shared_ptr<const Weights>(std::move(w));
 }
 
 StatusOr<std::shared_ptr<PatchStream>> VersionHistory::Open(uint64_t from, uint64_t to) {
-  std::lock_guard<std::mutex> lock(mu_);
+  std::unique_lock<std::mutex> lock(mu_);
   // NotFound, as for any version not held: the puller waits for a newer
   // version (a restarted source publishes its history anew).
   if (head_ == 0) return NotFoundError("version " + std::to_string(to) + " is not held: nothing published since "
@@ -197,36 +299,70 @@ StatusOr<std::shared_ptr<PatchStream>> VersionHistory::Open(uint64_t from, uint6
   }
   const bool known = from >= oldest_ && from < to && (from == oldest_ || patches_.count(from));
   if (!known) from = 0;  // unknown or too old: a keyframe
-  if (auto it = cache_.find({from, to}); it != cache_.end()) return it->second;
-  if (cache_.size() >= options_.cache_entries) cache_.erase(cache_.begin());
-
-  std::shared_ptr<PatchStream> stream;
-  if (from == 0) {
-    WSYNC_ASSIGN_OR_RETURN(auto weights, WeightsAt(to));
-    codec::EncodeOptions eo = options_.encode;
-    eo.target_version = to;
-    WSYNC_ASSIGN_OR_RETURN(std::string kf, codec::EncodeKeyframe(buffers::Views(weights), eo));
-    stream = PatchStream::FromBytes(codec::PatchKind::kKeyframe, 0, to, std::move(kf), options_.stream_chunk_bytes);
-  } else if (auto next = patches_.upper_bound(from); next != patches_.end() && next->first == to) {
+  const auto key = std::make_pair(from, to);
+  if (auto it = cache_.find(key); it != cache_.end()) {
+    it->second.last_use = ++accesses_;
+    ++stats_.hits;
+    return it->second.stream;
+  }
+  if (auto next = patches_.upper_bound(from); from != 0 && next != patches_.end() && next->first == to) {
     // One step: the patch as published, no weights needed.
-    stream = PatchStream::FromBytes(codec::PatchKind::kPatch, from, to, next->second, options_.stream_chunk_bytes);
-  } else {
+    auto stream = PatchStream::FromBytes(codec::PatchKind::kPatch, from, to, *next->second, options_.stream_chunk_bytes);
+    CacheLocked(key, stream, 0);
+    return stream;
+  }
+  if (auto it = building_.find(key); it != building_.end()) {
+    auto build = it->second;
+    built_.wait(lock, [&] { return build->done; });
+    return build->result;
+  }
+  // A keyframe or a merge: built from shared, immutable inputs outside the
+  // lock, so that a publish never waits for it (nor it for a publish).
+  built_.wait(lock, [&] { return !oldest_moving_; });
+  if (from == 0 && to == head_) WSYNC_RETURN_IF_ERROR(LoadHeadLocked());
+  auto build = std::make_shared<Build>();
+  building_[key] = build;
+  const std::shared_ptr<const Weights> head = head_weights_, oldest = oldest_weights_;
+  const uint64_t head_version = head_, oldest_version = oldest_;
+  std::map<uint64_t, std::shared_ptr<const std::string>> chain(patches_.upper_bound(oldest_version),
+                                                               patches_.upper_bound(to));
+  lock.unlock();
+
+  const auto t0 = std::chrono::steady_clock::now();
+  if (options_.before_build) options_.before_build(from, to);
+  auto built = [&]() -> StatusOr<std::shared_ptr<PatchStream>> {
+    if (from == 0) {
+      WSYNC_ASSIGN_OR_RETURN(auto weights, WeightsAt(to, head, head_version, oldest, chain));
+      codec::EncodeOptions eo = options_.encode;
+      eo.target_version = to;
+      WSYNC_ASSIGN_OR_RETURN(std::string kf, codec::EncodeKeyframe(buffers::Views(*weights), eo));
+      return PatchStream::FromBytes(codec::PatchKind::kKeyframe, 0, to, std::move(kf), options_.stream_chunk_bytes);
+    }
     // Merge the chain from -> to against the weights of `from` (conditioned
     // patches decode only against their base).
-    std::vector<buffers::OwnedTensor> rebuilt;
-    if (from != oldest_) {
-      WSYNC_ASSIGN_OR_RETURN(rebuilt, WeightsAt(from));
+    std::shared_ptr<const Weights> base = oldest;
+    if (from != oldest_version) {
+      WSYNC_ASSIGN_OR_RETURN(base, WeightsAt(from, nullptr, 0, oldest, chain));
     }
-    const auto base_views = buffers::Views(from == oldest_ ? oldest_weights_ : rebuilt);
-    auto it = patches_.upper_bound(from);
-    std::string merged = it->second;
-    for (++it; it != patches_.end() && it->first <= to; ++it) {
-      WSYNC_ASSIGN_OR_RETURN(merged, codec::MergePatches(merged, it->second, base_views, options_.encode));
+    const auto base_views = buffers::Views(*base);
+    auto it = chain.upper_bound(from);
+    std::string merged = *it->second;
+    for (++it; it != chain.end() && it->first <= to; ++it) {
+      WSYNC_ASSIGN_OR_RETURN(merged, codec::MergePatches(merged, *it->second, base_views, options_.encode));
     }
-    stream = PatchStream::FromBytes(codec::PatchKind::kPatch, from, to, std::move(merged), options_.stream_chunk_bytes);
-  }
-  cache_[{from, to}] = stream;
-  return stream;
+    return PatchStream::FromBytes(codec::PatchKind::kPatch, from, to, std::move(merged), options_.stream_chunk_bytes);
+  }();
+  const double cost_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+
+  lock.lock();
+  building_.erase(key);
+  ++stats_.builds;
+  // Not cached when the versions went out of the history meanwhile.
+  if (built.ok() && to >= oldest_ && (from == 0 || from >= oldest_)) CacheLocked(key, *built, cost_s);
+  build->result = built;
+  build->done = true;
+  built_.notify_all();
+  return built;
 }
 
 }  // namespace wsync::daemon

@@ -7,9 +7,15 @@
 // are rebuilt from the oldest copy), or with a keyframe of `to` when `from`
 // is 0, unknown or older than the oldest kept. Results are cached.
 //
-// Thread safety: thread-safe; Publish and Retain are serialized with pulls.
+// Thread safety: thread-safe. Publish and Retain are serialized with each
+// other; pulls never wait for them to encode, nor they for a pull's keyframe
+// or merge: those are built outside the lock, from weights shared
+// immutably (a buffer a pull still reads is never written: Publish and
+// Retain take fresh ones while it is shared). Two pulls of the same stream
+// build it once.
 #pragma once
 
+#include <condition_variable>
 #include <functional>
 #include <map>
 #include <memory>
@@ -40,7 +46,13 @@ class VersionHistory : public PatchProvider {
   struct Options {
     codec::EncodeOptions encode;          // its pool is used for encode, merge and apply
     uint32_t stream_chunk_bytes = 1u << 20;  // transport chunk size of served streams
+    // Built streams kept: at most this many, and this many bytes (0: twice
+    // the model's dense size). Past either, the entry that is cheapest to
+    // rebuild for its use goes first (docs/data-plane.md).
     size_t cache_entries = 16;
+    uint64_t cache_bytes = 0;
+    // Test seam: called outside the lock before a keyframe or merge is built.
+    std::function<void(uint64_t from, uint64_t to)> before_build;
   };
   explicit VersionHistory(Options options) : options_(std::move(options)) {}
 
@@ -88,23 +100,54 @@ class VersionHistory : public PatchProvider {
   uint64_t head() const;
   uint64_t oldest() const;
 
+  struct CacheStats {
+    uint64_t hits = 0;
+    uint64_t builds = 0;     // keyframes and merges built
+    uint64_t evictions = 0;
+    size_t entries = 0;
+    uint64_t bytes = 0;
+  };
+  CacheStats cache_stats() const;
+
   StatusOr<std::shared_ptr<PatchStream>> Open(uint64_t from, uint64_t to) override;
 
  private:
+  using Weights = std::vector<buffers::OwnedTensor>;
+  struct Cached {
+    std::shared_ptr<PatchStream> stream;
+    double cost_s = 0;       // what it took to build (0: a stored patch)
+    uint64_t last_use = 0;   // cache access count at its last use
+  };
+  struct Build;  // a stream being built outside the lock
+
   Status AcceptsLocked(uint64_t version, std::span<const codec::TensorView> layout) const;  // REQUIRES: mu_ held
-  // Weights of version v (oldest <= v <= head), rebuilt from the oldest copy.
-  StatusOr<std::vector<buffers::OwnedTensor>> WeightsAt(uint64_t v);  // REQUIRES: mu_ held
+  Status LoadHeadLocked();  // REQUIRES: mu_ held
+  // Weights of version v (oldest <= v <= head): the head's copy itself, or
+  // the oldest copy with the chain applied (a new buffer). Outside mu_.
+  StatusOr<std::shared_ptr<const Weights>> WeightsAt(uint64_t v, std::shared_ptr<const Weights> head_copy,
+                                                     uint64_t head_version, std::shared_ptr<const Weights> oldest_copy,
+                                                     const std::map<uint64_t, std::shared_ptr<const std::string>>& chain);
+  void CacheLocked(std::pair<uint64_t, uint64_t> key, std::shared_ptr<PatchStream> stream, double cost_s);
+  // A buffer of `like`'s layout that no reader holds: `spare` when it is
+  // free and fits, new otherwise.
+  static std::shared_ptr<Weights> Writable(std::shared_ptr<Weights> spare, const Weights& like);
 
   Options options_;
-  mutable std::mutex mu_;
+  std::mutex publish_mu_;  // serializes Publish and Retain; never held by pulls
+  mutable std::mutex mu_;  // the state below; held briefly
+  std::condition_variable built_;
   uint64_t head_ = 0, oldest_ = 0;
   uint64_t head_set_checksum_ = 0;  // SetChecksum of the head version (valid once head_ != 0)
-  std::vector<buffers::OwnedTensor> head_weights_, oldest_weights_;
+  std::shared_ptr<Weights> head_weights_, oldest_weights_;  // shared with pulls reading them
+  std::shared_ptr<Weights> spare_;  // the previous head's buffers, for the next publish
   bool head_stale_ = false;  // head_weights_ is behind: load through head_loader_
+  bool oldest_moving_ = false;  // Retain moves the oldest copy forward in place
   std::function<Status(std::vector<buffers::OwnedTensor>&)> head_loader_;
-  Status LoadHeadLocked();  // REQUIRES: mu_ held
-  std::map<uint64_t, std::string> patches_;  // version -> patch from the previous version
-  std::map<std::pair<uint64_t, uint64_t>, std::shared_ptr<PatchStream>> cache_;
+  std::map<uint64_t, std::shared_ptr<const std::string>> patches_;  // version -> patch from the previous version
+  std::map<std::pair<uint64_t, uint64_t>, Cached> cache_;
+  std::map<std::pair<uint64_t, uint64_t>, std::shared_ptr<Build>> building_;
+  uint64_t accesses_ = 0;
+  CacheStats stats_;
 };
 
 }  // namespace wsync::daemon

@@ -5,6 +5,7 @@
 
 #include <gtest/gtest.h>
 
+#include <future>
 #include <random>
 
 #include "../codec/test_tensors.h"
@@ -153,6 +154,127 @@ TEST(VersionHistory, LoadsALazyHeadOnlyForKeyframes) {
   EXPECT_TRUE(testing::SameBits(ApplyStream(**kf, zero), v[3]));
   EXPECT_TRUE(h.MaterializeHead().ok());
   EXPECT_EQ(loads, 1);
+}
+
+// A gate for Options::before_build: the build of `key` stops there until
+// Open() is called on the gate (other builds pass).
+struct BuildGate {
+  std::pair<uint64_t, uint64_t> key;
+  std::promise<void> entered, open;
+  std::shared_future<void> opened = open.get_future().share();
+  std::atomic<int> builds{0};
+  std::function<void(uint64_t, uint64_t)> Hook() {
+    return [this](uint64_t from, uint64_t to) {
+      if (std::make_pair(from, to) != key) return;
+      if (builds++ == 0) entered.set_value();
+      opened.wait();
+    };
+  }
+};
+
+std::vector<OwnedTensor> Zeros(const std::vector<OwnedTensor>& like) {
+  std::vector<OwnedTensor> z = like;
+  for (auto& t : z) std::fill(t.bytes.begin(), t.bytes.end(), 0);
+  return z;
+}
+
+// Issue 19: a late sink's keyframe was built under the lock Publish takes,
+// so it stalled the trainer for as long as the build. Now the build runs
+// outside it: with a keyframe build held mid-way, publishes and Retain
+// finish, a second pull of the same keyframe waits for the one build, and
+// the keyframe is still exactly its version.
+TEST(VersionHistory, PublishNeverWaitsForAKeyframeBuild) {
+  auto v = Chain(7);
+  BuildGate gate;
+  gate.key = {0, 2};
+  VersionHistory::Options o;
+  o.before_build = gate.Hook();
+  VersionHistory h(o);
+  for (int k = 0; k < 3; ++k) ASSERT_TRUE(h.Publish(k + 1, buffers::Views(v[k])).ok());
+  auto late = std::async(std::launch::async, [&] { return h.Open(0, 2); });
+  auto again = std::async(std::launch::async, [&] { return h.Open(0, 2); });
+  gate.entered.get_future().wait();
+  auto publishing = std::async(std::launch::async, [&] {
+    for (int k = 3; k < 6; ++k) {
+      if (Status s = h.Publish(k + 1, buffers::Views(v[k])).status(); !s.ok()) return s;
+    }
+    return h.Retain(2);  // the oldest copy moves while the build may read it
+  });
+  const bool finished = publishing.wait_for(std::chrono::seconds(20)) == std::future_status::ready;
+  if (!finished) gate.open.set_value();  // let the build go, so the test ends
+  ASSERT_TRUE(finished) << "a publish waited for a pull's keyframe";
+  ASSERT_TRUE(publishing.get().ok());
+  EXPECT_EQ(h.head(), 6u);
+  EXPECT_EQ(h.oldest(), 2u);
+  EXPECT_EQ(late.wait_for(std::chrono::milliseconds(0)), std::future_status::timeout);
+  gate.open.set_value();
+  auto kf = late.get();
+  auto kf2 = again.get();
+  ASSERT_TRUE(kf.ok()) << kf.status().ToString();
+  ASSERT_TRUE(kf2.ok());
+  EXPECT_EQ(kf->get(), kf2->get()) << "one build for two pulls";
+  EXPECT_EQ(gate.builds.load(), 1);
+  EXPECT_TRUE(testing::SameBits(ApplyStream(**kf, Zeros(v[0])), v[1]));
+  // The history after all that still serves every version exactly.
+  auto merged = h.Open(2, 6);
+  ASSERT_TRUE(merged.ok()) << merged.status().ToString();
+  EXPECT_TRUE(testing::SameBits(ApplyStream(**merged, v[1]), v[5]));
+  auto head_kf = h.Open(0, 6);
+  ASSERT_TRUE(head_kf.ok());
+  EXPECT_TRUE(testing::SameBits(ApplyStream(**head_kf, Zeros(v[0])), v[5]));
+}
+
+// A merge reading the oldest copy while Retain moves it forward: Retain
+// moves a copy, the merge sees the old weights, both are exact.
+TEST(VersionHistory, RetainDoesNotWriteWhatAMergeReads) {
+  auto v = Chain(6);
+  BuildGate gate;
+  gate.key = {1, 4};
+  VersionHistory::Options o;
+  o.before_build = gate.Hook();
+  VersionHistory h(o);
+  for (int k = 0; k < 5; ++k) ASSERT_TRUE(h.Publish(k + 1, buffers::Views(v[k])).ok());
+  auto merge = std::async(std::launch::async, [&] { return h.Open(1, 4); });
+  gate.entered.get_future().wait();
+  ASSERT_TRUE(h.Retain(3).ok());
+  EXPECT_EQ(h.oldest(), 3u);
+  gate.open.set_value();
+  auto m = merge.get();
+  ASSERT_TRUE(m.ok()) << m.status().ToString();
+  EXPECT_TRUE(testing::SameBits(ApplyStream(**m, v[0]), v[3]));
+  EXPECT_EQ(h.Open(1, 4).status().code(), StatusCode::kOk) << "1 is gone: a keyframe instead";
+  auto from3 = h.Open(3, 5);
+  ASSERT_TRUE(from3.ok());
+  EXPECT_TRUE(testing::SameBits(ApplyStream(**from3, v[2]), v[4]));
+}
+
+// Issue 19: the cache evicted the lowest (from, to) first, which are the
+// keyframes, the costliest entries to rebuild. Now stored patches (free to
+// serve again) go before a keyframe that is in use.
+TEST(VersionHistory, EvictionKeepsWhatIsCostlyToRebuild) {
+  auto v = Chain(8);
+  VersionHistory::Options o;
+  o.cache_entries = 3;
+  VersionHistory h(o);
+  for (int k = 0; k < 8; ++k) ASSERT_TRUE(h.Publish(k + 1, buffers::Views(v[k])).ok());
+  ASSERT_TRUE(h.Open(0, 7).ok());  // a late sink's keyframe: built
+  const auto built = h.cache_stats().builds;
+  for (uint64_t from = 1; from < 7; ++from) {
+    ASSERT_TRUE(h.Open(from, from + 1).ok());  // sinks one step behind: stored patches
+    ASSERT_TRUE(h.Open(0, 7).ok());            // more late sinks
+  }
+  const auto stats = h.cache_stats();
+  EXPECT_EQ(stats.builds, built) << "the keyframe was evicted and built again";
+  EXPECT_GE(stats.evictions, 3u);
+  EXPECT_LE(stats.entries, 3u);
+  // A byte bound: one keyframe's worth keeps the newest entry only.
+  VersionHistory::Options small;
+  small.cache_bytes = 1;
+  VersionHistory tiny(small);
+  for (int k = 0; k < 3; ++k) ASSERT_TRUE(tiny.Publish(k + 1, buffers::Views(v[k])).ok());
+  ASSERT_TRUE(tiny.Open(0, 3).ok());
+  ASSERT_TRUE(tiny.Open(1, 3).ok());
+  EXPECT_EQ(tiny.cache_stats().entries, 1u);
 }
 
 }  // namespace
