@@ -636,6 +636,33 @@ uint64_t CoordinatorState::generation() const {
   return generation_;
 }
 
+bool CoordinatorState::WatchVersions(uint64_t after,
+                                     const std::function<bool(const wsync::v1::VersionSummary&)>& on_version,
+                                     const std::function<bool()>& stop) const {
+  while (!stop()) {
+    // Read the generation first: a publish after the listing wakes us.
+    const uint64_t gen = generation();
+    const wsync::v1::ListVersionsResponse pending = ListVersions(after);
+    for (const auto& v : pending.versions()) {
+      if (!on_version(v)) return true;
+      after = v.version();
+    }
+    if (stop()) break;
+    WaitForChange(gen, std::chrono::steady_clock::now() + std::chrono::milliseconds(200));
+  }
+  return false;
+}
+
+StatusOr<wsync::v1::MayPublishResponse> CoordinatorState::MayPublishWaiting(
+    uint64_t version, std::chrono::steady_clock::time_point deadline, const std::function<bool()>& stop) {
+  for (;;) {
+    const uint64_t gen = generation();
+    WSYNC_ASSIGN_OR_RETURN(auto r, MayPublish(version));
+    if (r.allowed() || std::chrono::steady_clock::now() >= deadline || stop()) return r;
+    WaitForChange(gen, std::min(deadline, std::chrono::steady_clock::now() + std::chrono::milliseconds(200)));
+  }
+}
+
 uint64_t CoordinatorState::WaitForChange(uint64_t seen, std::chrono::steady_clock::time_point deadline) const {
   std::unique_lock<std::mutex> lock(mu_);
   changed_.wait_until(lock, deadline, [&] { return generation_ != seen; });

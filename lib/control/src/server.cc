@@ -124,23 +124,12 @@ class Service final : public v1::Coordinator::Service {
   grpc::Status Watch(ServerContext* ctx, const v1::WatchRequest* req,
                      grpc::ServerWriter<v1::VersionSummary>* writer) override {
     return Handle("Watch", ctx, [&] {
-      uint64_t after = req->after();
-      bool broken = false;
-      while (!broken && !stopping_) {
-        // Read the generation first: a publish after the listing wakes us.
-        const uint64_t gen = state_->generation();
-        const v1::ListVersionsResponse pending = state_->ListVersions(after);
-        for (const auto& v : pending.versions()) {
-          if (!writer->Write(v)) {
-            broken = true;  // client went away
-            break;
-          }
-          after = v.version();
-        }
-        if (ctx->IsCancelled()) broken = true;
-        if (!broken) state_->WaitForChange(gen, std::chrono::steady_clock::now() + std::chrono::milliseconds(200));
+      const bool broken = state_->WatchVersions(
+          req->after(), [&](const v1::VersionSummary& v) { return writer->Write(v) && !ctx->IsCancelled(); },
+          [&] { return stopping_.load() || ctx->IsCancelled(); });
+      if ((broken || ctx->IsCancelled()) && !stopping_ && !req->node().empty()) {
+        state_->WatchBroken(req->node(), req->incarnation());
       }
-      if (broken && !stopping_ && !req->node().empty()) state_->WatchBroken(req->node(), req->incarnation());
       return wsync::Status::Ok();
     });
   }
@@ -179,16 +168,9 @@ class Service final : public v1::Coordinator::Service {
   grpc::Status MayPublish(ServerContext* ctx, const v1::MayPublishRequest* req, v1::MayPublishResponse* resp) override {
     return Handle("MayPublish", ctx, [&] {
       const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(std::max<int64_t>(0, req->wait_ms()));
-      for (;;) {
-        const uint64_t gen = state_->generation();
-        auto r = state_->MayPublish(req->version());
-        if (!r.ok()) return r.status();
-        *resp = *r;
-        if (r->allowed() || std::chrono::steady_clock::now() >= deadline || ctx->IsCancelled() || stopping_) {
-          return wsync::Status::Ok();
-        }
-        state_->WaitForChange(gen, std::min(deadline, std::chrono::steady_clock::now() + std::chrono::milliseconds(200)));
-      }
+      WSYNC_ASSIGN_OR_RETURN(*resp, state_->MayPublishWaiting(req->version(), deadline,
+                                                               [&] { return ctx->IsCancelled() || stopping_.load(); }));
+      return wsync::Status::Ok();
     });
   }
   grpc::Status SetLayout(ServerContext* ctx, const v1::SetLayoutRequest* req, v1::SetLayoutResponse*) override {

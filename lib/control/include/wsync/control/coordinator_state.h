@@ -12,6 +12,7 @@
 #pragma once
 
 #include <chrono>
+#include <functional>
 #include <condition_variable>
 #include <map>
 #include <memory>
@@ -86,6 +87,18 @@ class CoordinatorState {
   // differs from `seen` or at `deadline`. Returns the current value.
   uint64_t generation() const;
   uint64_t WaitForChange(uint64_t seen, std::chrono::steady_clock::time_point deadline) const;
+
+  // The Watch call's loop, for every adapter: on_version for each version
+  // after `after`, then for new ones as they are published, until it returns
+  // false (the watcher went away) or stop() is true (checked at least every
+  // 200 ms). True when the watcher went away, so the adapter reports
+  // WatchBroken; false when stopped.
+  bool WatchVersions(uint64_t after, const std::function<bool(const wsync::v1::VersionSummary&)>& on_version,
+                     const std::function<bool()>& stop) const;
+  // MayPublish, waiting until it is allowed, `deadline`, or stop().
+  StatusOr<wsync::v1::MayPublishResponse> MayPublishWaiting(uint64_t version,
+                                                             std::chrono::steady_clock::time_point deadline,
+                                                             const std::function<bool()>& stop);
 
  private:
   CoordinatorState(const CoordinatorOptions& options, const Clock* clock, std::unique_ptr<Store> store);
