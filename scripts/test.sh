@@ -23,7 +23,7 @@ cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=Debug -DWSYNC_SANITIZE=addr
   -DWSYNC_X86_64_V3=OFF -DWSYNC_CUDA=OFF -DWSYNC_BUILD_TESTS=ON > /dev/null
 # Only the unit-test executables (the integration tiers run in the main build).
 ninja -C build-asan -j "$jobs" util_test codec_test buffers_test regress_test regress_control_test control_test daemon_config_test \
-  version_history_test sink_weights_test cuda_logic_test exchange_wire_test
+  version_history_test sink_weights_test sink_core_test source_core_test cuda_logic_test exchange_wire_test
 (cd build-asan && ctest -j "$jobs" -L unit --output-on-failure --timeout 600)
 
 echo "== fuzz the patch decoder and the pull protocol (${WSYNC_FUZZ_SECONDS:-90} s)"

@@ -28,6 +28,8 @@ Status InProcessClient::Deregister(const std::string& name) {
 
 StatusOr<uint64_t> InProcessClient::Publish(const v1::VersionSummary& version) {
   WSYNC_RETURN_IF_ERROR(Reach());
+  if (failing_publishes_.fetch_sub(1) > 0) return UnavailableError("publish answer lost (in-process client)");
+  failing_publishes_ = std::max(0, failing_publishes_.load());
   return state_->Publish(version);
 }
 

@@ -199,15 +199,7 @@ class UcxTransport : public Transport {
 
   void Disconnect(PeerId peer) override {
     Post([this, peer] {
-      ucp_ep_h ep = nullptr;
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        auto it = peers_.find(peer);
-        if (it == peers_.end()) return;
-        ep = it->second.ep;
-        ErasePeerLocked(it);
-      }
-      CloseEp(ep, /*force=*/false);
+      if (ucp_ep_h ep = TakePeer(peer)) CloseEp(ep, /*force=*/false);
     });
   }
 
@@ -362,17 +354,21 @@ class UcxTransport : public Transport {
   // Drops a peer that broke the transport's limits: closes it, tells the
   // handler (the other side sees its connection fail). Progress thread.
   void DropPeer(PeerId peer, const std::string& why) {
-    ucp_ep_h ep = nullptr;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      auto it = peers_.find(peer);
-      if (it == peers_.end()) return;
-      ep = it->second.ep;
-      ErasePeerLocked(it);
-    }
+    ucp_ep_h ep = TakePeer(peer);
+    if (ep == nullptr) return;
     spdlog::warn("transport: dropping peer {}: {}", peer, why);
     CloseEp(ep, /*force=*/true);
     handler_->OnPeerFailed(peer, UnavailableError("dropped: " + why));
+  }
+
+  // Forgets `peer` (ErasePeerLocked); its endpoint, to close, or null if unknown.
+  ucp_ep_h TakePeer(PeerId peer) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = peers_.find(peer);
+    if (it == peers_.end()) return nullptr;
+    ucp_ep_h ep = it->second.ep;
+    ErasePeerLocked(it);
+    return ep;
   }
 
   // Fails the peer's window and forgets it. Completed but undelivered

@@ -22,6 +22,8 @@ class InProcessClient : public CoordinatorClient {
   // While unreachable every call fails with Unavailable and a Watch ends
   // (as a broken stream does).
   void SetUnreachable(bool unreachable) { unreachable_ = unreachable; }
+  // The next n Publish calls fail with Unavailable (a lost answer).
+  void FailNextPublishes(int n) { failing_publishes_ = n; }
   uint64_t calls() const { return calls_.load(); }
 
   StatusOr<wsync::v1::RegisterResponse> Register(const wsync::v1::RegisterRequest& req) override;
@@ -50,6 +52,7 @@ class InProcessClient : public CoordinatorClient {
   std::atomic<bool> unreachable_{false};
   std::atomic<bool> cancelled_{false};
   std::atomic<uint64_t> calls_{0};
+  std::atomic<int> failing_publishes_{0};
 };
 
 }  // namespace wsync::control

@@ -1,0 +1,517 @@
+#include "sink_core.h"
+
+#include <spdlog/spdlog.h>
+
+#include "device_weights.h"
+#include "tensor_layout.h"
+#include "wsync/control/layout.h"
+#include "wsync/util/text.h"
+
+namespace wsync::daemon {
+
+namespace v1 = wsync::v1;
+using Clock = std::chrono::steady_clock;
+using exchange::PatchStream;
+
+SinkCore::SinkCore(DataDaemonConfig config, SinkEnvironment env)
+    : config_(std::move(config)), env_(env), rng_(std::random_device{}()) {}
+
+SinkCore::~SinkCore() { Stop(); }
+
+void SinkCore::Start() {
+  watcher_ = std::thread([this] { WatchLoop(); });
+  syncer_ = std::thread([this] { SyncLoop(); });
+  leaser_ = std::thread([this] { LeaseLoop(); });
+}
+
+void SinkCore::Stop() {
+  if (stopping_.exchange(true)) return;
+  // An apply in progress completes; none starts after this.
+  if (auto w = weights()) w->Close();
+  {
+    std::lock_guard<std::mutex> lock(holds_mu_);
+    holds_cv_.notify_all();
+  }
+  {
+    std::lock_guard<std::mutex> lock(stop_mu_);
+    stop_cv_.notify_all();
+  }
+  ResetBackoff();
+  Kick();
+  if (watcher_.joinable()) watcher_.join();
+  if (syncer_.joinable()) syncer_.join();
+  if (leaser_.joinable()) leaser_.join();
+}
+
+std::shared_ptr<SinkWeights> SinkCore::weights() {
+  std::lock_guard<std::mutex> lock(state_mu_);
+  return weights_;
+}
+
+void SinkCore::ReportApplied(uint64_t version) {
+  if (auto n = env_.coordinator->ReportApplied(config_.name, version); !n.ok() && !stopping_) {
+    spdlog::warn("sink {}: report: {}", config_.name, n.status().ToString());
+  }
+}
+
+// ------------------------------------------------------------ registration
+
+StatusOr<uint64_t> SinkCore::RegisterTensors(buffers::MappedTensors reg, uint64_t claimed) {
+  // Refused at once when the tensors cannot take the versions published.
+  if (Status s = CheckPublishedLayout(reg.Views()); !s.ok()) {
+    spdlog::warn("sink {}: registration refused: {}", config_.name, s.ToString());
+    return s;
+  }
+  // Trust a claimed version only if the tensors' checksum is that version's
+  // (a sink that died mid-apply leaves torn weights: those get a keyframe).
+  uint64_t applied = claimed;
+  if (applied != 0) {
+    auto versions = env_.coordinator->ListVersions(applied - 1);
+    auto sum = TensorsSetChecksum(reg, env_.pool);
+    const bool match = versions.ok() && versions->versions_size() > 0 && versions->versions(0).version() == applied &&
+                       sum.ok() && versions->versions(0).set_checksum() == *sum;
+    if (!match) {
+      spdlog::warn("sink {}: the registered tensors are not version {} (checksum differs): starting from a keyframe",
+                   config_.name, applied);
+      applied = 0;
+    }
+  }
+  std::unique_ptr<cuda::DeviceCodec> device;
+  if (reg.on_device()) {
+    WSYNC_ASSIGN_OR_RETURN(device, cuda::DeviceCodec::Create(reg.device()));
+  }
+  const std::string description = reg.description();
+  std::shared_ptr<SinkWeights> old;
+  {
+    std::lock_guard<std::mutex> lock(state_mu_);
+    old = std::exchange(weights_, std::make_shared<SinkWeights>(std::move(reg), env_.pool, applied, std::move(device)));
+  }
+  // The caller may reuse or free the old memory from now on.
+  if (old) Retire(old, "the tensors were registered again");
+  ResetBackoff();
+  // What the coordinator shows is what these tensors hold.
+  ReportApplied(applied);
+  spdlog::info("sink {}: {} registered (holding version {})", config_.name, description, applied);
+  Kick();
+  return head_.load();
+}
+
+Status SinkCore::Unregister() {
+  std::shared_ptr<SinkWeights> old;
+  {
+    std::lock_guard<std::mutex> lock(state_mu_);
+    old = std::exchange(weights_, nullptr);
+  }
+  if (!old) return FailedPreconditionError("no tensors registered");
+  Retire(old, "the tensors were unregistered");
+  ReportApplied(0);
+  spdlog::info("sink {}: tensors unregistered", config_.name);
+  return Status::Ok();
+}
+
+// ------------------------------------------------------------------- holds
+
+StatusOr<SinkCore::HoldGrant> SinkCore::BeginHold(const std::string& holder, int64_t ttl_ms) {
+  auto w = weights();
+  if (!w) return FailedPreconditionError("no tensors registered");
+  if (ttl_ms <= 0) ttl_ms = static_cast<int64_t>(config_.hold_ttl_ms);
+  if (ttl_ms > 600'000) return InvalidArgumentError("hold TTL above 600000 ms");
+  const uint64_t version = w->Hold();  // waits for an apply in progress
+  std::lock_guard<std::mutex> lock(holds_mu_);
+  const uint64_t id = next_hold_++;
+  HoldState& h = holds_[id];
+  h.weights = w;
+  h.version = version;
+  h.holder = holder.substr(0, 200);
+  h.since = Clock::now();
+  h.expires = h.since + std::chrono::milliseconds(ttl_ms);
+  h.ttl_ms = ttl_ms;
+  holds_cv_.notify_all();  // the lease loop mirrors it
+  return HoldGrant{id, version, ttl_ms};
+}
+
+std::string SinkCore::AwaitHold(uint64_t id, const std::function<bool()>& cancelled) {
+  std::string why;
+  {
+    std::unique_lock<std::mutex> lock(holds_mu_);
+    for (;;) {
+      auto it = holds_.find(id);
+      if (it == holds_.end()) return "released";  // released by id or retired
+      if (cancelled()) {
+        why = "the holder cancelled the call or its connection closed";
+        break;
+      }
+      if (Clock::now() >= it->second.expires) {
+        why = "not renewed within its TTL of " + std::to_string(it->second.ttl_ms) + " ms";
+        break;
+      }
+      if (stopping_) {
+        why = "the sink is shutting down";
+        break;
+      }
+      holds_cv_.wait_for(lock, std::chrono::milliseconds(20));
+    }
+  }
+  EndHold(id, why);
+  return why;
+}
+
+namespace {
+
+std::string HoldGone(uint64_t id) {
+  return "hold " + std::to_string(id) + " is not held (released, not renewed within its TTL, its connection "
+         "closed, or the tensors were registered again)";
+}
+
+}  // namespace
+
+Status SinkCore::RenewHold(uint64_t id) {
+  std::lock_guard<std::mutex> lock(holds_mu_);
+  auto it = holds_.find(id);
+  if (it == holds_.end()) return NotFoundError(HoldGone(id));
+  it->second.expires = Clock::now() + std::chrono::milliseconds(it->second.ttl_ms);
+  return Status::Ok();
+}
+
+Status SinkCore::ReleaseHold(uint64_t id) {
+  return EndHold(id, "released") ? Status::Ok() : NotFoundError(HoldGone(id));
+}
+
+SinkStatus SinkCore::status() {
+  auto w = weights();
+  SinkStatus s;
+  s.applied = w ? w->applied() : 0;
+  s.head = head_.load();
+  s.tensors = w ? w->Views().size() : 0;
+  s.pulls_made = pulls_made_.load();
+  s.sync_failures = failures_.load();
+  if (w) s.sync_error = w->sync_error();
+  std::tie(s.active_holds, s.oldest_hold_ms) = HoldSummary();
+  return s;
+}
+
+// -------------------------------------------------------------- membership
+
+void SinkCore::OnHeartbeat(const v1::HeartbeatResponse& hb) {
+  {
+    std::lock_guard<std::mutex> lock(state_mu_);
+    if (parent_ != hb.node().parent()) ResetBackoffSoon();
+    parent_ = hb.node().parent();
+    resync_ = hb.node().resync_keyframe();
+  }
+  head_ = std::max(head_.load(), hb.head_version());
+  Kick();
+}
+
+// The coordinator remembers the applied version of an earlier process of
+// this name: what it shows must be what this one holds.
+void SinkCore::AfterRegister(const v1::Node& node) {
+  const auto w = weights();
+  const uint64_t applied = w ? w->applied() : 0;
+  if (node.applied_version() != applied) ReportApplied(applied);
+}
+
+void SinkCore::FillHeartbeat(v1::HeartbeatRequest* h) {
+  if (auto w = weights(); w && !w->sync_error().ok()) h->set_sync_error(w->sync_error().ToString());
+  const auto [holds, oldest_ms] = HoldSummary();
+  h->set_active_holds(holds);
+  h->set_oldest_hold_ms(oldest_ms);
+}
+
+// ------------------------------------------------------------------ relay
+
+StatusOr<std::shared_ptr<PatchStream>> SinkCore::Open(uint64_t from, uint64_t to) {
+  std::shared_ptr<SinkWeights> weights;
+  {
+    std::lock_guard<std::mutex> lock(state_mu_);
+    if (auto it = streams_.find({from, to}); it != streams_.end()) return it->second;
+    weights = weights_;
+  }
+  if (!weights || weights->applied() != to || to == 0) {
+    return NotFoundError("sink " + config_.name + " holds no patch " + std::to_string(from) + "->" +
+                         std::to_string(to));
+  }
+  // A keyframe of what it holds (the child had another base).
+  const uint64_t v = weights->Hold();
+  codec::EncodeOptions eo;
+  eo.pool = env_.pool;
+  eo.target_version = v;
+  StatusOr<std::string> kf = UnavailableError("no keyframe");
+  if (weights->on_device()) {
+    auto host = weights->HostCopy();
+    kf = host.ok() ? codec::EncodeKeyframe(buffers::Views(*host), eo) : StatusOr<std::string>(host.status());
+  } else {
+    kf = codec::EncodeKeyframe(weights->Views(), eo);
+  }
+  weights->Release();
+  if (!kf.ok()) return kf.status();
+  auto stream = PatchStream::FromBytes(codec::PatchKind::kKeyframe, 0, v, std::move(*kf), 1u << 20);
+  std::lock_guard<std::mutex> lock(state_mu_);
+  streams_[{0, v}] = stream;
+  return stream;
+}
+
+void SinkCore::Kick() {
+  std::lock_guard<std::mutex> lock(sync_mu_);
+  kicked_ = true;
+  sync_cv_.notify_all();
+}
+
+// Ends hold `id` (releasing the weights); false if it is not held.
+bool SinkCore::EndHold(uint64_t id, const std::string& why) {
+  std::lock_guard<std::mutex> lock(holds_mu_);
+  auto it = holds_.find(id);
+  if (it == holds_.end()) return false;
+  it->second.weights->Release();
+  if (it->second.lease_id != 0) leases_to_release_.push_back(it->second.lease_id);
+  const double held_s = std::chrono::duration<double>(Clock::now() - it->second.since).count();
+  if (why == "released") {
+    spdlog::debug("sink {}: hold {} released after {:.3f} s", config_.name, id, held_s);
+  } else {
+    spdlog::warn("sink {}: hold {} of {} ended after {:.1f} s: {}", config_.name, id,
+                 it->second.holder.empty() ? "a holder" : Quoted(it->second.holder), held_s, why);
+  }
+  holds_.erase(it);
+  holds_cv_.notify_all();
+  return true;
+}
+
+// Ends every hold on `old`, then closes it (an apply into it completes).
+void SinkCore::Retire(const std::shared_ptr<SinkWeights>& old, const std::string& why) {
+  std::vector<uint64_t> ids;
+  {
+    std::lock_guard<std::mutex> lock(holds_mu_);
+    for (const auto& [id, h] : holds_) {
+      if (h.weights == old) ids.push_back(id);
+    }
+  }
+  for (uint64_t id : ids) EndHold(id, why);
+  old->Close();
+}
+
+std::pair<uint32_t, int64_t> SinkCore::HoldSummary() {
+  std::lock_guard<std::mutex> lock(holds_mu_);
+  int64_t oldest = 0;
+  for (const auto& [id, h] : holds_) {
+    oldest = std::max<int64_t>(oldest, std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - h.since).count());
+  }
+  return {static_cast<uint32_t>(holds_.size()), oldest};
+}
+
+// Mirrors the active holds as coordinator leases (`wsync leases`; the
+// source keeps what leased versions need), renewed at a third of their TTL.
+void SinkCore::LeaseLoop() {
+  std::unique_lock<std::mutex> lock(holds_mu_);
+  while (!stopping_) {
+    holds_cv_.wait_for(lock, std::chrono::milliseconds(500));
+    std::vector<uint64_t> release = std::move(leases_to_release_);
+    leases_to_release_.clear();
+    struct Renewal {
+      uint64_t hold, lease, version;
+      int64_t ttl_ms;
+    };
+    std::vector<Renewal> due;
+    const auto now = Clock::now();
+    for (const auto& [id, h] : holds_) {
+      if (h.lease_id == 0 || now - h.lease_renewed >= std::chrono::milliseconds(h.ttl_ms / 3)) {
+        due.push_back({id, h.lease_id, h.version, h.ttl_ms});
+      }
+    }
+    if (release.empty() && due.empty()) continue;
+    lock.unlock();
+    for (uint64_t lease : release) (void)env_.coordinator->ReleaseLease(lease);
+    std::vector<std::pair<uint64_t, uint64_t>> granted;  // hold, lease
+    for (const auto& d : due) {
+      auto l = d.lease ? env_.coordinator->RenewLease(d.lease, d.ttl_ms)
+                       : env_.coordinator->AcquireLease(config_.name, d.version, d.ttl_ms);
+      if (l.ok()) {
+        granted.push_back({d.hold, l->id()});
+      } else if (d.lease != 0 && l.status().code() == StatusCode::kNotFound) {
+        granted.push_back({d.hold, 0});  // the lease ended (the node was marked dead): acquire anew
+      } else if (!stopping_) {
+        spdlog::debug("sink {}: lease for hold {}: {}", config_.name, d.hold, l.status().ToString());
+      }
+    }
+    lock.lock();
+    for (const auto& [hold, lease] : granted) {
+      auto it = holds_.find(hold);
+      if (it == holds_.end()) {
+        if (lease != 0) leases_to_release_.push_back(lease);  // ended meanwhile
+        continue;
+      }
+      it->second.lease_id = lease;
+      it->second.lease_renewed = Clock::now();
+      if (lease == 0) holds_cv_.notify_all();
+    }
+  }
+}
+
+void SinkCore::WatchLoop() {
+  while (!stopping_) {
+    v1::WatchRequest req;
+    req.set_after(head_.load());
+    req.set_node(config_.name);
+    req.set_incarnation(env_.membership->incarnation());
+    wsync::Status s = env_.coordinator->Watch(req, [this](const v1::VersionSummary& v) {
+      head_ = std::max(head_.load(), v.version());
+      Kick();
+      return !stopping_.load();
+    });
+    if (stopping_) return;
+    if (!s.ok()) spdlog::debug("sink {}: watch: {}", config_.name, s.ToString());
+    // A broken stream marks this node dead at the coordinator: register
+    // again (a heartbeat does) before watching under the new incarnation.
+    env_.membership->HeartbeatNow(std::chrono::seconds(2));
+    std::unique_lock<std::mutex> lock(stop_mu_);
+    stop_cv_.wait_for(lock, std::chrono::milliseconds(200), [&] { return stopping_.load(); });
+  }
+}
+
+// Parent's peer id on the data plane, connecting when needed.
+StatusOr<transport::PeerId> SinkCore::ParentPeer(const std::string& parent) {
+  if (auto it = peers_.find(parent); it != peers_.end()) return it->second;
+  WSYNC_ASSIGN_OR_RETURN(auto status, env_.coordinator->GetStatus());
+  for (const auto& n : status.nodes()) {
+    if (n.name() != parent) continue;
+    WSYNC_ASSIGN_OR_RETURN(transport::PeerId peer, env_.transport->Connect(n.data_address()));
+    peers_[parent] = peer;
+    return peer;
+  }
+  return NotFoundError("parent " + Quoted(parent) + " is not registered");
+}
+
+// Closes and forgets the connection to `parent` (the next attempt
+// connects again, to the address the coordinator has then): endpoints are
+// released, not leaked, when a parent fails or restarts.
+void SinkCore::DropPeer(const std::string& parent) {
+  auto it = peers_.find(parent);
+  if (it == peers_.end()) return;
+  env_.transport->Disconnect(it->second);
+  peers_.erase(it);
+}
+
+// The next attempt after a failure comes at once (new tensors registered,
+// a new parent, shutdown).
+void SinkCore::ResetBackoff() {
+  std::lock_guard<std::mutex> lock(sync_mu_);
+  backoff_reset_ = true;
+  failures_ = 0;
+  sync_cv_.notify_all();
+}
+void SinkCore::ResetBackoffSoon() {
+  std::lock_guard<std::mutex> lock(sync_mu_);
+  backoff_reset_ = true;
+  sync_cv_.notify_all();
+}
+
+// Exponential backoff with jitter: the n-th consecutive failure waits a
+// uniform draw in [d/2, d], d = min(first * 2^(n-1), max).
+std::chrono::milliseconds SinkCore::RetryDelay(uint64_t failures) {
+  const uint64_t shift = std::min<uint64_t>(failures - 1, 30);
+  const uint64_t d = std::min<uint64_t>(config_.retry_first_ms << shift, config_.retry_max_ms);
+  std::uniform_int_distribution<uint64_t> jitter(d / 2, d);
+  return std::chrono::milliseconds(jitter(rng_));
+}
+
+void SinkCore::SyncLoop() {
+  Clock::time_point next_attempt = Clock::now();
+  while (!stopping_) {
+    {
+      std::unique_lock<std::mutex> lock(sync_mu_);
+      sync_cv_.wait_for(lock, std::chrono::milliseconds(500), [&] { return kicked_ || stopping_.load(); });
+      kicked_ = false;
+      // After a failure, wait out the delay: new versions do not shorten
+      // it, unless the parent lacked the version (then a newer one may be
+      // what it has: a restarted source starts its history again).
+      sync_cv_.wait_until(lock, next_attempt, [&] {
+        return stopping_.load() || backoff_reset_ || (retry_on_new_head_ > 0 && head_.load() > retry_on_new_head_);
+      });
+      retry_on_new_head_ = 0;
+      if (backoff_reset_) next_attempt = Clock::now();
+      backoff_reset_ = false;
+      if (Clock::now() < next_attempt) continue;
+    }
+    if (stopping_) return;
+    auto w = weights();
+    std::string parent;
+    bool resync;
+    {
+      std::lock_guard<std::mutex> lock(state_mu_);
+      parent = parent_;
+      resync = resync_;
+    }
+    const uint64_t head = head_.load();
+    if (!w || w.get() == mismatched_ || parent.empty() || w->applied() >= head) continue;
+    wsync::Status s = CheckPublishedLayout(w->Views());
+    if (!s.ok()) {
+      // Tensors that cannot take the published versions never will: no
+      // pull until they are registered again.
+      spdlog::error("sink {}: {}", config_.name, s.ToString());
+      w->SetSyncError(s, /*permanent=*/true);
+      mismatched_ = w.get();
+      continue;
+    }
+    s = SyncOnce(w, parent, resync || w->applied() == 0 ? 0 : w->applied(), head);
+    if (!s.ok() && !stopping_ && (s.code() == StatusCode::kFailedPrecondition || s.code() == StatusCode::kDataLoss)) {
+      // The patch does not fit what we hold: a keyframe in the same attempt.
+      spdlog::warn("sink {}: sync {}->{} from {}: {}; pulling a keyframe", config_.name, w->applied(), head, parent,
+                   s.ToString());
+      s = SyncOnce(w, parent, 0, head);
+    }
+    if (stopping_) return;
+    if (s.ok()) {
+      failures_ = 0;
+      w->SetSyncError(wsync::Status::Ok(), false);
+      Kick();  // a version may have come meanwhile
+      continue;
+    }
+    if (s.code() == StatusCode::kUnavailable || s.code() == StatusCode::kDeadlineExceeded) DropPeer(parent);
+    const auto delay = RetryDelay(++failures_);
+    next_attempt = Clock::now() + delay;
+    if (s.code() == StatusCode::kNotFound) {
+      std::lock_guard<std::mutex> lock(sync_mu_);
+      retry_on_new_head_ = head;
+    }
+    s = s.WithContext("sync " + std::to_string(w->applied()) + "->" + std::to_string(head) + " from " + Quoted(parent));
+    w->SetSyncError(s, /*permanent=*/false);
+    spdlog::warn("sink {}: {} (failure {}; next attempt in {} ms)", config_.name, s.ToString(), failures_.load(),
+                 delay.count());
+  }
+}
+
+// Ok unless a layout is published and `views` do not match it.
+Status SinkCore::CheckPublishedLayout(std::span<const codec::TensorView> views) {
+  auto published = env_.coordinator->GetLayout();
+  if (!published.ok() || !published->set()) return wsync::Status::Ok();  // checked again next time
+  return control::CheckLayout(published->layout(), LayoutOf(views, false), "the registered tensors")
+      .WithContext("the registered tensors cannot take the published versions; register tensors of the "
+                   "published layout");
+}
+
+
+Status SinkCore::SyncOnce(const std::shared_ptr<SinkWeights>& w, const std::string& parent, uint64_t from,
+                       uint64_t to) {
+  const auto t0 = Clock::now();
+  WSYNC_ASSIGN_OR_RETURN(transport::PeerId peer, ParentPeer(parent));
+  ++pulls_made_;
+  WSYNC_ASSIGN_OR_RETURN(auto stream, env_.fetcher->Pull(peer, from, to, std::chrono::seconds(30)));
+  {
+    // Children may pull the same range from us while it arrives.
+    std::lock_guard<std::mutex> lock(state_mu_);
+    streams_[{stream->from(), stream->to()}] = stream;
+    if (stream->from() != from) streams_[{from, to}] = stream;
+    while (streams_.size() > 16) streams_.erase(streams_.begin());
+  }
+  WSYNC_RETURN_IF_ERROR(stream->WaitComplete(Clock::now() + std::chrono::minutes(5)));
+  const auto received = Clock::now();
+  WSYNC_RETURN_IF_ERROR(w->Apply(*stream));
+  ReportApplied(w->applied());
+  using Ms = std::chrono::duration<double, std::milli>;
+  const auto done = Clock::now();
+  spdlog::info("sink {}: version {} applied from {} ({} {} bytes, {:.1f} ms: transfer {:.1f} ms, apply {:.1f} ms)",
+               config_.name, w->applied(), parent, stream->kind() == codec::PatchKind::kKeyframe ? "keyframe" : "patch",
+               stream->total_bytes(), Ms(done - t0).count(), Ms(received - t0).count(), Ms(done - received).count());
+  return wsync::Status::Ok();
+}
+
+}  // namespace wsync::daemon

@@ -1,0 +1,164 @@
+// The sink's logic, without gRPC: its registered weights, the holds of its
+// inference server (mirrored as coordinator leases), the watch of new
+// versions, the sync loop (pull from the parent, apply, keyframe fallback,
+// backoff), and what it serves its own children (relay). Constructed with
+// the interfaces it uses, so that it runs in-process over the loopback
+// transport and control::InProcessClient in tests; the daemon's local API
+// (data_daemon.cc) is a thin adapter over it.
+//
+// States of the sync loop (docs/data-plane.md, "Sink"): no weights or no
+// parent -> idle; behind the head -> pull (from, head) from the parent, a
+// keyframe when it holds nothing, is told to resync, or the patch does not
+// fit -> apply (verify; undo on mismatch) -> report applied; a failure ->
+// retry after a backoff (a missing version: as soon as a newer head comes;
+// a parent that failed: reconnect); a layout mismatch -> never pull again
+// until new tensors are registered.
+//
+// Thread safety: thread-safe. Start/Stop from one thread.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "data_daemon.h"
+#include "membership.h"
+#include "sink_weights.h"
+#include "wsync/buffers/region.h"
+#include "wsync/control/client.h"
+#include "wsync/exchange/exchange.h"
+#include "wsync/transport/transport.h"
+#include "wsync/util/thread_pool.h"
+
+namespace wsync::daemon {
+
+// What a sink runs on; the caller owns them and keeps them alive.
+struct SinkEnvironment {
+  control::CoordinatorClient* coordinator = nullptr;
+  transport::Transport* transport = nullptr;  // connects to parents
+  exchange::PatchFetcher* fetcher = nullptr;
+  Membership* membership = nullptr;           // heartbeats on demand (after a broken watch)
+  ThreadPool* pool = nullptr;
+};
+
+struct SinkStatus {
+  uint64_t applied = 0, head = 0;
+  size_t tensors = 0;
+  uint64_t pulls_made = 0, sync_failures = 0;
+  Status sync_error;
+  uint32_t active_holds = 0;
+  int64_t oldest_hold_ms = 0;
+};
+
+class SinkCore : public exchange::PatchProvider {
+ public:
+  // Uses config.name, hold_ttl_ms, retry_first_ms, retry_max_ms.
+  SinkCore(DataDaemonConfig config, SinkEnvironment env);
+  ~SinkCore() override;
+
+  // The watch, sync and lease threads. REQUIRES: the membership registered
+  // (the watch names this incarnation, so that a broken watch marks it).
+  void Start();
+  // Within a second: an apply in progress completes, none starts, holds end.
+  // REQUIRES: the coordinator client cancelled first (its Watch ends), as
+  // the daemon's shutdown does.
+  void Stop();
+
+  // --- The inference server's side (the local API).
+  // Replaces the registered tensors (the old ones are retired: their holds
+  // end, an apply into them completes, none starts). `claimed` is trusted
+  // only if the tensors' checksum is that version's. Refused at once when
+  // the tensors cannot take the published layout. Returns the head.
+  StatusOr<uint64_t> RegisterTensors(buffers::MappedTensors tensors, uint64_t claimed);
+  Status Unregister();
+  // The weights registered now (null: none).
+  std::shared_ptr<SinkWeights> weights();
+
+  struct HoldGrant {
+    uint64_t id = 0, version = 0;
+    int64_t ttl_ms = 0;
+  };
+  // Holds the weights stable (waits for an apply in progress). ttl_ms 0:
+  // the configured TTL.
+  StatusOr<HoldGrant> BeginHold(const std::string& holder, int64_t ttl_ms);
+  // Blocks while hold `id` lasts; ends it when `cancelled()` turns true
+  // (the holder's call or connection went), at its TTL, or at Stop. Returns
+  // why it ended ("released" when by Release or retirement).
+  std::string AwaitHold(uint64_t id, const std::function<bool()>& cancelled);
+  Status RenewHold(uint64_t id);
+  Status ReleaseHold(uint64_t id);
+
+  SinkStatus status();
+  uint64_t head() const { return head_.load(); }
+
+  // --- Membership hooks.
+  void OnHeartbeat(const wsync::v1::HeartbeatResponse& hb);
+  void FillHeartbeat(wsync::v1::HeartbeatRequest* h);
+  void AfterRegister(const wsync::v1::Node& node);
+
+  // --- What this sink serves its children.
+  StatusOr<std::shared_ptr<exchange::PatchStream>> Open(uint64_t from, uint64_t to) override;
+
+ private:
+  struct HoldState {
+    std::shared_ptr<SinkWeights> weights;
+    uint64_t version = 0;
+    std::string holder;
+    std::chrono::steady_clock::time_point since, expires;
+    int64_t ttl_ms = 0;
+    uint64_t lease_id = 0;  // the coordinator lease mirroring it (0: none yet)
+    std::chrono::steady_clock::time_point lease_renewed;
+  };
+
+  void Kick();
+  bool EndHold(uint64_t id, const std::string& why);
+  void Retire(const std::shared_ptr<SinkWeights>& old, const std::string& why);
+  std::pair<uint32_t, int64_t> HoldSummary();
+  void ReportApplied(uint64_t version);
+  void LeaseLoop();
+  void WatchLoop();
+  void SyncLoop();
+  StatusOr<transport::PeerId> ParentPeer(const std::string& parent);
+  void DropPeer(const std::string& parent);
+  void ResetBackoff();
+  void ResetBackoffSoon();  // REQUIRES: state_mu_ held (takes sync_mu_ only)
+  std::chrono::milliseconds RetryDelay(uint64_t failures);
+  Status CheckPublishedLayout(std::span<const codec::TensorView> views);
+  Status SyncOnce(const std::shared_ptr<SinkWeights>& w, const std::string& parent, uint64_t from, uint64_t to);
+
+  const DataDaemonConfig config_;
+  const SinkEnvironment env_;
+  std::atomic<bool> stopping_{false};
+  std::mutex state_mu_;
+  std::shared_ptr<SinkWeights> weights_;
+  std::string parent_;
+  bool resync_ = false;
+  std::map<std::pair<uint64_t, uint64_t>, std::shared_ptr<exchange::PatchStream>> streams_;
+  std::map<std::string, transport::PeerId> peers_;  // sync thread only
+  const SinkWeights* mismatched_ = nullptr;         // sync thread only: weights refused by the layout check
+  std::atomic<uint64_t> head_{0};
+  std::atomic<uint64_t> pulls_made_{0};
+  std::atomic<uint64_t> failures_{0};  // consecutive failed sync attempts
+  std::mt19937_64 rng_;                 // sync thread only
+  std::mutex sync_mu_;
+  std::condition_variable sync_cv_;
+  bool kicked_ = false;
+  bool backoff_reset_ = false;
+  uint64_t retry_on_new_head_ = 0;  // > 0: a head above it ends the retry delay (under sync_mu_)
+  std::mutex holds_mu_;
+  std::condition_variable holds_cv_;
+  std::map<uint64_t, HoldState> holds_;
+  std::vector<uint64_t> leases_to_release_;
+  uint64_t next_hold_ = 1;
+  std::mutex stop_mu_;  // sleeps of the watch loop
+  std::condition_variable stop_cv_;
+  std::thread watcher_, syncer_, leaser_;
+};
+
+}  // namespace wsync::daemon

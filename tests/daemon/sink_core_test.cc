@@ -1,0 +1,390 @@
+// The sink's state machine in-process: SinkCore over the real coordinator
+// state machine (control::InProcessClient, a fake clock), the loopback
+// transport and a source made of a VersionHistory behind an exchange. Every
+// transition of the sync loop: register, watch, pull, apply; a patch that
+// does not fit (verify, undo, keyframe); the parent lost and back; a relay
+// lost mid-stream; the coordinator unreachable; a layout that does not
+// match; holds that defer an apply and expire.
+#include "sink_core.h"
+
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <random>
+#include <thread>
+
+#include "../codec/test_tensors.h"
+#include "tensor_layout.h"
+#include "version_history.h"
+#include "wsync/control/in_process_client.h"
+
+namespace wsync::daemon {
+namespace {
+
+namespace v1 = wsync::v1;
+using buffers::OwnedTensor;
+using namespace std::chrono_literals;
+
+constexpr uint64_t kTtlMs = 400;  // heartbeats every 100 ms
+
+std::vector<std::vector<OwnedTensor>> Versions(int n, uint64_t elements = 300000) {
+  std::mt19937_64 rng(23);
+  std::vector<std::vector<OwnedTensor>> v(n);
+  v[0] = {testing::RandomTensor("w1", codec::DType::kBF16, {elements}, rng),
+          testing::RandomTensor("w2", codec::DType::kBF16, {7000}, rng)};
+  for (int k = 1; k < n; ++k) {
+    for (const auto& t : v[k - 1]) v[k].push_back(testing::PerturbByExponent(t, 0.01, 120, rng));
+  }
+  return v;
+}
+
+// One daemon's data-plane end over the loopback fabric; Serve() attaches
+// what it serves.
+struct Plane {
+  Plane(transport::LoopbackFabric& fabric, transport::TransportOptions o = {}) {
+    transport = fabric.Create(o, &handler);
+    EXPECT_TRUE(handler.Bind(transport.get()).ok());
+    fetcher = std::make_unique<exchange::PatchFetcher>(&handler);
+  }
+  void Serve(exchange::PatchProvider* provider) {
+    server = std::make_unique<exchange::PatchServer>(&handler, provider);
+    handler.Attach(server.get(), fetcher.get());
+  }
+  // Before what it serves goes.
+  void Close() {
+    handler.Detach();
+    if (fetcher) fetcher->FailAll(AbortedError("plane closing"));
+    server.reset();
+  }
+  ~Plane() {
+    Close();
+    fetcher.reset();
+    transport.reset();
+  }
+  exchange::ExchangeHandler handler;
+  std::unique_ptr<transport::Transport> transport;
+  std::unique_ptr<exchange::PatchServer> server;
+  std::unique_ptr<exchange::PatchFetcher> fetcher;
+};
+
+v1::RegisterRequest Registration(const std::string& name, v1::Role role, const transport::Transport& t) {
+  v1::RegisterRequest r;
+  r.set_name(name);
+  r.set_role(role);
+  r.set_data_address(t.LocalConnInfo());
+  r.set_ttl_ms(kTtlMs);
+  return r;
+}
+
+// A source: a history served over the loopback transport, registered at the
+// coordinator, publishing what the test gives it.
+struct TestSource {
+  TestSource(control::CoordinatorState* state, transport::LoopbackFabric& fabric, transport::TransportOptions o = {})
+      : client(state), history(VersionHistory::Options{}), plane(fabric, o) {
+    plane.Serve(&history);
+    EXPECT_TRUE(client.Register(Registration("source", v1::ROLE_SOURCE, *plane.transport)).ok());
+  }
+  ~TestSource() { plane.Close(); }
+  void Publish(uint64_t version, const std::vector<OwnedTensor>& w) {
+    auto pub = history.Publish(version, buffers::Views(w));
+    ASSERT_TRUE(pub.ok()) << pub.status().ToString();
+    ASSERT_TRUE(client.SetLayout(LayoutOf(buffers::Views(w), true)).ok());
+    Announce(client, *pub);
+  }
+  static void Announce(control::CoordinatorClient& client, const PublishedVersion& p) {
+    const PublishedVersion* pub = &p;
+    v1::VersionSummary v;
+    v.set_version(pub->version);
+    v.set_base_version(pub->base_version);
+    v.set_patch_bytes(pub->patch_bytes);
+    v.set_dense_bytes(pub->dense_bytes);
+    v.set_set_checksum(pub->set_checksum);
+    v.set_keyframe(pub->base_version == 0);
+    v.set_source("source");
+    auto head = client.Publish(v);
+    ASSERT_TRUE(head.ok()) << head.status().ToString();
+  }
+  control::InProcessClient client;
+  VersionHistory history;
+  Plane plane;
+};
+
+// A sink: SinkCore with its membership, data plane and shared memory.
+struct TestSink {
+  TestSink(const std::string& name, control::CoordinatorState* state, transport::LoopbackFabric& fabric,
+           transport::TransportOptions o = {})
+      : client(state), pool(2), plane(fabric, o) {
+    DataDaemonConfig config;
+    config.name = name;
+    config.retry_first_ms = 20;
+    config.retry_max_ms = 200;
+    config.hold_ttl_ms = 2000;
+    membership = std::make_unique<Membership>(
+        &client, Registration(name, v1::ROLE_SINK, *plane.transport),
+        Membership::Hooks{[this](v1::HeartbeatRequest* h) { core->FillHeartbeat(h); },
+                          [this](const v1::HeartbeatResponse& hb) { core->OnHeartbeat(hb); },
+                          [this](const v1::Node& n) { core->AfterRegister(n); }});
+    core = std::make_unique<SinkCore>(config, SinkEnvironment{&client, plane.transport.get(), plane.fetcher.get(),
+                                                              membership.get(), &pool});
+    plane.Serve(core.get());  // what it holds or receives, to its children
+    EXPECT_TRUE(membership->Register().ok());
+    membership->Start();
+    core->Start();
+  }
+  ~TestSink() {
+    client.Cancel();  // as the daemon's shutdown does: the watch ends
+    plane.Close();
+    core->Stop();
+    membership->Stop();
+  }
+  // Registers shared memory holding `content` (applied: the claimed version).
+  StatusOr<uint64_t> RegisterMemory(const std::vector<OwnedTensor>& content, uint64_t applied = 0) {
+    const std::string shm = "/wsync-sinkcore-" + std::to_string(::getpid()) + "-" + std::to_string(counter++);
+    uint64_t size = 0;
+    std::vector<buffers::TensorEntry> table;
+    for (const auto& t : content) {
+      table.push_back({t.name, t.dtype, t.shape, size});
+      size += t.bytes.size();
+    }
+    WSYNC_ASSIGN_OR_RETURN(auto region, buffers::CreateShm(shm, size, /*unlink_on_close=*/true));
+    for (size_t i = 0; i < content.size(); ++i) {
+      std::memcpy(region->data() + table[i].offset, content[i].bytes.data(), content[i].bytes.size());
+    }
+    std::vector<std::unique_ptr<buffers::Region>> regions;
+    regions.push_back(std::move(region));
+    WSYNC_ASSIGN_OR_RETURN(auto mapped, buffers::MappedTensors::Create(std::move(regions), table));
+    return core->RegisterTensors(std::move(mapped), applied);
+  }
+  // Waits until the sink holds `version`; then checks it bit for bit.
+  void ExpectReaches(uint64_t version, const std::vector<OwnedTensor>& expected, std::chrono::seconds within = 20s) {
+    auto w = core->weights();
+    ASSERT_TRUE(w);
+    Status s = w->WaitForVersion(version, std::chrono::steady_clock::now() + within);
+    ASSERT_TRUE(s.ok()) << s.ToString() << " (applied " << w->applied() << ")";
+    ASSERT_EQ(w->applied(), version);
+    std::vector<OwnedTensor> got;
+    w->Hold();
+    for (const auto& v : w->Views()) {
+      got.push_back({v.name, v.dtype, v.shape, std::vector<uint8_t>(v.data, v.data + v.NumBytes())});
+    }
+    w->Release();
+    EXPECT_TRUE(testing::SameBits(got, expected)) << "version " << version << " differs";
+  }
+  static inline int counter = 0;
+  control::InProcessClient client;
+  ThreadPool pool;
+  Plane plane;
+  std::unique_ptr<Membership> membership;
+  std::unique_ptr<SinkCore> core;
+};
+
+class SinkCoreTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    control::CoordinatorOptions o;
+    o.fanout = 1;  // a chain: the second sink behind the first (a relay)
+    auto s = control::CoordinatorState::Create(o, &clock_, control::NewNullStore(), control::Recovered());
+    ASSERT_TRUE(s.ok()) << s.status().ToString();
+    state_ = std::move(*s);
+  }
+  std::vector<OwnedTensor> Zeros(const std::vector<OwnedTensor>& like) {
+    auto z = like;
+    for (auto& t : z) std::fill(t.bytes.begin(), t.bytes.end(), 0);
+    return z;
+  }
+  std::string ParentOf(const std::string& node) {
+    const v1::StatusResponse status = state_->GetStatus();
+    for (const auto& n : status.nodes()) {
+      if (n.name() == node) return n.parent();
+    }
+    return "";
+  }
+  control::FakeClock clock_;
+  std::unique_ptr<control::CoordinatorState> state_;
+  transport::LoopbackFabric fabric_;
+};
+
+// register -> watch -> pull (a keyframe: it holds nothing) -> apply ->
+// report, then one patch per version.
+TEST_F(SinkCoreTest, RegistersPullsAKeyframeThenPatches) {
+  auto v = Versions(5);
+  TestSource source(state_.get(), fabric_);
+  for (int k = 0; k < 2; ++k) source.Publish(k + 1, v[k]);
+  TestSink sink("sink-0", state_.get(), fabric_);
+  ASSERT_TRUE(sink.RegisterMemory(Zeros(v[0])).ok());
+  sink.ExpectReaches(2, v[1]);
+  for (int k = 2; k < 5; ++k) {
+    source.Publish(k + 1, v[k]);
+    sink.ExpectReaches(k + 1, v[k]);
+  }
+  const SinkStatus st = sink.core->status();
+  EXPECT_EQ(st.applied, 5u);
+  EXPECT_EQ(st.head, 5u);
+  EXPECT_TRUE(st.sync_error.ok());
+  EXPECT_LE(st.pulls_made, 5u);  // one per version at most (a keyframe, then patches)
+  // The coordinator sees what it holds.
+  const v1::StatusResponse status = state_->GetStatus();
+  for (const auto& n : status.nodes()) {
+    if (n.name() == "sink-0") {
+      EXPECT_EQ(n.applied_version(), 5u);
+    }
+  }
+}
+
+// Weights changed behind the sink's back: the next patch does not fit its
+// base; the sink verifies, undoes, and takes a keyframe in the same attempt.
+TEST_F(SinkCoreTest, APatchThatDoesNotFitFallsBackToAKeyframe) {
+  auto v = Versions(3);
+  TestSource source(state_.get(), fabric_);
+  source.Publish(1, v[0]);
+  TestSink sink("sink-0", state_.get(), fabric_);
+  ASSERT_TRUE(sink.RegisterMemory(Zeros(v[0])).ok());
+  sink.ExpectReaches(1, v[0]);
+  {
+    auto w = sink.core->weights();
+    w->Hold();
+    auto views = w->Views();
+    const_cast<uint8_t*>(views[0].data)[100] ^= 0x40;  // someone wrote the inference server's weights
+    w->Release();
+  }
+  const uint64_t pulls = sink.core->status().pulls_made;
+  source.Publish(2, v[1]);
+  sink.ExpectReaches(2, v[1]);
+  EXPECT_EQ(sink.core->status().pulls_made, pulls + 2) << "the patch, then a keyframe";
+  EXPECT_TRUE(sink.core->status().sync_error.ok());
+}
+
+// The parent goes away: the pull fails, the sink reports why and retries
+// with backoff; the parent comes back at another address: the sink
+// reconnects and catches up.
+TEST_F(SinkCoreTest, AParentLostAndBackIsReconnected) {
+  auto v = Versions(4);
+  auto source = std::make_unique<TestSource>(state_.get(), fabric_);
+  source->Publish(1, v[0]);
+  source->Publish(2, v[1]);
+  TestSink sink("sink-0", state_.get(), fabric_);
+  ASSERT_TRUE(sink.RegisterMemory(Zeros(v[0])).ok());
+  sink.ExpectReaches(2, v[1]);
+  // The source dies after announcing version 3 (the summary its restarted
+  // process will announce again: its first version, a keyframe).
+  source.reset();
+  VersionHistory scratch(VersionHistory::Options{});
+  auto three = scratch.Publish(3, buffers::Views(v[2]));
+  ASSERT_TRUE(three.ok());
+  control::InProcessClient announcer(state_.get());
+  TestSource::Announce(announcer, *three);
+  const auto until = std::chrono::steady_clock::now() + 10s;
+  while (sink.core->status().sync_error.ok() && std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(20ms);
+  }
+  const SinkStatus failing = sink.core->status();
+  EXPECT_FALSE(failing.sync_error.ok());
+  EXPECT_GT(failing.sync_failures, 0u);
+  EXPECT_NE(failing.sync_error.message().find("'source'"), std::string::npos) << failing.sync_error.ToString();
+  EXPECT_EQ(sink.core->weights()->applied(), 2u);
+  // Restarted at another address: the sink reconnects and catches up.
+  TestSource back(state_.get(), fabric_);
+  back.Publish(3, v[2]);
+  sink.ExpectReaches(3, v[2]);
+  back.Publish(4, v[3]);
+  sink.ExpectReaches(4, v[3]);
+  EXPECT_TRUE(sink.core->status().sync_error.ok());
+}
+
+// A relay (a sink at the head, parent of another) dies while its child pulls
+// a keyframe from it (the relay's link trickles): the child's pull fails,
+// the coordinator gives it the source as parent, and it syncs from there.
+TEST_F(SinkCoreTest, ARelayLostMidStreamIsReplacedByItsParent) {
+  auto v = Versions(1, 2'500'000);
+  TestSource source(state_.get(), fabric_);
+  source.Publish(1, v[0]);
+  transport::TransportOptions slow;
+  slow.rate_limit_bytes_per_s = 2 << 20;  // the relay's keyframe (4 chunks of 1 MiB) takes ~2 s
+  auto relay = std::make_unique<TestSink>("sink-a", state_.get(), fabric_, slow);
+  ASSERT_TRUE(relay->RegisterMemory(Zeros(v[0])).ok());
+  relay->ExpectReaches(1, v[0]);
+  TestSink child("sink-b", state_.get(), fabric_);
+  ASSERT_EQ(ParentOf("sink-b"), "sink-a");  // fan-out 1: the source has its one child
+  ASSERT_TRUE(child.RegisterMemory(Zeros(v[0])).ok());
+  const auto until = std::chrono::steady_clock::now() + 10s;
+  while (relay->plane.server->pulls_served() == 0 && std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(10ms);
+  }
+  ASSERT_GT(relay->plane.server->pulls_served(), 0u) << "the child's pull never started";
+  std::this_thread::sleep_for(300ms);  // the keyframe is on its way
+  EXPECT_EQ(child.core->weights()->applied(), 0u);
+  relay.reset();  // the relay process dies mid-stream
+  control::InProcessClient admin(state_.get());
+  ASSERT_TRUE(admin.Deregister("sink-a").ok());  // the coordinator forgets it (as after its TTL)
+  child.ExpectReaches(1, v[0]);
+  EXPECT_EQ(ParentOf("sink-b"), "source");
+  EXPECT_GT(child.core->status().pulls_made, 1u);
+}
+
+// The coordinator unreachable from the sink: no versions learned, no pulls;
+// reachable again, it catches up.
+TEST_F(SinkCoreTest, AnUnreachableCoordinatorDelaysButLosesNothing) {
+  auto v = Versions(4);
+  TestSource source(state_.get(), fabric_);
+  source.Publish(1, v[0]);
+  TestSink sink("sink-0", state_.get(), fabric_);
+  ASSERT_TRUE(sink.RegisterMemory(Zeros(v[0])).ok());
+  sink.ExpectReaches(1, v[0]);
+  sink.client.SetUnreachable(true);
+  source.Publish(2, v[1]);
+  source.Publish(3, v[2]);
+  std::this_thread::sleep_for(500ms);
+  EXPECT_EQ(sink.core->weights()->applied(), 1u);
+  sink.client.SetUnreachable(false);
+  source.Publish(4, v[3]);
+  sink.ExpectReaches(4, v[3]);
+}
+
+// Tensors of another layout are refused at registration, naming the tensor;
+// registered before the layout existed, they are never pulled into.
+TEST_F(SinkCoreTest, AMismatchedLayoutIsRefusedAndNeverPulled) {
+  auto v = Versions(2);
+  TestSource source(state_.get(), fabric_);
+  TestSink early("sink-0", state_.get(), fabric_);
+  std::vector<OwnedTensor> other = v[0];
+  other[0].name = "not-w1";
+  ASSERT_TRUE(early.RegisterMemory(other).ok());  // no layout published yet
+  source.Publish(1, v[0]);
+  auto w = early.core->weights();
+  Status s = w->WaitForVersion(1, std::chrono::steady_clock::now() + 10s);
+  EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition) << s.ToString();
+  EXPECT_NE(s.message().find("w1"), std::string::npos) << s.ToString();
+  const uint64_t pulls = early.core->status().pulls_made;
+  TestSink late("sink-1", state_.get(), fabric_);
+  auto refused = late.RegisterMemory(other);
+  EXPECT_EQ(refused.status().code(), StatusCode::kFailedPrecondition) << refused.status().ToString();
+  std::this_thread::sleep_for(300ms);
+  EXPECT_EQ(early.core->status().pulls_made, pulls);
+  EXPECT_EQ(pulls, 0u);
+}
+
+// A hold keeps the weights at their version while the next one waits; the
+// hold ends at its TTL if not renewed, and the apply follows.
+TEST_F(SinkCoreTest, HoldsDeferAppliesAndExpire) {
+  auto v = Versions(2);
+  TestSource source(state_.get(), fabric_);
+  source.Publish(1, v[0]);
+  TestSink sink("sink-0", state_.get(), fabric_);
+  ASSERT_TRUE(sink.RegisterMemory(Zeros(v[0])).ok());
+  sink.ExpectReaches(1, v[0]);
+  auto grant = sink.core->BeginHold("generator", 600);
+  ASSERT_TRUE(grant.ok()) << grant.status().ToString();
+  EXPECT_EQ(grant->version, 1u);
+  EXPECT_EQ(sink.core->status().active_holds, 1u);
+  source.Publish(2, v[1]);
+  std::this_thread::sleep_for(300ms);
+  EXPECT_EQ(sink.core->weights()->applied(), 1u) << "applied under a hold";
+  const std::string why = sink.core->AwaitHold(grant->id, [] { return false; });
+  EXPECT_NE(why.find("TTL"), std::string::npos) << why;
+  sink.ExpectReaches(2, v[1]);
+  EXPECT_EQ(sink.core->ReleaseHold(grant->id).code(), StatusCode::kNotFound);
+  EXPECT_EQ(sink.core->status().active_holds, 0u);
+}
+
+}  // namespace
+}  // namespace wsync::daemon
