@@ -1,0 +1,239 @@
+"""Runtime layouts of tensor-parallel inference engines, as pieces of the
+canonical (Hugging Face checkpoint) tensors.
+
+wsync publishes every version in one canonical name space: the full tensors,
+named as in the checkpoint. An inference engine holds something else on each
+tensor-parallel rank: row and column slices of them, fused (``qkv_proj`` is
+this rank's q, k and v rows stacked; ``gate_up_proj`` its gate and up rows),
+key/value heads replicated when the TP degree exceeds their number, and the
+vocabulary padded. A :class:`RuntimeTensor` says what one rank holds as
+:class:`Piece` s: each a box of a canonical tensor (start and extent per
+dimension) placed at an offset of the runtime tensor. Runtime elements that
+no piece covers (vocabulary padding) belong to the engine alone.
+
+:func:`tp_layout` builds them from a model's ``config.json`` for the Llama,
+Qwen2 and Qwen3 dense families, laid out as vLLM and SGLang lay them out
+(``QKVParallelLinear``, ``MergedColumnParallelLinear``,
+``RowParallelLinear``, ``VocabParallelEmbedding`` with padding to a multiple
+of 64), for any TP degree the model allows (1, 2, 4, 8 are tested).
+:func:`shard` builds a rank's runtime tensors from canonical ones and
+:func:`gather` the canonical tensors back from every rank's (checking that
+replicas agree): the reference for tests and for loading a first version.
+
+Only the layout is computed here; no engine is imported.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Mapping, Sequence
+
+__all__ = ["Piece", "RuntimeTensor", "canonical_shapes", "tp_layout", "shard", "gather", "VOCAB_PADDING"]
+
+VOCAB_PADDING = 64  # vLLM's and SGLang's DEFAULT_VOCAB_PADDING_SIZE
+
+_FAMILIES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
+             "Qwen3ForCausalLM": "qwen3"}
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A box of canonical tensor ``canonical`` placed at ``at`` in a runtime tensor."""
+    canonical: str
+    start: tuple[int, ...]
+    extent: tuple[int, ...]
+    at: tuple[int, ...]
+
+    def slices(self) -> tuple[slice, ...]:
+        return tuple(slice(s, s + e) for s, e in zip(self.start, self.extent))
+
+    def target(self) -> tuple[slice, ...]:
+        return tuple(slice(a, a + e) for a, e in zip(self.at, self.extent))
+
+
+@dataclass(frozen=True)
+class RuntimeTensor:
+    """One tensor of a rank: its engine name, shape, and the pieces it holds."""
+    name: str
+    shape: tuple[int, ...]
+    pieces: tuple[Piece, ...]
+
+
+def _family(config: Mapping) -> str:
+    archs = config.get("architectures") or []
+    for a in archs:
+        if a in _FAMILIES:
+            return _FAMILIES[a]
+    model_type = config.get("model_type")
+    if model_type in ("llama", "mistral", "qwen2", "qwen3"):
+        return "llama" if model_type == "mistral" else model_type
+    raise ValueError(f"unsupported model: architectures {archs or None}, model_type {model_type!r} "
+                     f"(supported: {sorted(_FAMILIES)})")
+
+
+def _dims(config: Mapping) -> dict:
+    family = _family(config)
+    try:
+        heads = int(config["num_attention_heads"])
+        hidden = int(config["hidden_size"])
+        d = {
+            "family": family,
+            "vocab": int(config["vocab_size"]),
+            "hidden": hidden,
+            "inter": int(config["intermediate_size"]),
+            "layers": int(config["num_hidden_layers"]),
+            "heads": heads,
+            "kv": int(config.get("num_key_value_heads") or heads),
+            "head_dim": int(config.get("head_dim") or hidden // heads),
+            "tied": bool(config.get("tie_word_embeddings", False)),
+        }
+    except KeyError as e:
+        raise ValueError(f"config.json lacks {e.args[0]!r}") from None
+    d["qkv_bias"] = d["family"] == "qwen2" or bool(config.get("attention_bias", False))
+    d["qk_norm"] = d["family"] == "qwen3"
+    return d
+
+
+def canonical_shapes(config: Mapping) -> dict[str, tuple[int, ...]]:
+    """The checkpoint's tensors and their shapes (what wsync publishes)."""
+    d = _dims(config)
+    h, hd, q, kv = d["hidden"], d["head_dim"], d["heads"] * d["head_dim"], d["kv"] * d["head_dim"]
+    out = {"model.embed_tokens.weight": (d["vocab"], h)}
+    for i in range(d["layers"]):
+        p = f"model.layers.{i}."
+        out[p + "input_layernorm.weight"] = (h,)
+        out[p + "self_attn.q_proj.weight"] = (q, h)
+        out[p + "self_attn.k_proj.weight"] = (kv, h)
+        out[p + "self_attn.v_proj.weight"] = (kv, h)
+        if d["qkv_bias"]:
+            out[p + "self_attn.q_proj.bias"] = (q,)
+            out[p + "self_attn.k_proj.bias"] = (kv,)
+            out[p + "self_attn.v_proj.bias"] = (kv,)
+        if d["qk_norm"]:
+            out[p + "self_attn.q_norm.weight"] = (hd,)
+            out[p + "self_attn.k_norm.weight"] = (hd,)
+        out[p + "self_attn.o_proj.weight"] = (h, q)
+        out[p + "post_attention_layernorm.weight"] = (h,)
+        out[p + "mlp.gate_proj.weight"] = (d["inter"], h)
+        out[p + "mlp.up_proj.weight"] = (d["inter"], h)
+        out[p + "mlp.down_proj.weight"] = (h, d["inter"])
+    out["model.norm.weight"] = (h,)
+    if not d["tied"]:
+        out["lm_head.weight"] = (d["vocab"], h)
+    return out
+
+
+def _divide(n: int, by: int, what: str) -> int:
+    if n % by:
+        raise ValueError(f"{what} ({n}) is not divisible by the tensor-parallel size {by}")
+    return n // by
+
+
+def _rows(canonical: str, row0: int, rows: int, at_row: int, width: tuple[int, ...]) -> Piece:
+    """Rows [row0, row0 + rows) of a canonical tensor (all of its other dims), at row at_row."""
+    return Piece(canonical, (row0,) + (0,) * len(width), (rows,) + width, (at_row,) + (0,) * len(width))
+
+
+def tp_layout(config: Mapping, tp_size: int, tp_rank: int) -> list[RuntimeTensor]:
+    """What rank ``tp_rank`` of ``tp_size`` holds in vLLM or SGLang (their
+    layouts of these families are the same), in engine parameter names.
+
+    Raises ValueError naming the reason when the model cannot be split so
+    (heads or the intermediate size not divisible, an unsupported model)."""
+    if tp_size < 1 or not 0 <= tp_rank < tp_size:
+        raise ValueError(f"tensor-parallel rank {tp_rank} of {tp_size}")
+    d = _dims(config)
+    h, hd = d["hidden"], d["head_dim"]
+    heads = _divide(d["heads"], tp_size, "num_attention_heads")
+    if tp_size >= d["kv"]:
+        # Fewer key/value heads than ranks: one per rank, replicated.
+        kv_heads, replicas = 1, _divide(tp_size, d["kv"], "the tensor-parallel size over num_key_value_heads")
+    else:
+        kv_heads, replicas = _divide(d["kv"], tp_size, "num_key_value_heads"), 1
+    q_rows, kv_rows = heads * hd, kv_heads * hd
+    kv_rank = tp_rank // replicas
+    inter = _divide(d["inter"], tp_size, "intermediate_size")
+    padded = -(-d["vocab"] // VOCAB_PADDING) * VOCAB_PADDING
+    per_rank_vocab = _divide(padded, tp_size, "the padded vocabulary")
+    v0 = tp_rank * per_rank_vocab
+    v_rows = max(0, min(d["vocab"], v0 + per_rank_vocab) - v0)
+
+    def vocab(name: str, canonical: str) -> RuntimeTensor:
+        pieces = (_rows(canonical, v0, v_rows, 0, (h,)),) if v_rows else ()
+        return RuntimeTensor(name, (per_rank_vocab, h), pieces)
+
+    def whole(name: str, shape: tuple[int, ...]) -> RuntimeTensor:
+        return RuntimeTensor(name, shape, (Piece(name, (0,) * len(shape), shape, (0,) * len(shape)),))
+
+    out = [vocab("model.embed_tokens.weight", "model.embed_tokens.weight")]
+    for i in range(d["layers"]):
+        p = f"model.layers.{i}."
+        a = p + "self_attn."
+        out.append(whole(p + "input_layernorm.weight", (h,)))
+        qkv = (_rows(a + "q_proj.weight", tp_rank * q_rows, q_rows, 0, (h,)),
+               _rows(a + "k_proj.weight", kv_rank * kv_rows, kv_rows, q_rows, (h,)),
+               _rows(a + "v_proj.weight", kv_rank * kv_rows, kv_rows, q_rows + kv_rows, (h,)))
+        out.append(RuntimeTensor(a + "qkv_proj.weight", (q_rows + 2 * kv_rows, h), qkv))
+        if d["qkv_bias"]:
+            bias = (_rows(a + "q_proj.bias", tp_rank * q_rows, q_rows, 0, ()),
+                    _rows(a + "k_proj.bias", kv_rank * kv_rows, kv_rows, q_rows, ()),
+                    _rows(a + "v_proj.bias", kv_rank * kv_rows, kv_rows, q_rows + kv_rows, ()))
+            out.append(RuntimeTensor(a + "qkv_proj.bias", (q_rows + 2 * kv_rows,), bias))
+        if d["qk_norm"]:
+            out.append(whole(a + "q_norm.weight", (hd,)))
+            out.append(whole(a + "k_norm.weight", (hd,)))
+        out.append(RuntimeTensor(a + "o_proj.weight", (h, q_rows),
+                                 (Piece(a + "o_proj.weight", (0, tp_rank * q_rows), (h, q_rows), (0, 0)),)))
+        out.append(whole(p + "post_attention_layernorm.weight", (h,)))
+        m = p + "mlp."
+        gate_up = (_rows(m + "gate_proj.weight", tp_rank * inter, inter, 0, (h,)),
+                   _rows(m + "up_proj.weight", tp_rank * inter, inter, inter, (h,)))
+        out.append(RuntimeTensor(m + "gate_up_proj.weight", (2 * inter, h), gate_up))
+        out.append(RuntimeTensor(m + "down_proj.weight", (h, inter),
+                                 (Piece(m + "down_proj.weight", (0, tp_rank * inter), (h, inter), (0, 0)),)))
+    out.append(whole("model.norm.weight", (h,)))
+    if not d["tied"]:
+        out.append(vocab("lm_head.weight", "lm_head.weight"))
+    return out
+
+
+def shard(canonical: Mapping, layout: Sequence[RuntimeTensor]) -> dict:
+    """A rank's runtime tensors (torch) from canonical ones; uncovered
+    elements are zero. Raises KeyError naming a missing canonical tensor."""
+    import torch
+    out = {}
+    for rt in layout:
+        first = canonical[rt.pieces[0].canonical] if rt.pieces else next(iter(canonical.values()))
+        t = torch.zeros(rt.shape, dtype=first.dtype)
+        for pc in rt.pieces:
+            t[pc.target()] = canonical[pc.canonical][pc.slices()]
+        out[rt.name] = t
+    return out
+
+
+def _bits(t):
+    import torch
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def gather(ranks: Iterable[tuple[Sequence[RuntimeTensor], Mapping]], shapes: Mapping[str, tuple[int, ...]]) -> dict:
+    """The canonical tensors from every rank's (layout, runtime tensors).
+    Raises ValueError when an element is covered by no rank, or when two
+    ranks holding the same element (replicas) differ in a bit."""
+    import torch
+    out, seen = {}, {}
+    for layout, tensors in ranks:
+        for rt in layout:
+            src = tensors[rt.name]
+            for pc in rt.pieces:
+                if pc.canonical not in out:
+                    out[pc.canonical] = torch.zeros(shapes[pc.canonical], dtype=src.dtype)
+                    seen[pc.canonical] = torch.zeros(shapes[pc.canonical], dtype=torch.bool)
+                box, dst, got = src[pc.target()], out[pc.canonical][pc.slices()], seen[pc.canonical][pc.slices()]
+                if bool((got & (_bits(dst) != _bits(box))).any()):
+                    raise ValueError(f"replicas of {pc.canonical} differ in the box at {pc.start} of {pc.extent}")
+                dst.copy_(box)
+                got.fill_(True)
+    for name, shape in shapes.items():
+        if name not in seen or not bool(seen[name].all()):
+            raise ValueError(f"no rank holds all of {name} {tuple(shape)}")
+    return out
