@@ -67,7 +67,7 @@ def differing_bits(a, b):
 
 
 class Campaign:
-    def __init__(self, build, seed, tmp):
+    def __init__(self, build, seed, tmp, token=None, data_security=None):
         import torch
         import wsync
         self.torch, self.wsync = torch, wsync
@@ -86,7 +86,8 @@ class Campaign:
         write_safetensors(self.like, self.model)
         self.mismatched = f"{tmp}/mismatched.safetensors"
         write_safetensors(self.mismatched, {**self.model, "layers.0.weight": torch.zeros(128, 1024, dtype=torch.bfloat16)})
-        self.s = System(build, 3, 2, tmp, coordinator_args=["--node-ttl-ms", "3000"])
+        self.s = System(build, 3, 2, tmp, coordinator_args=["--node-ttl-ms", "3000"], token=token,
+                        data_security=data_security)
         self.source_argv = list(self.s.procs["source"][0])
         for n in self.s.sinks:
             self.s.wait_for(lambda: os.path.exists(f"{tmp}/{n}.sock"), f"{n}'s local API")
@@ -300,13 +301,16 @@ def main():
     p.add_argument("--minutes", type=float, default=2.0)
     p.add_argument("--rounds", type=int, default=1000)
     p.add_argument("--json", default=None)
+    p.add_argument("--token", default=None, help="cluster token (coordinator and data plane)")
+    p.add_argument("--data-security", choices=["none", "auth", "encrypt"], default=None)
     a = p.parse_args()
     sys.path.insert(0, os.path.join(os.path.abspath(a.build), "python"))
     seed = a.seed if a.seed is not None else random.SystemRandom().randrange(1 << 31)
-    print(f"fault campaign: seed {seed} (replay: fault_campaign.py --build {a.build} --seed {seed}), "
+    security = f" --token TOKEN --data-security {a.data_security}" if a.data_security else ""
+    print(f"fault campaign: seed {seed} (replay: fault_campaign.py --build {a.build} --seed {seed}{security}), "
           f"{a.minutes} min", flush=True)
     tmp = tempfile.mkdtemp(prefix=f"wsync_campaign_{seed}_")
-    c = Campaign(a.build, seed, tmp)
+    c = Campaign(a.build, seed, tmp, token=a.token, data_security=a.data_security)
     t0 = time.time()
     try:
         first = c.publish()
