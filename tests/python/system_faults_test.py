@@ -11,11 +11,13 @@ publish included.
 
     system_faults_test.py BUILD DATA_DIR
 """
+import base64
 import glob
 import os
 import re
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -30,12 +32,12 @@ def check(cond, what):
     print(f"  ok: {what}")
 
 
-def scenario(name, build, fanout=2, sinks=2, coordinator_args=(), source_args=()):
+def scenario(name, build, fanout=2, sinks=2, coordinator_args=(), source_args=(), token=None):
     tmp = tempfile.mkdtemp(prefix=f"wsync_{name}_")
     print(f"== {name}")
     # WSYNC_TEST_DEVICE=N: the weights live in GPU N's memory (CUDA IPC).
     device = int(os.environ.get("WSYNC_TEST_DEVICE", "-1"))
-    return System(build, sinks, fanout, tmp, coordinator_args, source_args, device=device)
+    return System(build, sinks, fanout, tmp, coordinator_args, source_args, device=device, token=token)
 
 
 def synced(system, version, names=None):
@@ -204,6 +206,38 @@ def publish_after_copy(build, snaps):
         system.stop()
 
 
+def hostile_peers(build, snaps):
+    # The daemons hold the cluster token (data-plane security auth, the
+    # default with a token). Peers without it, with a wrong one, and one with
+    # it flooding PULLs hit the source and a relay while versions are
+    # published: each is refused, and every sink stays bit-exact.
+    system = scenario("hostile-peers", build, fanout=1, sinks=2, token="hostile-test-token")
+    attacker = os.path.join(build, "tests", "exchange_attacker")
+    try:
+        system.attach_buffers(snaps[0])
+        system.publish(snaps[0], 1)
+        synced(system, 1)
+        nodes = {n["name"]: n for n in (system.status() or {}).get("nodes", [])}
+        relay = next(s for s, p in system.parents().items() if p == "source")
+        for target in ("source", relay):
+            address = base64.b64decode(nodes[target]["dataAddress"]).decode()  # bytes in the JSON
+            for mode in (["unauthenticated"], ["oversized"], ["wrong-token"], ["flood", "hostile-test-token", "500"]):
+                r = subprocess.run([attacker, address, *mode], env=system.env, capture_output=True, text=True,
+                                   timeout=60)
+                said = (r.stdout.strip().splitlines() or [r.stderr.strip()[-200:]])[-1]  # its verdict, after any log
+                check(r.returncode == 0, f"{target}: {said}")
+        for v in range(2, 5):
+            system.publish(snaps[v - 1], v)
+        synced(system, 4)
+        check(all(system.verify(s, snaps[3], 4) for s in system.sinks),
+              "every sink bit-exact at version 4, the relay's child included")
+        log = system.log("source")
+        check("refusing peer" in log and "pulls refused so far" in log,
+              "the source logged the refused peers and the refused pulls")
+    finally:
+        system.stop()
+
+
 def main():
     build, data = sys.argv[1], sys.argv[2]
     if int(os.environ.get("WSYNC_TEST_DEVICE", "-1")) >= 0 and not gpu_present():
@@ -213,7 +247,7 @@ def main():
     if len(snaps) < 5:
         print(f"SKIP: fewer than 5 snapshots in {data}")
         return
-    for test in (late_join_and_sigkill, restarts, corruption, staleness, publish_after_copy):
+    for test in (late_join_and_sigkill, restarts, corruption, staleness, publish_after_copy, hostile_peers):
         test(build, snaps)
     print("PASS")
 
