@@ -119,7 +119,9 @@ TEST(CryptoTest, SealedMessagesOpenOnlyWhereWhenAndUnderTheirKey) {
     crypto::Opener opener(key);
     const std::string sealed = sealer.Seal(3, 8, plain);
     EXPECT_EQ(sealed.size(), plain.size() + wire::kSealOverhead);
-    if (size >= 16) EXPECT_EQ(sealed.find(plain.substr(0, 16)), std::string::npos) << "plaintext visible";
+    if (size >= 16) {
+      EXPECT_EQ(sealed.find(plain.substr(0, 16)), std::string::npos) << "plaintext visible";
+    }
     EXPECT_FALSE(opener.Open(4, 8, sealed).ok()) << "another channel";
     EXPECT_FALSE(opener.Open(3, 9, sealed).ok()) << "another position";
     EXPECT_FALSE(crypto::Opener(crypto::ClusterKey("other-token")).Open(3, 8, sealed).ok()) << "another key";
