@@ -344,14 +344,10 @@ class Sink : public Node, public v1::Local::Service {
       if (!s.ok()) return ToGrpc(s);
     }
     const uint64_t v = w->Hold();
-    wsync::Status s;
-    if (w->on_device()) {
-      auto host = w->HostCopy();
-      s = host.ok() ? buffers::WriteSafetensors(req->path(), buffers::Views(*host), {{"wsync_version", std::to_string(v)}})
-                    : host.status();
-    } else {
-      s = buffers::WriteSafetensors(req->path(), w->Views(), {{"wsync_version", std::to_string(v)}});
-    }
+    auto host = w->store().HostCopy();
+    wsync::Status s = host.ok() ? buffers::WriteSafetensors(req->path(), buffers::Views(*host),
+                                                            {{"wsync_version", std::to_string(v)}})
+                                : host.status();
     w->Release();
     resp->set_version(v);
     return ToGrpc(s);

@@ -2,7 +2,6 @@
 
 #include <spdlog/spdlog.h>
 
-#include "device_weights.h"
 #include "tensor_layout.h"
 #include "wsync/control/layout.h"
 #include "wsync/util/text.h"
@@ -62,12 +61,14 @@ StatusOr<uint64_t> SinkCore::RegisterTensors(buffers::MappedTensors reg, uint64_
     spdlog::warn("sink {}: registration refused: {}", config_.name, s.ToString());
     return s;
   }
+  const std::string description = reg.description();
+  WSYNC_ASSIGN_OR_RETURN(auto store, WeightStore::Open(std::move(reg)));
   // Trust a claimed version only if the tensors' checksum is that version's
   // (a sink that died mid-apply leaves torn weights: those get a keyframe).
   uint64_t applied = claimed;
   if (applied != 0) {
     auto versions = env_.coordinator->ListVersions(applied - 1);
-    auto sum = TensorsSetChecksum(reg, env_.pool);
+    auto sum = store->SetChecksum(env_.pool);
     const bool match = versions.ok() && versions->versions_size() > 0 && versions->versions(0).version() == applied &&
                        sum.ok() && versions->versions(0).set_checksum() == *sum;
     if (!match) {
@@ -76,15 +77,10 @@ StatusOr<uint64_t> SinkCore::RegisterTensors(buffers::MappedTensors reg, uint64_
       applied = 0;
     }
   }
-  std::unique_ptr<cuda::DeviceCodec> device;
-  if (reg.on_device()) {
-    WSYNC_ASSIGN_OR_RETURN(device, cuda::DeviceCodec::Create(reg.device()));
-  }
-  const std::string description = reg.description();
   std::shared_ptr<SinkWeights> old;
   {
     std::lock_guard<std::mutex> lock(state_mu_);
-    old = std::exchange(weights_, std::make_shared<SinkWeights>(std::move(reg), env_.pool, applied, std::move(device)));
+    old = std::exchange(weights_, std::make_shared<SinkWeights>(std::move(store), env_.pool, applied));
   }
   // The caller may reuse or free the old memory from now on.
   if (old) Retire(old, "the tensors were registered again");
@@ -236,13 +232,7 @@ StatusOr<std::shared_ptr<PatchStream>> SinkCore::Open(uint64_t from, uint64_t to
   codec::EncodeOptions eo;
   eo.pool = env_.pool;
   eo.target_version = v;
-  StatusOr<std::string> kf = UnavailableError("no keyframe");
-  if (weights->on_device()) {
-    auto host = weights->HostCopy();
-    kf = host.ok() ? codec::EncodeKeyframe(buffers::Views(*host), eo) : StatusOr<std::string>(host.status());
-  } else {
-    kf = codec::EncodeKeyframe(weights->Views(), eo);
-  }
+  StatusOr<std::string> kf = weights->store().EncodeKeyframe(eo);
   weights->Release();
   if (!kf.ok()) return kf.status();
   auto stream = PatchStream::FromBytes(codec::PatchKind::kKeyframe, 0, v, std::move(*kf), 1u << 20);

@@ -4,12 +4,8 @@
 
 namespace wsync::daemon {
 
-SinkWeights::SinkWeights(buffers::MappedTensors tensors, ThreadPool* pool, uint64_t applied_version,
-                         std::unique_ptr<cuda::DeviceCodec> device)
-    : tensors_(std::move(tensors)),
-      pool_(pool),
-      device_(std::move(device)),
-      applied_(applied_version) {}
+SinkWeights::SinkWeights(std::unique_ptr<WeightStore> store, ThreadPool* pool, uint64_t applied_version)
+    : store_(std::move(store)), pool_(pool), applied_(applied_version) {}
 
 SinkWeights::~SinkWeights() = default;
 
@@ -37,10 +33,9 @@ Status SinkWeights::Apply(const PatchStream& stream) {
   lock.unlock();
   const auto t0 = std::chrono::steady_clock::now();
   const std::string bytes = stream.Assemble();
-  auto views = tensors_.MutableViews();
   codec::ApplyOptions options;
   options.pool = pool_;
-  Status s = device_ ? device_->ApplyPatch(bytes, views, options) : codec::ApplyPatch(bytes, views, options);
+  Status s = store_->Apply(bytes, options);
   lock.lock();
   applying_ = false;
   if (s.ok()) {
@@ -94,20 +89,6 @@ Status SinkWeights::WaitForVersion(uint64_t v, std::chrono::steady_clock::time_p
   }
   if (applied_ < v) return sync_error_;
   return Status::Ok();
-}
-
-std::vector<codec::TensorView> SinkWeights::Views() const { return tensors_.Views(); }
-
-StatusOr<std::vector<buffers::OwnedTensor>> SinkWeights::HostCopy() const {
-  const auto views = Views();
-  if (!device_) return buffers::CopyTensors(views);
-  std::vector<buffers::OwnedTensor> out;
-  for (const auto& t : views) {
-    buffers::OwnedTensor o{t.name, t.dtype, t.shape, std::vector<uint8_t>(t.NumBytes())};
-    WSYNC_RETURN_IF_ERROR(cuda::CopyDeviceToHost(o.bytes.data(), t.data, o.bytes.size()));
-    out.push_back(std::move(o));
-  }
-  return out;
 }
 
 }  // namespace wsync::daemon

@@ -16,10 +16,10 @@
 #include <mutex>
 #include <vector>
 
+#include "weight_store.h"
 #include "wsync/exchange/exchange.h"
 #include "wsync/buffers/region.h"
 #include "wsync/buffers/safetensors.h"
-#include "wsync/cuda/device_codec.h"
 #include "wsync/util/thread_pool.h"
 
 namespace wsync::daemon {
@@ -28,10 +28,8 @@ using exchange::PatchStream;
 
 class SinkWeights {
  public:
-  // pool may be null; `device` (the device codec) is set iff the tensors
-  // are in device memory.
-  SinkWeights(buffers::MappedTensors tensors, ThreadPool* pool, uint64_t applied_version = 0,
-              std::unique_ptr<cuda::DeviceCodec> device = nullptr);
+  // pool may be null.
+  SinkWeights(std::unique_ptr<WeightStore> store, ThreadPool* pool, uint64_t applied_version = 0);
   ~SinkWeights();
 
   uint64_t applied() const;
@@ -60,17 +58,14 @@ class SinkWeights {
   // (with the last sync error), or the permanent sync error at once.
   Status WaitForVersion(uint64_t v, std::chrono::steady_clock::time_point deadline) const;
 
-  // The tensors; read them under a Hold. Device pointers when on_device():
-  // use HostCopy() to read them on the host.
-  std::vector<codec::TensorView> Views() const;
-  bool on_device() const { return device_ != nullptr; }
-  // Host copies of the tensors (under a Hold), for dumps and keyframes.
-  StatusOr<std::vector<buffers::OwnedTensor>> HostCopy() const;
+  // Where the tensors live; read them under a Hold (Views() are device
+  // pointers for a device store: HostCopy() reads them on the host).
+  const WeightStore& store() const { return *store_; }
+  std::vector<codec::TensorView> Views() const { return store_->Views(); }
 
  private:
-  const buffers::MappedTensors tensors_;
+  const std::unique_ptr<WeightStore> store_;
   ThreadPool* pool_;
-  std::unique_ptr<cuda::DeviceCodec> device_;
   mutable std::mutex mu_;
   mutable std::condition_variable cv_;
   uint64_t applied_;

@@ -46,6 +46,12 @@ Fixture Make(int n) {
   return s;
 }
 
+std::unique_ptr<WeightStore> Store(buffers::MappedTensors tensors) {
+  auto s = WeightStore::Open(std::move(tensors));
+  EXPECT_TRUE(s.ok()) << s.status().ToString();
+  return std::move(*s);
+}
+
 buffers::MappedTensors RegionWith(const Fixture& s, const std::vector<OwnedTensor>& content) {
   auto r = buffers::CreateShm(s.shm, 200000 * 2 + 5000 * 2, /*unlink_on_close=*/true);
   EXPECT_TRUE(r.ok()) << r.status().ToString();
@@ -83,7 +89,7 @@ TEST(SinkWeights, HoldersOnlyEverSeeWholeVersions) {
   Fixture s = Make(kVersions);
   std::set<uint64_t> valid;
   for (const auto& v : s.versions) valid.insert(codec::SetChecksum(buffers::Views(v)));
-  SinkWeights w(RegionWith(s, s.versions[0]), nullptr, 1);
+  SinkWeights w(Store(RegionWith(s, s.versions[0])), nullptr, 1);
   std::atomic<bool> stop{false};
   std::atomic<int> checks{0}, torn{0};
   std::thread reader([&] {
@@ -118,7 +124,7 @@ TEST(SinkWeights, HoldersOnlyEverSeeWholeVersions) {
 
 TEST(SinkWeights, BadStreamsChangeNothing) {
   Fixture s = Make(4);
-  SinkWeights w(RegionWith(s, s.versions[1]), nullptr, 2);
+  SinkWeights w(Store(RegionWith(s, s.versions[1])), nullptr, 2);
   // A patch that does not start at the applied version.
   EXPECT_EQ(w.Apply(**s.history->Open(1, 4)).code(), StatusCode::kFailedPrecondition);
   // A corrupt patch: DataLoss, weights and version unchanged.
@@ -139,7 +145,7 @@ TEST(SinkWeights, BadStreamsChangeNothing) {
 
 TEST(SinkWeights, TensorsInManyRegionsApplyBitExactly) {
   Fixture s = Make(3);
-  SinkWeights w(RegionPerTensor(s, s.versions[0]), nullptr, 1);
+  SinkWeights w(Store(RegionPerTensor(s, s.versions[0])), nullptr, 1);
   ASSERT_TRUE(w.Apply(**s.history->Open(1, 3)).ok());
   EXPECT_EQ(codec::SetChecksum(w.Views()), codec::SetChecksum(buffers::Views(s.versions[2])));
 }
@@ -157,7 +163,7 @@ TEST(SinkWeights, RegistrationChecksEveryRegion) {
 
 TEST(SinkWeights, PermanentSyncErrorEndsWaitsAtOnce) {
   Fixture s = Make(1);
-  SinkWeights w(RegionWith(s, s.versions[0]), nullptr, 1);
+  SinkWeights w(Store(RegionWith(s, s.versions[0])), nullptr, 1);
   w.SetSyncError(UnavailableError("parent gone"), /*permanent=*/false);
   Status late = w.WaitForVersion(2, std::chrono::steady_clock::now() + std::chrono::milliseconds(10));
   EXPECT_EQ(late.code(), StatusCode::kDeadlineExceeded);
@@ -171,7 +177,7 @@ TEST(SinkWeights, PermanentSyncErrorEndsWaitsAtOnce) {
 
 TEST(SinkWeights, ClosedWeightsRefuseApplies) {
   Fixture s = Make(2);
-  SinkWeights w(RegionWith(s, s.versions[0]), nullptr, 1);
+  SinkWeights w(Store(RegionWith(s, s.versions[0])), nullptr, 1);
   w.Close();
   EXPECT_EQ(w.Apply(**s.history->Open(1, 2)).code(), StatusCode::kAborted);
   EXPECT_EQ(w.applied(), 1u);

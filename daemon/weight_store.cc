@@ -1,0 +1,64 @@
+#include "weight_store.h"
+
+#include "wsync/codec/staged.h"
+#include "wsync/cuda/device_codec.h"
+
+namespace wsync::daemon {
+namespace {
+
+class HostStore : public WeightStore {
+ public:
+  explicit HostStore(buffers::MappedTensors tensors) : WeightStore(std::move(tensors)) {}
+  Status Apply(std::string_view patch, const codec::ApplyOptions& options) override {
+    return codec::ApplyPatch(patch, tensors_.MutableViews(), options);
+  }
+  StatusOr<std::vector<buffers::OwnedTensor>> HostCopy() const override { return buffers::CopyTensors(Views()); }
+  StatusOr<uint64_t> SetChecksum(ThreadPool* pool) const override { return codec::SetChecksum(Views(), pool); }
+  StatusOr<std::string> EncodeKeyframe(const codec::EncodeOptions& options) const override {
+    return codec::EncodeKeyframe(Views(), options);
+  }
+};
+
+class DeviceStore : public WeightStore {
+ public:
+  DeviceStore(buffers::MappedTensors tensors, std::unique_ptr<cuda::DeviceCodec> codec)
+      : WeightStore(std::move(tensors)), codec_(std::move(codec)) {}
+  Status Apply(std::string_view patch, const codec::ApplyOptions& options) override {
+    return codec_->ApplyPatch(patch, tensors_.MutableViews(), options);
+  }
+  StatusOr<std::vector<buffers::OwnedTensor>> HostCopy() const override {
+    std::vector<buffers::OwnedTensor> out;
+    for (const auto& t : Views()) {
+      buffers::OwnedTensor o{t.name, t.dtype, t.shape, std::vector<uint8_t>(t.NumBytes())};
+      WSYNC_RETURN_IF_ERROR(cuda::CopyDeviceToHost(o.bytes.data(), t.data, o.bytes.size()));
+      out.push_back(std::move(o));
+    }
+    return out;
+  }
+  StatusOr<uint64_t> SetChecksum(ThreadPool*) const override {
+    std::vector<uint64_t> sums;
+    for (const auto& t : Views()) {
+      WSYNC_ASSIGN_OR_RETURN(uint64_t sum, codec_->TensorChecksum(t.data, t.NumBytes()));
+      sums.push_back(sum);
+    }
+    return codec::staged::SetChecksumOf(sums);
+  }
+  // The keyframe is encoded on the host from a copy (a late sink's, rare).
+  StatusOr<std::string> EncodeKeyframe(const codec::EncodeOptions& options) const override {
+    WSYNC_ASSIGN_OR_RETURN(auto host, HostCopy());
+    return codec::EncodeKeyframe(buffers::Views(host), options);
+  }
+
+ private:
+  std::unique_ptr<cuda::DeviceCodec> codec_;
+};
+
+}  // namespace
+
+StatusOr<std::unique_ptr<WeightStore>> WeightStore::Open(buffers::MappedTensors tensors) {
+  if (!tensors.on_device()) return std::unique_ptr<WeightStore>(std::make_unique<HostStore>(std::move(tensors)));
+  WSYNC_ASSIGN_OR_RETURN(auto codec, cuda::DeviceCodec::Create(tensors.device()));
+  return std::unique_ptr<WeightStore>(std::make_unique<DeviceStore>(std::move(tensors), std::move(codec)));
+}
+
+}  // namespace wsync::daemon

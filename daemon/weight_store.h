@@ -1,0 +1,50 @@
+// Registered tensors wherever they live, behind one interface: host memory
+// (shared memory, the codec on the CPU) or device memory (CUDA IPC, the
+// device codec). The daemons' logic asks the store and has no host/device
+// branches; which one a registration gets follows from its regions.
+//
+// Thread safety: the store is immutable; callers coordinate writers (a
+// sink's holds) as they do for the memory itself.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "wsync/buffers/region.h"
+#include "wsync/buffers/safetensors.h"
+#include "wsync/codec/codec.h"
+#include "wsync/util/thread_pool.h"
+
+namespace wsync::daemon {
+
+class WeightStore {
+ public:
+  // A host store for host regions, a device store (with a device codec on
+  // the regions' GPU) for device regions; Unavailable when the CUDA library
+  // is not built in or no device is usable.
+  static StatusOr<std::unique_ptr<WeightStore>> Open(buffers::MappedTensors tensors);
+  virtual ~WeightStore() = default;
+
+  // The tensors: device pointers for a device store.
+  std::vector<codec::TensorView> Views() const { return tensors_.Views(); }
+  const buffers::MappedTensors& tensors() const { return tensors_; }
+  bool on_device() const { return tensors_.on_device(); }
+
+  // Applies a patch or keyframe into the tensors: verified, undone on a
+  // mismatch (codec::ApplyPatch's contract).
+  virtual Status Apply(std::string_view patch, const codec::ApplyOptions& options) = 0;
+  // A copy of the tensors in host memory.
+  virtual StatusOr<std::vector<buffers::OwnedTensor>> HostCopy() const = 0;
+  // codec::SetChecksum of the tensors, computed where they live.
+  virtual StatusOr<uint64_t> SetChecksum(ThreadPool* pool) const = 0;
+  // A keyframe of what the tensors hold.
+  virtual StatusOr<std::string> EncodeKeyframe(const codec::EncodeOptions& options) const = 0;
+
+ protected:
+  explicit WeightStore(buffers::MappedTensors tensors) : tensors_(std::move(tensors)) {}
+  const buffers::MappedTensors tensors_;
+};
+
+}  // namespace wsync::daemon
