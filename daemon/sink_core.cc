@@ -216,11 +216,32 @@ void SinkCore::FillHeartbeat(v1::HeartbeatRequest* h) {
 
 // ------------------------------------------------------------------ relay
 
+void SinkCore::KeepStreamLocked(std::pair<uint64_t, uint64_t> key, std::shared_ptr<PatchStream> stream) {
+  streams_[key] = Kept{std::move(stream), ++stream_uses_};
+  while (streams_.size() > kKeptStreams) {
+    auto victim = streams_.end();
+    for (auto it = streams_.begin(); it != streams_.end(); ++it) {
+      if (it->first == key) continue;
+      const bool arriving = !it->second.stream->WaitComplete(Clock::now()).ok();
+      const bool victim_arriving =
+          victim != streams_.end() && !victim->second.stream->WaitComplete(Clock::now()).ok();
+      if (victim == streams_.end() || (victim_arriving && !arriving) ||
+          (arriving == victim_arriving && it->second.last_use < victim->second.last_use)) {
+        victim = it;
+      }
+    }
+    streams_.erase(victim);
+  }
+}
+
 StatusOr<std::shared_ptr<PatchStream>> SinkCore::Open(uint64_t from, uint64_t to) {
   std::shared_ptr<SinkWeights> weights;
   {
     std::lock_guard<std::mutex> lock(state_mu_);
-    if (auto it = streams_.find({from, to}); it != streams_.end()) return it->second;
+    if (auto it = streams_.find({from, to}); it != streams_.end()) {
+      it->second.last_use = ++stream_uses_;
+      return it->second.stream;
+    }
     weights = weights_;
   }
   if (!weights || weights->applied() != to || to == 0) {
@@ -237,7 +258,7 @@ StatusOr<std::shared_ptr<PatchStream>> SinkCore::Open(uint64_t from, uint64_t to
   if (!kf.ok()) return kf.status();
   auto stream = PatchStream::FromBytes(codec::PatchKind::kKeyframe, 0, v, std::move(*kf), 1u << 20);
   std::lock_guard<std::mutex> lock(state_mu_);
-  streams_[{0, v}] = stream;
+  KeepStreamLocked({0, v}, stream);
   return stream;
 }
 
@@ -488,9 +509,8 @@ Status SinkCore::SyncOnce(const std::shared_ptr<SinkWeights>& w, const std::stri
   {
     // Children may pull the same range from us while it arrives.
     std::lock_guard<std::mutex> lock(state_mu_);
-    streams_[{stream->from(), stream->to()}] = stream;
-    if (stream->from() != from) streams_[{from, to}] = stream;
-    while (streams_.size() > 16) streams_.erase(streams_.begin());
+    KeepStreamLocked({stream->from(), stream->to()}, stream);
+    if (stream->from() != from) KeepStreamLocked({from, to}, stream);
   }
   WSYNC_RETURN_IF_ERROR(stream->WaitComplete(Clock::now() + std::chrono::minutes(5)));
   const auto received = Clock::now();

@@ -139,7 +139,17 @@ class SinkCore : public exchange::PatchProvider {
   std::shared_ptr<SinkWeights> weights_;
   std::string parent_;
   bool resync_ = false;
-  std::map<std::pair<uint64_t, uint64_t>, std::shared_ptr<exchange::PatchStream>> streams_;
+  // What this sink can serve its children: streams it received or is
+  // receiving, and keyframes it built; the least recently used go first
+  // past kKeptStreams, those still arriving last.
+  struct Kept {
+    std::shared_ptr<exchange::PatchStream> stream;
+    uint64_t last_use = 0;
+  };
+  static constexpr size_t kKeptStreams = 16;
+  void KeepStreamLocked(std::pair<uint64_t, uint64_t> key, std::shared_ptr<exchange::PatchStream> stream);
+  std::map<std::pair<uint64_t, uint64_t>, Kept> streams_;  // under state_mu_
+  uint64_t stream_uses_ = 0;                                // under state_mu_
   std::map<std::string, transport::PeerId> peers_;  // sync thread only
   const SinkWeights* mismatched_ = nullptr;         // sync thread only: weights refused by the layout check
   std::atomic<uint64_t> head_{0};
