@@ -7,6 +7,7 @@
 #include <csignal>
 #include <cstdio>
 #include <cstring>
+#include <random>
 #include <filesystem>
 
 #include "json_output.h"
@@ -42,6 +43,16 @@ struct LocalBuffers {
   std::unique_ptr<buffers::Region> shm;
   cuda::DeviceBuffer device;
 };
+
+// "/wsync-<what>-<pid>-<random>": a process killed before it unlinked its
+// memory leaves the name behind, and pids are reused (32768 of them in small
+// containers).
+std::string UniqueShmName(const std::string& what) {
+  std::random_device rd;
+  char suffix[16];
+  std::snprintf(suffix, sizeof(suffix), "%08x", rd());
+  return "/wsync-" + what + "-" + std::to_string(::getpid()) + "-" + suffix;
+}
 
 // Memory laid out like `tensors` (256-byte aligned), its table in *req, and
 // (copy) the tensors' bytes in it.
@@ -79,7 +90,7 @@ Status RunPublish(const std::string& local, const std::string& file, uint64_t ve
                   bool after_copy) {
   WSYNC_ASSIGN_OR_RETURN(auto st, buffers::SafetensorsFile::Open(file));
   v1::RegisterTensorsRequest reg;
-  const std::string shm = "/wsync-publish-" + std::to_string(::getpid());
+  const std::string shm = UniqueShmName("publish");
   WSYNC_ASSIGN_OR_RETURN(auto region, MakeBuffers(shm, device, st->tensors(), &reg, /*copy=*/true));
   auto stub = Connect(local);
   {
@@ -125,7 +136,7 @@ Status RunDump(const std::string& local, const std::string& out, uint64_t versio
 Status RunServeBuffers(const std::string& local, const std::string& like, const std::string& shm_name, int device) {
   WSYNC_ASSIGN_OR_RETURN(auto st, buffers::SafetensorsFile::Open(like));
   v1::RegisterTensorsRequest reg;
-  const std::string shm = shm_name.empty() ? "/wsync-buffers-" + std::to_string(::getpid()) : shm_name;
+  const std::string shm = shm_name.empty() ? UniqueShmName("buffers") : shm_name;
   WSYNC_ASSIGN_OR_RETURN(auto region, MakeBuffers(shm, device, st->tensors(), &reg, /*copy=*/false));
   sigset_t stop;
   sigemptyset(&stop);
@@ -240,7 +251,7 @@ void AddLocalCommands(CLI::App& app, std::function<Status()>* run) {
     cmd->add_option("--local", *local, "the sink's unix:PATH")->required();
     cmd->add_option("--like", *like, "safetensors file giving names, dtypes and shapes")->required()
         ->check(CLI::ExistingFile);
-    cmd->add_option("--shm", *shm, "shared memory name (default /wsync-buffers-PID)");
+    cmd->add_option("--shm", *shm, "shared memory name (default /wsync-buffers-PID-RANDOM)");
     auto device = std::make_shared<int>(-1);
     cmd->add_option("--device", *device, "own this GPU's memory (CUDA IPC) instead of shared memory");
     cmd->callback([=] { *run = [=] { return RunServeBuffers(*local, *like, *shm, *device); }; });

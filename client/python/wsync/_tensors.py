@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import mmap
 import os
+import secrets
 import weakref
 from dataclasses import dataclass, field
 from typing import Dict, List, Mapping, Tuple, Union
@@ -78,7 +79,8 @@ class SharedMemory:
     unlinked when closed or when the process exits normally."""
 
     def __init__(self, size: int, role: str):
-        self.name = f"/wsync-{role}-{os.getpid()}-{next(_counter)}"
+        # A random part too: a killed process leaves its names behind, and pids are reused.
+        self.name = f"/wsync-{role}-{os.getpid()}-{next(_counter)}-{secrets.token_hex(4)}"
         self.size = max(size, 1)
         fd = os.open("/dev/shm" + self.name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
