@@ -192,12 +192,38 @@ class SinkCoreTest : public ::testing::Test {
     for (auto& t : z) std::fill(t.bytes.begin(), t.bytes.end(), 0);
     return z;
   }
+  // Waits until the coordinator has `node` at `version` (reported after the apply).
+  void WaitReported(const std::string& node, uint64_t version) {
+    const auto until = std::chrono::steady_clock::now() + 10s;
+    for (;;) {
+      const v1::StatusResponse status = state_->GetStatus();
+      for (const auto& n : status.nodes()) {
+        if (n.name() == node && n.applied_version() >= version) return;
+      }
+      ASSERT_LT(std::chrono::steady_clock::now(), until) << node << " never reported version " << version;
+      std::this_thread::sleep_for(10ms);
+    }
+  }
   std::string ParentOf(const std::string& node) {
     const v1::StatusResponse status = state_->GetStatus();
     for (const auto& n : status.nodes()) {
       if (n.name() == node) return n.parent();
     }
     return "";
+  }
+  // A source that published version 1 and a sink that holds it.
+  struct Running {
+    std::unique_ptr<TestSource> source;
+    std::unique_ptr<TestSink> sink;  // destroyed first
+  };
+  Running AtFirstVersion(const std::vector<std::vector<OwnedTensor>>& v) {
+    Running r;
+    r.source = std::make_unique<TestSource>(state_.get(), fabric_);
+    r.source->Publish(1, v[0]);
+    r.sink = std::make_unique<TestSink>("sink-0", state_.get(), fabric_);
+    EXPECT_TRUE(r.sink->RegisterMemory(Zeros(v[0])).ok());
+    r.sink->ExpectReaches(1, v[0]);
+    return r;
   }
   control::FakeClock clock_;
   std::unique_ptr<control::CoordinatorState> state_;
@@ -235,23 +261,19 @@ TEST_F(SinkCoreTest, RegistersPullsAKeyframeThenPatches) {
 // base; the sink verifies, undoes, and takes a keyframe in the same attempt.
 TEST_F(SinkCoreTest, APatchThatDoesNotFitFallsBackToAKeyframe) {
   auto v = Versions(3);
-  TestSource source(state_.get(), fabric_);
-  source.Publish(1, v[0]);
-  TestSink sink("sink-0", state_.get(), fabric_);
-  ASSERT_TRUE(sink.RegisterMemory(Zeros(v[0])).ok());
-  sink.ExpectReaches(1, v[0]);
+  auto [source, sink] = AtFirstVersion(v);
   {
-    auto w = sink.core->weights();
+    auto w = sink->core->weights();
     w->Hold();
     auto views = w->Views();
     const_cast<uint8_t*>(views[0].data)[100] ^= 0x40;  // someone wrote the inference server's weights
     w->Release();
   }
-  const uint64_t pulls = sink.core->status().pulls_made;
-  source.Publish(2, v[1]);
-  sink.ExpectReaches(2, v[1]);
-  EXPECT_EQ(sink.core->status().pulls_made, pulls + 2) << "the patch, then a keyframe";
-  EXPECT_TRUE(sink.core->status().sync_error.ok());
+  const uint64_t pulls = sink->core->status().pulls_made;
+  source->Publish(2, v[1]);
+  sink->ExpectReaches(2, v[1]);
+  EXPECT_EQ(sink->core->status().pulls_made, pulls + 2) << "the patch, then a keyframe";
+  EXPECT_TRUE(sink->core->status().sync_error.ok());
 }
 
 // The parent goes away: the pull fails, the sink reports why and retries
@@ -303,6 +325,7 @@ TEST_F(SinkCoreTest, ARelayLostMidStreamIsReplacedByItsParent) {
   auto relay = std::make_unique<TestSink>("sink-a", state_.get(), fabric_, slow);
   ASSERT_TRUE(relay->RegisterMemory(Zeros(v[0])).ok());
   relay->ExpectReaches(1, v[0]);
+  WaitReported("sink-a", 1);  // a parent only once the coordinator knows it holds the head
   TestSink child("sink-b", state_.get(), fabric_);
   ASSERT_EQ(ParentOf("sink-b"), "sink-a");  // fan-out 1: the source has its one child
   ASSERT_TRUE(child.RegisterMemory(Zeros(v[0])).ok());
@@ -325,19 +348,15 @@ TEST_F(SinkCoreTest, ARelayLostMidStreamIsReplacedByItsParent) {
 // reachable again, it catches up.
 TEST_F(SinkCoreTest, AnUnreachableCoordinatorDelaysButLosesNothing) {
   auto v = Versions(4);
-  TestSource source(state_.get(), fabric_);
-  source.Publish(1, v[0]);
-  TestSink sink("sink-0", state_.get(), fabric_);
-  ASSERT_TRUE(sink.RegisterMemory(Zeros(v[0])).ok());
-  sink.ExpectReaches(1, v[0]);
-  sink.client.SetUnreachable(true);
-  source.Publish(2, v[1]);
-  source.Publish(3, v[2]);
+  auto [source, sink] = AtFirstVersion(v);
+  sink->client.SetUnreachable(true);
+  source->Publish(2, v[1]);
+  source->Publish(3, v[2]);
   std::this_thread::sleep_for(500ms);
-  EXPECT_EQ(sink.core->weights()->applied(), 1u);
-  sink.client.SetUnreachable(false);
-  source.Publish(4, v[3]);
-  sink.ExpectReaches(4, v[3]);
+  EXPECT_EQ(sink->core->weights()->applied(), 1u);
+  sink->client.SetUnreachable(false);
+  source->Publish(4, v[3]);
+  sink->ExpectReaches(4, v[3]);
 }
 
 // Tensors of another layout are refused at registration, naming the tensor;
@@ -367,23 +386,19 @@ TEST_F(SinkCoreTest, AMismatchedLayoutIsRefusedAndNeverPulled) {
 // hold ends at its TTL if not renewed, and the apply follows.
 TEST_F(SinkCoreTest, HoldsDeferAppliesAndExpire) {
   auto v = Versions(2);
-  TestSource source(state_.get(), fabric_);
-  source.Publish(1, v[0]);
-  TestSink sink("sink-0", state_.get(), fabric_);
-  ASSERT_TRUE(sink.RegisterMemory(Zeros(v[0])).ok());
-  sink.ExpectReaches(1, v[0]);
-  auto grant = sink.core->BeginHold("generator", 600);
+  auto [source, sink] = AtFirstVersion(v);
+  auto grant = sink->core->BeginHold("generator", 600);
   ASSERT_TRUE(grant.ok()) << grant.status().ToString();
   EXPECT_EQ(grant->version, 1u);
-  EXPECT_EQ(sink.core->status().active_holds, 1u);
-  source.Publish(2, v[1]);
+  EXPECT_EQ(sink->core->status().active_holds, 1u);
+  source->Publish(2, v[1]);
   std::this_thread::sleep_for(300ms);
-  EXPECT_EQ(sink.core->weights()->applied(), 1u) << "applied under a hold";
-  const std::string why = sink.core->AwaitHold(grant->id, [] { return false; });
+  EXPECT_EQ(sink->core->weights()->applied(), 1u) << "applied under a hold";
+  const std::string why = sink->core->AwaitHold(grant->id, [] { return false; });
   EXPECT_NE(why.find("TTL"), std::string::npos) << why;
-  sink.ExpectReaches(2, v[1]);
-  EXPECT_EQ(sink.core->ReleaseHold(grant->id).code(), StatusCode::kNotFound);
-  EXPECT_EQ(sink.core->status().active_holds, 0u);
+  sink->ExpectReaches(2, v[1]);
+  EXPECT_EQ(sink->core->ReleaseHold(grant->id).code(), StatusCode::kNotFound);
+  EXPECT_EQ(sink->core->status().active_holds, 0u);
 }
 
 }  // namespace

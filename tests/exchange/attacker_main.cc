@@ -15,20 +15,14 @@
 #include <thread>
 
 #include "wsync/exchange/exchange.h"
-#include "wsync/util/bytes.h"
+#include "wire.h"
 
 namespace {
 
 using namespace wsync;
 using namespace std::chrono_literals;
 
-std::string Pull(uint64_t from, uint64_t to) {
-  std::string m(1, static_cast<char>(exchange::ExchangeMessage::kPull));
-  ByteWriter w(&m);
-  w.U64(from);
-  w.U64(to);
-  return m;
-}
+std::string Pull(uint64_t from, uint64_t to) { return exchange::wire::Encode(exchange::wire::Pull{from, to}); }
 
 // Raw bytes in, raw bytes out.
 struct Raw : transport::Handler {

@@ -9,7 +9,7 @@
 #include <thread>
 
 #include "exchange_testlib.h"
-#include "wsync/util/bytes.h"
+#include "wire.h"
 
 namespace wsync::exchange {
 namespace {
@@ -29,13 +29,7 @@ std::string RandomBytes(size_t n, uint64_t seed) {
   return s;
 }
 
-std::string PullMessage(uint64_t from, uint64_t to) {
-  std::string m(1, static_cast<char>(ExchangeMessage::kPull));
-  ByteWriter w(&m);
-  w.U64(from);
-  w.U64(to);
-  return m;
-}
+std::string PullMessage(uint64_t from, uint64_t to) { return wire::Encode(wire::Pull{from, to}); }
 
 // A peer that records what reaches it.
 struct Recorder : transport::Handler {

@@ -41,8 +41,19 @@ StatusOr<v1::ListVersionsResponse> InProcessClient::ListVersions(uint64_t after)
 Status InProcessClient::Watch(const v1::WatchRequest& req,
                               const std::function<bool(const v1::VersionSummary&)>& on_version) {
   WSYNC_RETURN_IF_ERROR(Reach());
-  const bool watcher_left =
-      state_->WatchVersions(req.after(), on_version, [&] { return unreachable_.load() || cancelled_.load(); });
+  bool cut = false;  // nothing reaches the watcher once unreachable
+  const bool watcher_left = state_->WatchVersions(
+      req.after(),
+      [&](const v1::VersionSummary& v) {
+        cut = unreachable_.load() || cancelled_.load();
+        return !cut && on_version(v);
+      },
+      [&] { return unreachable_.load() || cancelled_.load(); });
+  if (cut) {
+    if (!cancelled_ && !req.node().empty()) state_->WatchBroken(req.node(), req.incarnation());
+    return cancelled_ ? CancelledError("coordinator client cancelled")
+                      : UnavailableError("watch stream broken (in-process client)");
+  }
   if (cancelled_) return CancelledError("coordinator client cancelled");
   // The stream broke (unreachable): the coordinator sees the node go.
   if (!watcher_left && !req.node().empty()) state_->WatchBroken(req.node(), req.incarnation());
