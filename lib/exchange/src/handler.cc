@@ -229,7 +229,11 @@ Status ExchangeHandler::Establish(PeerId peer, std::chrono::steady_clock::time_p
     wire::Hello hello;
     hello.mode = static_cast<uint8_t>(security_.mode);
     hello.nonce = p->client;
-    if (Status s = transport_.load()->Send(peer, 0, 0, wire::Encode(hello)); !s.ok()) return s;
+    if (Status s = transport_.load()->Send(peer, 0, 0, wire::Encode(hello)); !s.ok()) {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (auto it = peers_.find(peer); it != peers_.end() && it->second == p) peers_.erase(it);  // the next try starts over
+      return s;
+    }
   }
   std::unique_lock<std::mutex> lock(mu_);
   if (!cv_.wait_until(lock, deadline, [&] {
