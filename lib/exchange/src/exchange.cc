@@ -222,7 +222,8 @@ void PatchServer::OnPeerFailed(PeerId peer) {
 void PatchServer::Serve(std::shared_ptr<Request> r) {
   auto finish = [&] {
     std::lock_guard<std::mutex> lock(mu_);
-    requests_.erase({r->peer, r->channel});
+    // Only this request's entry: a PULL that reused the channel has its own.
+    if (auto it = requests_.find({r->peer, r->channel}); it != requests_.end() && it->second == r) requests_.erase(it);
   };
   auto stream = provider_->Open(r->from, r->to);
   if (!stream.ok()) {
