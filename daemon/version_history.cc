@@ -84,8 +84,7 @@ Status VersionHistory::AcceptsLocked(uint64_t version, std::span<const codec::Te
   return Status::Ok();
 }
 
-std::shared_ptr<VersionHistory::Weights> VersionHistory::Writable(std::shared_ptr<Weights> spare, const Weights& like) {
-  if (spare && spare.use_count() == 1 && buffers::SameLayout(*spare, buffers::Views(like))) return spare;
+std::shared_ptr<VersionHistory::Weights> VersionHistory::Fresh(const Weights& like) {
   auto fresh = std::make_shared<Weights>();
   for (const auto& t : like) fresh->push_back({t.name, t.dtype, t.shape, std::vector<uint8_t>(t.bytes.size())});
   return fresh;
@@ -136,24 +135,29 @@ StatusOr<PublishedVersion> VersionHistory::Publish(uint64_t version, const NewVe
   WSYNC_ASSIGN_OR_RETURN(std::string encoded, next.encode(buffers::Views(*head), eo));
   WSYNC_ASSIGN_OR_RETURN(codec::PatchInfo info, codec::InspectPatch(encoded));
   auto patch = std::make_shared<const std::string>(std::move(encoded));
-  std::shared_ptr<Weights> filled;
-  if (!next.load_head) {
-    // The new head goes into buffers no pull reads (a failed fill leaves the
-    // head as it was).
-    std::shared_ptr<Weights> spare;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      spare = std::exchange(spare_, nullptr);
-    }
-    filled = Writable(std::move(spare), *head);
-    WSYNC_RETURN_IF_ERROR(next.fill(*filled).WithContext("version " + std::to_string(version)));
-  }
-  std::lock_guard<std::mutex> lock(mu_);
+  head.reset();  // only pulls may still hold the head's buffers now
+  std::unique_lock<std::mutex> lock(mu_);
   if (next.load_head) {
     head_stale_ = true;
     head_loader_ = next.load_head;
+  } else if (head_weights_.use_count() == 1) {
+    // No pull reads the head's buffers: the new head goes into them (a pull
+    // that comes meanwhile waits for this copy; a publish never waits for a
+    // pull's build).
+    if (Status filled = next.fill(*head_weights_); !filled.ok()) {
+      // The head copy may be torn: rebuild it from the oldest copy and the chain.
+      Weights w = *oldest_weights_;
+      for (const auto& [v, p] : patches_) WSYNC_RETURN_IF_ERROR(ApplyInPlace(*p, w, options_.encode.pool));
+      *head_weights_ = std::move(w);
+      return filled.WithContext("version " + std::to_string(version));
+    }
   } else {
-    spare_ = std::exchange(head_weights_, std::move(filled));
+    // A pull reads them (a keyframe of the head being built): fresh buffers.
+    lock.unlock();
+    auto fresh = Fresh(*head_weights_);  // stable: only this thread replaces it (publish_mu_)
+    WSYNC_RETURN_IF_ERROR(next.fill(*fresh).WithContext("version " + std::to_string(version)));
+    lock.lock();
+    head_weights_ = std::move(fresh);
   }
   out.base_version = head_;
   out.patch_bytes = patch->size();
@@ -219,10 +223,14 @@ uint64_t VersionHistory::oldest() const {
 
 Status VersionHistory::LoadHeadLocked() {
   if (!head_stale_) return Status::Ok();
-  // A pull or a publish may read the stale buffers still: load into free ones.
-  auto target = Writable(std::exchange(spare_, nullptr), *head_weights_);
-  WSYNC_RETURN_IF_ERROR(head_loader_(*target).WithContext("loading the head version"));
-  spare_ = std::exchange(head_weights_, std::move(target));
+  // A pull may read the stale buffers still: load into fresh ones then.
+  if (head_weights_.use_count() == 1) {
+    WSYNC_RETURN_IF_ERROR(head_loader_(*head_weights_).WithContext("loading the head version"));
+  } else {
+    auto target = Fresh(*head_weights_);
+    WSYNC_RETURN_IF_ERROR(head_loader_(*target).WithContext("loading the head version"));
+    head_weights_ = std::move(target);
+  }
   head_stale_ = false;
   head_loader_ = nullptr;
   return Status::Ok();

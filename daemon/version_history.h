@@ -11,7 +11,8 @@
 // other; pulls never wait for them to encode, nor they for a pull's keyframe
 // or merge: those are built outside the lock, from weights shared
 // immutably (a buffer a pull still reads is never written: Publish and
-// Retain take fresh ones while it is shared). Two pulls of the same stream
+// Retain write the head's and the oldest copy's buffers in place when no
+// pull holds them, fresh ones otherwise). Two pulls of the same stream
 // build it once.
 #pragma once
 
@@ -128,9 +129,8 @@ class VersionHistory : public PatchProvider {
                                                      uint64_t head_version, std::shared_ptr<const Weights> oldest_copy,
                                                      const std::map<uint64_t, std::shared_ptr<const std::string>>& chain);
   void CacheLocked(std::pair<uint64_t, uint64_t> key, std::shared_ptr<PatchStream> stream, double cost_s);
-  // A buffer of `like`'s layout that no reader holds: `spare` when it is
-  // free and fits, new otherwise.
-  static std::shared_ptr<Weights> Writable(std::shared_ptr<Weights> spare, const Weights& like);
+  // New zeroed buffers of `like`'s layout (for when a pull reads the old ones).
+  static std::shared_ptr<Weights> Fresh(const Weights& like);
 
   Options options_;
   std::mutex publish_mu_;  // serializes Publish and Retain; never held by pulls
@@ -139,7 +139,6 @@ class VersionHistory : public PatchProvider {
   uint64_t head_ = 0, oldest_ = 0;
   uint64_t head_set_checksum_ = 0;  // SetChecksum of the head version (valid once head_ != 0)
   std::shared_ptr<Weights> head_weights_, oldest_weights_;  // shared with pulls reading them
-  std::shared_ptr<Weights> spare_;  // the previous head's buffers, for the next publish
   bool head_stale_ = false;  // head_weights_ is behind: load through head_loader_
   bool oldest_moving_ = false;  // Retain moves the oldest copy forward in place
   std::function<Status(std::vector<buffers::OwnedTensor>&)> head_loader_;
