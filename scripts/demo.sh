@@ -23,8 +23,9 @@ trap 'rm -rf "$out"' EXIT
 run="$data/rl-small-lr1e-6"
 
 echo
-echo "== the system on loopback: coordinator, source, 3 sinks (fan-out 2: one behind a relay)"
-UCX_TLS=tcp /usr/bin/python3 scripts/system_demo.py --build build --data "$run" --sinks 3 --fanout 2
+echo "== the system on loopback: coordinator, source, 3 sinks (fan-out 2: one behind a relay), a cluster token, the data plane encrypted"
+UCX_TLS=tcp /usr/bin/python3 scripts/system_demo.py --build build --data "$run" --sinks 3 --fanout 2 \
+  --token "$(head -c 18 /dev/urandom | base64)" --data-security encrypt
 
 echo
 echo "== from Python: examples/trainer.py (AdamW on FP32 masters) and two examples/inference.py servers"
