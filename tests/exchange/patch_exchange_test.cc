@@ -10,6 +10,7 @@
 
 #include "../codec/test_tensors.h"
 #include "exchange_testlib.h"
+#include "wire.h"
 
 namespace wsync::exchange {
 namespace {
@@ -250,6 +251,39 @@ TEST_P(PatchExchangeTest, HostileHeadersFailThePullCleanly) {
   EXPECT_EQ(refused.status().code(), StatusCode::kNotFound) << refused.status().ToString();
   sink.reset();
   t.reset();
+}
+
+// A PULL that reuses a channel replaces the pull before it. When the old one
+// ends it must not take the new one's entry with it: the new pull's CANCEL
+// and refetches would go nowhere, and the count of pulls in flight (the flood
+// limit) would be short.
+TEST_P(PatchExchangeTest, AReusedChannelKeepsTheNewPull) {
+  auto source = MakeNode();
+  auto client = MakeNode();
+  {
+    std::lock_guard<std::mutex> lock(source->provider.mu);
+    // 1->2 never completes; 1->3 is whole.
+    source->provider.streams[{1, 2}] = std::make_shared<PatchStream>(codec::PatchKind::kPatch, 1, 2, 4 * kChunk, kChunk);
+    source->provider.streams[{1, 3}] =
+        PatchStream::FromBytes(codec::PatchKind::kPatch, 1, 3, std::string(2 * kChunk, 'x'), kChunk);
+  }
+  auto peer = client->transport->Connect(source->transport->LocalConnInfo());
+  ASSERT_TRUE(peer.ok());
+  auto wait_in_flight = [&](size_t n) {
+    const auto until = std::chrono::steady_clock::now() + 5s;
+    while (source->server->pulls_in_flight() != n && std::chrono::steady_clock::now() < until) {
+      std::this_thread::sleep_for(10ms);
+    }
+    return source->server->pulls_in_flight();
+  };
+  ASSERT_TRUE(client->handler.Send(*peer, 7, 0, wire::Encode(wire::Pull{1, 2})).ok());
+  ASSERT_EQ(wait_in_flight(1), 1u);
+  ASSERT_TRUE(client->handler.Send(*peer, 7, 0, wire::Encode(wire::Pull{1, 3})).ok());
+  std::this_thread::sleep_for(600ms);  // the first pull ends (it waits in 200 ms slices); the second lingers
+  EXPECT_EQ(source->server->pulls_served(), 2u);
+  EXPECT_EQ(source->server->pulls_in_flight(), 1u) << "the ended pull took the new one's entry";
+  ASSERT_TRUE(client->handler.Send(*peer, 7, 0, wire::EncodeBare(ExchangeMessage::kCancel)).ok());
+  EXPECT_EQ(wait_in_flight(0), 0u) << "the CANCEL did not reach the new pull";
 }
 
 INSTANTIATE_TEST_SUITE_P(Both, PatchExchangeTest, ::testing::Values(Kind::kLoopback, Kind::kUcx), KindName);
