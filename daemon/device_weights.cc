@@ -2,7 +2,7 @@
 
 #include <spdlog/spdlog.h>
 
-#include "wsync/codec/staged.h"
+#include "weight_store.h"
 
 namespace wsync::daemon {
 
@@ -118,12 +118,7 @@ StatusOr<uint64_t> TensorsSetChecksum(const buffers::MappedTensors& tensors, Thr
   const auto views = tensors.Views();
   if (!tensors.on_device()) return codec::SetChecksum(views, pool);
   WSYNC_ASSIGN_OR_RETURN(auto dc, cuda::DeviceCodec::Create(tensors.device()));
-  std::vector<uint64_t> sums;
-  for (const auto& t : views) {
-    WSYNC_ASSIGN_OR_RETURN(uint64_t sum, dc->TensorChecksum(t.data, t.NumBytes()));
-    sums.push_back(sum);
-  }
-  return codec::staged::SetChecksumOf(sums);
+  return DeviceSetChecksum(*dc, views);
 }
 
 }  // namespace wsync::daemon

@@ -35,14 +35,7 @@ class DeviceStore : public WeightStore {
     }
     return out;
   }
-  StatusOr<uint64_t> SetChecksum(ThreadPool*) const override {
-    std::vector<uint64_t> sums;
-    for (const auto& t : Views()) {
-      WSYNC_ASSIGN_OR_RETURN(uint64_t sum, codec_->TensorChecksum(t.data, t.NumBytes()));
-      sums.push_back(sum);
-    }
-    return codec::staged::SetChecksumOf(sums);
-  }
+  StatusOr<uint64_t> SetChecksum(ThreadPool*) const override { return DeviceSetChecksum(*codec_, Views()); }
   // The keyframe is encoded on the host from a copy (a late sink's, rare).
   StatusOr<std::string> EncodeKeyframe(const codec::EncodeOptions& options) const override {
     WSYNC_ASSIGN_OR_RETURN(auto host, HostCopy());
@@ -54,6 +47,15 @@ class DeviceStore : public WeightStore {
 };
 
 }  // namespace
+
+StatusOr<uint64_t> DeviceSetChecksum(cuda::DeviceCodec& device, std::span<const codec::TensorView> tensors) {
+  std::vector<uint64_t> sums;
+  for (const auto& t : tensors) {
+    WSYNC_ASSIGN_OR_RETURN(uint64_t sum, device.TensorChecksum(t.data, t.NumBytes()));
+    sums.push_back(sum);
+  }
+  return codec::staged::SetChecksumOf(sums);
+}
 
 StatusOr<std::unique_ptr<WeightStore>> WeightStore::Open(buffers::MappedTensors tensors) {
   if (!tensors.on_device()) return std::unique_ptr<WeightStore>(std::make_unique<HostStore>(std::move(tensors)));

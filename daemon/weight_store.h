@@ -15,6 +15,7 @@
 #include "wsync/buffers/region.h"
 #include "wsync/buffers/safetensors.h"
 #include "wsync/codec/codec.h"
+#include "wsync/cuda/device_codec.h"
 #include "wsync/util/thread_pool.h"
 
 namespace wsync::daemon {
@@ -46,5 +47,8 @@ class WeightStore {
   explicit WeightStore(buffers::MappedTensors tensors) : tensors_(std::move(tensors)) {}
   const buffers::MappedTensors tensors_;
 };
+
+// codec::SetChecksum of tensors in device memory, computed on the device.
+StatusOr<uint64_t> DeviceSetChecksum(cuda::DeviceCodec& device, std::span<const codec::TensorView> tensors);
 
 }  // namespace wsync::daemon

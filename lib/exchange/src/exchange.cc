@@ -14,6 +14,16 @@ constexpr auto kServeTimeout = std::chrono::minutes(10);  // longest wait for a 
 constexpr auto kLinger = std::chrono::seconds(30);        // refetch window after the last chunk
 constexpr int kMaxRefetchesPerMessage = 4;                  // then the pull fails with DataLoss
 
+// The HEADER that refuses pull (from, to), with the code and text of `why`.
+std::string RefusalHeader(uint64_t from, uint64_t to, const Status& why) {
+  wire::Header h;
+  h.code = why.code();
+  h.error = why.message();
+  h.from = from;
+  h.to = to;
+  return wire::Encode(h);
+}
+
 }  // namespace
 
 // ------------------------------------------------------------ PatchStream
@@ -194,13 +204,8 @@ void PatchServer::OnRequest(const Message& m) {
 }
 
 void PatchServer::Refuse(const Message& m, uint64_t from, uint64_t to, const Status& why) {
-  wire::Header h;
-  h.code = why.code();
-  h.error = why.message();
-  h.from = from;
-  h.to = to;
   // On the progress thread: the answer goes from the handler's outbox.
-  if (!link_->SendSoon(m.peer, m.channel, 0, wire::Encode(h))) return;
+  if (!link_->SendSoon(m.peer, m.channel, 0, RefusalHeader(from, to, why))) return;
   spdlog::debug("peer {} pull {}->{} refused: {}", m.peer, from, to, why.ToString());
 }
 
@@ -227,12 +232,7 @@ void PatchServer::Serve(std::shared_ptr<Request> r) {
   };
   auto stream = provider_->Open(r->from, r->to);
   if (!stream.ok()) {
-    wire::Header refused;
-    refused.code = stream.status().code();
-    refused.error = stream.status().message();
-    refused.from = r->from;
-    refused.to = r->to;
-    (void)link_->Send(r->peer, r->channel, 0, wire::Encode(refused));
+    (void)link_->Send(r->peer, r->channel, 0, RefusalHeader(r->from, r->to, stream.status()));
     spdlog::info("peer {} pull {}->{} refused: {}", r->peer, r->from, r->to, stream.status().ToString());
     return finish();
   }
