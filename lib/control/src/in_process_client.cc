@@ -49,15 +49,11 @@ Status InProcessClient::Watch(const v1::WatchRequest& req,
         return !cut && on_version(v);
       },
       [&] { return unreachable_.load() || cancelled_.load(); });
-  if (cut) {
-    if (!cancelled_ && !req.node().empty()) state_->WatchBroken(req.node(), req.incarnation());
-    return cancelled_ ? CancelledError("coordinator client cancelled")
-                      : UnavailableError("watch stream broken (in-process client)");
-  }
   if (cancelled_) return CancelledError("coordinator client cancelled");
+  if (watcher_left && !cut) return Status::Ok();
   // The stream broke (unreachable): the coordinator sees the node go.
-  if (!watcher_left && !req.node().empty()) state_->WatchBroken(req.node(), req.incarnation());
-  return watcher_left ? Status::Ok() : UnavailableError("watch stream broken (in-process client)");
+  if (!req.node().empty()) state_->WatchBroken(req.node(), req.incarnation());
+  return UnavailableError("watch stream broken (in-process client)");
 }
 
 StatusOr<v1::Node> InProcessClient::ReportApplied(const std::string& name, uint64_t version) {
