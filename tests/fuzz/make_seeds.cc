@@ -33,6 +33,15 @@ int main(int argc, char** argv) {
       options.condition_on_base = condition;
       put(codec::EncodePatch(buffers::Views(base), buffers::Views(target), options));
       put(codec::EncodeKeyframe(buffers::Views(target), options));
+      // Gridded (tiles with digests), and a selection for one piece.
+      options.grids = {{"a", {350}, {}}, {"b", {32}, {1}}};
+      auto gridded = codec::EncodePatch(buffers::Views(base), buffers::Views(target), options);
+      put(gridded);
+      put(codec::EncodeKeyframe(buffers::Views(target), options));
+      std::vector<uint8_t> shard(350 * 2);
+      std::vector<codec::RuntimeTensor> layout = {
+          {{"a_shard", codec::DType::kBF16, {350}, shard.data()}, {{"a", {350}, {350}, {0}}}}};
+      if (gridded.ok()) put(codec::SelectForPieces(*gridded, layout));
     }
   }
   std::printf("%d seeds in %s\n", written, argv[1]);

@@ -1,5 +1,6 @@
 // libFuzzer target for the patch decoder: any byte string given to
-// InspectPatch / ApplyPatch / MergePatches must give an error or a result,
+// InspectPatch / ApplyPatch / MergePatches / ApplyToPieces / SelectForPieces
+// must give an error or a result,
 // never a crash, a hang or an out-of-bounds access. The whole-patch checksum
 // is turned off so the fuzzer reaches the structural checks behind it.
 #include <cstdint>
@@ -39,5 +40,30 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   }
   auto base = buffers::Views(before);
   (void)codec::MergePatches(in, in, base, {});
+
+  // A sink holding pieces: each tensor whole, or its first row band when it
+  // is gridded by rows, in runtime tensors of the piece's shape.
+  std::vector<buffers::OwnedTensor> held;
+  std::vector<codec::RuntimeTensor> layout;
+  for (const auto& t : info->tensors) {
+    if (t.shape.empty() || t.shape[0] == 0) continue;
+    std::vector<uint64_t> shape = t.shape;
+    if (!t.row_cuts.empty()) shape[0] = t.row_cuts[0];
+    uint64_t bytes = codec::DTypeWidth(t.dtype);
+    for (uint64_t d : shape) bytes *= d;
+    held.push_back({t.name + "/held", t.dtype, shape, std::vector<uint8_t>(bytes, 0x5A)});
+    codec::Piece p{t.name, std::vector<uint64_t>(shape.size(), 0), shape, std::vector<uint64_t>(shape.size(), 0)};
+    layout.push_back({{}, {p}});
+  }
+  for (size_t i = 0; i < held.size(); ++i) {
+    layout[i].view = {held[i].name, held[i].dtype, held[i].shape, held[i].bytes.data()};
+  }
+  const auto held_before = held;
+  if (!codec::ApplyToPieces(in, layout, options).ok()) {
+    for (size_t i = 0; i < held.size(); ++i) {
+      if (held[i].bytes != held_before[i].bytes) __builtin_trap();
+    }
+  }
+  (void)codec::SelectForPieces(in, layout);
   return 0;
 }

@@ -13,6 +13,73 @@ uint64_t SetChecksumOf(const std::vector<uint64_t>& checksums) {
   return Hash64(checksums.data(), checksums.size() * sizeof(uint64_t));
 }
 
+void ViewOf(const std::vector<uint64_t>& shape, uint64_t numel, uint64_t* rows, uint64_t* cols) {
+  *rows = shape.empty() ? 1 : shape[0];
+  *cols = *rows == 0 ? 0 : numel / *rows;
+}
+
+namespace {
+
+Status CheckCuts(const std::vector<uint64_t>& cuts, uint64_t limit, const char* what) {
+  uint64_t prev = 0;
+  for (uint64_t cut : cuts) {
+    if (cut <= prev || cut >= limit) {
+      return DataLossError(std::string(what) + " cut " + std::to_string(cut) + " is not ascending inside (0, " +
+                           std::to_string(limit) + ")");
+    }
+    prev = cut;
+  }
+  return Status::Ok();
+}
+
+// Band boundaries: 0, the cuts, the end.
+std::vector<uint64_t> Bands(const std::vector<uint64_t>& cuts, uint64_t end) {
+  std::vector<uint64_t> b{0};
+  b.insert(b.end(), cuts.begin(), cuts.end());
+  b.push_back(end);
+  return b;
+}
+
+}  // namespace
+
+Status LayTiles(TensorEntry* t, uint32_t chunk_bytes, uint64_t max_chunks) {
+  ViewOf(t->shape, t->numel, &t->rows, &t->cols);
+  t->chunks.clear();
+  t->tiles.clear();
+  if (t->row_cuts.size() > kMaxCuts || t->col_cuts.size() > kMaxCuts) return DataLossError("tile grid: too many cuts");
+  WSYNC_RETURN_IF_ERROR(CheckCuts(t->row_cuts, t->rows, "tile grid: row"));
+  WSYNC_RETURN_IF_ERROR(CheckCuts(t->col_cuts, t->cols, "tile grid: column"));
+  if (t->numel == 0) return Status::Ok();
+  const uint64_t per = chunk_bytes / DTypeWidth(t->dtype);
+  const std::vector<uint64_t> rb = Bands(t->row_cuts, t->rows), cb = Bands(t->col_cuts, t->cols);
+  // Every cell holds at least one chunk: bound the cells before counting.
+  const uint64_t cells = (rb.size() - 1) * (cb.size() - 1);
+  if (cells > max_chunks) {
+    return DataLossError(std::to_string(cells) + " tiles but room for " + std::to_string(max_chunks) + " chunks");
+  }
+  uint64_t count = 0;
+  for (size_t i = 0; i + 1 < rb.size(); ++i) {
+    for (size_t j = 0; j + 1 < cb.size(); ++j) {
+      count += ((rb[i + 1] - rb[i]) * (cb[j + 1] - cb[j]) + per - 1) / per;
+      if (count > max_chunks) {
+        return DataLossError(std::to_string(count) + "+ chunks but only " + std::to_string(max_chunks) +
+                             " directory bytes left");
+      }
+    }
+  }
+  t->chunks.resize(count);
+  t->tiles.reserve(count);
+  for (size_t i = 0; i + 1 < rb.size(); ++i) {
+    for (size_t j = 0; j + 1 < cb.size(); ++j) {
+      const uint64_t w = cb[j + 1] - cb[j], cell = (rb[i + 1] - rb[i]) * w;
+      for (uint64_t first = 0; first < cell; first += per) {
+        t->tiles.push_back(Tile{rb[i], cb[j], w, first, std::min(per, cell - first)});
+      }
+    }
+  }
+  return Status::Ok();
+}
+
 std::string WriteContainer(const Container& c, std::string_view payload) {
   std::string dir;
   ByteWriter d(&dir);
@@ -26,16 +93,27 @@ std::string WriteContainer(const Container& c, std::string_view payload) {
     d.Varint(t.shape.size());
     for (uint64_t dim : t.shape) d.Varint(dim);
     d.U64(t.target_checksum);
+    d.Varint(t.row_cuts.size());
+    for (uint64_t cut : t.row_cuts) d.Varint(cut);
+    d.Varint(t.col_cuts.size());
+    for (uint64_t cut : t.col_cuts) d.Varint(cut);
     for (const ChunkEntry& ch : t.chunks) {
-      if (c.kind == PatchKind::kKeyframe) {
-        d.Varint(ch.pos_len);
+      if (ch.absent) {
+        d.U8(kAbsentChunkMode);
         continue;
       }
-      d.U8(static_cast<uint8_t>(ch.mode));
-      if (ch.mode == ChunkMode::kEmpty) continue;
-      d.Varint(ch.changed);
-      d.Varint(ch.pos_len);
-      d.Varint(ch.val_len);
+      if (c.kind == PatchKind::kKeyframe) {
+        d.U8(kKeyframeChunkMode);
+        d.Varint(ch.pos_len);
+      } else {
+        d.U8(static_cast<uint8_t>(ch.mode));
+        if (ch.mode != ChunkMode::kEmpty) {
+          d.Varint(ch.changed);
+          d.Varint(ch.pos_len);
+          d.Varint(ch.val_len);
+        }
+      }
+      if (t.gridded()) d.U64(ch.digest);
     }
   }
   if (c.kind == PatchKind::kPatch) d.U64(c.base_set_checksum);
@@ -163,25 +241,36 @@ StatusOr<Container> ReadContainer(std::string_view data, bool verify_checksum) {
     if (t.numel > kMaxTensorBytes / width) return DataLossError(where + ": tensor too large");
     t.nbytes = t.numel * width;
     if (!d.U64(&t.target_checksum, "target checksum")) return d.status().WithContext(where);
-    const uint64_t nchunks = ChunkCount(t.nbytes, c.chunk_bytes);
+    uint64_t ncuts;
+    for (auto* cuts : {&t.row_cuts, &t.col_cuts}) {
+      if (!d.VarintAtMost(&ncuts, std::min<uint64_t>(kMaxCuts, d.remaining()), "tile grid cut count")) {
+        return d.status().WithContext(where);
+      }
+      cuts->resize(ncuts);
+      for (uint64_t& cut : *cuts) {
+        if (!d.Varint(&cut, "tile grid cut")) return d.status().WithContext(where);
+      }
+    }
     // Every chunk entry takes at least one byte: a directory that claims
     // more chunks than it has bytes is rejected before anything is sized.
-    if (nchunks > d.remaining()) {
-      return DataLossError(where + ": " + std::to_string(nchunks) + " chunks but only " +
-                           std::to_string(d.remaining()) + " directory bytes left");
-    }
-    t.chunks.resize(nchunks);
-    for (uint64_t k = 0; k < nchunks; ++k) {
+    Status laid = LayTiles(&t, c.chunk_bytes, d.remaining());
+    if (!laid.ok()) return laid.WithContext(where);
+    for (uint64_t k = 0; k < t.chunks.size(); ++k) {
       ChunkEntry& ch = t.chunks[k];
       const std::string cwhere = where + " chunk " + std::to_string(k);
       ch.offset = offset;
+      uint8_t mode = 0;
+      if (!d.U8(&mode, "mode")) return d.status().WithContext(cwhere);
+      if (mode == kAbsentChunkMode) {
+        ch.absent = true;
+        continue;
+      }
       if (c.kind == PatchKind::kKeyframe) {
+        if (mode != kKeyframeChunkMode) return DataLossError(cwhere + ": mode " + std::to_string(mode) + " in a keyframe");
         if (!d.VarintAtMost(&ch.pos_len, payload_len - offset, "stream length")) {
           return d.status().WithContext(cwhere);
         }
       } else {
-        uint8_t mode = 0;
-        if (!d.U8(&mode, "mode")) return d.status().WithContext(cwhere);
         if (mode >= kChunkModeCount) return DataLossError(cwhere + ": unknown mode " + std::to_string(mode));
         ch.mode = static_cast<ChunkMode>(mode);
         if (ch.mode != ChunkMode::kEmpty) {
@@ -193,6 +282,7 @@ StatusOr<Container> ReadContainer(std::string_view data, bool verify_checksum) {
           }
         }
       }
+      if (t.gridded() && !d.U64(&ch.digest, "tile digest")) return d.status().WithContext(cwhere);
       offset += ch.pos_len + ch.val_len;
     }
     c.tensors.push_back(std::move(t));

@@ -13,7 +13,7 @@
 namespace wsync::codec::internal {
 
 inline constexpr char kMagic[8] = {'W', 'S', 'Y', 'N', 'C', 'P', 'A', 'T'};
-inline constexpr uint16_t kFormatVersion = 2;
+inline constexpr uint16_t kFormatVersion = 3;
 inline constexpr size_t kPreambleBytes = 40;
 inline constexpr size_t kChecksumOffset = 32;
 inline constexpr uint32_t kMinChunkBytes = 1u << 20;
@@ -23,6 +23,23 @@ inline constexpr uint64_t kMaxNameBytes = 1u << 16;
 inline constexpr uint64_t kMaxDims = 16;
 inline constexpr uint64_t kMaxTensorBytes = uint64_t{1} << 46;
 inline constexpr uint64_t kMaxDirectoryBytes = uint64_t{1} << 28;
+inline constexpr uint64_t kMaxCuts = 1u << 16;  // per dimension of a tile grid
+// Chunk entry mode bytes beside ChunkMode's: a keyframe's chunk, and a chunk
+// a selection left out.
+inline constexpr uint8_t kKeyframeChunkMode = 5;
+inline constexpr uint8_t kAbsentChunkMode = 255;
+
+// Where a chunk lies in its tensor's two-dimensional view: elements
+// [first, first + n) of its cell's row-major order.
+struct Tile {
+  uint64_t row0 = 0;       // the cell's first row
+  uint64_t col0 = 0;       // the cell's first column
+  uint64_t cell_cols = 0;  // the cell's width
+  uint64_t first = 0;
+  uint64_t n = 0;
+  uint64_t FirstRow() const { return row0 + first / cell_cols; }
+  uint64_t LastRow() const { return row0 + (first + n - 1) / cell_cols; }
+};
 
 struct ChunkEntry {
   ChunkMode mode = ChunkMode::kEmpty;  // patches only
@@ -30,6 +47,8 @@ struct ChunkEntry {
   uint64_t offset = 0;                 // of the first stream in the payload
   uint64_t pos_len = 0;                // keyframes: the one stream
   uint64_t val_len = 0;
+  bool absent = false;                 // left out by a selection
+  uint64_t digest = 0;                 // gridded tensors: XXH3_64 of the tile's target bytes
 };
 
 struct TensorEntry {
@@ -39,8 +58,21 @@ struct TensorEntry {
   uint64_t numel = 0;
   uint64_t nbytes = 0;
   uint64_t target_checksum = 0;
+  uint64_t rows = 0, cols = 0;           // the two-dimensional view
+  std::vector<uint64_t> row_cuts, col_cuts;
   std::vector<ChunkEntry> chunks;
+  std::vector<Tile> tiles;               // parallel to chunks
+  bool gridded() const { return !row_cuts.empty() || !col_cuts.empty(); }
 };
+
+// The two-dimensional view of a shape: rows = shape[0] (1 for a scalar),
+// columns = the rest.
+void ViewOf(const std::vector<uint64_t>& shape, uint64_t numel, uint64_t* rows, uint64_t* cols);
+
+// Checks t's grid against its view and lays out its chunks (t->chunks and
+// t->tiles), refusing more than max_chunks before allocating. DataLoss
+// naming the field (the caller adds the tensor).
+Status LayTiles(TensorEntry* t, uint32_t chunk_bytes, uint64_t max_chunks);
 
 struct Container {
   PatchKind kind = PatchKind::kPatch;
@@ -53,20 +85,12 @@ struct Container {
   size_t header_bytes = 0;
 
   // Elements in chunk c of tensor t.
-  size_t ChunkElements(const TensorEntry& t, size_t c) const {
-    const size_t per = chunk_bytes / DTypeWidth(t.dtype);
-    return static_cast<size_t>(std::min<uint64_t>(per, t.numel - c * per));
-  }
+  size_t ChunkElements(const TensorEntry& t, size_t c) const { return static_cast<size_t>(t.tiles[c].n); }
   std::string_view PosStream(const ChunkEntry& c) const { return payload.substr(c.offset, c.pos_len); }
   std::string_view ValStream(const ChunkEntry& c) const {
     return payload.substr(c.offset + c.pos_len, c.val_len);
   }
 };
-
-// Number of chunks of a tensor of nbytes bytes.
-inline uint64_t ChunkCount(uint64_t nbytes, uint32_t chunk_bytes) {
-  return (nbytes + chunk_bytes - 1) / chunk_bytes;
-}
 
 // Serializes a container whose chunk entries' lengths describe `payload`
 // (offsets are recomputed).

@@ -6,6 +6,7 @@
 #include <mutex>
 #include <optional>
 #include <unordered_map>
+#include <set>
 #include <unordered_set>
 
 #include "chunk_codec.h"
@@ -87,15 +88,25 @@ Status ValidateSet(std::span<const TensorView> set, bool need_data) {
   return Status::Ok();
 }
 
-TensorEntry EntryFor(const TensorView& t, uint32_t chunk_bytes) {
+StatusOr<TensorEntry> EntryFor(const TensorView& t, uint32_t chunk_bytes, const TileGrid* grid) {
   TensorEntry e;
   e.name = t.name;
   e.dtype = t.dtype;
   e.shape = t.shape;
   e.numel = t.NumElements();
   e.nbytes = t.NumBytes();
-  e.chunks.resize(internal::ChunkCount(e.nbytes, chunk_bytes));
+  if (grid != nullptr) {
+    e.row_cuts = grid->row_cuts;
+    e.col_cuts = grid->col_cuts;
+  }
+  Status s = LayTiles(&e, chunk_bytes, UINT64_MAX);
+  if (!s.ok()) return InvalidArgumentError("tensor " + Quoted(t.name) + ": " + s.message());
   return e;
+}
+
+TensorEntry EntryFor(const TensorView& t, uint32_t chunk_bytes) {
+  // Without cuts there is nothing to refuse.
+  return std::move(EntryFor(t, chunk_bytes, nullptr)).value();
 }
 
 std::vector<Task> TasksOf(const std::vector<TensorEntry>& tensors) {
@@ -194,6 +205,7 @@ using internal::ForEachChunk;
 using internal::Task;
 using internal::TasksOf;
 using internal::WithWidth;
+using internal::Placement;
 
 // Type-erased decoded change of one chunk.
 struct Decoded {
@@ -222,82 +234,337 @@ Status WrongBase(const Container& c) {
                                  " (base checksum differs); destination unchanged");
 }
 
-Status ApplyKeyframe(const Container& c, const std::vector<const MutableTensorView*>& dst,
-                     const ApplyOptions& options) {
-  const std::vector<Task> tasks = TasksOf(c.tensors);
-  Digests digests(c.tensors);
-  FirstError error;
-  // Pass 1: decode into scratch and verify; the destination is untouched.
-  ForEachChunk(options.pool, c, tasks, [&](size_t i, const TensorEntry& t, size_t chunk, size_t n, auto zero) {
-    using T = decltype(zero);
-    std::vector<T> scratch(n);
-    Status s = internal::DecodeKeyframeChunk<T>(c.PosStream(t.chunks[chunk]), n, scratch.data());
-    if (!s.ok()) return error.Record(i, s.WithContext(ChunkWhere(t, chunk)));
-    digests.DigestChunk(tasks[i].tensor, chunk, reinterpret_cast<const uint8_t*>(scratch.data()), n * sizeof(T),
-                        c.chunk_bytes);
-  });
-  WSYNC_RETURN_IF_ERROR(error.status());
+// ---- The apply engine: chunks at placements.
+//
+// A whole-set apply places every chunk of every tensor at the destination
+// tensor of its name; a sink holding pieces places the chunks inside its
+// pieces in its runtime tensors (a replicated box: several placements of
+// one chunk). Both run the same sequence: decode against the bytes at the
+// placement, add, verify, undo everything on any failure.
+
+// One chunk at one placement.
+struct Work {
+  size_t tensor = 0;  // in the container
+  size_t chunk = 0;
+  Placement at;
+  size_t group = 0;   // ungridded tensors: the placed tensor its checksum verifies
+};
+
+struct Plan {
+  std::vector<Work> works;
+  std::vector<size_t> group_tensor;      // per group: its container tensor
+  std::vector<std::string> group_where;  // per group: how errors name it
+  bool whole = true;                     // every tensor at its own destination
+
+  std::vector<uint64_t> GroupBytes(const Container& c) const {
+    std::vector<uint64_t> out;
+    for (size_t t : group_tensor) out.push_back(c.tensors[t].nbytes);
+    return out;
+  }
+};
+
+Status AbsentChunk(const TensorEntry& t, size_t chunk) {
+  return FailedPreconditionError(ChunkWhere(t, chunk) +
+                                 " is not in this patch (a selection for other pieces); pull the whole patch "
+                                 "or one selected for these pieces");
+}
+
+Plan WholePlan(const Container& c, const std::vector<const MutableTensorView*>& dst) {
+  Plan p;
   for (size_t t = 0; t < c.tensors.size(); ++t) {
-    if (digests.Tensor(t) != c.tensors[t].target_checksum) {
-      return DataLossError("tensor '" + c.tensors[t].name +
-                           "': keyframe content does not match its checksum; destination not modified");
+    p.group_tensor.push_back(t);
+    p.group_where.push_back("tensor " + Quoted(c.tensors[t].name));
+    for (size_t k = 0; k < c.tensors[t].chunks.size(); ++k) {
+      p.works.push_back(Work{t, k, internal::Identity(c.tensors[t], dst[t]->data), t});
     }
   }
+  return p;
+}
+
+// A rectangle of a two-dimensional view.
+struct Rect {
+  uint64_t r0 = 0, r1 = 0, c0 = 0, c1 = 0;
+  bool Contains(const Rect& o) const { return o.r0 >= r0 && o.r1 <= r1 && o.c0 >= c0 && o.c1 <= c1; }
+  bool Overlaps(const Rect& o) const { return o.r0 < r1 && r0 < o.r1 && o.c0 < c1 && c0 < o.c1; }
+  std::string Text() const {
+    return "rows [" + std::to_string(r0) + ", " + std::to_string(r1) + ") columns [" + std::to_string(c0) + ", " +
+           std::to_string(c1) + ")";
+  }
+};
+
+// The bounding rectangle of a chunk (exact for the containment and overlap
+// tests against rectangles aligned with its cell's grid).
+Rect TileRect(const internal::Tile& t) {
+  Rect r{t.FirstRow(), t.LastRow() + 1, t.col0, t.col0 + t.cell_cols};
+  if (r.r1 == r.r0 + 1) {
+    r.c0 = t.col0 + t.first % t.cell_cols;
+    r.c1 = r.c0 + t.n;
+  }
+  return r;
+}
+
+std::string PieceWhere(const RuntimeTensor& rt, size_t j) {
+  return "runtime tensor " + Quoted(rt.view.name) + " piece " + std::to_string(j) + " (of " +
+         Quoted(rt.pieces[j].canonical) + ")";
+}
+
+// The piece's rectangles in the canonical and the runtime tensors' views.
+// InvalidArgument saying what does not fit.
+Status PieceRects(const Piece& p, const std::vector<uint64_t>& cshape, const std::vector<uint64_t>& rshape,
+                  Rect* canonical, Rect* runtime) {
+  const size_t rank = cshape.size();
+  if (p.start.size() != rank || p.extent.size() != rank || p.runtime_start.size() != rank) {
+    return InvalidArgumentError("box of rank " + std::to_string(p.extent.size()) + " for a canonical tensor of rank " +
+                                std::to_string(rank));
+  }
+  if (rshape.size() != rank) {
+    return InvalidArgumentError("runtime tensor of rank " + std::to_string(rshape.size()) +
+                                " for a canonical tensor of rank " + std::to_string(rank));
+  }
+  for (size_t d = 0; d < rank; ++d) {
+    const std::string dim = "dimension " + std::to_string(d);
+    if (p.extent[d] == 0) return InvalidArgumentError(dim + ": empty box");
+    if (p.start[d] > cshape[d] || p.extent[d] > cshape[d] - p.start[d]) {
+      return InvalidArgumentError(dim + ": box [" + std::to_string(p.start[d]) + ", +" + std::to_string(p.extent[d]) +
+                                  ") outside the canonical tensor's " + std::to_string(cshape[d]));
+    }
+    if (p.runtime_start[d] > rshape[d] || p.extent[d] > rshape[d] - p.runtime_start[d]) {
+      return InvalidArgumentError(dim + ": box at " + std::to_string(p.runtime_start[d]) + " of extent " +
+                                  std::to_string(p.extent[d]) + " outside the runtime tensor's " +
+                                  std::to_string(rshape[d]));
+    }
+    if (d >= 2 && (p.extent[d] != cshape[d] || rshape[d] != cshape[d])) {
+      return InvalidArgumentError(dim + ": only dimensions 0 and 1 may be split or placed; a box spans every "
+                                  "further dimension whole, of equal size in both tensors");
+    }
+  }
+  uint64_t inner = 1;
+  for (size_t d = 2; d < rank; ++d) inner *= cshape[d];
+  if (rank == 0) {
+    *canonical = *runtime = Rect{0, 1, 0, 1};
+  } else if (rank == 1) {
+    *canonical = Rect{p.start[0], p.start[0] + p.extent[0], 0, 1};
+    *runtime = Rect{p.runtime_start[0], p.runtime_start[0] + p.extent[0], 0, 1};
+  } else {
+    *canonical = Rect{p.start[0], p.start[0] + p.extent[0], p.start[1] * inner, (p.start[1] + p.extent[1]) * inner};
+    *runtime = Rect{p.runtime_start[0], p.runtime_start[0] + p.extent[0], p.runtime_start[1] * inner,
+                    (p.runtime_start[1] + p.extent[1]) * inner};
+  }
+  return Status::Ok();
+}
+
+// The runtime rectangles of a runtime tensor's pieces, refusing overlaps.
+StatusOr<std::vector<Rect>> CheckRuntimeRects(const RuntimeTensor& rt, const std::vector<Rect>& rects) {
+  for (size_t a = 0; a < rects.size(); ++a) {
+    for (size_t b = 0; b < a; ++b) {
+      if (rects[a].Overlaps(rects[b])) {
+        return InvalidArgumentError(PieceWhere(rt, a) + " overlaps piece " + std::to_string(b) + " in the runtime tensor");
+      }
+    }
+  }
+  return rects;
+}
+
+// The works that apply a container into pieces. need_data: the runtime
+// tensors' data must be set.
+StatusOr<Plan> PiecesPlan(const Container& c, std::span<const RuntimeTensor> runtime, bool need_data) {
+  std::unordered_map<std::string_view, size_t> index;
+  for (size_t t = 0; t < c.tensors.size(); ++t) index.emplace(c.tensors[t].name, t);
+  Plan p;
+  p.whole = false;
+  for (const RuntimeTensor& rt : runtime) {
+    if (need_data && rt.view.NumBytes() > 0 && rt.view.data == nullptr) {
+      return InvalidArgumentError("runtime tensor " + Quoted(rt.view.name) + ": no data");
+    }
+    uint64_t rows, cols;
+    internal::ViewOf(rt.view.shape, rt.view.NumElements(), &rows, &cols);
+    std::vector<Rect> rects;
+    for (size_t j = 0; j < rt.pieces.size(); ++j) {
+      const Piece& piece = rt.pieces[j];
+      auto it = index.find(piece.canonical);
+      if (it == index.end()) return FailedPreconditionError(PieceWhere(rt, j) + ": the patch has no such tensor");
+      const TensorEntry& t = c.tensors[it->second];
+      if (t.dtype != rt.view.dtype) {
+        return FailedPreconditionError(PieceWhere(rt, j) + ": the runtime tensor is " +
+                                       std::string(DTypeName(rt.view.dtype)) + ", the patch's tensor " +
+                                       std::string(DTypeName(t.dtype)));
+      }
+      Rect cr, rr;
+      Status s = PieceRects(piece, t.shape, rt.view.shape, &cr, &rr);
+      if (!s.ok()) return s.WithContext(PieceWhere(rt, j));
+      rects.push_back(rr);
+      const size_t group = p.group_tensor.size();
+      p.group_tensor.push_back(it->second);
+      p.group_where.push_back(PieceWhere(rt, j));
+      const Placement at{rt.view.data, cols, static_cast<int64_t>(rr.r0) - static_cast<int64_t>(cr.r0),
+                         static_cast<int64_t>(rr.c0) - static_cast<int64_t>(cr.c0)};
+      if (!t.gridded() && !cr.Contains(Rect{0, t.rows, 0, t.cols})) {
+        return FailedPreconditionError(PieceWhere(rt, j) + " holds " + cr.Text() + " of a tensor the patch does not " +
+                                       "grid: the source must encode with the tile grid of this layout (GridsFor)");
+      }
+      for (size_t k = 0; k < t.chunks.size(); ++k) {
+        const Rect tile = TileRect(t.tiles[k]);
+        if (cr.Contains(tile)) {
+          p.works.push_back(Work{it->second, k, at, group});
+        } else if (cr.Overlaps(tile)) {
+          return FailedPreconditionError(PieceWhere(rt, j) + " holds " + cr.Text() + ", which cuts " +
+                                         ChunkWhere(t, k) + " (" + tile.Text() +
+                                         "): the source's tile grid does not include this layout (GridsFor)");
+        }
+      }
+    }
+    WSYNC_RETURN_IF_ERROR(CheckRuntimeRects(rt, rects).status());
+  }
+  return p;
+}
+
+Status CheckPresent(const Container& c, const Plan& p) {
+  for (const Work& w : p.works) {
+    if (c.tensors[w.tensor].chunks[w.chunk].absent) return AbsentChunk(c.tensors[w.tensor], w.chunk);
+  }
+  return Status::Ok();
+}
+
+// Verifies what the works wrote (their digests, and each group's tensor
+// checksum), naming the first mismatch.
+class Verifier {
+ public:
+  Verifier(const Container& c, const Plan& p) : c_(c), p_(p), tiles_(p.works.size()), groups_(p.GroupBytes(c)) {}
+
+  // Records the result bytes of work i (chunk order).
+  void Record(size_t i, const uint8_t* bytes) {
+    const Work& w = p_.works[i];
+    const TensorEntry& t = c_.tensors[w.tensor];
+    const size_t len = t.tiles[w.chunk].n * DTypeWidth(t.dtype);
+    if (t.gridded()) {
+      tiles_[i] = BlockDigest(bytes, len);
+    } else {
+      groups_.DigestChunk(w.group, w.chunk, bytes, len, c_.chunk_bytes);
+    }
+  }
+
+  // The first mismatch, as the work or group index.
+  std::optional<std::string> Mismatch() const {
+    for (size_t i = 0; i < p_.works.size(); ++i) {
+      const Work& w = p_.works[i];
+      const TensorEntry& t = c_.tensors[w.tensor];
+      if (t.gridded() && tiles_[i] != t.chunks[w.chunk].digest) {
+        return ChunkWhere(t, w.chunk) + (p_.whole ? "" : " in " + p_.group_where[w.group]);
+      }
+    }
+    for (size_t g = 0; g < p_.group_tensor.size(); ++g) {
+      const TensorEntry& t = c_.tensors[p_.group_tensor[g]];
+      if (!t.gridded() && groups_.Tensor(g) != t.target_checksum) return p_.group_where[g];
+    }
+    return std::nullopt;
+  }
+
+ private:
+  const Container& c_;
+  const Plan& p_;
+  std::vector<uint64_t> tiles_;
+  Digests groups_;
+};
+
+Status ApplyKeyframe(const Container& c, const Plan& p, ThreadPool* pool) {
+  Verifier verifier(c, p);
+  FirstError error;
+  // Pass 1: decode into scratch and verify; the destination is untouched.
+  ParallelFor(pool, p.works.size(), [&](size_t i) {
+    const Work& w = p.works[i];
+    const TensorEntry& t = c.tensors[w.tensor];
+    WithWidth(DTypeWidth(t.dtype), [&](auto zero) {
+      using T = decltype(zero);
+      std::vector<T> scratch(t.tiles[w.chunk].n);
+      Status s = internal::DecodeKeyframeChunk<T>(c.PosStream(t.chunks[w.chunk]), scratch.size(), scratch.data());
+      if (!s.ok()) return error.Record(i, s.WithContext(ChunkWhere(t, w.chunk)));
+      verifier.Record(i, reinterpret_cast<const uint8_t*>(scratch.data()));
+    });
+  });
+  WSYNC_RETURN_IF_ERROR(error.status());
+  if (auto bad = verifier.Mismatch()) {
+    return DataLossError(*bad + ": keyframe content does not match its checksum; destination not modified");
+  }
   // Pass 2: decode into the destination (deterministic: same bytes).
-  ForEachChunk(options.pool, c, tasks, [&](size_t i, const TensorEntry& t, size_t chunk, size_t n, auto zero) {
-    using T = decltype(zero);
-    T* out = reinterpret_cast<T*>(dst[tasks[i].tensor]->data + chunk * static_cast<size_t>(c.chunk_bytes));
-    error.Record(i, internal::DecodeKeyframeChunk<T>(c.PosStream(t.chunks[chunk]), n, out));
+  ParallelFor(pool, p.works.size(), [&](size_t i) {
+    const Work& w = p.works[i];
+    const TensorEntry& t = c.tensors[w.tensor];
+    const internal::Tile& tile = t.tiles[w.chunk];
+    WithWidth(DTypeWidth(t.dtype), [&](auto zero) {
+      using T = decltype(zero);
+      const std::string_view stream = c.PosStream(t.chunks[w.chunk]);
+      if (uint8_t* at = internal::ContiguousAt(tile, w.at, sizeof(T))) {
+        return error.Record(i, internal::DecodeKeyframeChunk<T>(stream, tile.n, reinterpret_cast<T*>(at)));
+      }
+      std::vector<T> scratch(tile.n);
+      error.Record(i, internal::DecodeKeyframeChunk<T>(stream, tile.n, scratch.data()));
+      internal::Scatter(tile, w.at, sizeof(T), reinterpret_cast<const uint8_t*>(scratch.data()));
+    });
   });
   return error.status();
 }
 
-Status ApplyDelta(const Container& c, const std::vector<const MutableTensorView*>& dst,
-                  const ApplyOptions& options) {
-  const std::vector<Task> tasks = TasksOf(c.tensors);
-  std::vector<Decoded> decoded(tasks.size());
-  std::vector<uint8_t> applied(tasks.size(), 0);
-  Digests digests(c.tensors);
+// holds_base: whether the destination holds the patch's base (asked after a
+// failure, to tell a wrong base from a corrupt patch); null when it cannot
+// be known.
+Status ApplyDelta(const Container& c, const Plan& p, ThreadPool* pool, const std::function<bool()>& holds_base) {
+  std::vector<Decoded> decoded(p.works.size());
+  std::vector<uint8_t> applied(p.works.size(), 0);
+  Verifier verifier(c, p);
   FirstError error;
-  auto chunk_ptr = [&](size_t i) {
-    return dst[tasks[i].tensor]->data + tasks[i].chunk * static_cast<size_t>(c.chunk_bytes);
-  };
-  // One pass, chunk by chunk while the chunk is in cache: decode (reading
-  // the base), add the deltas, digest the result. A chunk that fails to
-  // decode is left untouched.
-  ForEachChunk(options.pool, c, tasks, [&](size_t i, const TensorEntry& t, size_t chunk, size_t n, auto zero) {
-    using T = decltype(zero);
-    const ChunkEntry& ch = t.chunks[chunk];
-    T* x = reinterpret_cast<T*>(chunk_ptr(i));
-    SparseDelta<T>& d = decoded[i].Get<T>();
-    Status s = internal::DecodeChunk<T>(ch.mode, ch.changed, c.PosStream(ch), c.ValStream(ch), x, n,
-                                        ExponentFieldOf(t.dtype), &d);
-    if (!s.ok()) return error.Record(i, s.WithContext(ChunkWhere(t, chunk)));
-    internal::ScatterAdd<T>(x, d, /*undo=*/false);
-    applied[i] = 1;
-    digests.DigestChunk(tasks[i].tensor, chunk, reinterpret_cast<const uint8_t*>(x), n * sizeof(T), c.chunk_bytes);
-  });
-  // Undoes every chunk applied so far: the destination is as it was.
-  auto undo = [&] {
-    ForEachChunk(options.pool, c, tasks, [&](size_t i, const TensorEntry&, size_t, size_t, auto zero) {
+  // Adds (or with undo subtracts) work i's decoded change at its placement;
+  // `decode` first decodes it against the bytes there. A chunk that fails to
+  // decode is left untouched. Runs while the chunk is in cache: decode, add,
+  // digest.
+  auto run = [&](size_t i, bool undo) {
+    const Work& w = p.works[i];
+    const TensorEntry& t = c.tensors[w.tensor];
+    const ChunkEntry& ch = t.chunks[w.chunk];
+    const internal::Tile& tile = t.tiles[w.chunk];
+    WithWidth(DTypeWidth(t.dtype), [&](auto zero) {
       using T = decltype(zero);
-      if (applied[i]) internal::ScatterAdd<T>(reinterpret_cast<T*>(chunk_ptr(i)), decoded[i].Get<T>(), true);
+      thread_local std::vector<uint8_t> scratch;
+      uint8_t* at = internal::ContiguousAt(tile, w.at, sizeof(T));
+      uint8_t* bytes = at;
+      if (at == nullptr) {
+        scratch.resize(tile.n * sizeof(T));
+        internal::Gather(tile, w.at, sizeof(T), scratch.data());
+        bytes = scratch.data();
+      }
+      T* x = reinterpret_cast<T*>(bytes);
+      SparseDelta<T>& d = decoded[i].Get<T>();
+      if (!undo) {
+        Status s = internal::DecodeChunk<T>(ch.mode, ch.changed, c.PosStream(ch), c.ValStream(ch), x, tile.n,
+                                            ExponentFieldOf(t.dtype), &d);
+        if (!s.ok()) return error.Record(i, s.WithContext(ChunkWhere(t, w.chunk)));
+      }
+      internal::ScatterAdd<T>(x, d, undo);
+      if (at == nullptr) internal::Scatter(tile, w.at, sizeof(T), bytes);
+      if (undo) return;
+      applied[i] = 1;
+      verifier.Record(i, bytes);
     });
   };
+  ParallelFor(pool, p.works.size(), [&](size_t i) { run(i, false); });
+  // Undoes every chunk applied so far: the destination is as it was. Then
+  // says whether the destination is the wrong version or the patch is bad.
+  auto fail = [&](Status s) {
+    ParallelFor(pool, p.works.size(), [&](size_t i) {
+      if (applied[i]) run(i, true);
+    });
+    if (holds_base && !holds_base()) return WrongBase(c);
+    return s;
+  };
   if (error.failed()) {
-    // A patch that decodes badly: say whether the destination is the wrong
-    // version or the patch is bad.
-    undo();
-    if (!HoldsBase(c, dst, options.pool)) return WrongBase(c);
-    return error.status();
+    if (holds_base || error.status().code() != StatusCode::kDataLoss) return fail(error.status());
+    return fail(DataLossError(error.status().message() +
+                              " (the patch is corrupted or the pieces do not hold its base); change undone"));
   }
-  for (size_t t = 0; t < c.tensors.size(); ++t) {
-    if (digests.Tensor(t) == c.tensors[t].target_checksum) continue;
-    undo();
-    if (!HoldsBase(c, dst, options.pool)) return WrongBase(c);
-    return DataLossError("tensor '" + c.tensors[t].name +
-                         "': result does not match the patch's checksum (the patch is corrupted); "
-                         "change undone, destination unchanged");
+  if (auto bad = verifier.Mismatch()) {
+    return fail(DataLossError(*bad + ": result does not match the patch's checksum (" +
+                              (holds_base ? std::string("the patch is corrupted")
+                                          : std::string("the patch is corrupted or the pieces do not hold its base")) +
+                              "); change undone, destination unchanged"));
   }
   return Status::Ok();
 }
@@ -342,6 +609,29 @@ uint64_t SetChecksum(std::span<const TensorView> tensors, ThreadPool* pool) {
   return internal::SetChecksumOf(sums);
 }
 
+namespace {
+
+// The entries of a set with the options' grids.
+StatusOr<std::vector<TensorEntry>> EntriesFor(std::span<const TensorView> set, const EncodeOptions& options) {
+  std::unordered_map<std::string_view, const TileGrid*> grids;
+  for (const TileGrid& g : options.grids) {
+    if (!grids.emplace(g.tensor, &g).second) return InvalidArgumentError("two tile grids for tensor " + Quoted(g.tensor));
+  }
+  std::vector<TensorEntry> out;
+  for (const TensorView& t : set) {
+    auto it = grids.find(t.name);
+    WSYNC_ASSIGN_OR_RETURN(TensorEntry e, EntryFor(t, options.chunk_bytes, it == grids.end() ? nullptr : it->second));
+    if (it != grids.end()) grids.erase(it);
+    out.push_back(std::move(e));
+  }
+  if (!grids.empty()) {
+    return InvalidArgumentError("tile grid for tensor " + Quoted(grids.begin()->second->tensor) + ", which the set lacks");
+  }
+  return out;
+}
+
+}  // namespace
+
 StatusOr<std::string> EncodePatch(std::span<const TensorView> base, std::span<const TensorView> target,
                                   const EncodeOptions& options) {
   WSYNC_RETURN_IF_ERROR(ValidateOptions(options));
@@ -366,12 +656,23 @@ StatusOr<std::string> EncodePatch(std::span<const TensorView> base, std::span<co
     if (b.dtype != t.dtype || b.shape != t.shape) {
       return InvalidArgumentError("tensor " + Quoted(b.name) + ": base and target differ in dtype or shape");
     }
-    c.tensors.push_back(EntryFor(t, c.chunk_bytes));
   }
+  WSYNC_ASSIGN_OR_RETURN(c.tensors, EntriesFor(target, options));
   const std::vector<Task> tasks = TasksOf(c.tensors);
   auto codec_options = [&](const TensorEntry& e) {
     return internal::ChunkCodecOptions{options.zstd_level, options.condition_on_base, ExponentFieldOf(e.dtype),
                                        options.max_classes};
+  };
+  // A chunk's base and target bytes in chunk order (gathered when the
+  // chunk is a tile narrower than its tensor).
+  struct Scratch {
+    std::vector<uint8_t> base, target;
+  };
+  auto chunk_pair = [&](size_t i, size_t width, Scratch* s) {
+    const TensorEntry& e = c.tensors[tasks[i].tensor];
+    const internal::Tile& tile = e.tiles[tasks[i].chunk];
+    return std::pair{internal::ChunkBytes(tile, internal::Identity(e, base[tasks[i].tensor].data), width, &s->base),
+                     internal::ChunkBytes(tile, internal::Identity(e, target[tasks[i].tensor].data), width, &s->target)};
   };
   // In tensors of more than one chunk, the classes of the chunks that others
   // take theirs from (ClassSourceChunk), chosen first.
@@ -385,11 +686,11 @@ StatusOr<std::string> EncodePatch(std::span<const TensorView> base, std::span<co
   ParallelFor(options.pool, sources.size(), [&](size_t s) {
     const size_t i = sources[s];
     const TensorEntry& e = c.tensors[tasks[i].tensor];
-    const size_t offset = tasks[i].chunk * static_cast<size_t>(c.chunk_bytes);
     WithWidth(DTypeWidth(e.dtype), [&](auto zero) {
       using T = decltype(zero);
-      classes[i] = internal::ChooseChunkClasses(reinterpret_cast<const T*>(base[tasks[i].tensor].data + offset),
-                                                reinterpret_cast<const T*>(target[tasks[i].tensor].data + offset),
+      thread_local Scratch scratch;
+      auto [b, t] = chunk_pair(i, sizeof(T), &scratch);
+      classes[i] = internal::ChooseChunkClasses(reinterpret_cast<const T*>(b), reinterpret_cast<const T*>(t),
                                                 c.ChunkElements(e, tasks[i].chunk), codec_options(e));
     });
   });
@@ -399,12 +700,22 @@ StatusOr<std::string> EncodePatch(std::span<const TensorView> base, std::span<co
   ForEachChunk(options.pool, c, tasks, [&](size_t i, const TensorEntry& e, size_t ci, size_t n, auto zero) {
     using T = decltype(zero);
     const size_t ti = tasks[i].tensor;
-    const size_t offset = ci * static_cast<size_t>(c.chunk_bytes);
-    const T* b = reinterpret_cast<const T*>(base[ti].data + offset);
-    const T* t = reinterpret_cast<const T*>(target[ti].data + offset);
+    thread_local Scratch scratch;
+    auto [bb, tb] = chunk_pair(i, sizeof(T), &scratch);
+    const T* b = reinterpret_cast<const T*>(bb);
+    const T* t = reinterpret_cast<const T*>(tb);
     // The chunk of a one-chunk tensor chooses its own classes here, right
     // before its sweep: a small one is then still in cache.
     const ClassSpec* source = e.chunks.size() > 1 ? &classes[i - (ci - ClassSourceChunk(ci))] : nullptr;
+    if (e.gridded()) {
+      // A tile's digest; the tensor checksums are taken whole, below.
+      internal::BlockHasher tile_digest;
+      encoded[i] = internal::EncodeChunkPair(b, t, n, codec_options(e), source, [&](size_t begin, size_t len) {
+        tile_digest.Update(t + begin, len * sizeof(T));
+      });
+      c.tensors[ti].chunks[ci].digest = tile_digest.Digest();
+      return;
+    }
     internal::ChunkDigester target_digest(&target_digests, ti, ci, c.chunk_bytes);
     std::optional<internal::ChunkDigester> base_digest;
     if (hash_base) base_digest.emplace(&base_digests, ti, ci, c.chunk_bytes);
@@ -417,8 +728,13 @@ StatusOr<std::string> EncodePatch(std::span<const TensorView> base, std::span<co
   });
   std::vector<uint64_t> base_sums;
   for (size_t t = 0; t < c.tensors.size(); ++t) {
-    c.tensors[t].target_checksum = target_digests.Tensor(t);
-    if (hash_base) base_sums.push_back(base_digests.Tensor(t));
+    const bool gridded = c.tensors[t].gridded();
+    c.tensors[t].target_checksum = gridded ? TensorChecksum(target[t].data, target[t].NumBytes(), options.pool)
+                                           : target_digests.Tensor(t);
+    if (hash_base) {
+      base_sums.push_back(gridded ? TensorChecksum(base[t].data, base[t].NumBytes(), options.pool)
+                                  : base_digests.Tensor(t));
+    }
   }
   c.base_set_checksum = hash_base ? internal::SetChecksumOf(base_sums) : *options.base_set_checksum;
   return Finish(c, tasks, encoded);
@@ -432,18 +748,27 @@ StatusOr<std::string> EncodeKeyframe(std::span<const TensorView> target, const E
   c.chunk_bytes = options.chunk_bytes;
   c.base_version = 0;
   c.target_version = options.target_version;
-  for (const auto& t : target) c.tensors.push_back(EntryFor(t, c.chunk_bytes));
+  WSYNC_ASSIGN_OR_RETURN(c.tensors, EntriesFor(target, options));
   const std::vector<Task> tasks = TasksOf(c.tensors);
   std::vector<internal::EncodedChunk> encoded(tasks.size());
   Digests digests(c.tensors);
-  ForEachChunk(options.pool, c, tasks, [&](size_t i, const TensorEntry&, size_t ci, size_t n, auto zero) {
+  ForEachChunk(options.pool, c, tasks, [&](size_t i, const TensorEntry& e, size_t ci, size_t n, auto zero) {
     using T = decltype(zero);
     const size_t ti = tasks[i].tensor;
-    const T* t = reinterpret_cast<const T*>(target[ti].data + ci * static_cast<size_t>(c.chunk_bytes));
-    internal::EncodeKeyframeChunk(t, n, options.zstd_level, &encoded[i].pos);
-    digests.DigestChunk(ti, ci, reinterpret_cast<const uint8_t*>(t), n * sizeof(T), c.chunk_bytes);
+    thread_local std::vector<uint8_t> scratch;
+    const uint8_t* bytes = internal::ChunkBytes(e.tiles[ci], internal::Identity(e, target[ti].data), sizeof(T), &scratch);
+    internal::EncodeKeyframeChunk(reinterpret_cast<const T*>(bytes), n, options.zstd_level, &encoded[i].pos);
+    if (e.gridded()) {
+      c.tensors[ti].chunks[ci].digest = BlockDigest(bytes, n * sizeof(T));
+    } else {
+      digests.DigestChunk(ti, ci, bytes, n * sizeof(T), c.chunk_bytes);
+    }
   });
-  for (size_t t = 0; t < c.tensors.size(); ++t) c.tensors[t].target_checksum = digests.Tensor(t);
+  for (size_t t = 0; t < c.tensors.size(); ++t) {
+    c.tensors[t].target_checksum = c.tensors[t].gridded()
+                                       ? TensorChecksum(target[t].data, target[t].NumBytes(), options.pool)
+                                       : digests.Tensor(t);
+  }
   return Finish(c, tasks, encoded);
 }
 
@@ -451,8 +776,91 @@ Status ApplyPatch(std::string_view patch, std::span<const MutableTensorView> ten
                   const ApplyOptions& options) {
   WSYNC_ASSIGN_OR_RETURN(Container c, internal::ReadContainer(patch, options.verify_patch_checksum));
   WSYNC_ASSIGN_OR_RETURN(auto dst, MatchTensors(c, tensors, options.allow_extra_tensors));
-  if (c.kind == PatchKind::kKeyframe) return ApplyKeyframe(c, dst, options);
-  return ApplyDelta(c, dst, options);
+  const Plan plan = WholePlan(c, dst);
+  WSYNC_RETURN_IF_ERROR(CheckPresent(c, plan));
+  if (c.kind == PatchKind::kKeyframe) return ApplyKeyframe(c, plan, options.pool);
+  return ApplyDelta(c, plan, options.pool, [&] { return HoldsBase(c, dst, options.pool); });
+}
+
+Status ValidatePieces(std::span<const RuntimeTensor> runtime, std::span<const TensorView> canonical,
+                      std::span<const TileGrid> grids) {
+  // A directory of the canonical set (shapes and grids, no streams) plans
+  // the pieces as an apply would.
+  std::unordered_map<std::string_view, const TileGrid*> by_name;
+  for (const TileGrid& g : grids) by_name.emplace(g.tensor, &g);
+  Container c;
+  c.chunk_bytes = internal::kMaxChunkBytes;  // chunks never cross cells: any size checks the same
+  for (const TensorView& t : canonical) {
+    WSYNC_RETURN_IF_ERROR(internal::ValidateTensor(t, /*need_data=*/false));
+    auto it = by_name.find(t.name);
+    WSYNC_ASSIGN_OR_RETURN(TensorEntry e, EntryFor(t, c.chunk_bytes, it == by_name.end() ? nullptr : it->second));
+    c.tensors.push_back(std::move(e));
+  }
+  return PiecesPlan(c, runtime, /*need_data=*/false).status();
+}
+
+std::vector<TileGrid> GridsFor(std::span<const std::vector<RuntimeTensor>> layouts,
+                               std::span<const TensorView> canonical) {
+  std::unordered_map<std::string_view, size_t> index;
+  for (size_t t = 0; t < canonical.size(); ++t) index.emplace(canonical[t].name, t);
+  std::vector<std::set<uint64_t>> rows(canonical.size()), cols(canonical.size());
+  for (const auto& layout : layouts) {
+    for (const RuntimeTensor& rt : layout) {
+      for (const Piece& piece : rt.pieces) {
+        auto it = index.find(piece.canonical);
+        if (it == index.end()) continue;
+        Rect cr, rr;
+        if (!PieceRects(piece, canonical[it->second].shape, rt.view.shape, &cr, &rr).ok()) continue;
+        rows[it->second].insert({cr.r0, cr.r1});
+        cols[it->second].insert({cr.c0, cr.c1});
+      }
+    }
+  }
+  std::vector<TileGrid> out;
+  for (size_t t = 0; t < canonical.size(); ++t) {
+    uint64_t nrows, ncols;
+    internal::ViewOf(canonical[t].shape, canonical[t].NumElements(), &nrows, &ncols);
+    TileGrid g{canonical[t].name, {}, {}};
+    for (uint64_t r : rows[t]) {
+      if (r > 0 && r < nrows) g.row_cuts.push_back(r);
+    }
+    for (uint64_t col : cols[t]) {
+      if (col > 0 && col < ncols) g.col_cuts.push_back(col);
+    }
+    if (!g.row_cuts.empty() || !g.col_cuts.empty()) out.push_back(std::move(g));
+  }
+  return out;
+}
+
+Status ApplyToPieces(std::string_view patch, std::span<const RuntimeTensor> runtime, const ApplyOptions& options) {
+  WSYNC_ASSIGN_OR_RETURN(Container c, internal::ReadContainer(patch, options.verify_patch_checksum));
+  WSYNC_ASSIGN_OR_RETURN(Plan plan, PiecesPlan(c, runtime, /*need_data=*/true));
+  WSYNC_RETURN_IF_ERROR(CheckPresent(c, plan));
+  if (c.kind == PatchKind::kKeyframe) return ApplyKeyframe(c, plan, options.pool);
+  return ApplyDelta(c, plan, options.pool, nullptr);
+}
+
+StatusOr<std::string> SelectForPieces(std::string_view patch, std::span<const RuntimeTensor> runtime) {
+  WSYNC_ASSIGN_OR_RETURN(Container c, internal::ReadContainer(patch, true));
+  WSYNC_ASSIGN_OR_RETURN(Plan plan, PiecesPlan(c, runtime, /*need_data=*/false));
+  WSYNC_RETURN_IF_ERROR(CheckPresent(c, plan));
+  std::vector<std::vector<uint8_t>> needed(c.tensors.size());
+  for (size_t t = 0; t < c.tensors.size(); ++t) needed[t].assign(c.tensors[t].chunks.size(), 0);
+  for (const Work& w : plan.works) needed[w.tensor][w.chunk] = 1;
+  std::string payload;
+  for (size_t t = 0; t < c.tensors.size(); ++t) {
+    for (size_t k = 0; k < c.tensors[t].chunks.size(); ++k) {
+      ChunkEntry& ch = c.tensors[t].chunks[k];
+      if (needed[t][k]) {
+        payload.append(c.PosStream(ch));
+        payload.append(c.ValStream(ch));
+      } else {
+        ch = ChunkEntry{};
+        ch.absent = true;
+      }
+    }
+  }
+  return internal::WriteContainer(c, payload);
 }
 
 StatusOr<std::string> MergePatches(std::string_view first, std::string_view second,
@@ -471,6 +879,14 @@ StatusOr<std::string> MergePatches(std::string_view first, std::string_view seco
     if (x.name != y.name || x.dtype != y.dtype || x.shape != y.shape) {
       return FailedPreconditionError("tensor " + std::to_string(t) + " differs between the patches (" + Quoted(x.name) +
                                      " vs " + Quoted(y.name) + ")");
+    }
+    if (x.row_cuts != y.row_cuts || x.col_cuts != y.col_cuts) {
+      return FailedPreconditionError("tensor " + Quoted(x.name) + " has different tile grids in the two patches");
+    }
+    for (const TensorEntry* e : {&x, &y}) {
+      for (size_t k = 0; k < e->chunks.size(); ++k) {
+        if (e->chunks[k].absent) return AbsentChunk(*e, k);
+      }
     }
     a_targets.push_back(x.target_checksum);
   }
@@ -506,7 +922,7 @@ StatusOr<std::string> MergePatches(std::string_view first, std::string_view seco
   out.base_set_checksum = a.base_set_checksum;
   for (size_t t = 0; t < b.tensors.size(); ++t) {
     TensorEntry e = b.tensors[t];
-    for (auto& ch : e.chunks) ch = ChunkEntry{};
+    for (auto& ch : e.chunks) ch = ChunkEntry{.digest = ch.digest};  // the digests of l
     out.tensors.push_back(std::move(e));
   }
   const std::vector<Task> tasks = TasksOf(out.tensors);
@@ -529,7 +945,10 @@ StatusOr<std::string> MergePatches(std::string_view first, std::string_view seco
       internal::EncodeKeyframeChunk(values.data(), n, options.zstd_level, &encoded[i].pos);
       return;
     }
-    const T* bj = have_base ? reinterpret_cast<const T*>(base_of[ti]->data) + ci * (a.chunk_bytes / sizeof(T)) : nullptr;
+    thread_local std::vector<uint8_t> scratch;
+    const T* bj = have_base ? reinterpret_cast<const T*>(internal::ChunkBytes(
+                                  ea.tiles[ci], internal::Identity(ea, base_of[ti]->data), sizeof(T), &scratch))
+                            : nullptr;
     SparseDelta<T> da;
     Status s = internal::DecodeChunk<T>(ca.mode, ca.changed, a.PosStream(ca), a.ValStream(ca), bj, n, ef, &da);
     if (!s.ok()) return error.Record(i, s.WithContext("first patch " + where));
@@ -569,7 +988,13 @@ StatusOr<PatchInfo> InspectPatch(std::string_view patch, bool verify_patch_check
     t.target_checksum = e.target_checksum;
     t.chunks = static_cast<uint32_t>(e.chunks.size());
     targets.push_back(e.target_checksum);
+    t.row_cuts = e.row_cuts;
+    t.col_cuts = e.col_cuts;
     for (const ChunkEntry& ch : e.chunks) {
+      if (ch.absent) {
+        ++t.absent_chunks;
+        continue;
+      }
       if (c.kind == PatchKind::kKeyframe) {
         t.value_bytes += ch.pos_len;
         continue;

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cstring>
 #include <functional>
 #include <mutex>
 #include <span>
@@ -39,7 +40,82 @@ Status ValidateOptions(const EncodeOptions& o);
 // need_data: a tensor of nonzero size must have a data pointer.
 Status ValidateTensor(const TensorView& t, bool need_data = true);
 Status ValidateSet(std::span<const TensorView> set, bool need_data = true);
+// The entry of a tensor with no grid, or with `grid` (InvalidArgument when
+// its cuts do not fit the tensor).
 TensorEntry EntryFor(const TensorView& t, uint32_t chunk_bytes);
+StatusOr<TensorEntry> EntryFor(const TensorView& t, uint32_t chunk_bytes, const TileGrid* grid);
+
+// Where a tensor's canonical elements lie in memory: the tensor itself
+// (drow = dcol = 0, cols = its width) or a runtime tensor holding a piece of
+// it: canonical (r, c) is at element (r + drow) * cols + c + dcol.
+struct Placement {
+  uint8_t* data = nullptr;
+  uint64_t cols = 0;
+  int64_t drow = 0;
+  int64_t dcol = 0;
+};
+
+inline Placement Identity(const TensorEntry& e, const uint8_t* data) {
+  return Placement{const_cast<uint8_t*>(data), e.cols, 0, 0};
+}
+
+// Calls f(element, chunk_offset, len) for each maximal run of the chunk's
+// elements that is contiguous at the placement, in chunk order.
+template <typename F>
+void ForEachRun(const Tile& t, const Placement& p, F&& f) {
+  const uint64_t end = t.first + t.n;
+  uint64_t run_at = 0, run_k = 0, run_len = 0, k = 0;
+  for (uint64_t idx = t.first; idx < end;) {
+    const uint64_t in_row = idx % t.cell_cols;
+    const uint64_t len = std::min(t.cell_cols - in_row, end - idx);
+    const uint64_t r = t.row0 + idx / t.cell_cols, c = t.col0 + in_row;
+    const uint64_t at = static_cast<uint64_t>(static_cast<int64_t>(r) + p.drow) * p.cols +
+                        static_cast<uint64_t>(static_cast<int64_t>(c) + p.dcol);
+    if (run_len > 0 && run_at + run_len == at) {
+      run_len += len;
+    } else {
+      if (run_len > 0) f(run_at, run_k, run_len);
+      run_at = at;
+      run_k = k;
+      run_len = len;
+    }
+    idx += len;
+    k += len;
+  }
+  if (run_len > 0) f(run_at, run_k, run_len);
+}
+
+// The chunk's first byte at the placement when its elements are contiguous
+// there, else null (then Gather / Scatter move them).
+inline uint8_t* ContiguousAt(const Tile& t, const Placement& p, size_t width) {
+  uint8_t* at = nullptr;
+  int runs = 0;
+  ForEachRun(t, p, [&](uint64_t element, uint64_t, uint64_t) {
+    if (runs++ == 0) at = p.data + element * width;
+  });
+  return runs == 1 ? at : nullptr;
+}
+
+inline void Gather(const Tile& t, const Placement& p, size_t width, uint8_t* out) {
+  ForEachRun(t, p, [&](uint64_t element, uint64_t k, uint64_t len) {
+    std::memcpy(out + k * width, p.data + element * width, len * width);
+  });
+}
+
+inline void Scatter(const Tile& t, const Placement& p, size_t width, const uint8_t* in) {
+  ForEachRun(t, p, [&](uint64_t element, uint64_t k, uint64_t len) {
+    std::memcpy(p.data + element * width, in + k * width, len * width);
+  });
+}
+
+// A chunk's bytes in chunk order: at the placement when contiguous there,
+// else gathered into `scratch`.
+inline uint8_t* ChunkBytes(const Tile& t, const Placement& p, size_t width, std::vector<uint8_t>* scratch) {
+  if (uint8_t* at = ContiguousAt(t, p, width)) return at;
+  scratch->resize(t.n * width);
+  Gather(t, p, width, scratch->data());
+  return scratch->data();
+}
 
 struct Task {
   size_t tensor;
@@ -65,6 +141,10 @@ struct Digests {
 
   explicit Digests(const std::vector<TensorEntry>& tensors) {
     for (const auto& t : tensors) blocks.emplace_back(ChecksumBlockCount(t.nbytes));
+  }
+  // Digests of tensors of these sizes.
+  explicit Digests(const std::vector<uint64_t>& nbytes) {
+    for (uint64_t n : nbytes) blocks.emplace_back(ChecksumBlockCount(n));
   }
   // Digests the blocks of chunk c (chunk_bytes from `chunk_data`).
   void DigestChunk(size_t tensor, size_t c, const uint8_t* chunk_data, size_t chunk_len, uint32_t chunk_bytes);

@@ -7,6 +7,7 @@
 #include "chunk_codec.h"
 #include "format.h"
 #include "patch_common.h"
+#include "wsync/util/text.h"
 
 namespace wsync::codec::staged {
 namespace {
@@ -88,6 +89,9 @@ PatchWriter::~PatchWriter() = default;
 
 StatusOr<PatchWriter> PatchWriter::Create(std::span<const TensorView> tensors, const EncodeOptions& options) {
   WSYNC_RETURN_IF_ERROR(internal::ValidateOptions(options));
+  if (!options.grids.empty()) {
+    return UnimplementedError("tile grids are coded by the host codec only (EncodePatch)");
+  }
   auto impl = std::make_unique<Impl>();
   impl->options = options;
   impl->options.pool = nullptr;
@@ -209,6 +213,17 @@ PatchReader::~PatchReader() = default;
 StatusOr<PatchReader> PatchReader::Open(std::string_view patch, bool verify_checksum) {
   auto impl = std::make_unique<Impl>();
   WSYNC_ASSIGN_OR_RETURN(impl->c, internal::ReadContainer(patch, verify_checksum));
+  // The staged stages address chunks as flat ranges of whole patches.
+  for (const internal::TensorEntry& e : impl->c.tensors) {
+    if (e.gridded()) {
+      return UnimplementedError("tensor " + Quoted(e.name) +
+                                " has a tile grid; the staged (device) reader takes ungridded patches only");
+    }
+    for (const internal::ChunkEntry& ch : e.chunks) {
+      if (ch.absent) return FailedPreconditionError("the patch is a selection (tensor " + Quoted(e.name) +
+                                                    " lacks chunks); apply it with ApplyToPieces");
+    }
+  }
   impl->tasks = internal::TasksOf(impl->c.tensors);
   impl->chunks = ChunksOf(impl->c, impl->tasks);
   return PatchReader(std::move(impl));

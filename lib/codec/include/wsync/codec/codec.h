@@ -56,6 +56,19 @@ struct MutableTensorView {
   TensorView AsConst() const { return {name, dtype, shape, data}; }
 };
 
+// The tile grid of one tensor (docs/patch-format.md, "Tiles"): cuts of its
+// two-dimensional view (rows = shape[0], columns = the product of the other
+// dimensions; a 1-D tensor is a column, a scalar one element). The cuts split
+// the tensor into cells; chunks never cross a cell, and every chunk of a
+// gridded tensor carries the digest of its target bytes, so that a sink that
+// holds whole cells (a tensor-parallel shard) can decode, apply and verify
+// them alone. A tensor with no cuts is coded as in a flat tensor.
+struct TileGrid {
+  std::string tensor;
+  std::vector<uint64_t> row_cuts;  // strictly ascending, each in (0, rows)
+  std::vector<uint64_t> col_cuts;  // strictly ascending, each in (0, columns)
+};
+
 struct EncodeOptions {
   // Level for the zstd-coded streams (directory, bitmaps, dense deltas,
   // keyframes). 1..19.
@@ -83,6 +96,10 @@ struct EncodeOptions {
   std::optional<uint64_t> base_set_checksum;
   // Runs chunks in parallel when set.
   ThreadPool* pool = nullptr;
+  // Tile grids by tensor name (GridsFor builds them from sinks' pieces).
+  // Tensors without one are not gridded. InvalidArgument for a grid naming
+  // no tensor of the set or a cut out of range.
+  std::vector<TileGrid> grids;
 };
 
 // Encodes the patch from `base` to `target`.
@@ -128,6 +145,65 @@ StatusOr<std::string> MergePatches(std::string_view first, std::string_view seco
                                    std::span<const TensorView> base,
                                    const EncodeOptions& options);
 
+// ---- Pieces: a sink that holds parts of the canonical tensors (#20).
+//
+// A piece is a box of a canonical tensor (a tensor of the patch) held at a
+// box of the same shape in a runtime tensor (an engine's parameter: a
+// tensor-parallel shard, a fused qkv or gate_up tensor). Supported boxes are
+// rectangles of the two-dimensional view: a box may start and end anywhere
+// in dimensions 0 and 1 and spans every further dimension whole, in the
+// canonical tensor and the runtime tensor alike (these dimensions must be
+// equal). Several pieces may hold the same canonical box (replicated
+// key/value heads); runtime elements no piece covers are never written.
+struct Piece {
+  std::string canonical;                  // name of the canonical tensor
+  std::vector<uint64_t> start;            // box start in the canonical tensor, per dimension
+  std::vector<uint64_t> extent;           // box extent, per dimension
+  std::vector<uint64_t> runtime_start;    // where the box starts in the runtime tensor
+};
+
+struct RuntimeTensor {
+  MutableTensorView view;      // the runtime tensor (its dtype is every piece's)
+  std::vector<Piece> pieces;
+};
+
+// Checks pieces against the canonical tensors (names, dtypes and shapes;
+// data unused) and the tile grids their patches are coded with: every box
+// inside both tensors and of a supported shape (InvalidArgument), no two
+// boxes overlapping in a runtime tensor (InvalidArgument), every canonical
+// tensor named in `canonical` with the runtime tensor's dtype, and every
+// piece a union of whole cells of its tensor's grid, or the whole of an
+// ungridded tensor (FailedPrecondition). Errors name the runtime tensor and
+// the piece. What a sink checks when it registers pieces.
+Status ValidatePieces(std::span<const RuntimeTensor> runtime, std::span<const TensorView> canonical,
+                      std::span<const TileGrid> grids);
+
+// The tile grids that make every piece of these layouts a union of whole
+// cells: the union of the pieces' box boundaries per canonical tensor.
+// REQUIRES: pieces valid (ValidatePieces).
+std::vector<TileGrid> GridsFor(std::span<const std::vector<RuntimeTensor>> layouts,
+                               std::span<const TensorView> canonical);
+
+// Applies a patch or keyframe into the pieces of runtime tensors: exactly
+// the changes that fall inside the pieces, and nothing outside them. Only
+// the chunks inside some piece are decoded; each is verified after the apply
+// against its digest (a piece that covers an ungridded tensor whole is
+// verified against the tensor's checksum); on any failure every change is
+// undone and nothing is written. FailedPrecondition when a piece cuts a
+// chunk (the source's grid does not include this layout: GridsFor), names a
+// tensor the patch lacks, or the patch lacks a chunk a piece needs; DataLoss
+// when a result differs from its digest (a corrupt patch, or pieces that do
+// not hold the base: a sink then takes a keyframe).
+Status ApplyToPieces(std::string_view patch, std::span<const RuntimeTensor> runtime,
+                     const ApplyOptions& options);
+
+// The part of a patch or keyframe that the pieces need: the same directory
+// with every other chunk marked absent and its streams dropped (a selection,
+// docs/patch-format.md). ApplyToPieces takes it as it takes the whole patch;
+// ApplyPatch refuses it (FailedPrecondition). The bytes a sink holding one
+// shard receives.
+StatusOr<std::string> SelectForPieces(std::string_view patch, std::span<const RuntimeTensor> runtime);
+
 enum class PatchKind : uint8_t { kPatch = 1, kKeyframe = 2 };
 
 struct TensorInfo {
@@ -141,6 +217,9 @@ struct TensorInfo {
   uint32_t chunks = 0;
   uint32_t conditioned_chunks = 0;  // chunks whose coding uses the base
   uint32_t mode_counts[5] = {};     // chunks per mode (see ChunkMode)
+  uint32_t absent_chunks = 0;       // chunks a selection left out
+  std::vector<uint64_t> row_cuts;   // the tile grid (empty: not gridded)
+  std::vector<uint64_t> col_cuts;
 
   uint64_t DenseBytes() const;
 };

@@ -1,0 +1,394 @@
+// Tile grids and pieces (docs/patch-format.md, "Tiles"; codec.h, "Pieces"):
+// gridded patches round-trip for every shape and grid, and a sink holding
+// tensor-parallel shards of fused runtime tensors applies exactly its part,
+// bit for bit, from the whole patch or from its selection.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstring>
+#include <random>
+
+#include "test_tensors.h"
+#include "wsync/codec/codec.h"
+#include "wsync/codec/staged.h"
+#include "wsync/util/thread_pool.h"
+
+namespace wsync::codec {
+namespace {
+
+using testing::OwnedTensor;
+using testing::Perturb;
+using testing::RandomTensor;
+
+using buffers::MutableViews;
+using buffers::Views;
+
+std::vector<OwnedTensor> PerturbAll(const std::vector<OwnedTensor>& ts, double density, std::mt19937_64& rng) {
+  std::vector<OwnedTensor> out;
+  for (const auto& t : ts) out.push_back(Perturb(t, density, rng));
+  return out;
+}
+
+// Random strictly ascending cuts inside (0, n).
+std::vector<uint64_t> RandomCuts(uint64_t n, std::mt19937_64& rng) {
+  std::vector<uint64_t> cuts;
+  if (n < 2) return cuts;
+  const int k = static_cast<int>(rng() % 4);
+  for (int i = 0; i < k; ++i) cuts.push_back(1 + rng() % (n - 1));
+  std::sort(cuts.begin(), cuts.end());
+  cuts.erase(std::unique(cuts.begin(), cuts.end()), cuts.end());
+  return cuts;
+}
+
+TEST(Tiles, GriddedPatchesRoundTripForEveryShapeAndGrid) {
+  std::mt19937_64 rng(7);
+  ThreadPool pool(4);
+  for (int round = 0; round < 12; ++round) {
+    std::vector<OwnedTensor> base = {
+        RandomTensor("matrix", DType::kBF16, {1000, 1500}, rng),  // cells of several chunks, starting mid-row
+        RandomTensor("cube", DType::kF32, {24, 10, 30}, rng),
+        RandomTensor("vector", DType::kBF16, {333}, rng),
+        RandomTensor("scalar", DType::kF32, {}, rng),
+        RandomTensor("bytes", DType::kU8, {50, 40}, rng),
+    };
+    const double density = round % 3 == 0 ? 0.3 : 0.01;
+    std::vector<OwnedTensor> target = PerturbAll(base, density, rng);
+    EncodeOptions o;
+    o.pool = round % 2 ? &pool : nullptr;
+    o.grids = {{"matrix", RandomCuts(1000, rng), RandomCuts(1500, rng)},
+               {"cube", RandomCuts(24, rng), RandomCuts(300, rng)},
+               {"vector", RandomCuts(333, rng), {}},
+               {"bytes", {25}, {1, 39}}};
+    auto patch = EncodePatch(Views(base), Views(target), o);
+    ASSERT_TRUE(patch.ok()) << patch.status().message();
+    auto work = base;
+    ASSERT_TRUE(ApplyPatch(*patch, MutableViews(work), {}).ok());
+    EXPECT_TRUE(testing::SameBits(work, target)) << "round " << round;
+
+    auto keyframe = EncodeKeyframe(Views(target), o);
+    ASSERT_TRUE(keyframe.ok());
+    auto cold = PerturbAll(base, 1.0, rng);
+    ASSERT_TRUE(ApplyPatch(*keyframe, MutableViews(cold), {}).ok());
+    EXPECT_TRUE(testing::SameBits(cold, target));
+
+    // Merges chain over gridded patches: one patch from base to the third.
+    auto third = PerturbAll(target, density, rng);
+    auto second = EncodePatch(Views(target), Views(third), o);
+    ASSERT_TRUE(second.ok());
+    auto merged = MergePatches(*patch, *second, Views(base), o);
+    ASSERT_TRUE(merged.ok()) << merged.status().message();
+    work = base;
+    ASSERT_TRUE(ApplyPatch(*merged, MutableViews(work), {}).ok());
+    EXPECT_TRUE(testing::SameBits(work, third));
+    auto merged_keyframe = MergePatches(*keyframe, *second, {}, o);
+    ASSERT_TRUE(merged_keyframe.ok()) << merged_keyframe.status().message();
+    cold = PerturbAll(base, 1.0, rng);
+    ASSERT_TRUE(ApplyPatch(*merged_keyframe, MutableViews(cold), {}).ok());
+    EXPECT_TRUE(testing::SameBits(cold, third));
+
+    auto info = InspectPatch(*patch);
+    ASSERT_TRUE(info.ok());
+    EXPECT_EQ(info->tensors[3].row_cuts.size() + info->tensors[3].col_cuts.size(), 0u) << "the scalar has no grid";
+    EXPECT_EQ(info->tensors[4].row_cuts, std::vector<uint64_t>{25});
+  }
+}
+
+TEST(Tiles, AGridChangesNothingForTensorsWithoutOne) {
+  std::mt19937_64 rng(3);
+  std::vector<OwnedTensor> base = {RandomTensor("a", DType::kBF16, {512, 1024}, rng),
+                                   RandomTensor("b", DType::kBF16, {300, 200}, rng)};
+  auto target = PerturbAll(base, 0.01, rng);
+  EncodeOptions flat, gridded;
+  gridded.grids = {{"b", {150}, {}}};
+  auto p0 = EncodePatch(Views(base), Views(target), flat);
+  auto p1 = EncodePatch(Views(base), Views(target), gridded);
+  ASSERT_TRUE(p0.ok() && p1.ok());
+  auto i0 = InspectPatch(*p0), i1 = InspectPatch(*p1);
+  EXPECT_EQ(i0->tensors[0].position_bytes + i0->tensors[0].value_bytes,
+            i1->tensors[0].position_bytes + i1->tensors[0].value_bytes);
+  EXPECT_EQ(i0->tensors[1].target_checksum, i1->tensors[1].target_checksum) << "tensor checksums are the same";
+  EXPECT_EQ(i1->tensors[1].chunks, 2u);
+}
+
+// ---- A tensor-parallel model: canonical tensors, and each rank's runtime
+// tensors laid out as vLLM lays them (fused qkv with replicated kv heads when
+// TP exceeds them, row- and column-parallel, padded vocabulary).
+
+constexpr uint64_t kHidden = 48, kQ = 64, kKv = 16, kVocab = 100, kVocabPadded = 128;
+
+std::vector<OwnedTensor> CanonicalModel(std::mt19937_64& rng) {
+  return {
+      RandomTensor("q_proj", DType::kBF16, {kQ, kHidden}, rng),
+      RandomTensor("k_proj", DType::kBF16, {kKv, kHidden}, rng),
+      RandomTensor("v_proj", DType::kBF16, {kKv, kHidden}, rng),
+      RandomTensor("q_bias", DType::kBF16, {kQ}, rng),
+      RandomTensor("o_proj", DType::kBF16, {kHidden, kQ}, rng),
+      RandomTensor("norm", DType::kBF16, {kHidden}, rng),
+      RandomTensor("embed", DType::kBF16, {kVocab, kHidden}, rng),
+      RandomTensor("down", DType::kBF16, {700, 1600}, rng),  // column-parallel cells of several chunks
+  };
+}
+
+// Move-only: the layout's views point into the tensors' storage.
+struct Rank {
+  Rank() = default;
+  Rank(Rank&&) = default;
+  Rank& operator=(Rank&&) = default;
+  Rank(const Rank&) = delete;
+  std::vector<OwnedTensor> tensors;  // runtime storage
+  std::vector<RuntimeTensor> layout;
+};
+
+constexpr uint16_t kUntouched = 0xABCD;
+
+// Rank r of TP tp, its tensors filled with kUntouched.
+Rank MakeRank(uint64_t tp, uint64_t r) {
+  Rank rank;
+  const uint64_t q = kQ / tp, kv_heads = 2, head = kKv / kv_heads;
+  // kv rows of this rank: a slice of the heads, or one replicated head.
+  const uint64_t kv = tp <= kv_heads ? kKv / tp : head;
+  const uint64_t kv_start = tp <= kv_heads ? r * kv : (r * kv_heads / tp) * head;
+  const uint64_t vocab = kVocabPadded / tp, vocab_start = r * vocab;
+  const uint64_t vocab_rows = vocab_start >= kVocab ? 0 : std::min(vocab, kVocab - vocab_start);
+  const uint64_t down_cols = 1600 / tp;
+  auto add = [&](const std::string& name, std::vector<uint64_t> shape, std::vector<Piece> pieces) {
+    OwnedTensor t{name, DType::kBF16, shape, {}};
+    uint64_t n = 1;
+    for (auto d : shape) n *= d;
+    t.bytes.resize(n * 2);
+    for (uint64_t i = 0; i < n; ++i) std::memcpy(t.bytes.data() + 2 * i, &kUntouched, 2);
+    rank.tensors.push_back(std::move(t));
+    rank.layout.push_back(RuntimeTensor{{}, std::move(pieces)});
+  };
+  add("qkv", {q + 2 * kv, kHidden},
+      {{"q_proj", {r * q, 0}, {q, kHidden}, {0, 0}},
+       {"k_proj", {kv_start, 0}, {kv, kHidden}, {q, 0}},
+       {"v_proj", {kv_start, 0}, {kv, kHidden}, {q + kv, 0}}});
+  add("qkv_bias", {q}, {{"q_bias", {r * q}, {q}, {0}}});
+  add("o", {kHidden, q}, {{"o_proj", {0, r * q}, {kHidden, q}, {0, 0}}});
+  add("norm", {kHidden}, {{"norm", {0}, {kHidden}, {0}}});
+  std::vector<Piece> vocab_pieces;
+  if (vocab_rows > 0) vocab_pieces.push_back({"embed", {vocab_start, 0}, {vocab_rows, kHidden}, {0, 0}});
+  add("embed", {vocab, kHidden}, vocab_pieces);
+  add("down", {700, down_cols}, {{"down", {0, r * down_cols}, {700, down_cols}, {0, 0}}});
+  for (size_t i = 0; i < rank.tensors.size(); ++i) {
+    auto& t = rank.tensors[i];
+    rank.layout[i].view = {t.name, t.dtype, t.shape, t.bytes.data()};
+  }
+  return rank;
+}
+
+// Copies every piece of the rank out of the canonical tensors.
+void Fill(Rank* rank, const std::vector<OwnedTensor>& canonical) {
+  for (const RuntimeTensor& rt : rank->layout) {
+    const uint64_t rcols = rt.view.shape.size() > 1 ? rt.view.shape[1] : 1;
+    for (const Piece& p : rt.pieces) {
+      const OwnedTensor& c = *std::find_if(canonical.begin(), canonical.end(),
+                                           [&](const OwnedTensor& t) { return t.name == p.canonical; });
+      const uint64_t ccols = c.shape.size() > 1 ? c.shape[1] : 1;
+      const uint64_t rows = p.extent[0], cols = p.extent.size() > 1 ? p.extent[1] : 1;
+      const uint64_t c0 = p.start.size() > 1 ? p.start[1] : 0, rc0 = p.runtime_start.size() > 1 ? p.runtime_start[1] : 0;
+      for (uint64_t i = 0; i < rows; ++i) {
+        std::memcpy(rt.view.data + ((p.runtime_start[0] + i) * rcols + rc0) * 2,
+                    c.bytes.data() + ((p.start[0] + i) * ccols + c0) * 2, cols * 2);
+      }
+    }
+  }
+}
+
+// The rank's tensors as they should be: kUntouched where no piece lies.
+std::vector<OwnedTensor> Expected(uint64_t tp, uint64_t r, const std::vector<OwnedTensor>& canonical) {
+  Rank want = MakeRank(tp, r);
+  Fill(&want, canonical);
+  return want.tensors;
+}
+
+std::vector<Rank> MakeRanks(uint64_t tp) {
+  std::vector<Rank> out;
+  for (uint64_t r = 0; r < tp; ++r) out.push_back(MakeRank(tp, r));
+  return out;
+}
+
+std::vector<std::vector<RuntimeTensor>> Layouts(std::vector<Rank>& ranks) {
+  std::vector<std::vector<RuntimeTensor>> out;
+  for (auto& r : ranks) out.push_back(r.layout);
+  return out;
+}
+
+class TensorParallel : public ::testing::TestWithParam<uint64_t> {};
+
+TEST_P(TensorParallel, EveryRankAppliesExactlyItsPiecesFromThePatchOrItsSelection) {
+  const uint64_t tp = GetParam();
+  std::mt19937_64 rng(tp);
+  const auto v0 = CanonicalModel(rng);
+  const auto v1 = PerturbAll(v0, 0.02, rng);
+  const auto v2 = PerturbAll(v1, 0.02, rng);
+  std::vector<Rank> ranks = MakeRanks(tp);
+  EncodeOptions o;
+  o.grids = GridsFor(Layouts(ranks), Views(v0));
+  for (const Rank& r : ranks) {
+    Status s = ValidatePieces(r.layout, Views(v0), o.grids);
+    ASSERT_TRUE(s.ok()) << s.message();
+    if (tp > 1) {
+      EXPECT_EQ(ValidatePieces(r.layout, Views(v0), {}).code(), StatusCode::kFailedPrecondition)
+          << "shards of ungridded tensors";
+    }
+  }
+  o.target_version = 1;
+  auto keyframe = EncodeKeyframe(Views(v1), o);
+  o.base_version = 1;
+  o.target_version = 2;
+  auto patch = EncodePatch(Views(v1), Views(v2), o);
+  ASSERT_TRUE(keyframe.ok() && patch.ok()) << patch.status().message();
+  const uint64_t whole = patch->size();
+  uint64_t selected_payload = 0;
+  for (uint64_t r = 0; r < tp; ++r) {
+    // Cold start from the keyframe's selection, then the patch (whole for
+    // even ranks, selected for odd ones).
+    auto kf = SelectForPieces(*keyframe, ranks[r].layout);
+    ASSERT_TRUE(kf.ok()) << kf.status().message();
+    ASSERT_TRUE(ApplyToPieces(*kf, ranks[r].layout, {}).ok());
+    EXPECT_TRUE(testing::SameBits(ranks[r].tensors, Expected(tp, r, v1))) << "rank " << r << " after the keyframe";
+    auto sel = SelectForPieces(*patch, ranks[r].layout);
+    ASSERT_TRUE(sel.ok()) << sel.status().message();
+    auto info = InspectPatch(*sel);
+    ASSERT_TRUE(info.ok());
+    selected_payload += info->total_bytes - info->header_bytes;
+    EXPECT_EQ(ApplyPatch(*sel, MutableViews(ranks[r].tensors), {}).code(), StatusCode::kFailedPrecondition)
+        << "a selection is not a whole patch";
+    Status s = ApplyToPieces(r % 2 ? *sel : *patch, ranks[r].layout, {});
+    ASSERT_TRUE(s.ok()) << s.message();
+    EXPECT_TRUE(testing::SameBits(ranks[r].tensors, Expected(tp, r, v2))) << "rank " << r;
+    if (tp > 1) EXPECT_LT(sel->size(), whole) << "rank " << r;
+  }
+  // Together the selections carry the patch once, plus the replicated kv
+  // heads once per replica.
+  auto info = InspectPatch(*patch);
+  EXPECT_GE(selected_payload, info->total_bytes - info->header_bytes);
+  EXPECT_LT(selected_payload, (info->total_bytes - info->header_bytes) * 5 / 4 + 4096);
+}
+
+INSTANTIATE_TEST_SUITE_P(Degrees, TensorParallel, ::testing::Values(1, 2, 4, 8));
+
+TEST(Tiles, ACorruptTileFailsTheRankThatHoldsItAndNoOther) {
+  std::mt19937_64 rng(11);
+  const auto v0 = CanonicalModel(rng);
+  const auto v1 = PerturbAll(v0, 0.05, rng);
+  std::vector<Rank> ranks = MakeRanks(2);
+  for (auto& r : ranks) Fill(&r, v0);
+  EncodeOptions o;
+  o.grids = GridsFor(Layouts(ranks), Views(v0));
+  auto patch = EncodePatch(Views(v0), Views(v1), o);
+  ASSERT_TRUE(patch.ok());
+  // Rank 0's selection: every byte of its payload belongs to rank 0.
+  auto sel0 = SelectForPieces(*patch, ranks[0].layout);
+  ASSERT_TRUE(sel0.ok());
+  auto info = InspectPatch(*sel0);
+  const auto before = ranks[0].tensors;
+  int detected = 0;
+  for (int trial = 0; trial < 20; ++trial) {
+    std::string bad = *sel0;
+    const size_t at = info->header_bytes + rng() % (bad.size() - info->header_bytes);
+    bad[at] = static_cast<char>(bad[at] ^ (1 << (rng() % 8)));
+    ApplyOptions skip;
+    skip.verify_patch_checksum = false;  // reach the tile digests
+    Status s = ApplyToPieces(bad, ranks[0].layout, skip);
+    ASSERT_FALSE(s.ok()) << "trial " << trial;
+    EXPECT_EQ(s.code(), StatusCode::kDataLoss) << s.message();
+    EXPECT_TRUE(testing::SameBits(ranks[0].tensors, before)) << "undone: " << s.message();
+    ++detected;
+  }
+  EXPECT_EQ(detected, 20);
+  // The other rank never reads those bytes: its selection applies.
+  auto sel1 = SelectForPieces(*patch, ranks[1].layout);
+  ASSERT_TRUE(ApplyToPieces(*sel1, ranks[1].layout, {}).ok());
+  EXPECT_TRUE(testing::SameBits(ranks[1].tensors, Expected(2, 1, v1)));
+  // Recovered: the intact patch applies to rank 0.
+  ASSERT_TRUE(ApplyToPieces(*patch, ranks[0].layout, {}).ok());
+  EXPECT_TRUE(testing::SameBits(ranks[0].tensors, Expected(2, 0, v1)));
+}
+
+TEST(Tiles, PiecesNotHoldingTheBaseAreRefusedAndUntouched) {
+  std::mt19937_64 rng(12);
+  const auto v0 = CanonicalModel(rng);
+  const auto v1 = PerturbAll(v0, 0.05, rng);
+  std::vector<Rank> ranks;
+  ranks.push_back(MakeRank(2, 0));
+  Fill(&ranks[0], PerturbAll(v0, 0.01, rng));  // not v0
+  EncodeOptions o;
+  o.grids = GridsFor(Layouts(ranks), Views(v0));
+  auto patch = EncodePatch(Views(v0), Views(v1), o);
+  const auto before = ranks[0].tensors;
+  Status s = ApplyToPieces(*patch, ranks[0].layout, {});
+  EXPECT_EQ(s.code(), StatusCode::kDataLoss) << s.message();
+  EXPECT_NE(s.message().find("do not hold its base"), std::string::npos) << s.message();
+  EXPECT_TRUE(testing::SameBits(ranks[0].tensors, before));
+}
+
+TEST(Tiles, LayoutsTheGridDoesNotHoldAreRefusedNamingThePiece) {
+  std::mt19937_64 rng(13);
+  const auto v0 = CanonicalModel(rng);
+  const auto v1 = PerturbAll(v0, 0.05, rng);
+  std::vector<Rank> tp2 = MakeRanks(2);
+  EncodeOptions o;
+  o.grids = GridsFor(Layouts(tp2), Views(v0));
+  auto patch = EncodePatch(Views(v0), Views(v1), o);
+  ASSERT_TRUE(patch.ok());
+  Rank tp4 = MakeRank(4, 1);
+  Status s = ApplyToPieces(*patch, tp4.layout, {});
+  EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(s.message().find("runtime tensor 'qkv' piece 0 (of 'q_proj')"), std::string::npos) << s.message();
+  EXPECT_NE(s.message().find("tile grid does not include this layout"), std::string::npos) << s.message();
+
+  // An ungridded tensor held in part.
+  auto flat = EncodePatch(Views(v0), Views(v1), EncodeOptions{});
+  s = ApplyToPieces(*flat, tp2[0].layout, {});
+  EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(s.message().find("does not grid"), std::string::npos) << s.message();
+
+  // A tensor the patch lacks; the staged (device) reader's refusal.
+  Rank other = MakeRank(2, 0);
+  other.layout[0].pieces[0].canonical = "nope";
+  EXPECT_EQ(ApplyToPieces(*patch, other.layout, {}).code(), StatusCode::kFailedPrecondition);
+  EXPECT_EQ(staged::PatchReader::Open(*patch).status().code(), StatusCode::kUnimplemented);
+}
+
+TEST(Tiles, BadPiecesAndGridsAreRefusedAtRegistration) {
+  std::mt19937_64 rng(14);
+  const auto v0 = CanonicalModel(rng);
+  std::vector<Rank> tp2 = MakeRanks(2);
+  auto expect_invalid = [&](const Rank& r, const std::string& says) {
+    Status s = ValidatePieces(r.layout, Views(v0), GridsFor(Layouts(tp2), Views(v0)));
+    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.message();
+    EXPECT_NE(s.message().find(says), std::string::npos) << s.message();
+  };
+  Rank r = MakeRank(2, 0);
+  r.layout[0].pieces[1].extent[0] = 1000;
+  expect_invalid(r, "outside the canonical tensor");
+  r = MakeRank(2, 0);
+  r.layout[0].pieces[2].runtime_start[0] = 0;  // v over q
+  expect_invalid(r, "overlaps piece 0");
+  r = MakeRank(2, 0);
+  r.layout[0].pieces[0].start = {0};
+  expect_invalid(r, "rank");
+  r = MakeRank(2, 0);
+  r.layout[0].view.dtype = DType::kF16;
+  Status s = ValidatePieces(r.layout, Views(v0), GridsFor(Layouts(tp2), Views(v0)));
+  EXPECT_FALSE(s.ok());
+  EXPECT_NE(s.message().find("BF16"), std::string::npos) << s.message();
+
+  // Grids naming no tensor, or cutting outside one.
+  const auto v1 = PerturbAll(v0, 0.05, rng);
+  EncodeOptions o;
+  o.grids = {{"missing", {1}, {}}};
+  EXPECT_EQ(EncodePatch(Views(v0), Views(v1), o).status().code(), StatusCode::kInvalidArgument);
+  o.grids = {{"q_proj", {kQ}, {}}};
+  auto bad = EncodePatch(Views(v0), Views(v1), o);
+  EXPECT_EQ(bad.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.status().message().find("'q_proj'"), std::string::npos) << bad.status().message();
+  o.grids = {{"q_proj", {8, 8}, {}}};
+  EXPECT_EQ(EncodePatch(Views(v0), Views(v1), o).status().code(), StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace wsync::codec
