@@ -49,14 +49,38 @@ StatusOr<std::unique_ptr<buffers::Region>> OpenRegion(const std::string& shm, co
   return buffers::OpenCudaIpc(ipc);
 }
 
+std::vector<uint64_t> Dims(const google::protobuf::RepeatedField<uint64_t>& f) { return {f.begin(), f.end()}; }
+
+// A tensor of a request: name, dtype, shape, place and pieces.
+StatusOr<buffers::TensorEntry> EntryOf(const v1::TensorSpec& t) {
+  auto dtype = codec::ParseDType(t.dtype());
+  if (!dtype.ok()) return dtype.status().WithContext("tensor " + Quoted(t.name()));
+  buffers::TensorEntry e{t.name(), *dtype, Dims(t.shape()), t.offset(), t.region(), {}};
+  for (const auto& p : t.pieces()) e.pieces.push_back({p.canonical(), Dims(p.start()), Dims(p.extent()), Dims(p.at())});
+  return e;
+}
+
+// The layouts a source serves (runtime tensors without data).
+StatusOr<std::vector<std::vector<codec::RuntimeTensor>>> ServedLayouts(const v1::RegisterTensorsRequest& req) {
+  std::vector<std::vector<codec::RuntimeTensor>> out;
+  for (int i = 0; i < req.serve_layouts_size(); ++i) {
+    auto& layout = out.emplace_back();
+    for (const auto& t : req.serve_layouts(i).tensors()) {
+      auto e = EntryOf(t);
+      if (!e.ok()) return e.status().WithContext("served layout " + std::to_string(i));
+      layout.push_back({{e->name, e->dtype, e->shape, nullptr}, std::move(e->pieces)});
+    }
+  }
+  return out;
+}
+
 // The memory and table of a RegisterTensors request, mapped and validated.
 StatusOr<buffers::MappedTensors> OpenRegistered(const v1::RegisterTensorsRequest& req) {
   std::vector<buffers::TensorEntry> table;
   table.reserve(req.tensors_size());
   for (const auto& t : req.tensors()) {
-    auto dtype = codec::ParseDType(t.dtype());
-    if (!dtype.ok()) return dtype.status().WithContext("tensor " + Quoted(t.name()));
-    table.push_back({t.name(), *dtype, {t.shape().begin(), t.shape().end()}, t.offset(), t.region()});
+    WSYNC_ASSIGN_OR_RETURN(auto e, EntryOf(t));
+    table.push_back(std::move(e));
   }
   std::vector<std::unique_ptr<buffers::Region>> regions;
   if (req.regions_size() > 0) {
@@ -219,7 +243,10 @@ class Source : public Node, public v1::Local::Service {
                                v1::RegisterTensorsResponse* resp) override {
     auto reg = OpenRegistered(*req);
     if (!reg.ok()) return ToGrpc(reg.status());
-    auto r = core_->RegisterTensors(std::move(*reg));
+    if (reg->has_pieces()) return ToGrpc(InvalidArgumentError("a source registers published tensors, not pieces"));
+    auto served = ServedLayouts(*req);
+    if (!served.ok()) return ToGrpc(served.status());
+    auto r = core_->RegisterTensors(std::move(*reg), *served);
     if (!r.ok()) return ToGrpc(r.status());
     for (const auto& name : r->cast_to_bf16) resp->add_cast_to_bf16(name);
     resp->set_head_version(r->head);
@@ -292,6 +319,7 @@ class Sink : public Node, public v1::Local::Service {
 
   grpc::Status RegisterTensors(grpc::ServerContext*, const v1::RegisterTensorsRequest* req,
                                v1::RegisterTensorsResponse* resp) override {
+    if (req->serve_layouts_size() > 0) return ToGrpc(InvalidArgumentError("serve_layouts is a source's"));
     auto reg = OpenRegistered(*req);
     if (!reg.ok()) return ToGrpc(reg.status());
     auto head = core_->RegisterTensors(std::move(*reg), req->applied_version());

@@ -57,15 +57,23 @@ void SinkCore::ReportApplied(uint64_t version) {
 
 StatusOr<uint64_t> SinkCore::RegisterTensors(buffers::MappedTensors reg, uint64_t claimed) {
   // Refused at once when the tensors cannot take the versions published.
-  if (Status s = CheckPublishedLayout(reg.Views()); !s.ok()) {
+  if (Status s = CheckPublishedLayout(reg); !s.ok()) {
     spdlog::warn("sink {}: registration refused: {}", config_.name, s.ToString());
     return s;
   }
   const std::string description = reg.description();
+  const bool reg_has_pieces = reg.has_pieces();
   WSYNC_ASSIGN_OR_RETURN(auto store, WeightStore::Open(std::move(reg)));
   // Trust a claimed version only if the tensors' checksum is that version's
   // (a sink that died mid-apply leaves torn weights: those get a keyframe).
   uint64_t applied = claimed;
+  if (applied != 0 && reg_has_pieces) {
+    // The coordinator records whole-tensor checksums only: a claim over
+    // pieces cannot be checked.
+    spdlog::info("sink {}: pieces registered as version {}: not verifiable, starting from a keyframe", config_.name,
+                 applied);
+    applied = 0;
+  }
   if (applied != 0) {
     auto versions = env_.coordinator->ListVersions(applied - 1);
     auto sum = store->SetChecksum(env_.pool);
@@ -211,6 +219,7 @@ void SinkCore::FillHeartbeat(v1::HeartbeatRequest* h) {
   if (auto w = weights(); w && !w->sync_error().ok()) h->set_sync_error(w->sync_error().ToString());
   const auto [holds, oldest_ms] = HoldSummary();
   h->set_active_holds(holds);
+  if (auto w = weights()) h->set_holds_pieces(w->store().tensors().has_pieces());
   h->set_oldest_hold_ms(oldest_ms);
 }
 
@@ -247,6 +256,9 @@ StatusOr<std::shared_ptr<PatchStream>> SinkCore::Open(uint64_t from, uint64_t to
   if (!weights || weights->applied() != to || to == 0) {
     return NotFoundError("sink " + config_.name + " holds no patch " + std::to_string(from) + "->" +
                          std::to_string(to));
+  }
+  if (weights->store().tensors().has_pieces()) {
+    return UnavailableError("sink " + config_.name + " holds pieces and makes no keyframes; it relays no sink");
   }
   // A keyframe of what it holds (the child had another base).
   const uint64_t v = weights->Hold();
@@ -453,7 +465,7 @@ void SinkCore::SyncLoop() {
     }
     const uint64_t head = head_.load();
     if (!w || w.get() == mismatched_ || parent.empty() || w->applied() >= head) continue;
-    wsync::Status s = CheckPublishedLayout(w->Views());
+    wsync::Status s = CheckPublishedLayout(w->store().tensors());
     if (!s.ok()) {
       // Tensors that cannot take the published versions never will: no
       // pull until they are registered again.
@@ -490,11 +502,19 @@ void SinkCore::SyncLoop() {
   }
 }
 
-// Ok unless a layout is published and `views` do not match it.
-Status SinkCore::CheckPublishedLayout(std::span<const codec::TensorView> views) {
+// Ok unless a layout is published and the tensors do not match it: the
+// published tensors themselves, or runtime tensors whose pieces the
+// published tensors and their tile grids hold.
+Status SinkCore::CheckPublishedLayout(const buffers::MappedTensors& tensors) {
   auto published = env_.coordinator->GetLayout();
   if (!published.ok() || !published->set()) return wsync::Status::Ok();  // checked again next time
-  return control::CheckLayout(published->layout(), LayoutOf(views, false), "the registered tensors")
+  if (tensors.has_pieces()) {
+    WSYNC_ASSIGN_OR_RETURN(CanonicalLayout canonical, CanonicalOf(published->layout()));
+    return codec::ValidatePieces(tensors.Runtime(), canonical.tensors, canonical.grids)
+        .WithContext("the registered pieces cannot take the published versions (the source serves the layouts "
+                     "given as serve_layouts when it registers)");
+  }
+  return control::CheckLayout(published->layout(), LayoutOf(tensors.Views(), false), "the registered tensors")
       .WithContext("the registered tensors cannot take the published versions; register tensors of the "
                    "published layout");
 }

@@ -129,7 +129,7 @@ class SinkCore : public exchange::PatchProvider {
   void ResetBackoff();
   void ResetBackoffSoon();  // REQUIRES: state_mu_ held (takes sync_mu_ only)
   std::chrono::milliseconds RetryDelay(uint64_t failures);
-  Status CheckPublishedLayout(std::span<const codec::TensorView> views);
+  Status CheckPublishedLayout(const buffers::MappedTensors& tensors);
   Status SyncOnce(const std::shared_ptr<SinkWeights>& w, const std::string& parent, uint64_t from, uint64_t to);
 
   const DataDaemonConfig config_;

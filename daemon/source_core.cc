@@ -58,9 +58,21 @@ bool SourceCore::SleepFor(std::chrono::milliseconds d) {
   return !stop_cv_.wait_for(lock, d, [&] { return stopping_.load(); });
 }
 
-StatusOr<SourceRegistration> SourceCore::RegisterTensors(buffers::MappedTensors reg) {
+StatusOr<SourceRegistration> SourceCore::RegisterTensors(buffers::MappedTensors reg,
+                                                         const std::vector<std::vector<codec::RuntimeTensor>>& served) {
   const auto views = reg.Views();
-  const v1::Layout layout = LayoutOf(views, /*published=*/true);
+  const auto canonical = LayoutViews(views);
+  std::vector<codec::TileGrid> grids = codec::GridsFor(served, canonical);
+  for (size_t i = 0; i < served.size(); ++i) {
+    if (Status s = codec::ValidatePieces(served[i], canonical, grids); !s.ok()) {
+      return s.WithContext("served layout " + std::to_string(i));
+    }
+  }
+  if (!grids.empty() && reg.on_device()) {
+    return UnimplementedError("a source in device memory codes flat chunks only (the device codec has no tile "
+                              "grids yet): serve pieces from a host-memory source");
+  }
+  const v1::Layout layout = LayoutOf(views, /*published=*/true, grids);
   // The layout is the coordinator's, also across restarts of this source.
   auto published = coordinator_->GetLayout();
   if (published.ok() && published->set()) {
@@ -77,6 +89,7 @@ StatusOr<SourceRegistration> SourceCore::RegisterTensors(buffers::MappedTensors 
   std::lock_guard<std::mutex> publishing(publish_mu_);
   WaitBackground();
   std::lock_guard<std::mutex> lock(state_mu_);
+  WSYNC_RETURN_IF_ERROR(history_.SetGrids(grids));
   const bool keep = reg.on_device() && device_ && device_->Matches(views, reg.device());
   if (device_ && !keep) {
     // The device state goes: the history's head copy must not depend on it.

@@ -61,7 +61,11 @@ class SourceCore {
 
   // Checks the tensors against the published layout (also across restarts
   // of this source) and takes them.
-  StatusOr<SourceRegistration> RegisterTensors(buffers::MappedTensors tensors);
+  // `served`: the runtime layouts of the sinks holding pieces (tensor-parallel
+  // ranks); versions are coded with the tile grid that holds them all
+  // (codec::GridsFor), published with the layout.
+  StatusOr<SourceRegistration> RegisterTensors(buffers::MappedTensors tensors,
+                                               const std::vector<std::vector<codec::RuntimeTensor>>& served = {});
   Status Unregister();
   StatusOr<PublishResult> Publish(const PublishRequest& req);
   // A background publish ends; later publishes are refused.

@@ -1,6 +1,7 @@
 #include "version_history.h"
 #include "wsync/util/text.h"
 
+#include <algorithm>
 #include <utility>
 
 #include <spdlog/spdlog.h>
@@ -111,7 +112,7 @@ StatusOr<PublishedVersion> VersionHistory::Publish(uint64_t version, const NewVe
     auto first = std::make_shared<Weights>();
     for (const auto& t : next.layout) first->push_back({t.name, t.dtype, t.shape, std::vector<uint8_t>(t.NumBytes())});
     WSYNC_RETURN_IF_ERROR(next.fill(*first));
-    codec::EncodeOptions eo = options_.encode;
+    codec::EncodeOptions eo = CurrentEncodeOptions();
     eo.target_version = version;
     WSYNC_ASSIGN_OR_RETURN(std::string kf, codec::EncodeKeyframe(buffers::Views(*first), eo));
     WSYNC_ASSIGN_OR_RETURN(codec::PatchInfo info, codec::InspectPatch(kf));
@@ -128,7 +129,7 @@ StatusOr<PublishedVersion> VersionHistory::Publish(uint64_t version, const NewVe
     CacheLocked({0, version}, std::move(stream), 0);
     return out;
   }
-  codec::EncodeOptions eo = options_.encode;
+  codec::EncodeOptions eo = CurrentEncodeOptions();
   eo.base_version = head_version;
   eo.target_version = version;
   eo.base_set_checksum = head_checksum;  // the head was the last target: no second hash of it
@@ -209,6 +210,26 @@ Status VersionHistory::Retain(uint64_t oldest_needed) {
   oldest_moving_ = false;
   built_.notify_all();
   return applied;
+}
+
+Status VersionHistory::SetGrids(std::vector<codec::TileGrid> grids) {
+  auto same = [](const codec::TileGrid& a, const codec::TileGrid& b) {
+    return a.tensor == b.tensor && a.row_cuts == b.row_cuts && a.col_cuts == b.col_cuts;
+  };
+  std::lock_guard<std::mutex> lock(mu_);
+  if (head_ != 0 && !std::equal(grids.begin(), grids.end(), grids_.begin(), grids_.end(), same)) {
+    return FailedPreconditionError("the tile grids cannot change while versions " + std::to_string(oldest_) + ".." +
+                                   std::to_string(head_) + " are kept (the layouts served changed)");
+  }
+  grids_ = std::move(grids);
+  return Status::Ok();
+}
+
+codec::EncodeOptions VersionHistory::CurrentEncodeOptions() const {
+  codec::EncodeOptions eo = options_.encode;
+  std::lock_guard<std::mutex> lock(mu_);
+  eo.grids = grids_;
+  return eo;
 }
 
 uint64_t VersionHistory::head() const {
@@ -341,7 +362,7 @@ StatusOr<std::shared_ptr<PatchStream>> VersionHistory::Open(uint64_t from, uint6
   auto built = [&]() -> StatusOr<std::shared_ptr<PatchStream>> {
     if (from == 0) {
       WSYNC_ASSIGN_OR_RETURN(auto weights, WeightsAt(to, head, head_version, oldest, chain));
-      codec::EncodeOptions eo = options_.encode;
+      codec::EncodeOptions eo = CurrentEncodeOptions();
       eo.target_version = to;
       WSYNC_ASSIGN_OR_RETURN(std::string kf, codec::EncodeKeyframe(buffers::Views(*weights), eo));
       return PatchStream::FromBytes(codec::PatchKind::kKeyframe, 0, to, std::move(kf), options_.stream_chunk_bytes);

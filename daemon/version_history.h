@@ -57,6 +57,11 @@ class VersionHistory : public PatchProvider {
   };
   explicit VersionHistory(Options options) : options_(std::move(options)) {}
 
+  // The tile grids (codec.h) versions are coded with from the next publish
+  // on. FailedPrecondition when versions are kept and the grids differ:
+  // patches merge only over one grid.
+  Status SetGrids(std::vector<codec::TileGrid> grids);
+
   // Snapshots `weights` (copied: the trainer may continue at once) as
   // `version`, which must be above the head, with the head's names, dtypes
   // and shapes.
@@ -123,6 +128,7 @@ class VersionHistory : public PatchProvider {
 
   Status AcceptsLocked(uint64_t version, std::span<const codec::TensorView> layout) const;  // REQUIRES: mu_ held
   Status LoadHeadLocked();  // REQUIRES: mu_ held
+  codec::EncodeOptions CurrentEncodeOptions() const;  // options_.encode with the grids; takes mu_
   // Weights of version v (oldest <= v <= head): the head's copy itself, or
   // the oldest copy with the chain applied (a new buffer). Outside mu_.
   StatusOr<std::shared_ptr<const Weights>> WeightsAt(uint64_t v, std::shared_ptr<const Weights> head_copy,
@@ -135,6 +141,7 @@ class VersionHistory : public PatchProvider {
   Options options_;
   std::mutex publish_mu_;  // serializes Publish and Retain; never held by pulls
   mutable std::mutex mu_;  // the state below; held briefly
+  std::vector<codec::TileGrid> grids_;
   std::condition_variable built_;
   uint64_t head_ = 0, oldest_ = 0;
   uint64_t head_set_checksum_ = 0;  // SetChecksum of the head version (valid once head_ != 0)

@@ -10,11 +10,13 @@ class HostStore : public WeightStore {
  public:
   explicit HostStore(buffers::MappedTensors tensors) : WeightStore(std::move(tensors)) {}
   Status Apply(std::string_view patch, const codec::ApplyOptions& options) override {
+    if (tensors_.has_pieces()) return codec::ApplyToPieces(patch, tensors_.Runtime(), options);
     return codec::ApplyPatch(patch, tensors_.MutableViews(), options);
   }
   StatusOr<std::vector<buffers::OwnedTensor>> HostCopy() const override { return buffers::CopyTensors(Views()); }
   StatusOr<uint64_t> SetChecksum(ThreadPool* pool) const override { return codec::SetChecksum(Views(), pool); }
   StatusOr<std::string> EncodeKeyframe(const codec::EncodeOptions& options) const override {
+    WSYNC_RETURN_IF_ERROR(CheckWhole());
     return codec::EncodeKeyframe(Views(), options);
   }
 };
@@ -24,6 +26,7 @@ class DeviceStore : public WeightStore {
   DeviceStore(buffers::MappedTensors tensors, std::unique_ptr<cuda::DeviceCodec> codec)
       : WeightStore(std::move(tensors)), codec_(std::move(codec)) {}
   Status Apply(std::string_view patch, const codec::ApplyOptions& options) override {
+    if (tensors_.has_pieces()) return ApplyPiecesOnHost(patch, options);
     return codec_->ApplyPatch(patch, tensors_.MutableViews(), options);
   }
   StatusOr<std::vector<buffers::OwnedTensor>> HostCopy() const override {
@@ -38,15 +41,40 @@ class DeviceStore : public WeightStore {
   StatusOr<uint64_t> SetChecksum(ThreadPool*) const override { return DeviceSetChecksum(*codec_, Views()); }
   // The keyframe is encoded on the host from a copy (a late sink's, rare).
   StatusOr<std::string> EncodeKeyframe(const codec::EncodeOptions& options) const override {
+    WSYNC_RETURN_IF_ERROR(CheckWhole());
     WSYNC_ASSIGN_OR_RETURN(auto host, HostCopy());
     return codec::EncodeKeyframe(buffers::Views(host), options);
   }
 
  private:
+  // Pieces in device memory: the device codec decodes flat chunks only
+  // (tile kernels are #21's), so the runtime tensors are copied down,
+  // applied and verified on the host, and copied back up only when the
+  // whole apply succeeded. A copy-up that fails midway leaves torn device
+  // tensors: DataLoss, and the next patch fails its digests (a keyframe).
+  Status ApplyPiecesOnHost(std::string_view patch, const codec::ApplyOptions& options) {
+    WSYNC_ASSIGN_OR_RETURN(auto host, HostCopy());
+    auto runtime = tensors_.Runtime();
+    for (size_t i = 0; i < runtime.size(); ++i) runtime[i].view.data = host[i].bytes.data();
+    WSYNC_RETURN_IF_ERROR(codec::ApplyToPieces(patch, runtime, options));
+    const auto device = tensors_.MutableViews();
+    for (size_t i = 0; i < host.size(); ++i) {
+      Status s = cuda::CopyHostToDevice(device[i].data, host[i].bytes.data(), host[i].bytes.size());
+      if (!s.ok()) return DataLossError("copying applied pieces up: " + s.ToString() + "; device tensors torn");
+    }
+    return Status::Ok();
+  }
+
   std::unique_ptr<cuda::DeviceCodec> codec_;
 };
 
 }  // namespace
+
+// Keyframes of runtime tensors would not be keyframes of the published set.
+Status WeightStore::CheckWhole() const {
+  if (tensors_.has_pieces()) return FailedPreconditionError("the tensors hold pieces: no keyframe can be made of them");
+  return Status::Ok();
+}
 
 StatusOr<uint64_t> DeviceSetChecksum(cuda::DeviceCodec& device, std::span<const codec::TensorView> tensors) {
   std::vector<uint64_t> sums;

@@ -34,17 +34,19 @@ class WeightStore {
   bool on_device() const { return tensors_.on_device(); }
 
   // Applies a patch or keyframe into the tensors: verified, undone on a
-  // mismatch (codec::ApplyPatch's contract).
+  // mismatch (codec::ApplyPatch's contract; codec::ApplyToPieces's when the
+  // tensors hold pieces).
   virtual Status Apply(std::string_view patch, const codec::ApplyOptions& options) = 0;
   // A copy of the tensors in host memory.
   virtual StatusOr<std::vector<buffers::OwnedTensor>> HostCopy() const = 0;
   // codec::SetChecksum of the tensors, computed where they live.
   virtual StatusOr<uint64_t> SetChecksum(ThreadPool* pool) const = 0;
-  // A keyframe of what the tensors hold.
+  // A keyframe of what the tensors hold (FailedPrecondition for pieces).
   virtual StatusOr<std::string> EncodeKeyframe(const codec::EncodeOptions& options) const = 0;
 
  protected:
   explicit WeightStore(buffers::MappedTensors tensors) : tensors_(std::move(tensors)) {}
+  Status CheckWhole() const;
   const buffers::MappedTensors tensors_;
 };
 

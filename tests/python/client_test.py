@@ -38,6 +38,15 @@ Scenarios:
   sigterm                     SIGTERM stops, each within a second: an idle
                               sink, a sink whose inference server holds, a
                               source, the coordinator
+  tensor_parallel             inference ranks of TP 2 and TP 4 laid out as vLLM
+                              lays them (fused qkv and gate_up, shards,
+                              replicated kv heads, padded vocabulary), each
+                              with its own sink, under a real trainer that
+                              serves their layouts: after every version the
+                              canonical tensors gathered from each degree's
+                              ranks equal the trainer's BF16 weights bit for
+                              bit; a layout the source does
+                              not serve is refused at registration, naming it
   gpu                         CUDA tensors in separate allocations (IPC, no
                               relocation); skipped without a GPU and CUDA torch
 """
@@ -167,6 +176,57 @@ def train(build, lr):
                            cwd=os.path.join(HERE, "..", ".."))
         check(p.stdout.strip() == "10", f"publish(5) after version 9 raises StaleVersionError(next_version=10): "
                                         f"{p.stdout.strip()} {p.stderr.strip()[-300:]}")
+    finally:
+        s.stop()
+
+
+def tensor_parallel(build):
+    import torch
+    sys.path.insert(0, os.path.join(build, "python"))
+    from wsync import layouts
+    sys.path.insert(0, HERE)
+    from client_workers import tiny_config
+    ranks = [(2, r) for r in range(2)] + [(4, r) for r in range(4)]
+    versions = 6
+    s = system(build, "tensor_parallel", sinks=len(ranks))
+    try:
+        workers = [Worker(s, f"tp{tp}-rank{r}", "tp_inference", local(s, f"sink-{i}"), s.tmp, f"tp{tp}-rank{r}",
+                          "--tp", str(tp), "--rank", str(r), "--until", str(versions), "--seed", str(10 + i))
+                   for i, (tp, r) in enumerate(ranks)]
+        for w in workers:
+            w.wait_event("registered")
+        t = Worker(s, "trainer", "trainer", local(s, "source"), s.tmp, "--steps", str(versions), "--lr", "1e-5",
+                   "--lockstep", str(len(ranks)), "--serve-tp", "2,4")
+        t.finish()
+        for w in workers:
+            w.finish()
+        cfg = tiny_config()
+        shapes = layouts.canonical_shapes(cfg)
+
+        def bits(x):
+            return x.view(torch.int16)
+
+        for v in range(1, versions + 1):
+            expect = torch.load(os.path.join(s.tmp, f"expect-v{v}.pt"))
+            for tp in (2, 4):
+                held = [(layouts.tp_layout(cfg, tp, r), torch.load(os.path.join(s.tmp, f"tp{tp}-rank{r}.v{v}.pt")))
+                        for r in range(tp)]
+                back = layouts.gather(held, shapes)
+                bad = [k for k in shapes if not torch.equal(bits(back[k]), bits(expect[k]))]
+                check(not bad, f"version {v}, TP {tp}: the canonical tensors gathered from the {tp} ranks equal "
+                               f"the trainer's BF16 weights bit for bit {bad[:3]}")
+        # A layout no served grid holds: q_proj rows cut at 10.
+        code = ("import sys, torch, wsync\n"
+                "from wsync.layouts import Piece, RuntimeTensor\n"
+                "snk = wsync.Sink(sys.argv[2])\n"
+                "lay = [RuntimeTensor('q', (10, 128), (Piece('model.layers.0.self_attn.q_proj.weight', (0, 0), "
+                "(10, 128), (0, 0)),))]\n"
+                "try:\n    snk.register({'q': torch.zeros(10, 128, dtype=torch.bfloat16)}, layout=lay)\n"
+                "except wsync.WsyncError as e:\n    print(type(e).__name__, e.message)\n")
+        p = run_client(s, build, code)
+        check("FailedPreconditionError" in p.stdout and "q_proj" in p.stdout and "tile grid" in p.stdout,
+              "a sink whose pieces the source's grid does not hold is refused at registration: "
+              + (p.stdout + p.stderr).strip()[-300:])
     finally:
         s.stop()
 
@@ -507,6 +567,7 @@ SCENARIOS = {
     "daemon_restart": daemon_restart,
     "unconfirmed_publish": unconfirmed_publish,
     "sigterm": sigterm,
+    "tensor_parallel": tensor_parallel,
     "gpu": gpu,
 }
 

@@ -5,6 +5,14 @@ real trainer or inference server would.
     client_workers.py trainer LOCAL DIR --steps N --lr LR [--no-pack] [--lockstep K] [--wait S]
     client_workers.py inference LOCAL DIR NAME --until N [--seed S] [--no-pack] [--hold-forever]
     client_workers.py mismatched LOCAL
+    client_workers.py tp_inference LOCAL DIR NAME --tp T --rank R --until N
+
+The trainer with --serve-tp 2,4 also serves the sinks of tensor-parallel
+ranks (wsync.layouts.tp_layout of every rank of each degree). A tp_inference
+process is one such rank: its runtime tensors (fused qkv, gate_up, shards,
+padded vocabulary) laid out as vLLM lays them, registered with their layout;
+for every version it saves what it holds as DIR/NAME.vN.pt (the test
+gathers the canonical tensors back from every rank).
 
 The trainer trains a Llama-style model for real (AdamW on FP32 masters),
 publishes every step and saves the BF16 weights it expects (its own
@@ -25,7 +33,16 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples"))
 import wsync  # noqa: E402
+from wsync import layouts  # noqa: E402
 from tiny_llama import Config, LlamaForCausalLM  # noqa: E402
+
+
+def tiny_config():
+    """config.json of examples/tiny_llama's default model."""
+    c = Config()
+    return {"architectures": ["LlamaForCausalLM"], **{k: getattr(c, k) for k in (
+        "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+        "num_key_value_heads")}}
 
 
 def say(**kw):
@@ -41,7 +58,9 @@ def trainer(a):
     model = LlamaForCausalLM()
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr)
     src = wsync.Source(a.local)
-    info = src.register(model, pack=not a.no_pack)
+    serve = [layouts.tp_layout(tiny_config(), int(tp), r) for tp in a.serve_tp.split(",") if tp
+             for r in range(int(tp))]
+    info = src.register(model, pack=not a.no_pack, serve=serve)
     params_before = [id(p) for p in model.parameters()]
     say(event="registered", tensors=len(info.tensors), cast=len(info.cast_to_bf16), next=info.next_version)
     for step in range(a.steps):
@@ -88,6 +107,24 @@ def inference(a):
     say(event="done")
 
 
+def tp_inference(a):
+    torch.manual_seed(a.seed)  # its own weights until the first version arrives
+    layout = layouts.tp_layout(tiny_config(), a.tp, a.rank)
+    canonical = {k: v.to(torch.bfloat16) for k, v in LlamaForCausalLM().state_dict().items()}
+    runtime = layouts.shard(canonical, layout)
+    snk = wsync.Sink(a.local)
+    snk.register(runtime, layout=layout)
+    say(event="registered", tensors=len(runtime))
+    version = 0
+    while version < a.until:
+        snk.wait(version + 1, timeout=120)
+        with snk.hold() as version:
+            torch.save({k: v.clone() for k, v in runtime.items()}, os.path.join(a.dir, f"{a.name}.v{version}.pt"))
+        say(event="held", version=version)
+        open(os.path.join(a.dir, f"{a.name}.v{version}"), "w").close()
+    say(event="done")
+
+
 def mismatched(a):
     model = LlamaForCausalLM(Config(hidden_size=96, num_attention_heads=4, num_key_value_heads=2)).to(torch.bfloat16)
     snk = wsync.Sink(a.local)
@@ -118,8 +155,11 @@ def main():
     p.add_argument("--hold-ttl", type=float, default=None)
     p.add_argument("--hold-forever", action="store_true")
     p.add_argument("--linger", type=float, default=0.0)
+    p.add_argument("--serve-tp", default="")
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--rank", type=int, default=0)
     a = p.parse_args()
-    {"trainer": trainer, "inference": inference, "mismatched": mismatched}[a.role](a)
+    {"trainer": trainer, "inference": inference, "mismatched": mismatched, "tp_inference": tp_inference}[a.role](a)
 
 
 if __name__ == "__main__":

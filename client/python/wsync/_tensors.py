@@ -18,7 +18,7 @@ import os
 import secrets
 import weakref
 from dataclasses import dataclass, field
-from typing import Dict, List, Mapping, Tuple, Union
+from typing import Dict, List, Mapping, Tuple, Union, Sequence
 
 import torch
 
@@ -169,6 +169,40 @@ def share_cuda(tensors: List[Tuple[str, torch.Tensor]]) -> Registration:
         reg.request.tensors.append(_spec(name, t, regions[key], offset))
         reg.tensors.append(t)
     return reg
+
+
+def _pieces(rt) -> List[pb.PieceSpec]:
+    return [pb.PieceSpec(canonical=p.canonical, start=list(p.start), extent=list(p.extent), at=list(p.at))
+            for p in rt.pieces]
+
+
+def attach_layout(reg: Registration, layout: Sequence) -> None:
+    """Gives every registered tensor the pieces its runtime tensor holds
+    (`layout`: wsync.layouts.RuntimeTensor s, by name). Raises ValueError
+    naming a tensor the layout lacks, one it has that was not registered, or
+    a shape that differs."""
+    by_name = {rt.name: rt for rt in layout}
+    if len(by_name) != len(layout):
+        raise ValueError("the layout names a runtime tensor twice")
+    for spec in reg.request.tensors:
+        rt = by_name.pop(spec.name, None)
+        if rt is None:
+            raise ValueError(f"tensor {spec.name!r} is not in the layout")
+        if tuple(spec.shape) != tuple(rt.shape):
+            raise ValueError(f"tensor {spec.name!r} is {tuple(spec.shape)}, the layout says {tuple(rt.shape)}")
+        spec.pieces.extend(_pieces(rt))
+    if by_name:
+        raise ValueError(f"the layout's tensor {next(iter(by_name))!r} was not registered")
+
+
+def served_layout(layout: Sequence, dtypes: Dict[str, str]) -> pb.ServedLayout:
+    """A sink layout a source serves; `dtypes`: the published dtype of every
+    canonical tensor (a runtime tensor has its pieces' dtype)."""
+    out = pb.ServedLayout()
+    for rt in layout:
+        dtype = dtypes.get(rt.pieces[0].canonical, "BF16") if rt.pieces else "BF16"
+        out.tensors.append(pb.TensorSpec(name=rt.name, dtype=dtype, shape=list(rt.shape), pieces=_pieces(rt)))
+    return out
 
 
 def share(obj: TensorsLike, role: str, pack: bool = True) -> Registration:

@@ -6,12 +6,12 @@ import contextlib
 import os
 import threading
 import time
-from typing import Dict, Iterator, Optional
+from typing import Dict, Iterator, Optional, Sequence
 
 import grpc
 
 from ._rpc import Local, pb
-from ._tensors import Registration, TensorsLike, share
+from ._tensors import Registration, TensorsLike, attach_layout, share
 from .errors import FailedPreconditionError, from_rpc_error
 
 
@@ -43,7 +43,8 @@ class Sink:
         self._closed = False
         self._held = 0  # the last version this client saw its tensors hold
 
-    def register(self, model: TensorsLike, *, version: int = 0, pack: bool = True) -> None:
+    def register(self, model: TensorsLike, *, version: int = 0, pack: bool = True,
+                 layout: Optional[Sequence] = None) -> None:
         """Registers a module's state_dict tensors (or a dict of tensors) in
         place: CPU tensors move into shared memory owned by this client and
         are rebound (the module computes with them as before); CUDA tensors
@@ -51,10 +52,25 @@ class Sink:
         already (0: nothing; the sink checks a claim against the version's
         checksum).
 
+        `layout`: the tensors are an inference engine's runtime tensors
+        (tensor-parallel shards, fused qkv / gate_up), each holding the
+        pieces of published tensors this list of wsync.layouts.RuntimeTensor
+        says (`wsync.layouts.tp_layout`). The sink applies exactly those
+        pieces and never writes elsewhere (padding). A claimed version cannot
+        be checked over pieces: such a sink starts from a keyframe.
+
         Raises FailedPreconditionError naming the first tensor whose name,
-        dtype or shape differs from the published layout.
+        dtype or shape differs from the published layout (with `layout`: a
+        piece the source's tile grid does not hold: the trainer's source must
+        serve this layout), ValueError when `layout` and the tensors differ.
         """
         reg = share(model, "sink", pack)
+        if layout is not None:
+            try:
+                attach_layout(reg, layout)
+            except ValueError:
+                reg.unlink()
+                raise
         reg.request.applied_version = version
         self._local.call("RegisterTensors", reg.request, wait_for_ready=True)
         old, self._registration = self._registration, reg

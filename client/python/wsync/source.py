@@ -4,10 +4,10 @@ from __future__ import annotations
 import re
 import time
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import List, Optional, Sequence
 
 from ._rpc import Local, pb
-from ._tensors import Registration, TensorsLike, share
+from ._tensors import Registration, TensorsLike, share, served_layout
 from .errors import FailedPreconditionError, StaleVersionError, UnavailableError
 
 
@@ -76,7 +76,7 @@ class Source:
         self._registration: Optional[Registration] = None
         self._next_version = 1
 
-    def register(self, model: TensorsLike, *, pack: bool = True) -> RegisterInfo:
+    def register(self, model: TensorsLike, *, pack: bool = True, serve: Sequence[Sequence] = ()) -> RegisterInfo:
         """Registers a module's state_dict tensors (or a dict of tensors).
 
         CPU tensors are moved into shared memory owned by this client (one
@@ -84,10 +84,22 @@ class Source:
         CUDA tensors stay where they are and are shared over CUDA IPC. F32
         tensors are published as BF16. Registering again replaces the table.
 
+        `serve`: the runtime layouts of the inference ranks whose sinks hold
+        pieces (one list of wsync.layouts.RuntimeTensor per rank, e.g.
+        ``[tp_layout(config, 4, r) for r in range(4)]``, several TP degrees
+        at once if need be). Versions are then coded so that each rank's
+        sink decodes and verifies its own shard alone. Host memory only for
+        now (a CUDA source with `serve` is refused).
+
         Raises FailedPreconditionError naming the tensor when the layout
-        differs from the one the coordinator already recorded.
+        differs from the one the coordinator already recorded (the layouts
+        served are part of it), InvalidArgumentError naming a served piece
+        that does not fit the model.
         """
         reg = share(model, "source", pack)
+        if serve:
+            published = {s.name: ("BF16" if s.dtype == "F32" else s.dtype) for s in reg.request.tensors}
+            reg.request.serve_layouts.extend(served_layout(layout, published) for layout in serve)
         resp = self._local.call("RegisterTensors", reg.request, wait_for_ready=True)
         old, self._registration = self._registration, reg
         if old is not None:

@@ -179,6 +179,21 @@ std::vector<codec::MutableTensorView> MappedTensors::MutableViews() const {
   return out;
 }
 
+bool MappedTensors::has_pieces() const {
+  for (const auto& t : table_) {
+    if (!t.pieces.empty()) return true;
+  }
+  return false;
+}
+
+std::vector<codec::RuntimeTensor> MappedTensors::Runtime() const {
+  std::vector<codec::RuntimeTensor> out;
+  out.reserve(table_.size());
+  auto views = MutableViews();
+  for (size_t i = 0; i < table_.size(); ++i) out.push_back({std::move(views[i]), table_[i].pieces});
+  return out;
+}
+
 std::string MappedTensors::description() const {
   std::string s = std::to_string(table_.size()) + " tensors in ";
   for (size_t r = 0; r < regions_.size() && r < 3; ++r) s += (r ? ", " : "") + regions_[r]->description();

@@ -236,6 +236,12 @@ StatusOr<wsync::v1::HeartbeatResponse> CoordinatorState::Heartbeat(const wsync::
   it->second.set_last_heartbeat_unix_ms(clock_->NowMs());
   it->second.set_sync_error(req.sync_error().substr(0, 1024));
   it->second.set_active_holds(req.active_holds());
+  if (it->second.holds_pieces() != req.holds_pieces()) {
+    // A sink that now holds pieces gives its children back.
+    it->second.set_holds_pieces(req.holds_pieces());
+    AssignParentsLocked();
+    NotifyLocked();
+  }
   it->second.set_oldest_hold_ms(req.oldest_hold_ms());
   wsync::v1::HeartbeatResponse resp;
   *resp.mutable_node() = it->second;
@@ -530,7 +536,8 @@ void CoordinatorState::AssignParentsLocked() {
   for (auto& [name, n] : nodes_) {
     if (n.role() != wsync::v1::ROLE_SINK) continue;
     auto p = nodes_.find(n.parent());
-    if (!is_live_sink(n) || p == nodes_.end() || p->second.state() != wsync::v1::NODE_ALIVE) {
+    if (!is_live_sink(n) || p == nodes_.end() || p->second.state() != wsync::v1::NODE_ALIVE ||
+        p->second.holds_pieces()) {
       if (is_live_sink(n) && !n.parent().empty()) spdlog::info("sink {} lost its parent {}", name, n.parent());
       n.set_parent("");
     } else {
@@ -542,7 +549,8 @@ void CoordinatorState::AssignParentsLocked() {
     std::vector<std::string> out;
     if (!source.empty()) out.push_back(source);
     for (const auto& [name, c] : nodes_) {
-      if (is_live_sink(c) && head != 0 && c.applied_version() == head && !c.resync_keyframe() && !c.parent().empty()) {
+      if (is_live_sink(c) && head != 0 && c.applied_version() == head && !c.resync_keyframe() && !c.parent().empty() &&
+          !c.holds_pieces()) {
         out.push_back(name);
       }
     }

@@ -1,5 +1,6 @@
 #include "wsync/control/layout.h"
 
+#include <algorithm>
 #include <map>
 #include <string>
 
@@ -34,6 +35,12 @@ Status CheckLayout(const wsync::v1::Layout& published, const wsync::v1::Layout& 
     if (ShapeText(p) != ShapeText(t)) {
       return FailedPreconditionError("tensor " + Quoted(t.name()) + ": shape " + ShapeText(t) + " in " + what +
                                      ", " + ShapeText(p) + " in the layout published" + from);
+    }
+    if (!std::equal(p.row_cuts().begin(), p.row_cuts().end(), t.row_cuts().begin(), t.row_cuts().end()) ||
+        !std::equal(p.col_cuts().begin(), p.col_cuts().end(), t.col_cuts().begin(), t.col_cuts().end())) {
+      return FailedPreconditionError("tensor " + Quoted(t.name()) + ": its tile grid in " + what +
+                                     " differs from the layout published" + from +
+                                     " (the sinks' layouts served changed: a new layout needs a new coordinator store)");
     }
     want.erase(it);
   }

@@ -27,6 +27,9 @@ struct TensorEntry {
   std::vector<uint64_t> shape;
   uint64_t offset = 0;  // bytes from the start of the region
   uint32_t region = 0;  // which region, in a MappedTensors
+  // A sink's runtime tensor: the pieces of canonical tensors it holds
+  // (codec.h). Empty: the tensor is a canonical tensor itself.
+  std::vector<codec::Piece> pieces;
 
   uint64_t NumBytes() const;
 };
@@ -81,6 +84,10 @@ class MappedTensors {
   int device() const { return device_; }  // -1: host memory
   std::vector<codec::TensorView> Views() const;
   std::vector<codec::MutableTensorView> MutableViews() const;
+  // Whether any tensor holds pieces (then every tensor is a runtime tensor,
+  // described by Runtime()).
+  bool has_pieces() const;
+  std::vector<codec::RuntimeTensor> Runtime() const;
   // "3 tensors in shm:/a, shm:/b": for logs.
   std::string description() const;
 
