@@ -391,6 +391,7 @@ class Sink : public Node, public v1::Local::Service {
     resp->set_bytes_served(Node::server_ ? Node::server_->bytes_served() : 0);
     resp->set_pulls_served(Node::server_ ? Node::server_->pulls_served() : 0);
     resp->set_pulls_made(st.pulls_made);
+    resp->set_bytes_received(st.bytes_received);
     resp->set_sync_failures(st.sync_failures);
     if (!st.sync_error.ok()) resp->set_sync_error(st.sync_error.ToString());
     resp->set_active_holds(st.active_holds);

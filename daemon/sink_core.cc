@@ -188,6 +188,7 @@ SinkStatus SinkCore::status() {
   s.head = head_.load();
   s.tensors = w ? w->Views().size() : 0;
   s.pulls_made = pulls_made_.load();
+  s.bytes_received = bytes_received_.load();
   s.sync_failures = failures_.load();
   if (w) s.sync_error = w->sync_error();
   std::tie(s.active_holds, s.oldest_hold_ms) = HoldSummary();
@@ -525,14 +526,18 @@ Status SinkCore::SyncOnce(const std::shared_ptr<SinkWeights>& w, const std::stri
   const auto t0 = Clock::now();
   WSYNC_ASSIGN_OR_RETURN(transport::PeerId peer, ParentPeer(parent));
   ++pulls_made_;
-  WSYNC_ASSIGN_OR_RETURN(auto stream, env_.fetcher->Pull(peer, from, to, std::chrono::seconds(30)));
+  WSYNC_ASSIGN_OR_RETURN(auto stream, env_.fetcher->Pull(peer, from, to, w->layout(), std::chrono::seconds(30)));
   {
-    // Children may pull the same range from us while it arrives.
+    // Children may pull the same range from us while it arrives
+    // (not a selection for pieces: it is not the stream they would pull.)
     std::lock_guard<std::mutex> lock(state_mu_);
-    KeepStreamLocked({stream->from(), stream->to()}, stream);
-    if (stream->from() != from) KeepStreamLocked({from, to}, stream);
+    if (w->layout() == 0) {
+      KeepStreamLocked({stream->from(), stream->to()}, stream);
+      if (stream->from() != from) KeepStreamLocked({from, to}, stream);
+    }
   }
   WSYNC_RETURN_IF_ERROR(stream->WaitComplete(Clock::now() + std::chrono::minutes(5)));
+  bytes_received_ += stream->total_bytes();
   const auto received = Clock::now();
   WSYNC_RETURN_IF_ERROR(w->Apply(*stream));
   ReportApplied(w->applied());

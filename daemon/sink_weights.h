@@ -62,6 +62,8 @@ class SinkWeights {
   // pointers for a device store: HostCopy() reads them on the host).
   const WeightStore& store() const { return *store_; }
   std::vector<codec::TensorView> Views() const { return store_->Views(); }
+  // The fingerprint of the pieces the tensors hold (0: the whole set).
+  uint64_t layout() const { return store_->layout(); }
 
  private:
   const std::unique_ptr<WeightStore> store_;

@@ -90,6 +90,7 @@ StatusOr<SourceRegistration> SourceCore::RegisterTensors(buffers::MappedTensors 
   WaitBackground();
   std::lock_guard<std::mutex> lock(state_mu_);
   WSYNC_RETURN_IF_ERROR(history_.SetGrids(grids));
+  history_.SetServedLayouts(served);
   const bool keep = reg.on_device() && device_ && device_->Matches(views, reg.device());
   if (device_ && !keep) {
     // The device state goes: the history's head copy must not depend on it.

@@ -225,6 +225,43 @@ Status VersionHistory::SetGrids(std::vector<codec::TileGrid> grids) {
   return Status::Ok();
 }
 
+void VersionHistory::SetServedLayouts(const std::vector<std::vector<codec::RuntimeTensor>>& layouts) {
+  std::lock_guard<std::mutex> lock(mu_);
+  served_.clear();
+  for (const auto& l : layouts) served_[codec::LayoutFingerprint(l)] = l;
+  selections_.clear();
+  selection_order_.clear();
+}
+
+StatusOr<std::shared_ptr<PatchStream>> VersionHistory::OpenFor(uint64_t from, uint64_t to, uint64_t layout) {
+  const auto key = std::make_tuple(from, to, layout);
+  std::vector<codec::RuntimeTensor> pieces;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (auto it = selections_.find(key); it != selections_.end()) return it->second;
+    if (auto it = served_.find(layout); it != served_.end()) pieces = it->second;
+  }
+  if (pieces.empty()) {
+    static std::atomic<int> warned{0};
+    if (warned++ < 8) spdlog::warn("a sink pulls for a layout not served (fingerprint {:#x}): the whole stream", layout);
+    return Open(from, to);
+  }
+  WSYNC_ASSIGN_OR_RETURN(auto whole, Open(from, to));
+  WSYNC_RETURN_IF_ERROR(whole->WaitComplete(std::chrono::steady_clock::now() + std::chrono::minutes(5)));
+  WSYNC_ASSIGN_OR_RETURN(std::string selected, codec::SelectForPieces(whole->Assemble(), pieces));
+  auto stream = PatchStream::FromBytes(whole->kind(), whole->from(), whole->to(), std::move(selected),
+                                       options_.stream_chunk_bytes);
+  std::lock_guard<std::mutex> lock(mu_);
+  if (selections_.emplace(key, stream).second) {
+    selection_order_.push_back(key);
+    if (selection_order_.size() > 2 * served_.size()) {
+      selections_.erase(selection_order_.front());
+      selection_order_.pop_front();
+    }
+  }
+  return stream;
+}
+
 codec::EncodeOptions VersionHistory::CurrentEncodeOptions() const {
   codec::EncodeOptions eo = options_.encode;
   std::lock_guard<std::mutex> lock(mu_);

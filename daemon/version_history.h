@@ -17,6 +17,8 @@
 #pragma once
 
 #include <condition_variable>
+#include <deque>
+#include <tuple>
 #include <functional>
 #include <map>
 #include <memory>
@@ -61,6 +63,9 @@ class VersionHistory : public PatchProvider {
   // on. FailedPrecondition when versions are kept and the grids differ:
   // patches merge only over one grid.
   Status SetGrids(std::vector<codec::TileGrid> grids);
+  // The layouts of the sinks holding pieces that pull from this history:
+  // OpenFor serves each its selection (codec::SelectForPieces).
+  void SetServedLayouts(const std::vector<std::vector<codec::RuntimeTensor>>& layouts);
 
   // Snapshots `weights` (copied: the trainer may continue at once) as
   // `version`, which must be above the head, with the head's names, dtypes
@@ -116,6 +121,10 @@ class VersionHistory : public PatchProvider {
   CacheStats cache_stats() const;
 
   StatusOr<std::shared_ptr<PatchStream>> Open(uint64_t from, uint64_t to) override;
+  // The selection for a served layout (built from Open's stream; the last
+  // two per layout served are kept: a rank's patch and its keyframe, about
+  // one model's size in all); Open's whole stream for a layout not served.
+  StatusOr<std::shared_ptr<PatchStream>> OpenFor(uint64_t from, uint64_t to, uint64_t layout) override;
 
  private:
   using Weights = std::vector<buffers::OwnedTensor>;
@@ -142,6 +151,9 @@ class VersionHistory : public PatchProvider {
   std::mutex publish_mu_;  // serializes Publish and Retain; never held by pulls
   mutable std::mutex mu_;  // the state below; held briefly
   std::vector<codec::TileGrid> grids_;
+  std::map<uint64_t, std::vector<codec::RuntimeTensor>> served_;                 // by fingerprint
+  std::map<std::tuple<uint64_t, uint64_t, uint64_t>, std::shared_ptr<PatchStream>> selections_;
+  std::deque<std::tuple<uint64_t, uint64_t, uint64_t>> selection_order_;        // oldest first
   std::condition_variable built_;
   uint64_t head_ = 0, oldest_ = 0;
   uint64_t head_set_checksum_ = 0;  // SetChecksum of the head version (valid once head_ != 0)

@@ -32,6 +32,9 @@ class WeightStore {
   std::vector<codec::TensorView> Views() const { return tensors_.Views(); }
   const buffers::MappedTensors& tensors() const { return tensors_; }
   bool on_device() const { return tensors_.on_device(); }
+  // codec::LayoutFingerprint of the pieces the tensors hold; 0 for the
+  // published tensors themselves.
+  uint64_t layout() const { return layout_; }
 
   // Applies a patch or keyframe into the tensors: verified, undone on a
   // mismatch (codec::ApplyPatch's contract; codec::ApplyToPieces's when the
@@ -45,9 +48,11 @@ class WeightStore {
   virtual StatusOr<std::string> EncodeKeyframe(const codec::EncodeOptions& options) const = 0;
 
  protected:
-  explicit WeightStore(buffers::MappedTensors tensors) : tensors_(std::move(tensors)) {}
+  explicit WeightStore(buffers::MappedTensors tensors)
+      : tensors_(std::move(tensors)), layout_(tensors_.has_pieces() ? codec::LayoutFingerprint(tensors_.Runtime()) : 0) {}
   Status CheckWhole() const;
   const buffers::MappedTensors tensors_;
+  const uint64_t layout_;
 };
 
 // codec::SetChecksum of tensors in device memory, computed on the device.

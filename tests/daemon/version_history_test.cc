@@ -5,6 +5,7 @@
 
 #include <gtest/gtest.h>
 
+#include <cstring>
 #include <future>
 #include <random>
 
@@ -275,6 +276,45 @@ TEST(VersionHistory, EvictionKeepsWhatIsCostlyToRebuild) {
   ASSERT_TRUE(tiny.Open(0, 3).ok());
   ASSERT_TRUE(tiny.Open(1, 3).ok());
   EXPECT_EQ(tiny.cache_stats().entries, 1u);
+}
+
+// A source serving two halves of tensor "a" (rows of its [600, 500] view):
+// every version is coded on their grid; each half pulls its selection, which
+// applies into that half alone, bit for bit; a layout not served gets the
+// whole stream; the grid cannot change while versions are kept.
+TEST(VersionHistory, ServesEachServedLayoutItsSelection) {
+  auto v = Chain(3);
+  for (auto& version : v) version[0].shape = {600, 500};
+  VersionHistory h(VersionHistory::Options{});
+  std::vector<std::vector<codec::RuntimeTensor>> halves;
+  std::vector<std::vector<OwnedTensor>> held(2);
+  for (uint64_t r = 0; r < 2; ++r) {
+    OwnedTensor t{"a.half", codec::DType::kBF16, {300, 500}, std::vector<uint8_t>(300 * 500 * 2)};
+    held[r].push_back(std::move(t));
+    halves.push_back({{{"a.half", codec::DType::kBF16, {300, 500}, held[r][0].bytes.data()},
+                       {{"a", {r * 300, 0}, {300, 500}, {0, 0}}}}});
+  }
+  auto canonical = buffers::Views(v[0]);
+  ASSERT_TRUE(h.SetGrids(codec::GridsFor(halves, canonical)).ok());
+  h.SetServedLayouts(halves);
+  for (int k = 0; k < 3; ++k) ASSERT_TRUE(h.Publish(k + 1, buffers::Views(v[k])).ok());
+  auto whole = h.Open(0, 3);
+  ASSERT_TRUE(whole.ok());
+  for (uint64_t r = 0; r < 2; ++r) {
+    const uint64_t fp = codec::LayoutFingerprint(halves[r]);
+    auto keyframe = h.OpenFor(0, 2, fp);
+    auto patch = h.OpenFor(2, 3, fp);
+    ASSERT_TRUE(keyframe.ok() && patch.ok());
+    EXPECT_LT((*keyframe)->total_bytes(), (*h.Open(0, 2))->total_bytes() * 6 / 10) << "half " << r;
+    ASSERT_TRUE(codec::ApplyToPieces((*keyframe)->Assemble(), halves[r], {}).ok());
+    Status s = codec::ApplyToPieces((*patch)->Assemble(), halves[r], {});
+    ASSERT_TRUE(s.ok()) << s.ToString();
+    EXPECT_EQ(0, std::memcmp(held[r][0].bytes.data(), v[2][0].bytes.data() + r * 300 * 500 * 2, 300 * 500 * 2))
+        << "half " << r << " holds its rows of version 3";
+    EXPECT_EQ(*h.OpenFor(2, 3, fp), *patch) << "kept";
+  }
+  EXPECT_EQ((*h.OpenFor(0, 3, 12345))->total_bytes(), (*whole)->total_bytes()) << "a layout not served: the whole";
+  EXPECT_EQ(h.SetGrids({}).code(), StatusCode::kFailedPrecondition);
 }
 
 }  // namespace

@@ -57,13 +57,15 @@ TEST(WireTest, EveryMessageRoundTrips) {
 // The integers are little-endian whatever the host (the grammar in
 // docs/data-plane.md).
 TEST(WireTest, PullBytesAreLittleEndian) {
-  const std::string m = wire::Encode(wire::Pull{0x0102, 0x0304});
-  ASSERT_EQ(m.size(), 17u);
+  const std::string m = wire::Encode(wire::Pull{0x0102, 0x0304, 0x0506});
+  ASSERT_EQ(m.size(), 25u);
   EXPECT_EQ(m[0], 1);
   EXPECT_EQ(m[1], 0x02);
   EXPECT_EQ(m[2], 0x01);
   EXPECT_EQ(m[9], 0x04);
   EXPECT_EQ(m[10], 0x03);
+  EXPECT_EQ(m[17], 0x06);
+  EXPECT_EQ(m[18], 0x05);
 }
 
 TEST(WireTest, EveryTruncationAndExtensionIsRefused) {

@@ -180,6 +180,15 @@ def train(build, lr):
         s.stop()
 
 
+def wsync_status(s, name):
+    import wsync
+    snk = wsync.Sink(local(s, name))
+    try:
+        return snk.status()
+    finally:
+        snk.close()
+
+
 def tensor_parallel(build):
     import torch
     sys.path.insert(0, os.path.join(build, "python"))
@@ -215,6 +224,14 @@ def tensor_parallel(build):
                 bad = [k for k in shapes if not torch.equal(bits(back[k]), bits(expect[k]))]
                 check(not bad, f"version {v}, TP {tp}: the canonical tensors gathered from the {tp} ranks equal "
                                f"the trainer's BF16 weights bit for bit {bad[:3]}")
+        # Each rank pulls its selection only: bytes received against what the
+        # trainer published (keyframe and patches, whole).
+        whole = sum(p["bytes"] for p in t.event("published"))
+        for i, (tp, r) in enumerate(ranks):
+            got = wsync_status(s, f"sink-{i}").bytes_received
+            print(f"  TP {tp} rank {r}: {got} bytes received, {got / whole:.3f} of the {whole} published")
+            check(0 < got < whole * (0.7 if tp == 2 else 0.45),
+                  f"TP {tp} rank {r} received its selection, not the whole ({got} of {whole} bytes)")
         # A layout no served grid holds: q_proj rows cut at 10.
         code = ("import sys, torch, wsync\n"
                 "from wsync.layouts import Piece, RuntimeTensor\n"

@@ -14,6 +14,7 @@
 #include "patch_common.h"
 #include "wsync/codec/checksum.h"
 #include "wsync/codec/codec.h"
+#include "wsync/util/bytes.h"
 #include "wsync/util/thread_pool.h"
 #include "wsync/util/text.h"
 
@@ -838,6 +839,31 @@ Status ApplyToPieces(std::string_view patch, std::span<const RuntimeTensor> runt
   WSYNC_RETURN_IF_ERROR(CheckPresent(c, plan));
   if (c.kind == PatchKind::kKeyframe) return ApplyKeyframe(c, plan, options.pool);
   return ApplyDelta(c, plan, options.pool, nullptr);
+}
+
+uint64_t LayoutFingerprint(std::span<const RuntimeTensor> runtime) {
+  std::string s;
+  ByteWriter w(&s);
+  auto dims = [&](const std::vector<uint64_t>& v) {
+    w.Varint(v.size());
+    for (uint64_t d : v) w.Varint(d);
+  };
+  w.Varint(runtime.size());
+  for (const RuntimeTensor& rt : runtime) {
+    w.Varint(rt.view.name.size());
+    w.Bytes(rt.view.name);
+    dims(rt.view.shape);
+    w.Varint(rt.pieces.size());
+    for (const Piece& p : rt.pieces) {
+      w.Varint(p.canonical.size());
+      w.Bytes(p.canonical);
+      dims(p.start);
+      dims(p.extent);
+      dims(p.runtime_start);
+    }
+  }
+  const uint64_t h = Hash64(s.data(), s.size());
+  return h == 0 ? 1 : h;
 }
 
 StatusOr<std::string> SelectForPieces(std::string_view patch, std::span<const RuntimeTensor> runtime) {

@@ -36,6 +36,7 @@ inline uint8_t TypeOf(std::string_view m) { return m.empty() ? 0 : static_cast<u
 struct Pull {
   uint64_t from = 0;  // 0: a keyframe of `to`
   uint64_t to = 0;
+  uint64_t layout = 0;  // the puller's pieces (codec::LayoutFingerprint); 0: the whole set
 };
 std::string Encode(const Pull& m);
 StatusOr<Pull> ParsePull(std::string_view m);

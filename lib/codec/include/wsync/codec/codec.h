@@ -197,6 +197,11 @@ std::vector<TileGrid> GridsFor(std::span<const std::vector<RuntimeTensor>> layou
 Status ApplyToPieces(std::string_view patch, std::span<const RuntimeTensor> runtime,
                      const ApplyOptions& options);
 
+// A 64-bit name of a layout (runtime tensors' names and shapes and their
+// pieces; never 0): what a sink sends with a pull so that a source that
+// serves that layout sends only its selection (SelectForPieces).
+uint64_t LayoutFingerprint(std::span<const RuntimeTensor> runtime);
+
 // The part of a patch or keyframe that the pieces need: the same directory
 // with every other chunk marked absent and its streams dropped (a selection,
 // docs/patch-format.md). ApplyToPieces takes it as it takes the whole patch;

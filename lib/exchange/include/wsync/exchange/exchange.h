@@ -114,6 +114,14 @@ class PatchProvider {
   // The stream taking version `from` to `to` (from = 0: a keyframe of `to`).
   // NotFound / FailedPrecondition when it cannot be served.
   virtual StatusOr<std::shared_ptr<PatchStream>> Open(uint64_t from, uint64_t to) = 0;
+  // The part of that stream a puller holding pieces needs (layout: its
+  // codec::LayoutFingerprint). A provider that does not know the layout
+  // serves the whole stream, from which the puller applies its pieces all
+  // the same.
+  virtual StatusOr<std::shared_ptr<PatchStream>> OpenFor(uint64_t from, uint64_t to, uint64_t layout) {
+    (void)layout;
+    return Open(from, to);
+  }
 };
 
 // Message types (first payload byte).
@@ -265,7 +273,8 @@ class PatchFetcher {
   // Starts pulling (from, to) from `parent`; returns the stream, which fills
   // as chunks arrive (the caller may serve it onwards at once). The stream
   // fails with the server's error, on peer failure, or at the deadline.
-  StatusOr<std::shared_ptr<PatchStream>> Pull(transport::PeerId parent, uint64_t from, uint64_t to,
+  // layout: the puller's pieces (codec::LayoutFingerprint; 0: the whole set).
+  StatusOr<std::shared_ptr<PatchStream>> Pull(transport::PeerId parent, uint64_t from, uint64_t to, uint64_t layout,
                                                std::chrono::milliseconds timeout);
 
   void OnResponse(const transport::Message& m);
