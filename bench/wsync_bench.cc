@@ -14,6 +14,7 @@
 
 #include "control_bench.h"
 #include "security_bench.h"
+#include "tp_bench.h"
 #include "measure.h"
 #include "gpu_bench.h"
 #include "synth.h"
@@ -263,6 +264,18 @@ int main(int argc, char** argv) {
   security->add_option("--sizes", sb.sizes, "bytes per pull")->capture_default_str();
   security->add_option("--repeat", sb.repeat, "pulls per size and mode (median)")->capture_default_str();
   security->callback([&] { rc = RunSecurityBench(sb); });
+
+  auto* tp = app.add_subcommand("tp", "tensor-parallel sinks: bytes and apply time per rank against the whole model");
+  TpBenchOptions tb;
+  tp->add_option("--params", tb.synth.params, "parameters of the generated model")->capture_default_str();
+  tp->add_option("--lr", tb.synth.lr, "learning rate")->capture_default_str();
+  tp->add_option("--tp", tb.tp, "tensor-parallel degrees served (the grid holds them all)")->delimiter(',')->capture_default_str();
+  tp->add_option("--data", tb.dir, "real snapshots instead: ratio with and without the grid, bytes per rank");
+  tp->callback([&] {
+    tb.repeat = c.repeat;
+    tb.threads = c.threads;
+    rc = RunTpBench(tb);
+  });
 
   CLI11_PARSE(app, argc, argv);
   return rc;
