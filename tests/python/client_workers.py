@@ -34,6 +34,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples"))
 import wsync  # noqa: E402
 from wsync import layouts  # noqa: E402
+from wsync.engines import RankSync  # noqa: E402
 from tiny_llama import Config, LlamaForCausalLM  # noqa: E402
 
 
@@ -108,20 +109,21 @@ def inference(a):
 
 
 def tp_inference(a):
+    """An engine's rank through wsync.engines.RankSync, the core of the vLLM
+    and SGLang adapters: held except while syncing between steps."""
     torch.manual_seed(a.seed)  # its own weights until the first version arrives
     layout = layouts.tp_layout(tiny_config(), a.tp, a.rank)
     canonical = {k: v.to(torch.bfloat16) for k, v in LlamaForCausalLM().state_dict().items()}
-    runtime = layouts.shard(canonical, layout)
-    snk = wsync.Sink(a.local)
-    snk.register(runtime, layout=layout)
+    runtime = layouts.shard(canonical, layout)  # the engine's parameters
+    rank = RankSync(runtime, tiny_config(), a.tp, a.rank, a.local, timeout=120)
     say(event="registered", tensors=len(runtime))
     version = 0
     while version < a.until:
-        snk.wait(version + 1, timeout=120)
-        with snk.hold() as version:
-            torch.save({k: v.clone() for k, v in runtime.items()}, os.path.join(a.dir, f"{a.name}.v{version}.pt"))
+        version = rank.sync(version + 1, timeout=120)
+        torch.save({k: v.clone() for k, v in runtime.items()}, os.path.join(a.dir, f"{a.name}.v{version}.pt"))
         say(event="held", version=version)
         open(os.path.join(a.dir, f"{a.name}.v{version}"), "w").close()
+    rank.close()
     say(event="done")
 
 

@@ -1,0 +1,168 @@
+"""Inference-engine adapters: each tensor-parallel rank of a vLLM or SGLang
+server registers its own parameters, in place, with the wsync sink on its
+GPU, and takes new versions only when the RL loop asks, between generation
+steps.
+
+The engines hold fused and sharded parameters (``qkv_proj``,
+``gate_up_proj``, row and column shards, a padded vocabulary);
+:func:`wsync.layouts.tp_layout` says which pieces of the published tensors
+each rank holds, and the sink applies exactly those, verified. The trainer's
+source must serve these layouts (``Source.register(model, serve=[...])``).
+
+vLLM (worker extension, vLLM >= 0.8, V0 and V1 workers)::
+
+    llm = LLM(model=path, tensor_parallel_size=4,
+              worker_extension_cls="wsync.engines.VllmWorkerExtension")
+    llm.collective_rpc("wsync_register", args=("unix:/run/wsync/sink-{rank}.sock",))
+    ...                                        # generate
+    llm.collective_rpc("wsync_sync", args=(step,))   # between steps: version `step` or newer
+    llm.reset_prefix_cache()                   # cached KV of the old weights is stale
+
+SGLang (custom weight loader, SGLang >= 0.4.6)::
+
+    engine = sglang.Engine(model_path=path, tp_size=4,
+                           custom_weight_loader=["wsync.engines.sglang_load"])
+    # each rank's sink address: WSYNC_SINK_ADDRESS (a template with {rank}),
+    # default unix:/run/wsync/sink-{rank}.sock
+    engine.update_weights_from_tensor(wsync.engines.sglang_request(step),
+                                      load_format="wsync.engines.sglang_load")
+
+Neither engine is installed where wsync is built and tested: the adapters
+are written against their documented interfaces and kept thin over
+:class:`RankSync`, which the system tests run with real torch modules and
+real sinks.
+"""
+from __future__ import annotations
+
+import os
+from typing import Mapping, Optional
+
+import torch
+
+from .layouts import tp_layout
+from .sink import Sink
+
+__all__ = ["RankSync", "VllmWorkerExtension", "sglang_load", "sglang_request"]
+
+DEFAULT_ADDRESS = "unix:/run/wsync/sink-{rank}.sock"
+
+
+class RankSync:
+    """One tensor-parallel rank's parameters kept by its sink: registered in
+    place with their layout, and held (no apply) except inside :meth:`sync`.
+
+    ``params``: the engine's parameters by name (``model.named_parameters()``);
+    ``config``: the model's ``config.json`` as a dict. Raises ValueError naming
+    a parameter the layout lacks or has, or a shape that differs (a model
+    family or TP split wsync.layouts does not describe), before anything is
+    registered.
+    """
+
+    def __init__(self, params: Mapping[str, torch.Tensor], config: Mapping, tp_size: int, tp_rank: int,
+                 address: str, timeout: float = 60.0):
+        layout = tp_layout(config, tp_size, tp_rank)
+        names = {rt.name for rt in layout}
+        unknown = sorted(n for n in params if n not in names)
+        if unknown:
+            raise ValueError(f"parameters the layout does not describe (they would never be updated): {unknown[:5]}")
+        for rt in layout:
+            if rt.name not in params:
+                raise ValueError(f"the layout's {rt.name!r} is not a parameter of the model")
+            if tuple(params[rt.name].shape) != tuple(rt.shape):
+                raise ValueError(f"parameter {rt.name!r} is {tuple(params[rt.name].shape)}, "
+                                 f"the layout of rank {tp_rank} of {tp_size} says {tuple(rt.shape)}")
+        self.tp_size, self.tp_rank = tp_size, tp_rank
+        self._sink = Sink(address, timeout=timeout)
+        self._sink.register({rt.name: params[rt.name] for rt in layout}, layout=layout)
+        self._hold = None
+        self.version = 0
+        self._acquire()
+
+    def _acquire(self) -> None:
+        hold = self._sink.hold()
+        self.version = hold.__enter__()
+        self._hold = hold
+
+    def _release(self) -> None:
+        hold, self._hold = self._hold, None
+        if hold is not None:
+            hold.__exit__(None, None, None)
+
+    def sync(self, version: Optional[int] = None, timeout: float = 60.0) -> int:
+        """Lets the sink apply until the parameters hold `version` or newer
+        (None: the newest version the sink knows of), then holds them again;
+        returns the version they hold. Call it only while the engine does not
+        generate. Raises DeadlineExceededError (the sink's last sync error
+        with it) when the version does not arrive in time: the parameters
+        then hold a whole older version, never part of one."""
+        self._release()
+        try:
+            target = self._sink.status().head_version if version is None else version
+            if target > self.version:
+                self._sink.wait(target, timeout=timeout)
+        finally:
+            self._acquire()
+        return self.version
+
+    def close(self) -> None:
+        self._release()
+        self._sink.close()
+
+
+def _address(template: str, rank: int) -> str:
+    return template.format(rank=rank)
+
+
+class VllmWorkerExtension:
+    """Mixed into each vLLM worker (``worker_extension_cls``); its methods are
+    called on every worker with ``LLM.collective_rpc``."""
+
+    def wsync_register(self, address: str = DEFAULT_ADDRESS, timeout: float = 60.0) -> int:
+        """Registers this worker's parameters with the sink at `address`
+        (``{rank}``: the tensor-parallel rank). Returns the version held."""
+        from vllm.distributed import parallel_state as ps
+        if ps.get_pipeline_model_parallel_world_size() != 1:
+            raise ValueError("wsync's vLLM adapter supports tensor parallelism only (pipeline parallel size 1)")
+        rank, size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+        runner = self.model_runner
+        config = runner.model_config.hf_config.to_dict()
+        self.wsync = RankSync(dict(runner.model.named_parameters()), config, size, rank, _address(address, rank),
+                              timeout)
+        return self.wsync.version
+
+    def wsync_sync(self, version: Optional[int] = None, timeout: float = 60.0) -> int:
+        """Brings the parameters to `version` or newer (None: the newest)."""
+        return self.wsync.sync(version, timeout)
+
+    def wsync_version(self) -> int:
+        return self.wsync.version
+
+    def wsync_close(self) -> None:
+        self.wsync.close()
+
+
+_sglang: Optional[RankSync] = None
+_VERSION = "wsync.version"
+
+
+def sglang_request(version: Optional[int] = None) -> list:
+    """The `named_tensors` of ``Engine.update_weights_from_tensor`` that make
+    every rank's :func:`sglang_load` sync to `version` (None: the newest)."""
+    return [(_VERSION, torch.tensor([-1 if version is None else int(version)], dtype=torch.int64))]
+
+
+def sglang_load(model: torch.nn.Module, named_tensors) -> None:
+    """SGLang's custom weight loader, run in each tensor-parallel worker: the
+    first call registers the worker's parameters with its sink, every call
+    syncs to the version in the request (sglang_request)."""
+    global _sglang
+    request = dict(named_tensors)
+    if set(request) != {_VERSION}:
+        raise ValueError(f"wsync.engines.sglang_load takes sglang_request(version), not {sorted(request)[:3]}")
+    version = int(request[_VERSION].reshape(-1)[0].item())
+    if _sglang is None:
+        from sglang.srt.distributed import parallel_state as ps
+        rank, size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+        address = _address(os.environ.get("WSYNC_SINK_ADDRESS", DEFAULT_ADDRESS), rank)
+        _sglang = RankSync(dict(model.named_parameters()), model.config.to_dict(), size, rank, address)
+    _sglang.sync(None if version < 0 else version)

@@ -1,0 +1,146 @@
+#!/usr/bin/python3
+"""wsync.engines without the engines: the vLLM worker extension and the
+SGLang custom loader read the rank, the TP degree, the model's config and
+its parameters through the engines' documented interfaces (stand-in modules
+here, a real torch model laid out as vLLM lays it), and hand them to
+RankSync; RankSync refuses a model its layout does not describe before
+registering anything. RankSync against real sinks: client_test.py
+tensor_parallel.
+
+    engines_test.py BUILD
+"""
+import os
+import sys
+import types
+
+BUILD = os.path.abspath(sys.argv[1])
+sys.path.insert(0, os.path.join(BUILD, "python"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples"))
+
+import torch  # noqa: E402
+
+import wsync.engines as engines  # noqa: E402
+from wsync import layouts  # noqa: E402
+
+failures = []
+
+
+def check(cond, what):
+    print(("  ok: " if cond else "  FAIL: ") + what, flush=True)
+    if not cond:
+        failures.append(what)
+
+
+CONFIG = {"architectures": ["LlamaForCausalLM"], "vocab_size": 1000, "hidden_size": 128, "intermediate_size": 256,
+          "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
+
+
+class Engine(torch.nn.Module):
+    """An engine's model: parameters named and shaped as vLLM's for one rank."""
+
+    def __init__(self, tp, rank):
+        super().__init__()
+        for rt in layouts.tp_layout(CONFIG, tp, rank):
+            self.register_parameter(rt.name.replace(".", "__"), torch.nn.Parameter(torch.zeros(rt.shape)))
+
+    def named_parameters(self, *a, **k):
+        return [(n.replace("__", "."), p) for n, p in super().named_parameters(*a, **k)]
+
+
+class Recorder:
+    """Stands in for RankSync: what the adapters hand it."""
+    made = []
+
+    def __init__(self, params, config, tp_size, tp_rank, address, timeout=60.0):
+        self.args = dict(params=params, config=config, tp_size=tp_size, tp_rank=tp_rank, address=address)
+        self.synced = []
+        self.version = 0
+        Recorder.made.append(self)
+
+    def sync(self, version=None, timeout=60.0):
+        self.synced.append(version)
+        return version or 0
+
+
+def parallel_state(tp, rank, pp=1):
+    m = types.ModuleType("parallel_state")
+    m.get_tensor_model_parallel_rank = lambda: rank
+    m.get_tensor_model_parallel_world_size = lambda: tp
+    m.get_pipeline_model_parallel_world_size = lambda: pp
+    return m
+
+
+def install(root, state):
+    """sys.modules[root + '.distributed.parallel_state'] (and parents) = state."""
+    names = {"vllm": ["vllm", "vllm.distributed"], "sglang": ["sglang", "sglang.srt", "sglang.srt.distributed"]}[root]
+    for n in names:
+        sys.modules[n] = types.ModuleType(n)
+    parent = sys.modules[names[-1]]
+    parent.parallel_state = state
+    sys.modules[names[-1] + ".parallel_state"] = state
+
+
+def main():
+    engines.RankSync, real = Recorder, engines.RankSync
+    try:
+        print("== vLLM worker extension")
+        install("vllm", parallel_state(4, 2))
+        worker = engines.VllmWorkerExtension()
+        model = Engine(4, 2)
+        hf = types.SimpleNamespace(to_dict=lambda: dict(CONFIG))
+        worker.model_runner = types.SimpleNamespace(model=model, model_config=types.SimpleNamespace(hf_config=hf))
+        worker.wsync_register("unix:/tmp/x/sink-{rank}.sock")
+        got = Recorder.made[-1].args
+        check(got["tp_size"] == 4 and got["tp_rank"] == 2, "the TP degree and rank come from vLLM's parallel state")
+        check(got["address"] == "unix:/tmp/x/sink-2.sock", "the sink address names the rank: " + got["address"])
+        check(got["config"] == CONFIG, "the layout is built from the model's hf_config")
+        check(set(got["params"]) == {n for n, _ in model.named_parameters()}, "every parameter of the model")
+        check(all(got["params"][n] is p for n, p in model.named_parameters()), "the parameters themselves (in place)")
+        worker.wsync_sync(7)
+        check(Recorder.made[-1].synced == [7], "wsync_sync(7) syncs to version 7")
+        install("vllm", parallel_state(2, 0, pp=2))
+        try:
+            worker.wsync_register()
+            check(False, "pipeline parallelism is refused")
+        except ValueError as e:
+            check("pipeline" in str(e), f"pipeline parallelism is refused: {e}")
+
+        print("== SGLang custom loader")
+        install("sglang", parallel_state(2, 1))
+        os.environ["WSYNC_SINK_ADDRESS"] = "unix:/tmp/y/sink-{rank}.sock"
+        model = Engine(2, 1)
+        model.config = types.SimpleNamespace(to_dict=lambda: dict(CONFIG))
+        engines.sglang_load(model, engines.sglang_request(3))
+        first = Recorder.made[-1]
+        check(first.args["tp_size"] == 2 and first.args["tp_rank"] == 1 and
+              first.args["address"] == "unix:/tmp/y/sink-1.sock", "SGLang: rank, degree and address")
+        engines.sglang_load(model, engines.sglang_request())
+        check(Recorder.made[-1] is first and first.synced == [3, None],
+              "registered once; synced to 3, then to the newest")
+        try:
+            engines.sglang_load(model, [("model.norm.weight", torch.zeros(1))])
+            check(False, "weights are not a wsync request")
+        except ValueError as e:
+            check("sglang_request" in str(e), f"other named tensors are refused: {e}")
+    finally:
+        engines.RankSync = real
+
+    print("== RankSync refuses what its layout does not describe, before registering")
+    params = dict(Engine(2, 0).named_parameters())
+    bad = dict(params)
+    bad["model.layers.0.mlp.extra.weight"] = torch.zeros(3)
+    for what, p in [("an extra parameter", bad),
+                    ("a missing parameter", {k: v for k, v in params.items() if "o_proj" not in k}),
+                    ("another shape", {**params, "model.norm.weight": torch.zeros(5)})]:
+        try:
+            engines.RankSync(p, CONFIG, 2, 0, "unix:/nonexistent/sink.sock")
+            check(False, what)
+        except ValueError as e:
+            check(True, f"{what}: {e}")
+
+    print("PASS" if not failures else f"FAIL: {len(failures)} checks")
+    sys.exit(1 if failures else 0)
+
+
+if __name__ == "__main__":
+    main()
