@@ -92,6 +92,11 @@ StatusOr<uint64_t> SinkCore::RegisterTensors(buffers::MappedTensors reg, uint64_
   }
   // The caller may reuse or free the old memory from now on.
   if (old) Retire(old, "the tensors were registered again");
+  if (reg_has_pieces != (old && old->store().tensors().has_pieces())) {
+    // Parents are assigned by what a sink holds (a sink holding pieces is
+    // never one): say it now, not at the next heartbeat.
+    env_.membership->HeartbeatNow(std::chrono::seconds(1));
+  }
   ResetBackoff();
   // What the coordinator shows is what these tensors hold.
   ReportApplied(applied);
@@ -515,7 +520,13 @@ Status SinkCore::CheckPublishedLayout(const buffers::MappedTensors& tensors) {
         .WithContext("the registered pieces cannot take the published versions (the source serves the layouts "
                      "given as serve_layouts when it registers)");
   }
-  return control::CheckLayout(published->layout(), LayoutOf(tensors.Views(), false), "the registered tensors")
+  // Whole tensors take patches of any grid.
+  v1::Layout whole = published->layout();
+  for (auto& t : *whole.mutable_tensors()) {
+    t.clear_row_cuts();
+    t.clear_col_cuts();
+  }
+  return control::CheckLayout(whole, LayoutOf(tensors.Views(), false), "the registered tensors")
       .WithContext("the registered tensors cannot take the published versions; register tensors of the "
                    "published layout");
 }

@@ -85,10 +85,17 @@ struct TestSource {
     EXPECT_TRUE(client.Register(Registration("source", v1::ROLE_SOURCE, *plane.transport)).ok());
   }
   ~TestSource() { plane.Close(); }
+  // Serves sinks holding pieces of these layouts (as a source given
+  // serve_layouts): every version coded on their grid.
+  void Serve(const std::vector<std::vector<codec::RuntimeTensor>>& layouts, const std::vector<OwnedTensor>& like) {
+    grids = codec::GridsFor(layouts, buffers::Views(like));
+    ASSERT_TRUE(history.SetGrids(grids).ok());
+    history.SetServedLayouts(layouts);
+  }
   void Publish(uint64_t version, const std::vector<OwnedTensor>& w) {
     auto pub = history.Publish(version, buffers::Views(w));
     ASSERT_TRUE(pub.ok()) << pub.status().ToString();
-    ASSERT_TRUE(client.SetLayout(LayoutOf(buffers::Views(w), true)).ok());
+    ASSERT_TRUE(client.SetLayout(LayoutOf(buffers::Views(w), true, grids)).ok());
     Announce(client, *pub);
   }
   static void Announce(control::CoordinatorClient& client, const PublishedVersion& p) {
@@ -107,6 +114,7 @@ struct TestSource {
   control::InProcessClient client;
   VersionHistory history;
   Plane plane;
+  std::vector<codec::TileGrid> grids;
 };
 
 // A sink: SinkCore with its membership, data plane and shared memory.
@@ -138,12 +146,15 @@ struct TestSink {
     membership->Stop();
   }
   // Registers shared memory holding `content` (applied: the claimed version).
-  StatusOr<uint64_t> RegisterMemory(const std::vector<OwnedTensor>& content, uint64_t applied = 0) {
+  // pieces[i]: what content[i] holds, when it is a runtime tensor.
+  StatusOr<uint64_t> RegisterMemory(const std::vector<OwnedTensor>& content, uint64_t applied = 0,
+                                    const std::vector<std::vector<codec::Piece>>& pieces = {}) {
     const std::string shm = "/wsync-sinkcore-" + std::to_string(::getpid()) + "-" + std::to_string(counter++);
     uint64_t size = 0;
     std::vector<buffers::TensorEntry> table;
-    for (const auto& t : content) {
-      table.push_back({t.name, t.dtype, t.shape, size});
+    for (size_t i = 0; i < content.size(); ++i) {
+      const auto& t = content[i];
+      table.push_back({t.name, t.dtype, t.shape, size, 0, i < pieces.size() ? pieces[i] : std::vector<codec::Piece>{}});
       size += t.bytes.size();
     }
     WSYNC_ASSIGN_OR_RETURN(auto region, buffers::CreateShm(shm, size, /*unlink_on_close=*/true));
@@ -399,6 +410,54 @@ TEST_F(SinkCoreTest, HoldsDeferAppliesAndExpire) {
   sink->ExpectReaches(2, v[1]);
   EXPECT_EQ(sink->core->ReleaseHold(grant->id).code(), StatusCode::kNotFound);
   EXPECT_EQ(sink->core->status().active_holds, 0u);
+}
+
+// A sink holding pieces (half of w1's rows, w2 whole) from a source serving
+// that layout: it pulls selections, applies only its pieces bit for bit, is
+// never a parent, and recovers from weights changed behind its back (the
+// tile digests fail, everything is undone, a keyframe selection follows).
+TEST_F(SinkCoreTest, PiecesSinkAppliesItsSelectionsAndRecovers) {
+  auto v = Versions(4);
+  const uint64_t half = 150000;
+  auto held = [&](const std::vector<OwnedTensor>& version) {
+    OwnedTensor h{"w1.half", codec::DType::kBF16, {half}, {}};
+    h.bytes.assign(version[0].bytes.begin() + half * 2, version[0].bytes.end());
+    return std::vector<OwnedTensor>{h, version[1]};
+  };
+  const std::vector<std::vector<codec::Piece>> pieces = {{{"w1", {half}, {half}, {0}}}, {{"w2", {0}, {7000}, {0}}}};
+  std::vector<codec::RuntimeTensor> layout;
+  auto zeros = Zeros(held(v[0]));
+  for (size_t i = 0; i < zeros.size(); ++i) {
+    layout.push_back({{zeros[i].name, zeros[i].dtype, zeros[i].shape, nullptr}, pieces[i]});
+  }
+  TestSource source(state_.get(), fabric_);
+  source.Serve({layout}, v[0]);
+  source.Publish(1, v[0]);
+  TestSink sink("sink-0", state_.get(), fabric_);
+  ASSERT_TRUE(sink.RegisterMemory(zeros, 0, pieces).ok());
+  sink.ExpectReaches(1, held(v[0]));
+  source.Publish(2, v[1]);
+  sink.ExpectReaches(2, held(v[1]));
+  EXPECT_LT(sink.core->status().bytes_received, (*source.history.Open(0, 2))->total_bytes() * 7 / 10)
+      << "selections: about half of each stream";
+  // A whole sink is never put behind it (fan-out 1 would chain them).
+  TestSink whole("sink-1", state_.get(), fabric_);
+  ASSERT_TRUE(whole.RegisterMemory(Zeros(v[0])).ok());
+  whole.ExpectReaches(2, v[1]);
+  EXPECT_EQ(ParentOf("sink-1"), "source");
+  {
+    auto w = sink.core->weights();
+    w->Hold();
+    const_cast<uint8_t*>(w->Views()[0].data)[1000] ^= 0x40;  // written behind the sink's back
+    w->Release();
+  }
+  const uint64_t pulls = sink.core->status().pulls_made;
+  source.Publish(3, v[2]);
+  sink.ExpectReaches(3, held(v[2]));
+  EXPECT_EQ(sink.core->status().pulls_made, pulls + 2) << "the patch (refused by its digests), then a keyframe";
+  source.Publish(4, v[3]);
+  sink.ExpectReaches(4, held(v[3]));
+  whole.ExpectReaches(4, v[3]);
 }
 
 }  // namespace

@@ -197,18 +197,24 @@ def tensor_parallel(build):
     from client_workers import tiny_config
     ranks = [(2, r) for r in range(2)] + [(4, r) for r in range(4)]
     versions = 6
-    s = system(build, "tensor_parallel", sinks=len(ranks))
+    s = system(build, "tensor_parallel", sinks=len(ranks) + 1)
     try:
         workers = [Worker(s, f"tp{tp}-rank{r}", "tp_inference", local(s, f"sink-{i}"), s.tmp, f"tp{tp}-rank{r}",
                           "--tp", str(tp), "--rank", str(r), "--until", str(versions), "--seed", str(10 + i))
                    for i, (tp, r) in enumerate(ranks)]
+        # And a sink holding the whole model, as before: it verifies every version itself.
+        workers.append(Worker(s, "whole", "inference", local(s, f"sink-{len(ranks)}"), s.tmp, "whole", "--until",
+                              str(versions), "--seed", "3"))
         for w in workers:
             w.wait_event("registered")
         t = Worker(s, "trainer", "trainer", local(s, "source"), s.tmp, "--steps", str(versions), "--lr", "1e-5",
-                   "--lockstep", str(len(ranks)), "--serve-tp", "2,4")
+                   "--lockstep", str(len(ranks) + 1), "--serve-tp", "2,4")
         t.finish()
         for w in workers:
             w.finish()
+        ver = workers[-1].event("verified")
+        check([v["version"] for v in ver] == list(range(1, versions + 1)) and all(not v["mismatched"] for v in ver),
+              "a whole-model sink beside them holds the trainer's BF16 weights bit for bit after every version")
         cfg = tiny_config()
         shapes = layouts.canonical_shapes(cfg)
 
