@@ -292,6 +292,8 @@ Status RunInspect(const std::string& patch_path, const std::string& base_path, b
       o["conditioned_chunks"] = t.conditioned_chunks;
       o["modes"] = {{"empty", t.mode_counts[0]}, {"sparse", t.mode_counts[1]}, {"bitmap", t.mode_counts[2]},
                     {"runs", t.mode_counts[3]}, {"dense", t.mode_counts[4]}};
+      if (!t.row_cuts.empty() || !t.col_cuts.empty()) o["grid"] = {{"row_cuts", t.row_cuts}, {"col_cuts", t.col_cuts}};
+      if (t.absent_chunks > 0) o["absent_chunks"] = t.absent_chunks;
       tensors.push_back(o);
     }
     j["tensors"] = tensors;

@@ -84,7 +84,7 @@ void PrintNodes(const v1::StatusResponse& s) {
                 sink ? std::to_string(n.applied_version()).c_str() : "-",
                 sink ? std::to_string(n.staleness()).c_str() : "-", n.parent().empty() ? "-" : n.parent().c_str(),
                 Ago(n.last_heartbeat_unix_ms(), s.now_unix_ms()).c_str(),
-                n.resync_keyframe() ? "  (resync from keyframe)" : "");
+                n.resync_keyframe() ? "  (resync from keyframe)" : n.holds_pieces() ? "  (holds pieces)" : "");
     if (n.active_holds() > 0) {
       std::printf("    %u hold(s) active, the oldest for %.1f s\n", n.active_holds(), n.oldest_hold_ms() / 1000.0);
     }

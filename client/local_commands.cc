@@ -195,6 +195,9 @@ Status RunLocalStatus(const std::string& local, bool json) {
   }
   std::printf("%s %s: version %" PRIu64 ", %" PRIu64 " tensors, %" PRIu64 " bytes served\n", st.role().c_str(),
               st.name().c_str(), st.version(), st.tensors(), st.bytes_served());
+  if (st.role() == "sink") {
+    std::printf("%" PRIu64 " pulls made, %" PRIu64 " bytes received\n", st.pulls_made(), st.bytes_received());
+  }
   if (st.active_holds() > 0) {
     std::printf("%u hold(s) active, the oldest for %.1f s\n", st.active_holds(), st.oldest_hold_ms() / 1000.0);
   }
