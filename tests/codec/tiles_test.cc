@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstring>
 #include <random>
+#include <set>
 
 #include "test_tensors.h"
 #include "wsync/codec/codec.h"
@@ -388,6 +389,88 @@ TEST(Tiles, BadPiecesAndGridsAreRefusedAtRegistration) {
   EXPECT_NE(bad.status().message().find("'q_proj'"), std::string::npos) << bad.status().message();
   o.grids = {{"q_proj", {8, 8}, {}}};
   EXPECT_EQ(EncodePatch(Views(v0), Views(v1), o).status().code(), StatusCode::kInvalidArgument);
+}
+
+// ---- Versions published by several sources, each a part of the tensors.
+
+std::vector<OwnedTensor> Subset(const std::vector<OwnedTensor>& all, const std::set<std::string>& names) {
+  std::vector<OwnedTensor> out;
+  for (const auto& t : all) {
+    if (names.count(t.name)) out.push_back(t);
+  }
+  return out;
+}
+
+const std::set<std::string> kPartA = {"q_proj", "k_proj", "v_proj", "q_bias"};
+const std::set<std::string> kPartB = {"o_proj", "norm", "embed", "down"};
+
+TEST(Parts, TwoPartsApplyAsOneAllOrNothing) {
+  std::mt19937_64 rng(21);
+  const auto v0 = CanonicalModel(rng);
+  const auto v1 = PerturbAll(v0, 0.02, rng);
+  const auto a0 = Subset(v0, kPartA), a1 = Subset(v1, kPartA), b0 = Subset(v0, kPartB), b1 = Subset(v1, kPartB);
+  auto pa = EncodePatch(Views(a0), Views(a1), {});
+  auto pb = EncodePatch(Views(b0), Views(b1), {});
+  auto kb = EncodeKeyframe(Views(b1), {});
+  ASSERT_TRUE(pa.ok() && pb.ok() && kb.ok());
+  // Two patches; a patch and a keyframe (a part whose source restarted).
+  for (const std::string* second : {&*pb, &*kb}) {
+    auto work = v0;
+    std::vector<std::string_view> parts = {*pa, *second};
+    Status s = ApplyParts(parts, MutableViews(work), {});
+    ASSERT_TRUE(s.ok()) << s.message();
+    EXPECT_TRUE(testing::SameBits(work, v1));
+  }
+  // A corrupt second part: the first, applied already, is undone.
+  std::string bad = *pb;
+  bad[bad.size() - 20] ^= 0x10;
+  auto work = v0;
+  ApplyOptions skip;
+  skip.verify_patch_checksum = false;
+  std::vector<std::string_view> parts = {*pa, bad};
+  EXPECT_FALSE(ApplyParts(parts, MutableViews(work), skip).ok());
+  EXPECT_TRUE(testing::SameBits(work, v0)) << "nothing of the version applied";
+  // A corrupt keyframe part: verified before the patch part is applied.
+  std::string bad_kf = *kb;
+  bad_kf[bad_kf.size() - 20] ^= 0x10;
+  parts = {*pa, bad_kf};
+  EXPECT_FALSE(ApplyParts(parts, MutableViews(work), skip).ok());
+  EXPECT_TRUE(testing::SameBits(work, v0));
+  // A tensor in two parts; a tensor in none.
+  parts = {*pa, *pa};
+  EXPECT_EQ(ApplyParts(parts, MutableViews(work), {}).code(), StatusCode::kFailedPrecondition);
+  parts = {*pa};
+  Status none = ApplyParts(parts, MutableViews(work), {});
+  EXPECT_EQ(none.code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(none.message().find("in no part"), std::string::npos) << none.message();
+  EXPECT_TRUE(testing::SameBits(work, v0));
+}
+
+TEST(Parts, RanksApplyTheirPiecesOfEveryPartFromTheirSelections) {
+  std::mt19937_64 rng(22);
+  const auto v0 = CanonicalModel(rng);
+  const auto v1 = PerturbAll(v0, 0.02, rng);
+  std::vector<Rank> ranks = MakeRanks(4);
+  for (auto& r : ranks) Fill(&r, v0);
+  // Each source grids its own tensors for the served layouts.
+  EncodeOptions oa, ob;
+  oa.grids = GridsFor(Layouts(ranks), Views(Subset(v0, kPartA)));
+  ob.grids = GridsFor(Layouts(ranks), Views(Subset(v0, kPartB)));
+  auto pa = EncodePatch(Views(Subset(v0, kPartA)), Views(Subset(v1, kPartA)), oa);
+  auto pb = EncodePatch(Views(Subset(v0, kPartB)), Views(Subset(v1, kPartB)), ob);
+  ASSERT_TRUE(pa.ok() && pb.ok());
+  for (uint64_t r = 0; r < 4; ++r) {
+    auto sa = SelectForPieces(*pa, ranks[r].layout);
+    auto sb = SelectForPieces(*pb, ranks[r].layout);
+    ASSERT_TRUE(sa.ok() && sb.ok()) << sa.status().message() << sb.status().message();
+    std::vector<std::string_view> parts = {*sa, *sb};
+    Status s = ApplyPartsToPieces(parts, ranks[r].layout, {});
+    ASSERT_TRUE(s.ok()) << s.message();
+    EXPECT_TRUE(testing::SameBits(ranks[r].tensors, Expected(4, r, v1))) << "rank " << r;
+  }
+  std::vector<std::string_view> only_a = {*pa};
+  EXPECT_EQ(ApplyPartsToPieces(only_a, ranks[0].layout, {}).code(), StatusCode::kFailedPrecondition)
+      << "pieces of tensors no part has";
 }
 
 }  // namespace

@@ -368,7 +368,10 @@ StatusOr<std::vector<Rect>> CheckRuntimeRects(const RuntimeTensor& rt, const std
 
 // The works that apply a container into pieces. need_data: the runtime
 // tensors' data must be set.
-StatusOr<Plan> PiecesPlan(const Container& c, std::span<const RuntimeTensor> runtime, bool need_data) {
+// other_parts: pieces of tensors the container lacks belong to other parts
+// of the version (skipped) rather than being an error.
+StatusOr<Plan> PiecesPlan(const Container& c, std::span<const RuntimeTensor> runtime, bool need_data,
+                          bool other_parts = false) {
   std::unordered_map<std::string_view, size_t> index;
   for (size_t t = 0; t < c.tensors.size(); ++t) index.emplace(c.tensors[t].name, t);
   Plan p;
@@ -383,7 +386,10 @@ StatusOr<Plan> PiecesPlan(const Container& c, std::span<const RuntimeTensor> run
     for (size_t j = 0; j < rt.pieces.size(); ++j) {
       const Piece& piece = rt.pieces[j];
       auto it = index.find(piece.canonical);
-      if (it == index.end()) return FailedPreconditionError(PieceWhere(rt, j) + ": the patch has no such tensor");
+      if (it == index.end()) {
+        if (other_parts) continue;
+        return FailedPreconditionError(PieceWhere(rt, j) + ": the patch has no such tensor");
+      }
       const TensorEntry& t = c.tensors[it->second];
       if (t.dtype != rt.view.dtype) {
         return FailedPreconditionError(PieceWhere(rt, j) + ": the runtime tensor is " +
@@ -467,62 +473,117 @@ class Verifier {
   Digests groups_;
 };
 
-Status ApplyKeyframe(const Container& c, const Plan& p, ThreadPool* pool) {
-  Verifier verifier(c, p);
-  FirstError error;
-  // Pass 1: decode into scratch and verify; the destination is untouched.
-  ParallelFor(pool, p.works.size(), [&](size_t i) {
-    const Work& w = p.works[i];
-    const TensorEntry& t = c.tensors[w.tensor];
-    WithWidth(DTypeWidth(t.dtype), [&](auto zero) {
-      using T = decltype(zero);
-      std::vector<T> scratch(t.tiles[w.chunk].n);
-      Status s = internal::DecodeKeyframeChunk<T>(c.PosStream(t.chunks[w.chunk]), scratch.size(), scratch.data());
-      if (!s.ok()) return error.Record(i, s.WithContext(ChunkWhere(t, w.chunk)));
-      verifier.Record(i, reinterpret_cast<const uint8_t*>(scratch.data()));
-    });
-  });
-  WSYNC_RETURN_IF_ERROR(error.status());
-  if (auto bad = verifier.Mismatch()) {
-    return DataLossError(*bad + ": keyframe content does not match its checksum; destination not modified");
-  }
-  // Pass 2: decode into the destination (deterministic: same bytes).
-  ParallelFor(pool, p.works.size(), [&](size_t i) {
-    const Work& w = p.works[i];
-    const TensorEntry& t = c.tensors[w.tensor];
-    const internal::Tile& tile = t.tiles[w.chunk];
-    WithWidth(DTypeWidth(t.dtype), [&](auto zero) {
-      using T = decltype(zero);
-      const std::string_view stream = c.PosStream(t.chunks[w.chunk]);
-      if (uint8_t* at = internal::ContiguousAt(tile, w.at, sizeof(T))) {
-        return error.Record(i, internal::DecodeKeyframeChunk<T>(stream, tile.n, reinterpret_cast<T*>(at)));
-      }
-      std::vector<T> scratch(tile.n);
-      error.Record(i, internal::DecodeKeyframeChunk<T>(stream, tile.n, scratch.data()));
-      internal::Scatter(tile, w.at, sizeof(T), reinterpret_cast<const uint8_t*>(scratch.data()));
-    });
-  });
-  return error.status();
-}
+// A keyframe's works: Verify decodes into scratch and checks every digest
+// (nothing written); Write then decodes into the destination.
+class KeyframeApply {
+ public:
+  KeyframeApply(const Container& c, const Plan& p, ThreadPool* pool) : c_(c), p_(p), pool_(pool) {}
 
-// holds_base: whether the destination holds the patch's base (asked after a
-// failure, to tell a wrong base from a corrupt patch); null when it cannot
-// be known.
-Status ApplyDelta(const Container& c, const Plan& p, ThreadPool* pool, const std::function<bool()>& holds_base) {
-  std::vector<Decoded> decoded(p.works.size());
-  std::vector<uint8_t> applied(p.works.size(), 0);
-  Verifier verifier(c, p);
-  FirstError error;
-  // Adds (or with undo subtracts) work i's decoded change at its placement;
-  // `decode` first decodes it against the bytes there. A chunk that fails to
-  // decode is left untouched. Runs while the chunk is in cache: decode, add,
-  // digest.
-  auto run = [&](size_t i, bool undo) {
-    const Work& w = p.works[i];
-    const TensorEntry& t = c.tensors[w.tensor];
+  Status Verify() {
+    Verifier verifier(c_, p_);
+    FirstError error;
+    ParallelFor(pool_, p_.works.size(), [&](size_t i) {
+      const Work& w = p_.works[i];
+      const TensorEntry& t = c_.tensors[w.tensor];
+      WithWidth(DTypeWidth(t.dtype), [&](auto zero) {
+        using T = decltype(zero);
+        std::vector<T> scratch(t.tiles[w.chunk].n);
+        Status s = internal::DecodeKeyframeChunk<T>(c_.PosStream(t.chunks[w.chunk]), scratch.size(), scratch.data());
+        if (!s.ok()) return error.Record(i, s.WithContext(ChunkWhere(t, w.chunk)));
+        verifier.Record(i, reinterpret_cast<const uint8_t*>(scratch.data()));
+      });
+    });
+    WSYNC_RETURN_IF_ERROR(error.status());
+    if (auto bad = verifier.Mismatch()) {
+      return DataLossError(*bad + ": keyframe content does not match its checksum; destination not modified");
+    }
+    return Status::Ok();
+  }
+
+  // REQUIRES: Verify() succeeded (the same bytes decode the same way).
+  Status Write() {
+    FirstError error;
+    ParallelFor(pool_, p_.works.size(), [&](size_t i) {
+      const Work& w = p_.works[i];
+      const TensorEntry& t = c_.tensors[w.tensor];
+      const internal::Tile& tile = t.tiles[w.chunk];
+      WithWidth(DTypeWidth(t.dtype), [&](auto zero) {
+        using T = decltype(zero);
+        const std::string_view stream = c_.PosStream(t.chunks[w.chunk]);
+        if (uint8_t* at = internal::ContiguousAt(tile, w.at, sizeof(T))) {
+          return error.Record(i, internal::DecodeKeyframeChunk<T>(stream, tile.n, reinterpret_cast<T*>(at)));
+        }
+        std::vector<T> scratch(tile.n);
+        error.Record(i, internal::DecodeKeyframeChunk<T>(stream, tile.n, scratch.data()));
+        internal::Scatter(tile, w.at, sizeof(T), reinterpret_cast<const uint8_t*>(scratch.data()));
+      });
+    });
+    return error.status();
+  }
+
+ private:
+  const Container& c_;
+  const Plan& p_;
+  ThreadPool* pool_;
+};
+
+// A patch's works: Run decodes, adds and verifies each chunk while it is in
+// cache, and undoes everything itself when anything fails; Undo takes back
+// a successful Run (when a later part of the same version fails).
+class DeltaApply {
+ public:
+  DeltaApply(const Container& c, const Plan& p, ThreadPool* pool)
+      : c_(c), p_(p), pool_(pool), decoded_(p.works.size()), applied_(p.works.size(), 0) {}
+
+  // holds_base: whether the destination holds the patch's base (asked after
+  // a failure, to tell a wrong base from a corrupt patch); null when it
+  // cannot be known (pieces).
+  Status Run(const std::function<bool()>& holds_base) {
+    Verifier verifier(c_, p_);
+    FirstError error;
+    ParallelFor(pool_, p_.works.size(), [&](size_t i) {
+      const uint8_t* result = nullptr;
+      Status s = Chunk(i, /*undo=*/false, &result);
+      if (!s.ok()) return error.Record(i, s);
+      verifier.Record(i, result);
+    });
+    auto fail = [&](Status s) {
+      Undo();
+      if (holds_base && !holds_base()) return WrongBase(c_);
+      return s;
+    };
+    if (error.failed()) {
+      if (holds_base || error.status().code() != StatusCode::kDataLoss) return fail(error.status());
+      return fail(DataLossError(error.status().message() +
+                                " (the patch is corrupted or the pieces do not hold its base); change undone"));
+    }
+    if (auto bad = verifier.Mismatch()) {
+      return fail(DataLossError(*bad + ": result does not match the patch's checksum (" +
+                                (holds_base ? std::string("the patch is corrupted")
+                                            : std::string("the patch is corrupted or the pieces do not hold its base")) +
+                                "); change undone, destination unchanged"));
+    }
+    return Status::Ok();
+  }
+
+  void Undo() {
+    ParallelFor(pool_, p_.works.size(), [&](size_t i) {
+      if (applied_[i]) (void)Chunk(i, /*undo=*/true, nullptr);
+      applied_[i] = 0;
+    });
+  }
+
+ private:
+  // Adds (or with undo subtracts) work i's change at its placement; adding
+  // first decodes it against the bytes there and points *result at the
+  // chunk's new bytes (valid until this thread's next chunk). A chunk that
+  // fails to decode is left untouched.
+  Status Chunk(size_t i, bool undo, const uint8_t** result) {
+    const Work& w = p_.works[i];
+    const TensorEntry& t = c_.tensors[w.tensor];
     const ChunkEntry& ch = t.chunks[w.chunk];
     const internal::Tile& tile = t.tiles[w.chunk];
-    WithWidth(DTypeWidth(t.dtype), [&](auto zero) {
+    return WithWidth(DTypeWidth(t.dtype), [&](auto zero) -> Status {
       using T = decltype(zero);
       thread_local std::vector<uint8_t> scratch;
       uint8_t* at = internal::ContiguousAt(tile, w.at, sizeof(T));
@@ -533,39 +594,64 @@ Status ApplyDelta(const Container& c, const Plan& p, ThreadPool* pool, const std
         bytes = scratch.data();
       }
       T* x = reinterpret_cast<T*>(bytes);
-      SparseDelta<T>& d = decoded[i].Get<T>();
+      SparseDelta<T>& d = decoded_[i].Get<T>();
       if (!undo) {
-        Status s = internal::DecodeChunk<T>(ch.mode, ch.changed, c.PosStream(ch), c.ValStream(ch), x, tile.n,
+        Status s = internal::DecodeChunk<T>(ch.mode, ch.changed, c_.PosStream(ch), c_.ValStream(ch), x, tile.n,
                                             ExponentFieldOf(t.dtype), &d);
-        if (!s.ok()) return error.Record(i, s.WithContext(ChunkWhere(t, w.chunk)));
+        if (!s.ok()) return s.WithContext(ChunkWhere(t, w.chunk));
       }
       internal::ScatterAdd<T>(x, d, undo);
       if (at == nullptr) internal::Scatter(tile, w.at, sizeof(T), bytes);
-      if (undo) return;
-      applied[i] = 1;
-      verifier.Record(i, bytes);
+      if (!undo) {
+        applied_[i] = 1;
+        *result = bytes;
+      }
+      return Status::Ok();
     });
-  };
-  ParallelFor(pool, p.works.size(), [&](size_t i) { run(i, false); });
-  // Undoes every chunk applied so far: the destination is as it was. Then
-  // says whether the destination is the wrong version or the patch is bad.
-  auto fail = [&](Status s) {
-    ParallelFor(pool, p.works.size(), [&](size_t i) {
-      if (applied[i]) run(i, true);
-    });
-    if (holds_base && !holds_base()) return WrongBase(c);
-    return s;
-  };
-  if (error.failed()) {
-    if (holds_base || error.status().code() != StatusCode::kDataLoss) return fail(error.status());
-    return fail(DataLossError(error.status().message() +
-                              " (the patch is corrupted or the pieces do not hold its base); change undone"));
   }
-  if (auto bad = verifier.Mismatch()) {
-    return fail(DataLossError(*bad + ": result does not match the patch's checksum (" +
-                              (holds_base ? std::string("the patch is corrupted")
-                                          : std::string("the patch is corrupted or the pieces do not hold its base")) +
-                              "); change undone, destination unchanged"));
+
+  const Container& c_;
+  const Plan& p_;
+  ThreadPool* pool_;
+  std::vector<Decoded> decoded_;
+  std::vector<uint8_t> applied_;
+};
+
+// The parts of one version (one container each, disjoint tensors) applied
+// as one: keyframes verified first (nothing written), then each patch
+// applied and verified (all undone if any fails), then the keyframes
+// written.
+struct PartApply {
+  Container c;
+  Plan plan;
+  std::function<bool()> holds_base;  // patches; null: unknown
+};
+
+Status ApplyAll(std::vector<PartApply>& parts, ThreadPool* pool) {
+  std::vector<std::unique_ptr<KeyframeApply>> keyframes;
+  for (PartApply& p : parts) {
+    if (p.c.kind != PatchKind::kKeyframe) continue;
+    keyframes.push_back(std::make_unique<KeyframeApply>(p.c, p.plan, pool));
+    WSYNC_RETURN_IF_ERROR(keyframes.back()->Verify());
+  }
+  std::vector<std::unique_ptr<DeltaApply>> applied;
+  auto undo = [&] {
+    for (auto& d : applied) d->Undo();
+  };
+  for (PartApply& p : parts) {
+    if (p.c.kind != PatchKind::kPatch) continue;
+    auto d = std::make_unique<DeltaApply>(p.c, p.plan, pool);
+    if (Status s = d->Run(p.holds_base); !s.ok()) {
+      undo();
+      return s;
+    }
+    applied.push_back(std::move(d));
+  }
+  for (auto& k : keyframes) {
+    if (Status s = k->Write(); !s.ok()) {
+      undo();
+      return s.WithContext("a verified keyframe failed to decode again");
+    }
   }
   return Status::Ok();
 }
@@ -777,10 +863,13 @@ Status ApplyPatch(std::string_view patch, std::span<const MutableTensorView> ten
                   const ApplyOptions& options) {
   WSYNC_ASSIGN_OR_RETURN(Container c, internal::ReadContainer(patch, options.verify_patch_checksum));
   WSYNC_ASSIGN_OR_RETURN(auto dst, MatchTensors(c, tensors, options.allow_extra_tensors));
-  const Plan plan = WholePlan(c, dst);
-  WSYNC_RETURN_IF_ERROR(CheckPresent(c, plan));
-  if (c.kind == PatchKind::kKeyframe) return ApplyKeyframe(c, plan, options.pool);
-  return ApplyDelta(c, plan, options.pool, [&] { return HoldsBase(c, dst, options.pool); });
+  std::vector<PartApply> parts(1);
+  parts[0].plan = WholePlan(c, dst);
+  WSYNC_RETURN_IF_ERROR(CheckPresent(c, parts[0].plan));
+  parts[0].c = std::move(c);
+  const Container& held = parts[0].c;
+  parts[0].holds_base = [&held, dst, &options] { return HoldsBase(held, dst, options.pool); };
+  return ApplyAll(parts, options.pool);
 }
 
 Status ValidatePieces(std::span<const RuntimeTensor> runtime, std::span<const TensorView> canonical,
@@ -834,11 +923,67 @@ std::vector<TileGrid> GridsFor(std::span<const std::vector<RuntimeTensor>> layou
 }
 
 Status ApplyToPieces(std::string_view patch, std::span<const RuntimeTensor> runtime, const ApplyOptions& options) {
-  WSYNC_ASSIGN_OR_RETURN(Container c, internal::ReadContainer(patch, options.verify_patch_checksum));
-  WSYNC_ASSIGN_OR_RETURN(Plan plan, PiecesPlan(c, runtime, /*need_data=*/true));
-  WSYNC_RETURN_IF_ERROR(CheckPresent(c, plan));
-  if (c.kind == PatchKind::kKeyframe) return ApplyKeyframe(c, plan, options.pool);
-  return ApplyDelta(c, plan, options.pool, nullptr);
+  std::vector<PartApply> parts(1);
+  WSYNC_ASSIGN_OR_RETURN(parts[0].c, internal::ReadContainer(patch, options.verify_patch_checksum));
+  WSYNC_ASSIGN_OR_RETURN(parts[0].plan, PiecesPlan(parts[0].c, runtime, /*need_data=*/true));
+  WSYNC_RETURN_IF_ERROR(CheckPresent(parts[0].c, parts[0].plan));
+  return ApplyAll(parts, options.pool);
+}
+
+Status ApplyParts(std::span<const std::string_view> patches, std::span<const MutableTensorView> tensors,
+                  const ApplyOptions& options) {
+  if (patches.empty()) return InvalidArgumentError("no parts to apply");
+  std::vector<PartApply> parts(patches.size());
+  std::unordered_map<std::string_view, size_t> part_of;
+  for (size_t i = 0; i < patches.size(); ++i) {
+    PartApply& p = parts[i];
+    WSYNC_ASSIGN_OR_RETURN(p.c, internal::ReadContainer(patches[i], options.verify_patch_checksum));
+    WSYNC_ASSIGN_OR_RETURN(auto dst, MatchTensors(p.c, tensors, /*allow_extra=*/true));
+    for (const TensorEntry& e : p.c.tensors) {
+      if (auto [it, fresh] = part_of.emplace(e.name, i); !fresh) {
+        return FailedPreconditionError("tensor " + Quoted(e.name) + " is in parts " + std::to_string(it->second) +
+                                       " and " + std::to_string(i) + " of the version");
+      }
+    }
+    p.plan = WholePlan(p.c, dst);
+    WSYNC_RETURN_IF_ERROR(CheckPresent(p.c, p.plan));
+    const Container* held = &p.c;
+    p.holds_base = [held, dst, &options] { return HoldsBase(*held, dst, options.pool); };
+  }
+  if (!options.allow_extra_tensors) {
+    for (const MutableTensorView& t : tensors) {
+      if (!part_of.count(t.name)) {
+        return FailedPreconditionError("destination tensor " + Quoted(t.name) + " is in no part of the version");
+      }
+    }
+  }
+  return ApplyAll(parts, options.pool);
+}
+
+Status ApplyPartsToPieces(std::span<const std::string_view> patches, std::span<const RuntimeTensor> runtime,
+                          const ApplyOptions& options) {
+  if (patches.empty()) return InvalidArgumentError("no parts to apply");
+  std::vector<PartApply> parts(patches.size());
+  std::unordered_set<std::string> names;
+  for (size_t i = 0; i < patches.size(); ++i) {
+    PartApply& p = parts[i];
+    WSYNC_ASSIGN_OR_RETURN(p.c, internal::ReadContainer(patches[i], options.verify_patch_checksum));
+    for (const TensorEntry& e : p.c.tensors) {
+      if (!names.insert(e.name).second) {
+        return FailedPreconditionError("tensor " + Quoted(e.name) + " is in two parts of the version");
+      }
+    }
+    WSYNC_ASSIGN_OR_RETURN(p.plan, PiecesPlan(p.c, runtime, /*need_data=*/true, /*other_parts=*/true));
+    WSYNC_RETURN_IF_ERROR(CheckPresent(p.c, p.plan));
+  }
+  for (const RuntimeTensor& rt : runtime) {
+    for (size_t j = 0; j < rt.pieces.size(); ++j) {
+      if (!names.count(rt.pieces[j].canonical)) {
+        return FailedPreconditionError(PieceWhere(rt, j) + ": no part of the version has this tensor");
+      }
+    }
+  }
+  return ApplyAll(parts, options.pool);
 }
 
 uint64_t LayoutFingerprint(std::span<const RuntimeTensor> runtime) {
@@ -868,7 +1013,7 @@ uint64_t LayoutFingerprint(std::span<const RuntimeTensor> runtime) {
 
 StatusOr<std::string> SelectForPieces(std::string_view patch, std::span<const RuntimeTensor> runtime) {
   WSYNC_ASSIGN_OR_RETURN(Container c, internal::ReadContainer(patch, true));
-  WSYNC_ASSIGN_OR_RETURN(Plan plan, PiecesPlan(c, runtime, /*need_data=*/false));
+  WSYNC_ASSIGN_OR_RETURN(Plan plan, PiecesPlan(c, runtime, /*need_data=*/false, /*other_parts=*/true));
   WSYNC_RETURN_IF_ERROR(CheckPresent(c, plan));
   std::vector<std::vector<uint8_t>> needed(c.tensors.size());
   for (size_t t = 0; t < c.tensors.size(); ++t) needed[t].assign(c.tensors[t].chunks.size(), 0);

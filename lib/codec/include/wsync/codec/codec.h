@@ -197,6 +197,20 @@ std::vector<TileGrid> GridsFor(std::span<const std::vector<RuntimeTensor>> layou
 Status ApplyToPieces(std::string_view patch, std::span<const RuntimeTensor> runtime,
                      const ApplyOptions& options);
 
+// The parts of one version published by several sources (each source a
+// disjoint subset of the tensors: one patch or keyframe per part) applied as
+// one, all or nothing: keyframe parts are verified before anything is
+// written, patch parts applied and verified one after the other, and every
+// part undone when any fails. Tensors are matched by name across the parts;
+// a tensor in two parts is FailedPrecondition, as is a destination tensor in
+// none (unless allow_extra_tensors).
+Status ApplyParts(std::span<const std::string_view> parts, std::span<const MutableTensorView> tensors,
+                  const ApplyOptions& options);
+// The same into pieces: each part applies the pieces of its tensors; a piece
+// whose tensor is in no part is FailedPrecondition.
+Status ApplyPartsToPieces(std::span<const std::string_view> parts, std::span<const RuntimeTensor> runtime,
+                          const ApplyOptions& options);
+
 // A 64-bit name of a layout (runtime tensors' names and shapes and their
 // pieces; never 0): what a sink sends with a pull so that a source that
 // serves that layout sends only its selection (SelectForPieces).
@@ -206,7 +220,8 @@ uint64_t LayoutFingerprint(std::span<const RuntimeTensor> runtime);
 // with every other chunk marked absent and its streams dropped (a selection,
 // docs/patch-format.md). ApplyToPieces takes it as it takes the whole patch;
 // ApplyPatch refuses it (FailedPrecondition). The bytes a sink holding one
-// shard receives.
+// shard receives. Pieces of tensors the patch lacks are left out (they are
+// another part's, when several sources publish the version).
 StatusOr<std::string> SelectForPieces(std::string_view patch, std::span<const RuntimeTensor> runtime);
 
 enum class PatchKind : uint8_t { kPatch = 1, kKeyframe = 2 };
