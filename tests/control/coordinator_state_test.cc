@@ -299,5 +299,114 @@ TEST(CoordinatorState, RecoversEverythingFromItsStore) {
   std::filesystem::remove_all(dir);
 }
 
+// ---- Several sources, each a part of the tensors.
+
+wsync::v1::Layout PartLayout(uint32_t part, const std::string& source, const std::vector<std::string>& names) {
+  wsync::v1::Layout l;
+  l.set_parts(2);
+  l.set_source(source);
+  for (const auto& n : names) {
+    auto* t = l.add_tensors();
+    t->set_name(n);
+    t->set_dtype("BF16");
+    t->add_shape(4);
+    t->set_part(part);
+  }
+  return l;
+}
+
+wsync::v1::VersionSummary Part(uint64_t v, uint32_t part, uint64_t checksum = 0) {
+  auto s = V(v);
+  s.set_part(part);
+  s.set_parts(2);
+  s.set_source(part == 0 ? "src-a" : "src-b");
+  s.set_set_checksum(checksum);
+  s.set_patch_bytes(100 + part);
+  return s;
+}
+
+TEST(CoordinatorState, AVersionOfSeveralSourcesExistsOnceEveryPartIsIn) {
+  FakeClock clock;
+  auto s = Make(&clock);
+  ASSERT_TRUE(s->SetLayout(PartLayout(0, "src-a", {"a", "b"})).ok());
+  EXPECT_FALSE(s->GetLayout().set()) << "half a layout";
+  EXPECT_EQ(s->SetLayout(PartLayout(1, "src-b", {"b", "c"})).code(), StatusCode::kFailedPrecondition)
+      << "a tensor in two parts";
+  ASSERT_TRUE(s->SetLayout(PartLayout(1, "src-b", {"c"})).ok());
+  EXPECT_TRUE(s->GetLayout().set());
+  EXPECT_EQ(s->GetLayout().layout().part_sources(1), "src-b");
+  EXPECT_EQ(s->SetLayout(PartLayout(1, "src-b", {"d"})).code(), StatusCode::kFailedPrecondition) << "part 1 differs";
+  auto whole = PartLayout(0, "src", {"a", "b", "c"});
+  whole.set_parts(0);
+  EXPECT_EQ(s->SetLayout(whole).code(), StatusCode::kFailedPrecondition) << "a whole-set source";
+
+  ASSERT_TRUE(s->Publish(Part(1, 0)).ok());
+  EXPECT_EQ(s->head(), 0u) << "half a version is invisible";
+  auto list = s->ListVersions(0);
+  EXPECT_EQ(list.versions_size(), 0);
+  ASSERT_EQ(list.partial_size(), 1);
+  EXPECT_EQ(list.partial(0).part_summaries_size(), 1);
+  ASSERT_TRUE(s->Publish(Part(1, 1)).ok());
+  EXPECT_EQ(s->head(), 1u);
+  list = s->ListVersions(0);
+  ASSERT_EQ(list.versions_size(), 1);
+  EXPECT_EQ(list.partial_size(), 0);
+  EXPECT_EQ(list.versions(0).part_summaries_size(), 2);
+  EXPECT_EQ(list.versions(0).patch_bytes(), 201u);
+  EXPECT_EQ(list.versions(0).source(), "src-a+src-b");
+  EXPECT_TRUE(s->Publish(Part(1, 1)).ok()) << "a retry of a stored part";
+
+  // Source b dies after a announced version 2; restarted, it announces 2
+  // again (a keyframe): the version is whole then, never before.
+  ASSERT_TRUE(s->Publish(Part(2, 0)).ok());
+  EXPECT_EQ(s->head(), 1u);
+  auto b2 = Part(2, 1, 7);
+  b2.set_keyframe(true);
+  b2.set_base_version(0);
+  ASSERT_TRUE(s->Publish(b2).ok());
+  EXPECT_EQ(s->head(), 2u);
+  // A part announced again before its version is whole replaces the first.
+  ASSERT_TRUE(s->Publish(Part(3, 0, 1)).ok());
+  ASSERT_TRUE(s->Publish(Part(3, 0, 2)).ok());
+  EXPECT_EQ(s->ListVersions(2).partial(0).part_summaries(0).set_checksum(), 2u);
+  // A version whole above a partial one leaves it behind.
+  ASSERT_TRUE(s->Publish(Part(4, 0)).ok());
+  ASSERT_TRUE(s->Publish(Part(4, 1)).ok());
+  EXPECT_EQ(s->head(), 4u);
+  EXPECT_EQ(s->ListVersions(0).partial_size(), 0);
+  EXPECT_EQ(s->Publish(Part(3, 1)).status().code(), StatusCode::kFailedPrecondition) << "below the head";
+}
+
+TEST(CoordinatorState, PartsOfAVersionSurviveARestart) {
+  const std::string dir = ::testing::TempDir() + "/wsync_parts_" + std::to_string(::getpid());
+  std::filesystem::remove_all(dir);
+  FakeClock clock;
+  CoordinatorOptions o;
+  o.compact_every = 3;
+  {
+    Recovered rec;
+    auto store = OpenLogStore(dir, &rec);
+    ASSERT_TRUE(store.ok());
+    auto s = CoordinatorState::Create(o, &clock, std::move(*store), rec);
+    ASSERT_TRUE(s.ok());
+    ASSERT_TRUE((*s)->SetLayout(PartLayout(0, "src-a", {"a"})).ok());
+    ASSERT_TRUE((*s)->SetLayout(PartLayout(1, "src-b", {"b"})).ok());
+    ASSERT_TRUE((*s)->Publish(Part(1, 0)).ok());
+    ASSERT_TRUE((*s)->Publish(Part(1, 1)).ok());
+    ASSERT_TRUE((*s)->Publish(Part(2, 0)).ok());
+  }
+  Recovered rec;
+  auto store = OpenLogStore(dir, &rec);
+  ASSERT_TRUE(store.ok());
+  auto s = CoordinatorState::Create(o, &clock, std::move(*store), rec);
+  ASSERT_TRUE(s.ok());
+  EXPECT_EQ((*s)->head(), 1u);
+  EXPECT_TRUE((*s)->GetLayout().set());
+  ASSERT_EQ((*s)->ListVersions(0).partial_size(), 1);
+  ASSERT_TRUE((*s)->Publish(Part(2, 1)).ok());
+  EXPECT_EQ((*s)->head(), 2u) << "the part announced before the restart counts";
+  std::filesystem::remove_all(dir);
+}
+
 }  // namespace
 }  // namespace wsync::control

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <limits>
+#include <set>
 
 #include <spdlog/spdlog.h>
 
@@ -63,6 +64,11 @@ StatusOr<std::unique_ptr<CoordinatorState>> CoordinatorState::Create(const Coord
     *r.mutable_layout_set() = snap.layout();
     s->Apply(r);
   }
+  for (const auto& p : snap.version_parts()) {
+    Record r;
+    *r.mutable_version_part() = p;
+    s->Apply(r);
+  }
   s->next_lease_id_ = std::max(s->next_lease_id_, snap.next_lease_id());
   s->next_incarnation_ = std::max(s->next_incarnation_, snap.next_incarnation());
   s->version_floor_ = std::max(snap.version_floor(), recovered.version_floor);
@@ -111,6 +117,13 @@ void CoordinatorState::Apply(const Record& r) {
     case Record::kVersionPublished: {
       const uint64_t v = r.version_published().version();
       if (versions_.empty() || v > versions_.rbegin()->first) versions_[v] = r.version_published();
+      // Parts of this version and of older ones: whole now, or never.
+      parts_.erase(parts_.begin(), parts_.upper_bound(v));
+      break;
+    }
+    case Record::kVersionPart: {
+      const auto& p = r.version_part();
+      if (versions_.empty() || p.version() > versions_.rbegin()->first) parts_[p.version()][p.part()] = p;
       break;
     }
     case Record::kLeaseGranted: {
@@ -167,6 +180,9 @@ wsync::store::v1::Snapshot CoordinatorState::MakeSnapshot() const {
   snap.set_next_incarnation(next_incarnation_);
   if (layout_) *snap.mutable_layout() = *layout_;
   snap.set_version_floor(version_floor_);
+  for (const auto& [v, parts] : parts_) {
+    for (const auto& [p, summary] : parts) *snap.add_version_parts() = summary;
+  }
   return snap;
 }
 
@@ -266,6 +282,7 @@ Status CoordinatorState::Deregister(const std::string& name) {
 StatusOr<uint64_t> CoordinatorState::Publish(const VersionSummary& version) {
   if (version.version() == 0) return InvalidArgumentError("version 0 is reserved for 'none'");
   std::lock_guard<std::mutex> lock(mu_);
+  if (version.parts() > 1 || (layout_ && layout_->parts() > 1)) return PublishPartLocked(version);
   // Above the head, and above every version ever acknowledged (the store's
   // high-water mark: higher than the head after a salvage lost records).
   const uint64_t head = AcknowledgedHeadLocked();
@@ -295,8 +312,120 @@ StatusOr<uint64_t> CoordinatorState::Publish(const VersionSummary& version) {
   return version.version();
 }
 
+// A part of a version published by several sources: recorded; the version
+// is published (visible, the head) once every part is in. A part announced
+// again for a version not yet whole replaces the earlier one (its source
+// restarted: nobody has applied it). Versions below a whole one that are
+// still partial are dropped: their missing sources have moved past them.
+StatusOr<uint64_t> CoordinatorState::PublishPartLocked(const VersionSummary& part) {
+  const uint64_t v = part.version();
+  if (!layout_ || layout_->parts() != part.parts() || part.parts() <= 1) {
+    return FailedPreconditionError("version " + std::to_string(v) + " part " + std::to_string(part.part()) + " of " +
+                                   std::to_string(part.parts()) + ": the layout is set for " +
+                                   std::to_string(layout_ ? std::max<uint32_t>(1, layout_->parts()) : 0) + " part(s)");
+  }
+  if (part.part() >= part.parts()) {
+    return InvalidArgumentError("part " + std::to_string(part.part()) + " of " + std::to_string(part.parts()));
+  }
+  if (auto it = versions_.find(v); it != versions_.end() && static_cast<int>(part.part()) < it->second.part_summaries_size()) {
+    const VersionSummary& had = it->second.part_summaries(static_cast<int>(part.part()));
+    if (had.set_checksum() == part.set_checksum() && had.source() == part.source() &&
+        had.base_version() == part.base_version()) {
+      return v;  // a retry of a part stored with its version
+    }
+  }
+  const uint64_t head = AcknowledgedHeadLocked();
+  if (v <= head) {
+    return FailedPreconditionError("version " + std::to_string(v) + " is not above the head version " +
+                                   std::to_string(head) + "; versions only grow");
+  }
+  if (!part.keyframe() && part.base_version() >= v) {
+    return InvalidArgumentError("base version " + std::to_string(part.base_version()) +
+                                " of a patch must be below its version " + std::to_string(v));
+  }
+  Record r;
+  *r.mutable_version_part() = part;
+  if (part.published_unix_ms() == 0) r.mutable_version_part()->set_published_unix_ms(clock_->NowMs());
+  WSYNC_RETURN_IF_ERROR(Log(r));
+  const auto& have = parts_[v];
+  spdlog::info("version {} part {} of {} published by {} ({} of {} parts in)", v, part.part(), part.parts(),
+               part.source(), have.size(), part.parts());
+  if (have.size() < part.parts()) return v;
+  // Whole: the version as sinks see it.
+  Record whole;
+  VersionSummary* s = whole.mutable_version_published();
+  s->set_version(v);
+  s->set_parts(part.parts());
+  s->set_keyframe(true);
+  std::string sources;
+  for (const auto& [index, p] : have) {
+    *s->add_part_summaries() = p;
+    s->set_patch_bytes(s->patch_bytes() + p.patch_bytes());
+    s->set_dense_bytes(s->dense_bytes() + p.dense_bytes());
+    s->set_keyframe(s->keyframe() && p.keyframe());
+    if (!p.keyframe()) s->set_base_version(std::max(s->base_version(), p.base_version()));
+    sources += (sources.empty() ? "" : "+") + p.source();
+  }
+  s->set_source(sources);
+  s->set_published_unix_ms(clock_->NowMs());
+  WSYNC_RETURN_IF_ERROR(Log(whole));
+  AssignParentsLocked();
+  spdlog::info("version {} published: all {} parts in ({})", v, part.parts(), sources);
+  return v;
+}
+
+// A part of a layout of several sources: the first sets it; later parts are
+// added (no tensor in two parts); a part set already is checked.
+Status CoordinatorState::SetLayoutPartLocked(const wsync::v1::Layout& layout) {
+  uint32_t part = layout.tensors(0).part();
+  for (const auto& t : layout.tensors()) {
+    if (t.part() != part) return InvalidArgumentError("a source sets the tensors of one part");
+  }
+  if (part >= layout.parts()) return InvalidArgumentError("part " + std::to_string(part) + " of " + std::to_string(layout.parts()));
+  wsync::v1::Layout merged;
+  if (layout_) {
+    if (layout_->parts() != layout.parts()) {
+      return FailedPreconditionError("the layout was set for " + std::to_string(std::max<uint32_t>(1, layout_->parts())) +
+                                     " part(s) (sources), this source says " + std::to_string(layout.parts()));
+    }
+    const wsync::v1::Layout mine = PartOf(*layout_, part);
+    if (mine.tensors_size() > 0) {
+      WSYNC_RETURN_IF_ERROR(CheckLayout(mine, layout, "the tensors of this source"));
+      if (layout_->part_sources(static_cast<int>(part)) == layout.source()) return Status::Ok();
+    }
+    merged = *layout_;
+    if (mine.tensors_size() == 0) {
+      std::set<std::string> names;
+      for (const auto& t : layout_->tensors()) names.insert(t.name());
+      for (const auto& t : layout.tensors()) {
+        if (names.count(t.name())) {
+          return FailedPreconditionError("tensor " + Quoted(t.name()) + " of part " + std::to_string(part) +
+                                         " is already another part's");
+        }
+        *merged.add_tensors() = t;
+      }
+    }
+  } else {
+    merged = layout;
+    merged.clear_part_sources();
+    for (uint32_t i = 0; i < layout.parts(); ++i) merged.add_part_sources("");
+  }
+  merged.set_part_sources(static_cast<int>(part), layout.source());
+  Record r;
+  *r.mutable_layout_set() = merged;
+  WSYNC_RETURN_IF_ERROR(Log(r));
+  spdlog::info("layout part {} of {} ({} tensors) set by {}{}", part, layout.parts(), layout.tensors_size(),
+               layout.source(), LayoutComplete(merged) ? ": the layout is complete" : "");
+  return Status::Ok();
+}
+
 Status CoordinatorState::SetLayout(const wsync::v1::Layout& layout) {
   std::lock_guard<std::mutex> lock(mu_);
+  if (layout.parts() > 1 && layout.tensors_size() > 0) return SetLayoutPartLocked(layout);
+  if (layout_ && layout_->parts() > 1) {
+    return FailedPreconditionError("the layout was set for " + std::to_string(layout_->parts()) +
+                                   " parts (sources); this source registers the whole set");
+  }
   if (layout_) return CheckLayout(*layout_, layout, "the tensors of this source");
   if (layout.tensors_size() == 0) return InvalidArgumentError("a layout needs at least one tensor");
   Record r;
@@ -310,7 +439,8 @@ wsync::v1::GetLayoutResponse CoordinatorState::GetLayout() const {
   std::lock_guard<std::mutex> lock(mu_);
   wsync::v1::GetLayoutResponse resp;
   if (layout_) *resp.mutable_layout() = *layout_;
-  resp.set_set(layout_.has_value());
+  // A layout of several parts counts once every part is in.
+  resp.set_set(layout_.has_value() && LayoutComplete(*layout_));
   return resp;
 }
 
@@ -318,6 +448,14 @@ wsync::v1::ListVersionsResponse CoordinatorState::ListVersions(uint64_t after) c
   std::lock_guard<std::mutex> lock(mu_);
   wsync::v1::ListVersionsResponse resp;
   for (auto it = versions_.upper_bound(after); it != versions_.end(); ++it) *resp.add_versions() = it->second;
+  for (const auto& [v, parts] : parts_) {
+    VersionSummary* partial = resp.add_partial();
+    partial->set_version(v);
+    for (const auto& [index, p] : parts) {
+      *partial->add_part_summaries() = p;
+      partial->set_parts(p.parts());
+    }
+  }
   // Publishers read the next valid version from it: the floor counts.
   resp.set_head_version(AcknowledgedHeadLocked());
   return resp;

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <map>
 #include <string>
+#include <vector>
 
 #include "wsync/util/text.h"
 
@@ -49,6 +50,25 @@ Status CheckLayout(const wsync::v1::Layout& published, const wsync::v1::Layout& 
                                    std::to_string(want.size() - 1) + " more) of the layout published" + from);
   }
   return Status::Ok();
+}
+
+wsync::v1::Layout PartOf(const wsync::v1::Layout& layout, uint32_t part) {
+  wsync::v1::Layout out;
+  out.set_parts(layout.parts());
+  for (const auto& t : layout.tensors()) {
+    if (t.part() == part) *out.add_tensors() = t;
+  }
+  if (part < static_cast<uint32_t>(layout.part_sources_size())) out.set_source(layout.part_sources(part));
+  return out;
+}
+
+bool LayoutComplete(const wsync::v1::Layout& layout) {
+  if (layout.parts() <= 1) return layout.tensors_size() > 0;
+  std::vector<bool> seen(layout.parts(), false);
+  for (const auto& t : layout.tensors()) {
+    if (t.part() < layout.parts()) seen[t.part()] = true;
+  }
+  return std::all_of(seen.begin(), seen.end(), [](bool b) { return b; });
 }
 
 }  // namespace wsync::control

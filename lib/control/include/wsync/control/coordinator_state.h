@@ -115,6 +115,8 @@ class CoordinatorState {
   // The highest version ever acknowledged: the head, or the store's floor
   // after a salvage that lost versions. REQUIRES: mu_ held.
   uint64_t AcknowledgedHeadLocked() const;
+  StatusOr<uint64_t> PublishPartLocked(const wsync::v1::VersionSummary& part);
+  Status SetLayoutPartLocked(const wsync::v1::Layout& layout);
   void FillDerivedLocked(wsync::v1::Node* n) const;
   void NotifyLocked();
 
@@ -127,6 +129,8 @@ class CoordinatorState {
   uint64_t generation_ = 0;
   std::map<std::string, wsync::v1::Node> nodes_;
   std::map<uint64_t, wsync::v1::VersionSummary> versions_;
+  // Versions published by several sources, not yet whole: version -> part -> summary.
+  std::map<uint64_t, std::map<uint32_t, wsync::v1::VersionSummary>> parts_;
   std::map<uint64_t, wsync::v1::Lease> leases_;
   std::optional<wsync::v1::Layout> layout_;
   uint64_t version_floor_ = 0;  // no version at or below it is published (Recovered::version_floor)

@@ -14,4 +14,12 @@ namespace wsync::control {
 // registered tensors", "this checkpoint").
 Status CheckLayout(const wsync::v1::Layout& published, const wsync::v1::Layout& offered, const char* what);
 
+// Several sources (Layout.parts > 1): the tensors of part `part` of a
+// layout, as its source offers them.
+wsync::v1::Layout PartOf(const wsync::v1::Layout& layout, uint32_t part);
+
+// Whether every part of a layout has its tensors (a layout of one part:
+// whether it has any).
+bool LayoutComplete(const wsync::v1::Layout& layout);
+
 }  // namespace wsync::control
