@@ -100,6 +100,18 @@ void PrintLeases(const google::protobuf::RepeatedPtrField<v1::Lease>& leases, in
   }
 }
 
+// Versions some of whose parts are announced (several sources), one line each.
+void PrintPartial(const v1::ListVersionsResponse& v) {
+  for (const auto& s : v.partial()) {
+    std::string in;
+    for (const auto& p : s.part_summaries()) {
+      in += (in.empty() ? "" : ", ") + std::to_string(p.part()) + " by " + p.source();
+    }
+    std::printf("version %" PRIu64 ": partial, %d of %u parts announced (%s); invisible to sinks until every part is\n",
+                s.version(), s.part_summaries_size(), s.parts(), in.c_str());
+  }
+}
+
 int64_t NowMs() {
   return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch())
       .count();
@@ -119,6 +131,10 @@ Status RunStatus(const Connection& c) {
   if (s.leases_size() > 0) {
     std::printf("\n");
     PrintLeases(s.leases(), s.now_unix_ms());
+  }
+  if (auto v = client->ListVersions(s.head_version()); v.ok() && v->partial_size() > 0) {
+    std::printf("\n");
+    PrintPartial(*v);
   }
   return Status::Ok();
 }
@@ -152,6 +168,7 @@ Status RunVersions(const Connection& c, uint64_t after) {
                 s.patch_bytes() ? static_cast<double>(s.dense_bytes()) / s.patch_bytes() : 0.0, s.set_checksum(),
                 s.source().c_str());
   }
+  PrintPartial(v);
   return Status::Ok();
 }
 

@@ -246,7 +246,7 @@ class Source : public Node, public v1::Local::Service {
     if (reg->has_pieces()) return ToGrpc(InvalidArgumentError("a source registers published tensors, not pieces"));
     auto served = ServedLayouts(*req);
     if (!served.ok()) return ToGrpc(served.status());
-    auto r = core_->RegisterTensors(std::move(*reg), *served);
+    auto r = core_->RegisterTensors(std::move(*reg), *served, req->part(), req->parts());
     if (!r.ok()) return ToGrpc(r.status());
     for (const auto& name : r->cast_to_bf16) resp->add_cast_to_bf16(name);
     resp->set_head_version(r->head);
@@ -319,7 +319,9 @@ class Sink : public Node, public v1::Local::Service {
 
   grpc::Status RegisterTensors(grpc::ServerContext*, const v1::RegisterTensorsRequest* req,
                                v1::RegisterTensorsResponse* resp) override {
-    if (req->serve_layouts_size() > 0) return ToGrpc(InvalidArgumentError("serve_layouts is a source's"));
+    if (req->serve_layouts_size() > 0 || req->parts() > 1) {
+      return ToGrpc(InvalidArgumentError("serve_layouts, part and parts are a source's"));
+    }
     auto reg = OpenRegistered(*req);
     if (!reg.ok()) return ToGrpc(reg.status());
     auto head = core_->RegisterTensors(std::move(*reg), req->applied_version());

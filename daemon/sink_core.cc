@@ -480,12 +480,16 @@ void SinkCore::SyncLoop() {
       mismatched_ = w.get();
       continue;
     }
-    s = SyncOnce(w, parent, resync || w->applied() == 0 ? 0 : w->applied(), head);
+    // Several sources: each part from its source (no relays).
+    std::vector<std::string> nodes = PartSources();
+    if (nodes.empty()) nodes = {parent};
+    const std::string from_where = nodes.size() == 1 ? Quoted(parent) : std::to_string(nodes.size()) + " sources";
+    s = SyncOnce(w, nodes, resync || w->applied() == 0 ? 0 : w->applied(), head);
     if (!s.ok() && !stopping_ && (s.code() == StatusCode::kFailedPrecondition || s.code() == StatusCode::kDataLoss)) {
       // The patch does not fit what we hold: a keyframe in the same attempt.
-      spdlog::warn("sink {}: sync {}->{} from {}: {}; pulling a keyframe", config_.name, w->applied(), head, parent,
+      spdlog::warn("sink {}: sync {}->{} from {}: {}; pulling a keyframe", config_.name, w->applied(), head, from_where,
                    s.ToString());
-      s = SyncOnce(w, parent, 0, head);
+      s = SyncOnce(w, nodes, 0, head);
     }
     if (stopping_) return;
     if (s.ok()) {
@@ -494,14 +498,16 @@ void SinkCore::SyncLoop() {
       Kick();  // a version may have come meanwhile
       continue;
     }
-    if (s.code() == StatusCode::kUnavailable || s.code() == StatusCode::kDeadlineExceeded) DropPeer(parent);
+    if (s.code() == StatusCode::kUnavailable || s.code() == StatusCode::kDeadlineExceeded) {
+      for (const auto& node : nodes) DropPeer(node);
+    }
     const auto delay = RetryDelay(++failures_);
     next_attempt = Clock::now() + delay;
     if (s.code() == StatusCode::kNotFound) {
       std::lock_guard<std::mutex> lock(sync_mu_);
       retry_on_new_head_ = head;
     }
-    s = s.WithContext("sync " + std::to_string(w->applied()) + "->" + std::to_string(head) + " from " + Quoted(parent));
+    s = s.WithContext("sync " + std::to_string(w->applied()) + "->" + std::to_string(head) + " from " + from_where);
     w->SetSyncError(s, /*permanent=*/false);
     spdlog::warn("sink {}: {} (failure {}; next attempt in {} ms)", config_.name, s.ToString(), failures_.load(),
                  delay.count());
@@ -532,31 +538,48 @@ Status SinkCore::CheckPublishedLayout(const buffers::MappedTensors& tensors) {
 }
 
 
-Status SinkCore::SyncOnce(const std::shared_ptr<SinkWeights>& w, const std::string& parent, uint64_t from,
-                       uint64_t to) {
+std::vector<std::string> SinkCore::PartSources() {
+  auto published = env_.coordinator->GetLayout();
+  if (!published.ok() || !published->set() || published->layout().parts() <= 1) return {};
+  const auto& sources = published->layout().part_sources();
+  return {sources.begin(), sources.end()};
+}
+
+Status SinkCore::SyncOnce(const std::shared_ptr<SinkWeights>& w, const std::vector<std::string>& nodes, uint64_t from,
+                          uint64_t to) {
   const auto t0 = Clock::now();
-  WSYNC_ASSIGN_OR_RETURN(transport::PeerId peer, ParentPeer(parent));
-  ++pulls_made_;
-  WSYNC_ASSIGN_OR_RETURN(auto stream, env_.fetcher->Pull(peer, from, to, w->layout(), std::chrono::seconds(30)));
-  {
-    // Children may pull the same range from us while it arrives
-    // (not a selection for pieces: it is not the stream they would pull.)
-    std::lock_guard<std::mutex> lock(state_mu_);
-    if (w->layout() == 0) {
-      KeepStreamLocked({stream->from(), stream->to()}, stream);
-      if (stream->from() != from) KeepStreamLocked({from, to}, stream);
-    }
+  std::vector<std::shared_ptr<PatchStream>> streams;
+  for (const auto& node : nodes) {
+    WSYNC_ASSIGN_OR_RETURN(transport::PeerId peer, ParentPeer(node));
+    ++pulls_made_;
+    WSYNC_ASSIGN_OR_RETURN(auto stream, env_.fetcher->Pull(peer, from, to, w->layout(), std::chrono::seconds(30)));
+    streams.push_back(std::move(stream));
   }
-  WSYNC_RETURN_IF_ERROR(stream->WaitComplete(Clock::now() + std::chrono::minutes(5)));
-  bytes_received_ += stream->total_bytes();
+  if (streams.size() == 1 && w->layout() == 0) {
+    // Children may pull the same range from us while it arrives (not a
+    // selection for pieces, nor a part: not the stream they would pull).
+    const auto& stream = streams[0];
+    std::lock_guard<std::mutex> lock(state_mu_);
+    KeepStreamLocked({stream->from(), stream->to()}, stream);
+    if (stream->from() != from) KeepStreamLocked({from, to}, stream);
+  }
+  uint64_t bytes = 0;
+  std::vector<const PatchStream*> parts;
+  for (const auto& stream : streams) {
+    WSYNC_RETURN_IF_ERROR(stream->WaitComplete(Clock::now() + std::chrono::minutes(5)));
+    bytes += stream->total_bytes();
+    parts.push_back(stream.get());
+  }
+  bytes_received_ += bytes;
   const auto received = Clock::now();
-  WSYNC_RETURN_IF_ERROR(w->Apply(*stream));
+  WSYNC_RETURN_IF_ERROR(w->ApplyParts(parts));
   ReportApplied(w->applied());
   using Ms = std::chrono::duration<double, std::milli>;
   const auto done = Clock::now();
   spdlog::info("sink {}: version {} applied from {} ({} {} bytes, {:.1f} ms: transfer {:.1f} ms, apply {:.1f} ms)",
-               config_.name, w->applied(), parent, stream->kind() == codec::PatchKind::kKeyframe ? "keyframe" : "patch",
-               stream->total_bytes(), Ms(done - t0).count(), Ms(received - t0).count(), Ms(done - received).count());
+               config_.name, w->applied(), nodes.size() == 1 ? nodes[0] : std::to_string(nodes.size()) + " sources",
+               streams[0]->kind() == codec::PatchKind::kKeyframe ? "keyframe" : "patch", bytes, Ms(done - t0).count(),
+               Ms(received - t0).count(), Ms(done - received).count());
   return wsync::Status::Ok();
 }
 

@@ -130,7 +130,14 @@ class SinkCore : public exchange::PatchProvider {
   void ResetBackoffSoon();  // REQUIRES: state_mu_ held (takes sync_mu_ only)
   std::chrono::milliseconds RetryDelay(uint64_t failures);
   Status CheckPublishedLayout(const buffers::MappedTensors& tensors);
-  Status SyncOnce(const std::shared_ptr<SinkWeights>& w, const std::string& parent, uint64_t from, uint64_t to);
+  // Pulls (from, to) from each of `nodes` (the parent, or the source of
+  // every part of a version published by several sources) and applies what
+  // they send as one.
+  Status SyncOnce(const std::shared_ptr<SinkWeights>& w, const std::vector<std::string>& nodes, uint64_t from,
+                  uint64_t to);
+  // The sources of the parts when several sources publish the versions
+  // (the published layout's part_sources); empty otherwise.
+  std::vector<std::string> PartSources();
 
   const DataDaemonConfig config_;
   const SinkEnvironment env_;

@@ -15,7 +15,19 @@ uint64_t SinkWeights::applied() const {
 }
 
 Status SinkWeights::Apply(const PatchStream& stream) {
-  WSYNC_RETURN_IF_ERROR(stream.WaitComplete(std::chrono::steady_clock::now()).WithContext("apply"));
+  const PatchStream* one[] = {&stream};
+  return ApplyParts(one);
+}
+
+Status SinkWeights::ApplyParts(std::span<const PatchStream* const> parts) {
+  if (parts.empty()) return InvalidArgumentError("no parts to apply");
+  const PatchStream& stream = *parts[0];
+  for (const PatchStream* p : parts) {
+    WSYNC_RETURN_IF_ERROR(p->WaitComplete(std::chrono::steady_clock::now()).WithContext("apply"));
+    if (p->to() != stream.to()) {
+      return InvalidArgumentError("parts of versions " + std::to_string(stream.to()) + " and " + std::to_string(p->to()));
+    }
+  }
   std::unique_lock<std::mutex> lock(mu_);
   ++applies_waiting_;
   cv_.wait(lock, [&] { return (holds_ == 0 && !applying_) || closed_; });
@@ -24,23 +36,33 @@ Status SinkWeights::Apply(const PatchStream& stream) {
     cv_.notify_all();
     return AbortedError("the tensors were unregistered");
   }
-  if (stream.kind() == codec::PatchKind::kPatch && stream.from() != applied_) {
-    cv_.notify_all();
-    return FailedPreconditionError("patch " + std::to_string(stream.from()) + "->" + std::to_string(stream.to()) +
-                                   " does not start at the applied version " + std::to_string(applied_));
+  for (const PatchStream* p : parts) {
+    if (p->kind() == codec::PatchKind::kPatch && p->from() != applied_) {
+      cv_.notify_all();
+      return FailedPreconditionError("patch " + std::to_string(p->from()) + "->" + std::to_string(p->to()) +
+                                     " does not start at the applied version " + std::to_string(applied_));
+    }
   }
   applying_ = true;
   lock.unlock();
   const auto t0 = std::chrono::steady_clock::now();
-  const std::string bytes = stream.Assemble();
+  std::vector<std::string> bytes;
+  std::vector<std::string_view> views;
+  size_t total = 0;
+  for (const PatchStream* p : parts) bytes.push_back(p->Assemble());
+  for (const auto& b : bytes) {
+    views.push_back(b);
+    total += b.size();
+  }
   codec::ApplyOptions options;
   options.pool = pool_;
-  Status s = store_->Apply(bytes, options);
+  Status s = store_->Apply(views, options);
   lock.lock();
   applying_ = false;
   if (s.ok()) {
-    spdlog::info("applied {} {}->{} ({} bytes) in {:.1f} ms", stream.kind() == codec::PatchKind::kKeyframe ? "keyframe" : "patch",
-                 stream.from(), stream.to(), bytes.size(),
+    spdlog::info("applied {} {}->{} ({} bytes{}) in {:.1f} ms",
+                 stream.kind() == codec::PatchKind::kKeyframe ? "keyframe" : "patch", stream.from(), stream.to(), total,
+                 parts.size() > 1 ? ", " + std::to_string(parts.size()) + " parts" : "",
                  std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
     applied_ = stream.to();
   }

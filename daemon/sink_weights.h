@@ -38,6 +38,9 @@ class SinkWeights {
   // (FailedPrecondition otherwise: the caller pulls again or asks for a
   // keyframe); a keyframe applies over anything. Aborted once closed.
   Status Apply(const PatchStream& stream);
+  // The parts of one version from several sources (complete streams to
+  // the same version), applied as one.
+  Status ApplyParts(std::span<const PatchStream* const> parts);
 
   // Waits for an apply in progress, then refuses every later one: the
   // owner may free the memory once the SinkWeights is gone.

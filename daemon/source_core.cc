@@ -1,5 +1,7 @@
 #include "source_core.h"
 
+#include <set>
+
 #include <spdlog/spdlog.h>
 
 #include <cstdio>
@@ -59,12 +61,24 @@ bool SourceCore::SleepFor(std::chrono::milliseconds d) {
 }
 
 StatusOr<SourceRegistration> SourceCore::RegisterTensors(buffers::MappedTensors reg,
-                                                         const std::vector<std::vector<codec::RuntimeTensor>>& served) {
+                                                         const std::vector<std::vector<codec::RuntimeTensor>>& served,
+                                                         uint32_t part, uint32_t parts) {
+  parts = std::max<uint32_t>(parts, 1);
+  if (part >= parts) {
+    return InvalidArgumentError("part " + std::to_string(part) + " of " + std::to_string(parts) + " sources");
+  }
   const auto views = reg.Views();
   const auto canonical = LayoutViews(views);
   std::vector<codec::TileGrid> grids = codec::GridsFor(served, canonical);
+  std::set<std::string> mine;
+  for (const auto& t : views) mine.insert(t.name);
   for (size_t i = 0; i < served.size(); ++i) {
-    if (Status s = codec::ValidatePieces(served[i], canonical, grids); !s.ok()) {
+    // With several sources, the pieces of this source's tensors.
+    std::vector<codec::RuntimeTensor> own = served[i];
+    for (auto& rt : own) {
+      std::erase_if(rt.pieces, [&](const codec::Piece& p) { return parts > 1 && !mine.count(p.canonical); });
+    }
+    if (Status s = codec::ValidatePieces(own, canonical, grids); !s.ok()) {
       return s.WithContext("served layout " + std::to_string(i));
     }
   }
@@ -72,12 +86,25 @@ StatusOr<SourceRegistration> SourceCore::RegisterTensors(buffers::MappedTensors 
     return UnimplementedError("a source in device memory codes flat chunks only (the device codec has no tile "
                               "grids yet): serve pieces from a host-memory source");
   }
-  const v1::Layout layout = LayoutOf(views, /*published=*/true, grids);
+  v1::Layout layout = LayoutOf(views, /*published=*/true, grids);
+  if (parts > 1) {
+    layout.set_parts(parts);
+    for (auto& t : *layout.mutable_tensors()) t.set_part(part);
+  }
   // The layout is the coordinator's, also across restarts of this source.
   auto published = coordinator_->GetLayout();
-  if (published.ok() && published->set()) {
-    if (auto s = control::CheckLayout(published->layout(), layout, "the registered tensors"); !s.ok()) {
-      return s;
+  bool mine_published = false;
+  if (published.ok() && published->layout().tensors_size() > 0) {
+    const v1::Layout& p = published->layout();
+    if (std::max<uint32_t>(p.parts(), 1) != parts) {
+      return FailedPreconditionError("the layout published is of " + std::to_string(std::max<uint32_t>(p.parts(), 1)) +
+                                     " part(s) (sources); this source registers part " + std::to_string(part) + " of " +
+                                     std::to_string(parts));
+    }
+    const v1::Layout expected = parts > 1 ? control::PartOf(p, part) : p;
+    mine_published = expected.tensors_size() > 0;
+    if (mine_published) {
+      if (auto s = control::CheckLayout(expected, layout, "the registered tensors"); !s.ok()) return s;
     }
   } else if (!published.ok()) {
     spdlog::warn("source {}: layout not checked at registration (checked at the first publish): {}", config_.name,
@@ -107,7 +134,9 @@ StatusOr<SourceRegistration> SourceCore::RegisterTensors(buffers::MappedTensors 
   cast_ = !out.cast_to_bf16.empty();
   tensors_ = std::make_unique<buffers::MappedTensors>(std::move(reg));
   layout_ = layout;
-  layout_set_ = published.ok() && published->set();
+  layout_set_ = mine_published;
+  part_ = part;
+  parts_ = parts;
   // A restarted source learns the head now, so that it names the next valid version.
   if (auto versions = coordinator_->ListVersions(std::numeric_limits<uint64_t>::max()); versions.ok()) {
     coordinator_head_ = std::max(coordinator_head_.load(), versions->head_version());
@@ -322,6 +351,10 @@ Status SourceCore::Announce(const PublishedVersion& pub, double ms) {
   v.set_set_checksum(pub.set_checksum);
   v.set_keyframe(pub.base_version == 0);
   v.set_source(config_.name);
+  if (parts_ > 1) {  // set at registration, which waits for every publish
+    v.set_part(part_);
+    v.set_parts(parts_);
+  }
   // A lost answer is retried (the coordinator takes the same summary
   // again as a success), a bounded number of times.
   StatusOr<uint64_t> head = UnavailableError("not announced");

@@ -64,8 +64,11 @@ class SourceCore {
   // `served`: the runtime layouts of the sinks holding pieces (tensor-parallel
   // ranks); versions are coded with the tile grid that holds them all
   // (codec::GridsFor), published with the layout.
+  // `part` of `parts` (> 1): this source publishes these tensors as one part
+  // of versions that other sources publish the rest of.
   StatusOr<SourceRegistration> RegisterTensors(buffers::MappedTensors tensors,
-                                               const std::vector<std::vector<codec::RuntimeTensor>>& served = {});
+                                               const std::vector<std::vector<codec::RuntimeTensor>>& served = {},
+                                               uint32_t part = 0, uint32_t parts = 1);
   Status Unregister();
   StatusOr<PublishResult> Publish(const PublishRequest& req);
   // A background publish ends; later publishes are refused.
@@ -103,6 +106,9 @@ class SourceCore {
   std::thread publisher_;
   Status background_status_;
   bool layout_set_ = false;  // the coordinator holds layout_ (under publish_mu_)
+  // This source's part of the versions: written by RegisterTensors under
+  // publish_mu_ with no publish in flight, read by publishes.
+  uint32_t part_ = 0, parts_ = 1;
   // The last version this source encoded, and whether the coordinator
   // confirmed it (under publish_mu_; written by the background publisher
   // before JoinBackground returns).

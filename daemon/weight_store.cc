@@ -6,12 +6,25 @@
 namespace wsync::daemon {
 namespace {
 
+// Applies the parts of one version (one part: a patch or keyframe of the
+// whole set) into host tensors, whole or holding pieces.
+Status ApplyOnHost(std::span<const std::string_view> parts, const buffers::MappedTensors& tensors,
+                   std::vector<codec::RuntimeTensor> runtime, const codec::ApplyOptions& options) {
+  if (tensors.has_pieces()) {
+    if (parts.size() == 1) return codec::ApplyToPieces(parts[0], runtime, options);
+    return codec::ApplyPartsToPieces(parts, runtime, options);
+  }
+  std::vector<codec::MutableTensorView> views;
+  for (auto& rt : runtime) views.push_back(std::move(rt.view));
+  if (parts.size() == 1) return codec::ApplyPatch(parts[0], views, options);
+  return codec::ApplyParts(parts, views, options);
+}
+
 class HostStore : public WeightStore {
  public:
   explicit HostStore(buffers::MappedTensors tensors) : WeightStore(std::move(tensors)) {}
-  Status Apply(std::string_view patch, const codec::ApplyOptions& options) override {
-    if (tensors_.has_pieces()) return codec::ApplyToPieces(patch, tensors_.Runtime(), options);
-    return codec::ApplyPatch(patch, tensors_.MutableViews(), options);
+  Status Apply(std::span<const std::string_view> parts, const codec::ApplyOptions& options) override {
+    return ApplyOnHost(parts, tensors_, tensors_.Runtime(), options);
   }
   StatusOr<std::vector<buffers::OwnedTensor>> HostCopy() const override { return buffers::CopyTensors(Views()); }
   StatusOr<uint64_t> SetChecksum(ThreadPool* pool) const override { return codec::SetChecksum(Views(), pool); }
@@ -25,9 +38,9 @@ class DeviceStore : public WeightStore {
  public:
   DeviceStore(buffers::MappedTensors tensors, std::unique_ptr<cuda::DeviceCodec> codec)
       : WeightStore(std::move(tensors)), codec_(std::move(codec)) {}
-  Status Apply(std::string_view patch, const codec::ApplyOptions& options) override {
-    if (tensors_.has_pieces()) return ApplyPiecesOnHost(patch, options);
-    return codec_->ApplyPatch(patch, tensors_.MutableViews(), options);
+  Status Apply(std::span<const std::string_view> parts, const codec::ApplyOptions& options) override {
+    if (parts.size() == 1 && !tensors_.has_pieces()) return codec_->ApplyPatch(parts[0], tensors_.MutableViews(), options);
+    return ApplyThroughHost(parts, options);
   }
   StatusOr<std::vector<buffers::OwnedTensor>> HostCopy() const override {
     std::vector<buffers::OwnedTensor> out;
@@ -47,16 +60,17 @@ class DeviceStore : public WeightStore {
   }
 
  private:
-  // Pieces in device memory: the device codec decodes flat chunks only
-  // (tile kernels are #21's), so the runtime tensors are copied down,
+  // Pieces, or the parts of a version from several sources, in device
+  // memory: the device codec decodes flat chunks of one patch only (tiles
+  // and parts on the device are #21's), so the tensors are copied down,
   // applied and verified on the host, and copied back up only when the
   // whole apply succeeded. A copy-up that fails midway leaves torn device
-  // tensors: DataLoss, and the next patch fails its digests (a keyframe).
-  Status ApplyPiecesOnHost(std::string_view patch, const codec::ApplyOptions& options) {
+  // tensors: DataLoss, and the next patch fails its checks (a keyframe).
+  Status ApplyThroughHost(std::span<const std::string_view> parts, const codec::ApplyOptions& options) {
     WSYNC_ASSIGN_OR_RETURN(auto host, HostCopy());
     auto runtime = tensors_.Runtime();
     for (size_t i = 0; i < runtime.size(); ++i) runtime[i].view.data = host[i].bytes.data();
-    WSYNC_RETURN_IF_ERROR(codec::ApplyToPieces(patch, runtime, options));
+    WSYNC_RETURN_IF_ERROR(ApplyOnHost(parts, tensors_, std::move(runtime), options));
     const auto device = tensors_.MutableViews();
     for (size_t i = 0; i < host.size(); ++i) {
       Status s = cuda::CopyHostToDevice(device[i].data, host[i].bytes.data(), host[i].bytes.size());

@@ -36,10 +36,11 @@ class WeightStore {
   // published tensors themselves.
   uint64_t layout() const { return layout_; }
 
-  // Applies a patch or keyframe into the tensors: verified, undone on a
-  // mismatch (codec::ApplyPatch's contract; codec::ApplyToPieces's when the
-  // tensors hold pieces).
-  virtual Status Apply(std::string_view patch, const codec::ApplyOptions& options) = 0;
+  // Applies a patch or keyframe into the tensors, or the parts of one
+  // version from several sources together: verified, undone on a mismatch
+  // (codec::ApplyPatch's contract, ApplyParts's for several parts;
+  // ApplyToPieces's and ApplyPartsToPieces's when the tensors hold pieces).
+  virtual Status Apply(std::span<const std::string_view> parts, const codec::ApplyOptions& options) = 0;
   // A copy of the tensors in host memory.
   virtual StatusOr<std::vector<buffers::OwnedTensor>> HostCopy() const = 0;
   // codec::SetChecksum of the tensors, computed where they live.

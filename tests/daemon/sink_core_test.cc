@@ -79,10 +79,11 @@ v1::RegisterRequest Registration(const std::string& name, v1::Role role, const t
 // A source: a history served over the loopback transport, registered at the
 // coordinator, publishing what the test gives it.
 struct TestSource {
-  TestSource(control::CoordinatorState* state, transport::LoopbackFabric& fabric, transport::TransportOptions o = {})
-      : client(state), history(VersionHistory::Options{}), plane(fabric, o) {
+  TestSource(control::CoordinatorState* state, transport::LoopbackFabric& fabric, transport::TransportOptions o = {},
+             std::string name = "source")
+      : name(std::move(name)), client(state), history(VersionHistory::Options{}), plane(fabric, o) {
     plane.Serve(&history);
-    EXPECT_TRUE(client.Register(Registration("source", v1::ROLE_SOURCE, *plane.transport)).ok());
+    EXPECT_TRUE(client.Register(Registration(this->name, v1::ROLE_SOURCE, *plane.transport)).ok());
   }
   ~TestSource() { plane.Close(); }
   // Serves sinks holding pieces of these layouts (as a source given
@@ -95,10 +96,17 @@ struct TestSource {
   void Publish(uint64_t version, const std::vector<OwnedTensor>& w) {
     auto pub = history.Publish(version, buffers::Views(w));
     ASSERT_TRUE(pub.ok()) << pub.status().ToString();
-    ASSERT_TRUE(client.SetLayout(LayoutOf(buffers::Views(w), true, grids)).ok());
-    Announce(client, *pub);
+    v1::Layout layout = LayoutOf(buffers::Views(w), true, grids);
+    layout.set_source(name);
+    if (parts > 1) {
+      layout.set_parts(parts);
+      for (auto& t : *layout.mutable_tensors()) t.set_part(part);
+    }
+    ASSERT_TRUE(client.SetLayout(layout).ok());
+    Announce(client, *pub, name, part, parts);
   }
-  static void Announce(control::CoordinatorClient& client, const PublishedVersion& p) {
+  static void Announce(control::CoordinatorClient& client, const PublishedVersion& p, const std::string& source = "source",
+                       uint32_t part = 0, uint32_t parts = 1) {
     const PublishedVersion* pub = &p;
     v1::VersionSummary v;
     v.set_version(pub->version);
@@ -107,14 +115,20 @@ struct TestSource {
     v.set_dense_bytes(pub->dense_bytes);
     v.set_set_checksum(pub->set_checksum);
     v.set_keyframe(pub->base_version == 0);
-    v.set_source("source");
+    v.set_source(source);
+    if (parts > 1) {
+      v.set_part(part);
+      v.set_parts(parts);
+    }
     auto head = client.Publish(v);
     ASSERT_TRUE(head.ok()) << head.status().ToString();
   }
+  std::string name;
   control::InProcessClient client;
   VersionHistory history;
   Plane plane;
   std::vector<codec::TileGrid> grids;
+  uint32_t part = 0, parts = 1;  // one of several sources
 };
 
 // A sink: SinkCore with its membership, data plane and shared memory.
@@ -458,6 +472,47 @@ TEST_F(SinkCoreTest, PiecesSinkAppliesItsSelectionsAndRecovers) {
   source.Publish(4, v[3]);
   sink.ExpectReaches(4, held(v[3]));
   whole.ExpectReaches(4, v[3]);
+}
+
+// Two sources, each publishing one tensor of every version: the sink applies
+// a version only once both parts are in, pulling each from its source; when
+// one source dies after the other announced a version, the sink stays at the
+// last whole version; the restarted source (an empty history: a keyframe of
+// its part) completes it, and the sink applies the patch of one part and
+// the keyframe of the other as one.
+TEST_F(SinkCoreTest, AVersionOfTwoSourcesIsAppliedWholeOnly) {
+  auto v = Versions(4);
+  auto part = [&](int k, int p) { return std::vector<OwnedTensor>{v[k][p]}; };
+  auto make = [&](const std::string& name, uint32_t p) {
+    auto s = std::make_unique<TestSource>(state_.get(), fabric_, transport::TransportOptions{}, name);
+    s->part = p;
+    s->parts = 2;
+    return s;
+  };
+  auto a = make("source-a", 0);
+  auto b = make("source-b", 1);
+  a->Publish(1, part(0, 0));
+  b->Publish(1, part(0, 1));
+  TestSink sink("sink-0", state_.get(), fabric_);
+  ASSERT_TRUE(sink.RegisterMemory(Zeros(v[0])).ok());
+  sink.ExpectReaches(1, v[0]);
+  a->Publish(2, part(1, 0));
+  std::this_thread::sleep_for(300ms);
+  EXPECT_EQ(sink.core->weights()->applied(), 1u) << "half of version 2 is not applied";
+  b->Publish(2, part(1, 1));
+  sink.ExpectReaches(2, v[1]);
+  // Source b dies once a has announced version 3.
+  a->Publish(3, part(2, 0));
+  b.reset();
+  std::this_thread::sleep_for(300ms);
+  EXPECT_EQ(sink.core->weights()->applied(), 2u);
+  EXPECT_EQ(state_->ListVersions(0).partial_size(), 1);
+  b = make("source-b", 1);  // restarted: another address, an empty history
+  b->Publish(3, part(2, 1));
+  sink.ExpectReaches(3, v[2]);
+  a->Publish(4, part(3, 0));
+  b->Publish(4, part(3, 1));
+  sink.ExpectReaches(4, v[3]);
 }
 
 }  // namespace

@@ -47,6 +47,15 @@ Scenarios:
                               ranks equal the trainer's BF16 weights bit for
                               bit; a layout the source does
                               not serve is refused at registration, naming it
+  two_sources                 a trainer whose tensors two sources publish, half
+                              each (part 0 and 1 of 2): two inference
+                              processes hold the trainer's weights bit for bit
+                              after every version; one source SIGKILLed after
+                              the other published its part of a version: the
+                              version stays partial (wsync versions says so)
+                              and no sink applies it; restarted, the source
+                              publishes its part and the version and the next
+                              ones arrive whole
   gpu                         CUDA tensors in separate allocations (IPC, no
                               relocation); skipped without a GPU and CUDA torch
 """
@@ -250,6 +259,42 @@ def tensor_parallel(build):
         check("FailedPreconditionError" in p.stdout and "q_proj" in p.stdout and "tile grid" in p.stdout,
               "a sink whose pieces the source's grid does not hold is refused at registration: "
               + (p.stdout + p.stderr).strip()[-300:])
+    finally:
+        s.stop()
+
+
+def two_sources(build):
+    versions, pause = 6, 4
+    s = system(build, "two_sources", sinks=2)
+    try:
+        s.spawn("source-b", [s.wsyncd, "source", "--name", "source-b", "--local", f"unix:{s.tmp}/source-b.sock",
+                             "--node-ttl-ms", "3000"])
+        s.wait_for(lambda: os.path.exists(f"{s.tmp}/source-b.sock"), "source-b's local API")
+        inference = [Worker(s, f"inference-{n}", "inference", local(s, f"sink-{i}"), s.tmp, n, "--until",
+                            str(versions), "--seed", str(i + 1)) for i, n in enumerate("ab")]
+        for w in inference:
+            w.wait_event("registered")
+        t = Worker(s, "trainer", "split_trainer", local(s, "source"), s.tmp, "--steps", str(versions), "--lr", "1e-5",
+                   "--lockstep", "2", "--local-b", local(s, "source-b"), "--pause-at", str(pause))
+        t.wait_event("paused")
+        s.kill("source-b")  # SIGKILL between the two parts of version `pause`
+        time.sleep(1.5)
+        applied = s.applied()
+        check(all(applied[n] == pause - 1 for n in s.sinks),
+              f"with one part of version {pause} published and its other source killed, every sink stays at "
+              f"{pause - 1}: {applied}")
+        out = subprocess.run([s.wsync, "versions"], env=s.env, capture_output=True, text=True).stdout
+        check(f"version {pause}: partial, 1 of 2 parts" in out, "`wsync versions` shows the partial version: " +
+              next((line for line in out.splitlines() if "partial" in line), out[-200:]))
+        s.restart("source-b")
+        open(os.path.join(s.tmp, "resume"), "w").close()
+        t.finish()
+        for w in inference:
+            w.finish()
+            ver = w.event("verified")
+            check([v["version"] for v in ver] == list(range(1, versions + 1)) and all(not v["mismatched"] for v in ver),
+                  f"{w.name} held the trainer's BF16 weights bit for bit after every version 1..{versions} "
+                  "(each published by two sources)")
     finally:
         s.stop()
 
@@ -591,6 +636,7 @@ SCENARIOS = {
     "unconfirmed_publish": unconfirmed_publish,
     "sigterm": sigterm,
     "tensor_parallel": tensor_parallel,
+    "two_sources": two_sources,
     "gpu": gpu,
 }
 

@@ -108,6 +108,44 @@ def inference(a):
     say(event="done")
 
 
+def split_trainer(a):
+    """A trainer whose tensors two sources publish, half each (as two trainer
+    ranks would): every step both publish the same version. With --pause-at V
+    it publishes source A's part of V, then waits for DIR/resume before
+    source B's (the test kills and restarts B's daemon meanwhile)."""
+    torch.manual_seed(1234)
+    model = LlamaForCausalLM()
+    opt = torch.optim.AdamW(model.parameters(), lr=a.lr)
+    names = sorted(model.state_dict())
+    half = len(names) // 2
+    state = model.state_dict(keep_vars=True)  # the parameters themselves: registering rebinds them
+    srcs = []
+    for i, (local, group) in enumerate([(a.local, names[:half]), (a.local_b, names[half:])]):
+        src = wsync.Source(local)
+        src.register({n: state[n] for n in group}, part=(i, 2))
+        srcs.append(src)
+    say(event="registered", tensors=len(names))
+    for step in range(a.steps):
+        ids = torch.randint(0, model.config.vocab_size, (4, 24))
+        loss = torch.nn.functional.cross_entropy(model(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        version = step + 1
+        torch.save({k: v.detach().to(torch.bfloat16) for k, v in model.state_dict().items()},
+                   os.path.join(a.dir, f"expect-v{version}.pt"))
+        srcs[0].publish(version, wait=a.wait)
+        if version == a.pause_at:
+            say(event="paused", version=version)
+            while not os.path.exists(os.path.join(a.dir, "resume")):
+                time.sleep(0.05)
+        srcs[1].publish(version, wait=a.wait)
+        say(event="published", version=version)
+        while a.lockstep and len(glob.glob(os.path.join(a.dir, f"*.v{version}"))) < a.lockstep:
+            time.sleep(0.01)
+    say(event="done")
+
+
 def tp_inference(a):
     """An engine's rank through wsync.engines.RankSync, the core of the vLLM
     and SGLang adapters: held except while syncing between steps."""
@@ -158,10 +196,13 @@ def main():
     p.add_argument("--hold-forever", action="store_true")
     p.add_argument("--linger", type=float, default=0.0)
     p.add_argument("--serve-tp", default="")
+    p.add_argument("--local-b", default="")
+    p.add_argument("--pause-at", type=int, default=0)
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--rank", type=int, default=0)
     a = p.parse_args()
-    {"trainer": trainer, "inference": inference, "mismatched": mismatched, "tp_inference": tp_inference}[a.role](a)
+    {"trainer": trainer, "inference": inference, "mismatched": mismatched, "tp_inference": tp_inference,
+     "split_trainer": split_trainer}[a.role](a)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ from __future__ import annotations
 import re
 import time
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 from ._rpc import Local, pb
 from ._tensors import Registration, TensorsLike, share, served_layout
@@ -76,7 +76,8 @@ class Source:
         self._registration: Optional[Registration] = None
         self._next_version = 1
 
-    def register(self, model: TensorsLike, *, pack: bool = True, serve: Sequence[Sequence] = ()) -> RegisterInfo:
+    def register(self, model: TensorsLike, *, pack: bool = True, serve: Sequence[Sequence] = (),
+                 part: Optional[Tuple[int, int]] = None) -> RegisterInfo:
         """Registers a module's state_dict tensors (or a dict of tensors).
 
         CPU tensors are moved into shared memory owned by this client (one
@@ -91,12 +92,19 @@ class Source:
         sink decodes and verifies its own shard alone. Host memory only for
         now (a CUDA source with `serve` is refused).
 
+        `part=(i, n)`: this source is one of n (trainer ranks or pipeline
+        stages), each registering a disjoint subset of the tensors and
+        publishing the same version numbers; a version reaches the sinks only
+        once all n have published it, and sinks apply it whole.
+
         Raises FailedPreconditionError naming the tensor when the layout
         differs from the one the coordinator already recorded (the layouts
         served are part of it), InvalidArgumentError naming a served piece
         that does not fit the model.
         """
         reg = share(model, "source", pack)
+        if part is not None:
+            reg.request.part, reg.request.parts = int(part[0]), int(part[1])
         if serve:
             published = {s.name: ("BF16" if s.dtype == "F32" else s.dtype) for s in reg.request.tensors}
             reg.request.serve_layouts.extend(served_layout(layout, published) for layout in serve)
