@@ -54,6 +54,19 @@ def bits(t):
     return t.detach().contiguous().view(torch.int16) if t.dtype == torch.bfloat16 else t.detach().contiguous()
 
 
+def train_step(model, opt, dir, version):
+    """One AdamW step on random tokens; saves the BF16 weights that `version`
+    must hold as DIR/expect-vN.pt. Returns the loss."""
+    ids = torch.randint(0, model.config.vocab_size, (4, 24))
+    loss = torch.nn.functional.cross_entropy(model(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten())
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    expect = {k: v.detach().to(torch.bfloat16) for k, v in model.state_dict().items()}
+    torch.save(expect, os.path.join(dir, f"expect-v{version}.pt"))
+    return loss
+
+
 def trainer(a):
     torch.manual_seed(1234)
     model = LlamaForCausalLM()
@@ -65,14 +78,8 @@ def trainer(a):
     params_before = [id(p) for p in model.parameters()]
     say(event="registered", tensors=len(info.tensors), cast=len(info.cast_to_bf16), next=info.next_version)
     for step in range(a.steps):
-        ids = torch.randint(0, model.config.vocab_size, (4, 24))
-        loss = torch.nn.functional.cross_entropy(model(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten())
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        expect = {k: v.detach().to(torch.bfloat16) for k, v in model.state_dict().items()}
         version = src.next_version
-        torch.save(expect, os.path.join(a.dir, f"expect-v{version}.pt"))
+        loss = train_step(model, opt, a.dir, version)
         t0 = time.monotonic()
         stats = src.publish(wait=a.wait)
         say(event="published", version=stats.version, bytes=stats.patch_bytes, ratio=stats.ratio,
@@ -126,14 +133,8 @@ def split_trainer(a):
         srcs.append(src)
     say(event="registered", tensors=len(names))
     for step in range(a.steps):
-        ids = torch.randint(0, model.config.vocab_size, (4, 24))
-        loss = torch.nn.functional.cross_entropy(model(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten())
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
         version = step + 1
-        torch.save({k: v.detach().to(torch.bfloat16) for k, v in model.state_dict().items()},
-                   os.path.join(a.dir, f"expect-v{version}.pt"))
+        train_step(model, opt, a.dir, version)
         srcs[0].publish(version, wait=a.wait)
         if version == a.pause_at:
             say(event="paused", version=version)
