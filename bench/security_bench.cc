@@ -86,7 +86,7 @@ int RunSecurityBench(const SecurityBenchOptions& options) {
       auto parent = sink->transport->Connect(source->transport->LocalConnInfo());
       if (!parent.ok()) return 1;
       // The handshake happens once per connection: warm it (and the link) up.
-      auto warm = sink->fetcher->Pull(*parent, 1, 2, 0, std::chrono::seconds(60));
+      auto warm = sink->fetcher->Pull(*parent, 1, 2, 0, 0, std::chrono::seconds(60));
       if (!warm.ok() || !(*warm)->WaitComplete(Clock::now() + std::chrono::minutes(2)).ok()) return 1;
       parents[mode] = *parent;
       pairs[mode] = {std::move(source), std::move(sink)};
@@ -95,7 +95,7 @@ int RunSecurityBench(const SecurityBenchOptions& options) {
       for (SecurityMode mode : modes) {
         auto& sink = *pairs[mode].second;
         const auto t0 = Clock::now();
-        auto pulled = sink.fetcher->Pull(parents[mode], 1, 2, 0, std::chrono::seconds(60));
+        auto pulled = sink.fetcher->Pull(parents[mode], 1, 2, 0, 0, std::chrono::seconds(60));
         if (!pulled.ok() || !(*pulled)->WaitComplete(Clock::now() + std::chrono::minutes(2)).ok()) {
           std::fprintf(stderr, "pull failed\n");
           return 1;

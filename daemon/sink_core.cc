@@ -231,7 +231,7 @@ void SinkCore::FillHeartbeat(v1::HeartbeatRequest* h) {
 
 // ------------------------------------------------------------------ relay
 
-void SinkCore::KeepStreamLocked(std::pair<uint64_t, uint64_t> key, std::shared_ptr<PatchStream> stream) {
+void SinkCore::KeepStreamLocked(StreamKey key, std::shared_ptr<PatchStream> stream) {
   streams_[key] = Kept{std::move(stream), ++stream_uses_};
   while (streams_.size() > kKeptStreams) {
     auto victim = streams_.end();
@@ -249,11 +249,13 @@ void SinkCore::KeepStreamLocked(std::pair<uint64_t, uint64_t> key, std::shared_p
   }
 }
 
-StatusOr<std::shared_ptr<PatchStream>> SinkCore::Open(uint64_t from, uint64_t to) {
+StatusOr<std::shared_ptr<PatchStream>> SinkCore::Open(uint64_t from, uint64_t to) { return OpenFor(from, to, 0, 0); }
+
+StatusOr<std::shared_ptr<PatchStream>> SinkCore::OpenFor(uint64_t from, uint64_t to, uint64_t, uint32_t part) {
   std::shared_ptr<SinkWeights> weights;
   {
     std::lock_guard<std::mutex> lock(state_mu_);
-    if (auto it = streams_.find({from, to}); it != streams_.end()) {
+    if (auto it = streams_.find({from, to, part}); it != streams_.end()) {
       it->second.last_use = ++stream_uses_;
       return it->second.stream;
     }
@@ -266,17 +268,26 @@ StatusOr<std::shared_ptr<PatchStream>> SinkCore::Open(uint64_t from, uint64_t to
   if (weights->store().tensors().has_pieces()) {
     return UnavailableError("sink " + config_.name + " holds pieces and makes no keyframes; it relays no sink");
   }
-  // A keyframe of what it holds (the child had another base).
+  // A keyframe of what it holds (the child had another base): with several
+  // sources, of the part's tensors.
+  std::vector<std::string> names;
+  if (auto published = env_.coordinator->GetLayout(); published.ok() && published->layout().parts() > 1) {
+    const v1::Layout mine = control::PartOf(published->layout(), part);
+    for (const auto& t : mine.tensors()) names.push_back(t.name());
+    if (names.empty()) return NotFoundError("the published layout has no part " + std::to_string(part));
+  } else if (part != 0) {
+    return NotFoundError("the versions have no part " + std::to_string(part));
+  }
   const uint64_t v = weights->Hold();
   codec::EncodeOptions eo;
   eo.pool = env_.pool;
   eo.target_version = v;
-  StatusOr<std::string> kf = weights->store().EncodeKeyframe(eo);
+  StatusOr<std::string> kf = weights->store().EncodeKeyframe(eo, names);
   weights->Release();
   if (!kf.ok()) return kf.status();
   auto stream = PatchStream::FromBytes(codec::PatchKind::kKeyframe, 0, v, std::move(*kf), 1u << 20);
   std::lock_guard<std::mutex> lock(state_mu_);
-  KeepStreamLocked({0, v}, stream);
+  KeepStreamLocked({0, v, part}, stream);
   return stream;
 }
 
@@ -480,16 +491,15 @@ void SinkCore::SyncLoop() {
       mismatched_ = w.get();
       continue;
     }
-    // Several sources: each part from its source (no relays).
-    std::vector<std::string> nodes = PartSources();
-    if (nodes.empty()) nodes = {parent};
-    const std::string from_where = nodes.size() == 1 ? Quoted(parent) : std::to_string(nodes.size()) + " sources";
-    s = SyncOnce(w, nodes, resync || w->applied() == 0 ? 0 : w->applied(), head);
+    const std::vector<PartPull> pulls = PullsFrom(parent);
+    const std::string from_where =
+        Quoted(parent) + (pulls.size() > 1 && pulls[0].node != parent ? " (each part from its source)" : "");
+    s = SyncOnce(w, pulls, resync || w->applied() == 0 ? 0 : w->applied(), head);
     if (!s.ok() && !stopping_ && (s.code() == StatusCode::kFailedPrecondition || s.code() == StatusCode::kDataLoss)) {
       // The patch does not fit what we hold: a keyframe in the same attempt.
       spdlog::warn("sink {}: sync {}->{} from {}: {}; pulling a keyframe", config_.name, w->applied(), head, from_where,
                    s.ToString());
-      s = SyncOnce(w, nodes, 0, head);
+      s = SyncOnce(w, pulls, 0, head);
     }
     if (stopping_) return;
     if (s.ok()) {
@@ -499,7 +509,7 @@ void SinkCore::SyncLoop() {
       continue;
     }
     if (s.code() == StatusCode::kUnavailable || s.code() == StatusCode::kDeadlineExceeded) {
-      for (const auto& node : nodes) DropPeer(node);
+      for (const auto& p : pulls) DropPeer(p.node);
     }
     const auto delay = RetryDelay(++failures_);
     next_attempt = Clock::now() + delay;
@@ -538,30 +548,36 @@ Status SinkCore::CheckPublishedLayout(const buffers::MappedTensors& tensors) {
 }
 
 
-std::vector<std::string> SinkCore::PartSources() {
+std::vector<SinkCore::PartPull> SinkCore::PullsFrom(const std::string& parent) {
   auto published = env_.coordinator->GetLayout();
-  if (!published.ok() || !published->set() || published->layout().parts() <= 1) return {};
+  if (!published.ok() || !published->set() || published->layout().parts() <= 1) return {{parent, 0}};
   const auto& sources = published->layout().part_sources();
-  return {sources.begin(), sources.end()};
+  const bool relay = std::find(sources.begin(), sources.end(), parent) == sources.end();
+  std::vector<PartPull> out;
+  for (int p = 0; p < sources.size(); ++p) out.push_back({relay ? parent : sources[p], static_cast<uint32_t>(p)});
+  return out;
 }
 
-Status SinkCore::SyncOnce(const std::shared_ptr<SinkWeights>& w, const std::vector<std::string>& nodes, uint64_t from,
+Status SinkCore::SyncOnce(const std::shared_ptr<SinkWeights>& w, const std::vector<PartPull>& pulls, uint64_t from,
                           uint64_t to) {
   const auto t0 = Clock::now();
   std::vector<std::shared_ptr<PatchStream>> streams;
-  for (const auto& node : nodes) {
-    WSYNC_ASSIGN_OR_RETURN(transport::PeerId peer, ParentPeer(node));
+  for (const auto& p : pulls) {
+    WSYNC_ASSIGN_OR_RETURN(transport::PeerId peer, ParentPeer(p.node));
     ++pulls_made_;
-    WSYNC_ASSIGN_OR_RETURN(auto stream, env_.fetcher->Pull(peer, from, to, w->layout(), std::chrono::seconds(30)));
+    WSYNC_ASSIGN_OR_RETURN(auto stream,
+                           env_.fetcher->Pull(peer, from, to, w->layout(), p.part, std::chrono::seconds(30)));
     streams.push_back(std::move(stream));
   }
-  if (streams.size() == 1 && w->layout() == 0) {
-    // Children may pull the same range from us while it arrives (not a
-    // selection for pieces, nor a part: not the stream they would pull).
-    const auto& stream = streams[0];
+  if (w->layout() == 0) {
+    // Children may pull the same ranges (each part) from us while they
+    // arrive (not selections for pieces: not the streams they would pull).
     std::lock_guard<std::mutex> lock(state_mu_);
-    KeepStreamLocked({stream->from(), stream->to()}, stream);
-    if (stream->from() != from) KeepStreamLocked({from, to}, stream);
+    for (size_t i = 0; i < streams.size(); ++i) {
+      const auto& stream = streams[i];
+      KeepStreamLocked({stream->from(), stream->to(), pulls[i].part}, stream);
+      if (stream->from() != from) KeepStreamLocked({from, to, pulls[i].part}, stream);
+    }
   }
   uint64_t bytes = 0;
   std::vector<const PatchStream*> parts;
@@ -577,7 +593,7 @@ Status SinkCore::SyncOnce(const std::shared_ptr<SinkWeights>& w, const std::vect
   using Ms = std::chrono::duration<double, std::milli>;
   const auto done = Clock::now();
   spdlog::info("sink {}: version {} applied from {} ({} {} bytes, {:.1f} ms: transfer {:.1f} ms, apply {:.1f} ms)",
-               config_.name, w->applied(), nodes.size() == 1 ? nodes[0] : std::to_string(nodes.size()) + " sources",
+               config_.name, w->applied(), pulls.size() == 1 ? pulls[0].node : std::to_string(pulls.size()) + " parts",
                streams[0]->kind() == codec::PatchKind::kKeyframe ? "keyframe" : "patch", bytes, Ms(done - t0).count(),
                Ms(received - t0).count(), Ms(done - received).count());
   return wsync::Status::Ok();

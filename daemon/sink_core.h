@@ -25,6 +25,7 @@
 #include <random>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include "data_daemon.h"
@@ -104,6 +105,10 @@ class SinkCore : public exchange::PatchProvider {
 
   // --- What this sink serves its children.
   StatusOr<std::shared_ptr<exchange::PatchStream>> Open(uint64_t from, uint64_t to) override;
+  // A part of a version of several sources (the layout is not looked at: a
+  // relay serves the streams it received, or a keyframe of what it holds).
+  StatusOr<std::shared_ptr<exchange::PatchStream>> OpenFor(uint64_t from, uint64_t to, uint64_t layout,
+                                                           uint32_t part) override;
 
  private:
   struct HoldState {
@@ -133,11 +138,15 @@ class SinkCore : public exchange::PatchProvider {
   // Pulls (from, to) from each of `nodes` (the parent, or the source of
   // every part of a version published by several sources) and applies what
   // they send as one.
-  Status SyncOnce(const std::shared_ptr<SinkWeights>& w, const std::vector<std::string>& nodes, uint64_t from,
+  struct PartPull {
+    std::string node;
+    uint32_t part = 0;
+  };
+  Status SyncOnce(const std::shared_ptr<SinkWeights>& w, const std::vector<PartPull>& pulls, uint64_t from,
                   uint64_t to);
-  // The sources of the parts when several sources publish the versions
-  // (the published layout's part_sources); empty otherwise.
-  std::vector<std::string> PartSources();
+  // What to pull a version from: the parent; with several sources, each
+  // part from its source, or every part from the parent when it is a relay.
+  std::vector<PartPull> PullsFrom(const std::string& parent);
 
   const DataDaemonConfig config_;
   const SinkEnvironment env_;
@@ -154,8 +163,9 @@ class SinkCore : public exchange::PatchProvider {
     uint64_t last_use = 0;
   };
   static constexpr size_t kKeptStreams = 16;
-  void KeepStreamLocked(std::pair<uint64_t, uint64_t> key, std::shared_ptr<exchange::PatchStream> stream);
-  std::map<std::pair<uint64_t, uint64_t>, Kept> streams_;  // under state_mu_
+  using StreamKey = std::tuple<uint64_t, uint64_t, uint32_t>;  // from, to, part
+  void KeepStreamLocked(StreamKey key, std::shared_ptr<exchange::PatchStream> stream);
+  std::map<StreamKey, Kept> streams_;  // under state_mu_
   uint64_t stream_uses_ = 0;                                // under state_mu_
   std::map<std::string, transport::PeerId> peers_;  // sync thread only
   const SinkWeights* mismatched_ = nullptr;         // sync thread only: weights refused by the layout check

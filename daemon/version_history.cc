@@ -233,7 +233,9 @@ void VersionHistory::SetServedLayouts(const std::vector<std::vector<codec::Runti
   selection_order_.clear();
 }
 
-StatusOr<std::shared_ptr<PatchStream>> VersionHistory::OpenFor(uint64_t from, uint64_t to, uint64_t layout) {
+StatusOr<std::shared_ptr<PatchStream>> VersionHistory::OpenFor(uint64_t from, uint64_t to, uint64_t layout,
+                                                              uint32_t /*part*/) {
+  if (layout == 0) return Open(from, to);
   const auto key = std::make_tuple(from, to, layout);
   std::vector<codec::RuntimeTensor> pieces;
   {

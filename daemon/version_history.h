@@ -124,7 +124,8 @@ class VersionHistory : public PatchProvider {
   // The selection for a served layout (built from Open's stream; the last
   // two per layout served are kept: a rank's patch and its keyframe, about
   // one model's size in all); Open's whole stream for a layout not served.
-  StatusOr<std::shared_ptr<PatchStream>> OpenFor(uint64_t from, uint64_t to, uint64_t layout) override;
+  // (A source holds one part: `part` is not looked at.)
+  StatusOr<std::shared_ptr<PatchStream>> OpenFor(uint64_t from, uint64_t to, uint64_t layout, uint32_t part) override;
 
  private:
   using Weights = std::vector<buffers::OwnedTensor>;

@@ -1,10 +1,27 @@
 #include "weight_store.h"
 
+#include <set>
+
+#include "wsync/util/text.h"
+
 #include "wsync/codec/staged.h"
 #include "wsync/cuda/device_codec.h"
 
 namespace wsync::daemon {
 namespace {
+
+// The views named in `only` (all when empty), in table order; NotFound
+// naming one the tensors lack.
+StatusOr<std::vector<codec::TensorView>> Only(std::vector<codec::TensorView> views, std::span<const std::string> only) {
+  if (only.empty()) return views;
+  std::set<std::string_view> wanted(only.begin(), only.end());
+  std::vector<codec::TensorView> out;
+  for (auto& v : views) {
+    if (wanted.erase(v.name)) out.push_back(std::move(v));
+  }
+  if (!wanted.empty()) return NotFoundError("no tensor " + Quoted(std::string(*wanted.begin())) + " registered");
+  return out;
+}
 
 // Applies the parts of one version (one part: a patch or keyframe of the
 // whole set) into host tensors, whole or holding pieces.
@@ -28,9 +45,11 @@ class HostStore : public WeightStore {
   }
   StatusOr<std::vector<buffers::OwnedTensor>> HostCopy() const override { return buffers::CopyTensors(Views()); }
   StatusOr<uint64_t> SetChecksum(ThreadPool* pool) const override { return codec::SetChecksum(Views(), pool); }
-  StatusOr<std::string> EncodeKeyframe(const codec::EncodeOptions& options) const override {
+  StatusOr<std::string> EncodeKeyframe(const codec::EncodeOptions& options,
+                                       std::span<const std::string> only) const override {
     WSYNC_RETURN_IF_ERROR(CheckWhole());
-    return codec::EncodeKeyframe(Views(), options);
+    WSYNC_ASSIGN_OR_RETURN(auto views, Only(Views(), only));
+    return codec::EncodeKeyframe(views, options);
   }
 };
 
@@ -53,10 +72,12 @@ class DeviceStore : public WeightStore {
   }
   StatusOr<uint64_t> SetChecksum(ThreadPool*) const override { return DeviceSetChecksum(*codec_, Views()); }
   // The keyframe is encoded on the host from a copy (a late sink's, rare).
-  StatusOr<std::string> EncodeKeyframe(const codec::EncodeOptions& options) const override {
+  StatusOr<std::string> EncodeKeyframe(const codec::EncodeOptions& options,
+                                       std::span<const std::string> only) const override {
     WSYNC_RETURN_IF_ERROR(CheckWhole());
     WSYNC_ASSIGN_OR_RETURN(auto host, HostCopy());
-    return codec::EncodeKeyframe(buffers::Views(host), options);
+    WSYNC_ASSIGN_OR_RETURN(auto views, Only(buffers::Views(host), only));
+    return codec::EncodeKeyframe(views, options);
   }
 
  private:

@@ -45,8 +45,11 @@ class WeightStore {
   virtual StatusOr<std::vector<buffers::OwnedTensor>> HostCopy() const = 0;
   // codec::SetChecksum of the tensors, computed where they live.
   virtual StatusOr<uint64_t> SetChecksum(ThreadPool* pool) const = 0;
-  // A keyframe of what the tensors hold (FailedPrecondition for pieces).
-  virtual StatusOr<std::string> EncodeKeyframe(const codec::EncodeOptions& options) const = 0;
+  // A keyframe of what the tensors hold (FailedPrecondition for pieces); of
+  // the tensors named in `only` when it is not empty (one part of a version
+  // of several sources).
+  virtual StatusOr<std::string> EncodeKeyframe(const codec::EncodeOptions& options,
+                                               std::span<const std::string> only = {}) const = 0;
 
  protected:
   explicit WeightStore(buffers::MappedTensors tensors)

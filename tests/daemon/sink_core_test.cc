@@ -475,11 +475,12 @@ TEST_F(SinkCoreTest, PiecesSinkAppliesItsSelectionsAndRecovers) {
 }
 
 // Two sources, each publishing one tensor of every version: the sink applies
-// a version only once both parts are in, pulling each from its source; when
-// one source dies after the other announced a version, the sink stays at the
-// last whole version; the restarted source (an empty history: a keyframe of
-// its part) completes it, and the sink applies the patch of one part and
-// the keyframe of the other as one.
+// a version only once both parts are in, pulling each from its source; a
+// second sink behind it (fan-out 1) pulls both parts from it, and a late
+// third behind that gets a keyframe of each part from it; when one source dies after the other announced a version, both
+// stay at the last whole version; the restarted source (an empty history: a
+// keyframe of its part) completes it, and the sinks apply the patch of one
+// part and the keyframe of the other as one.
 TEST_F(SinkCoreTest, AVersionOfTwoSourcesIsAppliedWholeOnly) {
   auto v = Versions(4);
   auto part = [&](int k, int p) { return std::vector<OwnedTensor>{v[k][p]}; };
@@ -496,11 +497,24 @@ TEST_F(SinkCoreTest, AVersionOfTwoSourcesIsAppliedWholeOnly) {
   TestSink sink("sink-0", state_.get(), fabric_);
   ASSERT_TRUE(sink.RegisterMemory(Zeros(v[0])).ok());
   sink.ExpectReaches(1, v[0]);
+  TestSink relayed("sink-1", state_.get(), fabric_);
+  ASSERT_TRUE(relayed.RegisterMemory(Zeros(v[0])).ok());
+  relayed.ExpectReaches(1, v[0]);
+  EXPECT_EQ(ParentOf("sink-1"), "sink-0");
   a->Publish(2, part(1, 0));
   std::this_thread::sleep_for(300ms);
   EXPECT_EQ(sink.core->weights()->applied(), 1u) << "half of version 2 is not applied";
+  EXPECT_EQ(relayed.core->weights()->applied(), 1u);
   b->Publish(2, part(1, 1));
   sink.ExpectReaches(2, v[1]);
+  relayed.ExpectReaches(2, v[1]);
+  // A late sink behind the second: it gets a keyframe of each part, made by
+  // its parent from what it holds.
+  WaitReported("sink-1", 2);  // a parent candidate once the coordinator has it at the head
+  TestSink late("sink-2", state_.get(), fabric_);
+  ASSERT_TRUE(late.RegisterMemory(Zeros(v[0])).ok());
+  late.ExpectReaches(2, v[1]);
+  EXPECT_EQ(ParentOf("sink-2"), "sink-1");
   // Source b dies once a has announced version 3.
   a->Publish(3, part(2, 0));
   b.reset();
@@ -510,9 +524,16 @@ TEST_F(SinkCoreTest, AVersionOfTwoSourcesIsAppliedWholeOnly) {
   b = make("source-b", 1);  // restarted: another address, an empty history
   b->Publish(3, part(2, 1));
   sink.ExpectReaches(3, v[2]);
+  relayed.ExpectReaches(3, v[2]);
   a->Publish(4, part(3, 0));
   b->Publish(4, part(3, 1));
   sink.ExpectReaches(4, v[3]);
+  relayed.ExpectReaches(4, v[3]);
+  late.ExpectReaches(4, v[3]);
+  EXPECT_EQ(ParentOf("sink-1"), "sink-0");
+  // Both parts of versions 1..4 (a pull that came before the first sink had
+  // the stream is refused, NotFound, and made again).
+  EXPECT_GE(sink.plane.server->pulls_served(), 8u) << "the second sink pulled every part from the first";
 }
 
 }  // namespace

@@ -302,8 +302,8 @@ TEST(VersionHistory, ServesEachServedLayoutItsSelection) {
   ASSERT_TRUE(whole.ok());
   for (uint64_t r = 0; r < 2; ++r) {
     const uint64_t fp = codec::LayoutFingerprint(halves[r]);
-    auto keyframe = h.OpenFor(0, 2, fp);
-    auto patch = h.OpenFor(2, 3, fp);
+    auto keyframe = h.OpenFor(0, 2, fp, 0);
+    auto patch = h.OpenFor(2, 3, fp, 0);
     ASSERT_TRUE(keyframe.ok() && patch.ok());
     EXPECT_LT((*keyframe)->total_bytes(), (*h.Open(0, 2))->total_bytes() * 6 / 10) << "half " << r;
     ASSERT_TRUE(codec::ApplyToPieces((*keyframe)->Assemble(), halves[r], {}).ok());
@@ -311,9 +311,9 @@ TEST(VersionHistory, ServesEachServedLayoutItsSelection) {
     ASSERT_TRUE(s.ok()) << s.ToString();
     EXPECT_EQ(0, std::memcmp(held[r][0].bytes.data(), v[2][0].bytes.data() + r * 300 * 500 * 2, 300 * 500 * 2))
         << "half " << r << " holds its rows of version 3";
-    EXPECT_EQ(*h.OpenFor(2, 3, fp), *patch) << "kept";
+    EXPECT_EQ(*h.OpenFor(2, 3, fp, 0), *patch) << "kept";
   }
-  EXPECT_EQ((*h.OpenFor(0, 3, 12345))->total_bytes(), (*whole)->total_bytes()) << "a layout not served: the whole";
+  EXPECT_EQ((*h.OpenFor(0, 3, 12345, 0))->total_bytes(), (*whole)->total_bytes()) << "a layout not served: the whole";
   EXPECT_EQ(h.SetGrids({}).code(), StatusCode::kFailedPrecondition);
 }
 

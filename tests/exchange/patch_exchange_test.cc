@@ -42,7 +42,7 @@ StatusOr<std::shared_ptr<PatchStream>> OfferAndPull(Node& source, Node& sink, co
   source.provider.streams[{1, 2}] = PatchStream::FromBytes(codec::PatchKind::kPatch, 1, 2, patch, kChunk);
   WSYNC_ASSIGN_OR_RETURN(transport::PeerId peer, sink.transport->Connect(source.transport->LocalConnInfo()));
   if (parent != nullptr) *parent = peer;
-  return sink.fetcher->Pull(peer, 1, 2, 0, 10s);
+  return sink.fetcher->Pull(peer, 1, 2, 0, 0, 10s);
 }
 
 // `source` offers patch 1->2; `relay` pulls it and serves the stream it is
@@ -52,12 +52,12 @@ void ThroughRelay(Node& source, Node& relay, Node& sink, const std::string& patc
   source.provider.streams[{1, 2}] = PatchStream::FromBytes(codec::PatchKind::kPatch, 1, 2, patch, kChunk);
   auto up = relay.transport->Connect(source.transport->LocalConnInfo());
   ASSERT_TRUE(up.ok());
-  auto in = relay.fetcher->Pull(*up, 1, 2, 0, 10s);
+  auto in = relay.fetcher->Pull(*up, 1, 2, 0, 0, 10s);
   ASSERT_TRUE(in.ok()) << in.status().ToString();
   relay.provider.streams[{1, 2}] = *in;
   auto down = sink.transport->Connect(relay.transport->LocalConnInfo());
   ASSERT_TRUE(down.ok());
-  auto out = sink.fetcher->Pull(*down, 1, 2, 0, 10s);
+  auto out = sink.fetcher->Pull(*down, 1, 2, 0, 0, 10s);
   ASSERT_TRUE(out.ok()) << out.status().ToString();
   *incoming = *in;
   *outgoing = *out;
@@ -83,7 +83,7 @@ TEST_P(PatchExchangeTest, PullsAPatchBitExactly) {
   EXPECT_EQ((*stream)->Assemble(), v.patch);
   ExpectAppliesExactly(v, (*stream)->Assemble());
   // An unknown range: the provider's error travels back with its code.
-  auto missing = sink->fetcher->Pull(parent, 5, 9, 0, 10s);
+  auto missing = sink->fetcher->Pull(parent, 5, 9, 0, 0, 10s);
   EXPECT_EQ(missing.status().code(), StatusCode::kNotFound) << missing.status().ToString();
   EXPECT_NE(missing.status().message().find("no patch 5->9"), std::string::npos);
 }
@@ -225,7 +225,7 @@ TEST_P(PatchExchangeTest, HostileHeadersFailThePullCleanly) {
       std::lock_guard<std::mutex> lock(hostile.mu);
       hostile.answer = c.answer;
     }
-    auto pulled = sink->fetcher->Pull(*peer, 1, 2, 0, 10s);
+    auto pulled = sink->fetcher->Pull(*peer, 1, 2, 0, 0, 10s);
     ASSERT_FALSE(pulled.ok()) << c.what;
     EXPECT_EQ(pulled.status().code(), StatusCode::kDataLoss) << c.what << ": " << pulled.status().ToString();
     EXPECT_NE(pulled.status().message().find(c.expect), std::string::npos) << c.what << ": " << pulled.status().ToString();
@@ -239,7 +239,7 @@ TEST_P(PatchExchangeTest, HostileHeadersFailThePullCleanly) {
     std::lock_guard<std::mutex> lock(hostile.mu);
     hostile.answer = flood;
   }
-  auto flooded = sink->fetcher->Pull(*peer, 1, 2, 0, 10s);
+  auto flooded = sink->fetcher->Pull(*peer, 1, 2, 0, 0, 10s);
   EXPECT_EQ(flooded.status().code(), StatusCode::kDataLoss) << flooded.status().ToString();
   EXPECT_NE(flooded.status().message().find("before the header"), std::string::npos) << flooded.status().ToString();
   // The hostile peer's answer with a valid header still works: the puller is unharmed.
@@ -247,7 +247,7 @@ TEST_P(PatchExchangeTest, HostileHeadersFailThePullCleanly) {
     std::lock_guard<std::mutex> lock(hostile.mu);
     hostile.answer = {{0, Header(5, 0, 0, 0, 0, 0) + "no such version"}};
   }
-  auto refused = sink->fetcher->Pull(*peer, 1, 2, 0, 10s);
+  auto refused = sink->fetcher->Pull(*peer, 1, 2, 0, 0, 10s);
   EXPECT_EQ(refused.status().code(), StatusCode::kNotFound) << refused.status().ToString();
   sink.reset();
   t.reset();

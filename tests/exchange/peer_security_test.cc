@@ -64,7 +64,7 @@ class PeerSecurityTest : public ExchangeTest {
   }
   StatusOr<std::string> PullAll(Node& sink, const Node& source) {
     WSYNC_ASSIGN_OR_RETURN(transport::PeerId parent, sink.transport->Connect(source.transport->LocalConnInfo()));
-    WSYNC_ASSIGN_OR_RETURN(auto stream, sink.fetcher->Pull(parent, 1, 2, 0, 10s));
+    WSYNC_ASSIGN_OR_RETURN(auto stream, sink.fetcher->Pull(parent, 1, 2, 0, 0, 10s));
     WSYNC_RETURN_IF_ERROR(stream->WaitComplete(std::chrono::steady_clock::now() + 20s));
     return stream->Assemble();
   }

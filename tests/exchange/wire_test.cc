@@ -57,8 +57,8 @@ TEST(WireTest, EveryMessageRoundTrips) {
 // The integers are little-endian whatever the host (the grammar in
 // docs/data-plane.md).
 TEST(WireTest, PullBytesAreLittleEndian) {
-  const std::string m = wire::Encode(wire::Pull{0x0102, 0x0304, 0x0506});
-  ASSERT_EQ(m.size(), 25u);
+  const std::string m = wire::Encode(wire::Pull{0x0102, 0x0304, 0x0506, 0x0708});
+  ASSERT_EQ(m.size(), 29u);
   EXPECT_EQ(m[0], 1);
   EXPECT_EQ(m[1], 0x02);
   EXPECT_EQ(m[2], 0x01);
@@ -66,6 +66,8 @@ TEST(WireTest, PullBytesAreLittleEndian) {
   EXPECT_EQ(m[10], 0x03);
   EXPECT_EQ(m[17], 0x06);
   EXPECT_EQ(m[18], 0x05);
+  EXPECT_EQ(m[25], 0x08);
+  EXPECT_EQ(m[26], 0x07);
 }
 
 TEST(WireTest, EveryTruncationAndExtensionIsRefused) {

@@ -22,7 +22,7 @@ int main(int argc, char** argv) {
   crypto::Sealer sealer(crypto::ClusterKey("seed"));  // not the fuzzer's key: nothing may open it
   const std::vector<std::string> seeds = {
       wire::Encode(wire::Pull{3, 7}),
-      wire::Encode(wire::Pull{3, 7, 0x1234567890abcdef}),
+      wire::Encode(wire::Pull{3, 7, 0x1234567890abcdef, 1}),
       wire::Encode(ok),
       wire::Encode(refused),
       wire::EncodeChunk(std::string(100, 'x')),

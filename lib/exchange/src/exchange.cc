@@ -117,6 +117,7 @@ struct PatchServer::Request {
   uint32_t channel;
   uint64_t from, to;
   uint64_t layout = 0;
+  uint32_t part = 0;
   std::mutex mu;
   std::condition_variable cv;
   std::vector<size_t> refetch;
@@ -174,6 +175,7 @@ void PatchServer::OnRequest(const Message& m) {
     r->from = pull->from;
     r->to = pull->to;
     r->layout = pull->layout;
+    r->part = pull->part;
     ++pulls_served_;
     if (auto old = requests_.find(key); old != requests_.end()) {
       std::lock_guard<std::mutex> rl(old->second->mu);  // a channel reused: the old pull ends
@@ -232,7 +234,8 @@ void PatchServer::Serve(std::shared_ptr<Request> r) {
     // Only this request's entry: a PULL that reused the channel has its own.
     if (auto it = requests_.find({r->peer, r->channel}); it != requests_.end() && it->second == r) requests_.erase(it);
   };
-  auto stream = r->layout == 0 ? provider_->Open(r->from, r->to) : provider_->OpenFor(r->from, r->to, r->layout);
+  auto stream = r->layout == 0 && r->part == 0 ? provider_->Open(r->from, r->to)
+                                               : provider_->OpenFor(r->from, r->to, r->layout, r->part);
   if (!stream.ok()) {
     (void)link_->Send(r->peer, r->channel, 0, RefusalHeader(r->from, r->to, stream.status()));
     spdlog::info("peer {} pull {}->{} refused: {}", r->peer, r->from, r->to, stream.status().ToString());
@@ -313,7 +316,7 @@ void PatchServer::Serve(std::shared_ptr<Request> r) {
 // ------------------------------------------------------------ PatchFetcher
 
 StatusOr<std::shared_ptr<PatchStream>> PatchFetcher::Pull(PeerId parent, uint64_t from, uint64_t to, uint64_t layout,
-                                                          std::chrono::milliseconds timeout) {
+                                                          uint32_t part, std::chrono::milliseconds timeout) {
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   WSYNC_RETURN_IF_ERROR(link_->Establish(parent, deadline));
   uint32_t channel;
@@ -326,7 +329,7 @@ StatusOr<std::shared_ptr<PatchStream>> PatchFetcher::Pull(PeerId parent, uint64_
     channel = next_channel_++;
     pending_[channel] = p;
   }
-  Status sent = link_->Send(parent, channel, 0, wire::Encode(wire::Pull{from, to, layout}));
+  Status sent = link_->Send(parent, channel, 0, wire::Encode(wire::Pull{from, to, layout, part}));
   std::unique_lock<std::mutex> lock(mu_);
   if (!sent.ok()) {
     pending_.erase(channel);

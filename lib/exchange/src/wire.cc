@@ -81,13 +81,14 @@ std::string Encode(const Pull& m) {
   w.U64(m.from);
   w.U64(m.to);
   w.U64(m.layout);
+  w.U32(m.part);
   return out;
 }
 
 StatusOr<Pull> ParsePull(std::string_view m) {
   WSYNC_ASSIGN_OR_RETURN(ByteReader r, Open(m, ExchangeMessage::kPull));
   Pull p;
-  r.U64(&p.from, "from") && r.U64(&p.to, "to") && r.U64(&p.layout, "layout");
+  r.U64(&p.from, "from") && r.U64(&p.to, "to") && r.U64(&p.layout, "layout") && r.U32(&p.part, "part");
   WSYNC_RETURN_IF_ERROR(End(r, ExchangeMessage::kPull));
   if (p.to == 0) return DataLossError("PULL: to: version 0 does not exist");
   if (p.from >= p.to) {

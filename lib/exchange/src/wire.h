@@ -37,6 +37,7 @@ struct Pull {
   uint64_t from = 0;  // 0: a keyframe of `to`
   uint64_t to = 0;
   uint64_t layout = 0;  // the puller's pieces (codec::LayoutFingerprint); 0: the whole set
+  uint32_t part = 0;    // versions of several sources: which part (a source serves its own)
 };
 std::string Encode(const Pull& m);
 StatusOr<Pull> ParsePull(std::string_view m);

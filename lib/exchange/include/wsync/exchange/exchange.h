@@ -114,12 +114,15 @@ class PatchProvider {
   // The stream taking version `from` to `to` (from = 0: a keyframe of `to`).
   // NotFound / FailedPrecondition when it cannot be served.
   virtual StatusOr<std::shared_ptr<PatchStream>> Open(uint64_t from, uint64_t to) = 0;
-  // The part of that stream a puller holding pieces needs (layout: its
-  // codec::LayoutFingerprint). A provider that does not know the layout
+  // The stream a puller asks for with more detail: `layout`, the pieces it
+  // holds (codec::LayoutFingerprint; 0: the whole set), and `part`, which
+  // part of a version published by several sources (a source has its own
+  // only; a relay keeps each). A provider that does not know the layout
   // serves the whole stream, from which the puller applies its pieces all
   // the same.
-  virtual StatusOr<std::shared_ptr<PatchStream>> OpenFor(uint64_t from, uint64_t to, uint64_t layout) {
+  virtual StatusOr<std::shared_ptr<PatchStream>> OpenFor(uint64_t from, uint64_t to, uint64_t layout, uint32_t part) {
     (void)layout;
+    (void)part;
     return Open(from, to);
   }
 };
@@ -273,9 +276,10 @@ class PatchFetcher {
   // Starts pulling (from, to) from `parent`; returns the stream, which fills
   // as chunks arrive (the caller may serve it onwards at once). The stream
   // fails with the server's error, on peer failure, or at the deadline.
-  // layout: the puller's pieces (codec::LayoutFingerprint; 0: the whole set).
+  // layout: the puller's pieces (codec::LayoutFingerprint; 0: the whole
+  // set); part: which part of a version of several sources (0 otherwise).
   StatusOr<std::shared_ptr<PatchStream>> Pull(transport::PeerId parent, uint64_t from, uint64_t to, uint64_t layout,
-                                               std::chrono::milliseconds timeout);
+                                               uint32_t part, std::chrono::milliseconds timeout);
 
   void OnResponse(const transport::Message& m);
   void OnCorrupt(transport::PeerId peer, uint32_t channel, uint64_t seq);
