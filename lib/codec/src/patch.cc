@@ -446,7 +446,7 @@ class Verifier {
     if (t.gridded()) {
       tiles_[i] = BlockDigest(bytes, len);
     } else {
-      groups_.DigestChunk(w.group, w.chunk, bytes, len, c_.chunk_bytes);
+      groups_.DigestChunk(w.group, internal::FirstBlock(t, w.chunk), bytes, len);
     }
   }
 
@@ -794,33 +794,38 @@ StatusOr<std::string> EncodePatch(std::span<const TensorView> base, std::span<co
     // The chunk of a one-chunk tensor chooses its own classes here, right
     // before its sweep: a small one is then still in cache.
     const ClassSpec* source = e.chunks.size() > 1 ? &classes[i - (ci - ClassSourceChunk(ci))] : nullptr;
-    if (e.gridded()) {
-      // A tile's digest; the tensor checksums are taken whole, below.
-      internal::BlockHasher tile_digest;
-      encoded[i] = internal::EncodeChunkPair(b, t, n, codec_options(e), source, [&](size_t begin, size_t len) {
-        tile_digest.Update(t + begin, len * sizeof(T));
-      });
-      c.tensors[ti].chunks[ci].digest = tile_digest.Digest();
-      return;
+    // Digested in the sweep, while in cache: the tile (gridded tensors) and
+    // the checksum blocks (BlocksInline; other tensors below, whole). A
+    // chunk of at most one block is its block: one digest serves both.
+    const bool inline_blocks = internal::BlocksInline(e);
+    const bool tile_is_block = inline_blocks && n * sizeof(T) <= kChecksumBlockBytes;
+    std::optional<internal::BlockHasher> tile_digest;
+    if (e.gridded() && !tile_is_block) tile_digest.emplace();
+    std::optional<internal::ChunkDigester> target_digest, base_digest;
+    if (inline_blocks) {
+      target_digest.emplace(&target_digests, ti, internal::FirstBlock(e, ci));
+      if (hash_base) base_digest.emplace(&base_digests, ti, internal::FirstBlock(e, ci));
     }
-    internal::ChunkDigester target_digest(&target_digests, ti, ci, c.chunk_bytes);
-    std::optional<internal::ChunkDigester> base_digest;
-    if (hash_base) base_digest.emplace(&base_digests, ti, ci, c.chunk_bytes);
     encoded[i] = internal::EncodeChunkPair(b, t, n, codec_options(e), source, [&](size_t begin, size_t len) {
+      if (tile_digest) tile_digest->Update(t + begin, len * sizeof(T));
       if (base_digest) base_digest->Update(reinterpret_cast<const uint8_t*>(b + begin), len * sizeof(T));
-      target_digest.Update(reinterpret_cast<const uint8_t*>(t + begin), len * sizeof(T));
+      if (target_digest) target_digest->Update(reinterpret_cast<const uint8_t*>(t + begin), len * sizeof(T));
     });
     if (base_digest) base_digest->Finish();
-    target_digest.Finish();
+    if (target_digest) target_digest->Finish();
+    if (tile_digest) c.tensors[ti].chunks[ci].digest = tile_digest->Digest();
+    if (e.gridded() && tile_is_block) {
+      c.tensors[ti].chunks[ci].digest = target_digests.blocks[ti][internal::FirstBlock(e, ci)];
+    }
   });
   std::vector<uint64_t> base_sums;
   for (size_t t = 0; t < c.tensors.size(); ++t) {
-    const bool gridded = c.tensors[t].gridded();
-    c.tensors[t].target_checksum = gridded ? TensorChecksum(target[t].data, target[t].NumBytes(), options.pool)
-                                           : target_digests.Tensor(t);
+    const bool inline_blocks = internal::BlocksInline(c.tensors[t]);
+    c.tensors[t].target_checksum = inline_blocks ? target_digests.Tensor(t)
+                                                 : TensorChecksum(target[t].data, target[t].NumBytes(), options.pool);
     if (hash_base) {
-      base_sums.push_back(gridded ? TensorChecksum(base[t].data, base[t].NumBytes(), options.pool)
-                                  : base_digests.Tensor(t));
+      base_sums.push_back(inline_blocks ? base_digests.Tensor(t)
+                                        : TensorChecksum(base[t].data, base[t].NumBytes(), options.pool));
     }
   }
   c.base_set_checksum = hash_base ? internal::SetChecksumOf(base_sums) : *options.base_set_checksum;
@@ -845,16 +850,13 @@ StatusOr<std::string> EncodeKeyframe(std::span<const TensorView> target, const E
     thread_local std::vector<uint8_t> scratch;
     const uint8_t* bytes = internal::ChunkBytes(e.tiles[ci], internal::Identity(e, target[ti].data), sizeof(T), &scratch);
     internal::EncodeKeyframeChunk(reinterpret_cast<const T*>(bytes), n, options.zstd_level, &encoded[i].pos);
-    if (e.gridded()) {
-      c.tensors[ti].chunks[ci].digest = BlockDigest(bytes, n * sizeof(T));
-    } else {
-      digests.DigestChunk(ti, ci, bytes, n * sizeof(T), c.chunk_bytes);
-    }
+    if (e.gridded()) c.tensors[ti].chunks[ci].digest = BlockDigest(bytes, n * sizeof(T));
+    if (internal::BlocksInline(e)) digests.DigestChunk(ti, internal::FirstBlock(e, ci), bytes, n * sizeof(T));
   });
   for (size_t t = 0; t < c.tensors.size(); ++t) {
-    c.tensors[t].target_checksum = c.tensors[t].gridded()
-                                       ? TensorChecksum(target[t].data, target[t].NumBytes(), options.pool)
-                                       : digests.Tensor(t);
+    c.tensors[t].target_checksum = internal::BlocksInline(c.tensors[t])
+                                       ? digests.Tensor(t)
+                                       : TensorChecksum(target[t].data, target[t].NumBytes(), options.pool);
   }
   return Finish(c, tasks, encoded);
 }

@@ -146,17 +146,38 @@ struct Digests {
   explicit Digests(const std::vector<uint64_t>& nbytes) {
     for (uint64_t n : nbytes) blocks.emplace_back(ChecksumBlockCount(n));
   }
-  // Digests the blocks of chunk c (chunk_bytes from `chunk_data`).
-  void DigestChunk(size_t tensor, size_t c, const uint8_t* chunk_data, size_t chunk_len, uint32_t chunk_bytes);
+  // Digests the blocks of a chunk whose bytes start at block first_block.
+  void DigestChunk(size_t tensor, size_t first_block, const uint8_t* chunk_data, size_t chunk_len);
   uint64_t Tensor(size_t t) const { return CombineBlockDigests(blocks[t]); }
 };
+
+// The tensor checksum's blocks are 1 MiB runs of the tensor's bytes in flat
+// order. A chunk covers whole blocks of them, and digests them while it is
+// swept, when it is a block-aligned flat run: always in an ungridded tensor,
+// and in one gridded by rows only at block boundaries. Other gridded tensors
+// are checksummed in a pass of their own.
+inline bool BlocksInline(const TensorEntry& e) {
+  if (!e.gridded()) return true;
+  if (!e.col_cuts.empty()) return false;
+  const uint64_t row_bytes = e.cols * DTypeWidth(e.dtype);
+  for (uint64_t cut : e.row_cuts) {
+    if (cut * row_bytes % kChecksumBlockBytes != 0) return false;
+  }
+  return true;
+}
+
+// The first checksum block of chunk c. REQUIRES: BlocksInline(e).
+inline size_t FirstBlock(const TensorEntry& e, size_t c) {
+  const Tile& t = e.tiles[c];
+  return static_cast<size_t>((t.row0 * e.cols + t.first) * DTypeWidth(e.dtype) / kChecksumBlockBytes);
+}
 
 // Digests the checksum blocks of one chunk from consecutive pieces of it
 // (a sweep's segments), into Digests.
 class ChunkDigester {
  public:
-  ChunkDigester(Digests* digests, size_t tensor, size_t chunk, uint32_t chunk_bytes)
-      : blocks_(&digests->blocks[tensor]), next_(chunk * (chunk_bytes / kChecksumBlockBytes)) {}
+  ChunkDigester(Digests* digests, size_t tensor, size_t first_block)
+      : blocks_(&digests->blocks[tensor]), next_(first_block) {}
   void Update(const uint8_t* data, size_t len) {
     while (len > 0) {
       const size_t take = std::min(len, kChecksumBlockBytes - filled_);
@@ -184,9 +205,8 @@ class ChunkDigester {
   BlockHasher hasher_;
 };
 
-inline void Digests::DigestChunk(size_t tensor, size_t c, const uint8_t* chunk_data, size_t chunk_len,
-                                 uint32_t chunk_bytes) {
-  ChunkDigester digester(this, tensor, c, chunk_bytes);
+inline void Digests::DigestChunk(size_t tensor, size_t first_block, const uint8_t* chunk_data, size_t chunk_len) {
+  ChunkDigester digester(this, tensor, first_block);
   digester.Update(chunk_data, chunk_len);
   digester.Finish();
 }
