@@ -63,6 +63,14 @@ inline Placement Identity(const TensorEntry& e, const uint8_t* data) {
 // elements that is contiguous at the placement, in chunk order.
 template <typename F>
 void ForEachRun(const Tile& t, const Placement& p, F&& f) {
+  if (p.cols == t.cell_cols && static_cast<int64_t>(t.col0) + p.dcol == 0) {
+    // The cell's rows are whole rows at the placement (every ungridded
+    // tensor, 1-D ones included, and every row band): one run, found in
+    // O(1) rather than a row at a time.
+    const uint64_t r = t.row0 + t.first / t.cell_cols;
+    f(static_cast<uint64_t>(static_cast<int64_t>(r) + p.drow) * p.cols + t.first % t.cell_cols, 0, t.n);
+    return;
+  }
   const uint64_t end = t.first + t.n;
   uint64_t run_at = 0, run_k = 0, run_len = 0, k = 0;
   for (uint64_t idx = t.first; idx < end;) {
