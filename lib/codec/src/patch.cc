@@ -354,8 +354,8 @@ Status PieceRects(const Piece& p, const std::vector<uint64_t>& cshape, const std
   return Status::Ok();
 }
 
-// The runtime rectangles of a runtime tensor's pieces, refusing overlaps.
-StatusOr<std::vector<Rect>> CheckRuntimeRects(const RuntimeTensor& rt, const std::vector<Rect>& rects) {
+// Refuses pieces of a runtime tensor whose runtime rectangles overlap.
+Status CheckRuntimeRects(const RuntimeTensor& rt, const std::vector<Rect>& rects) {
   for (size_t a = 0; a < rects.size(); ++a) {
     for (size_t b = 0; b < a; ++b) {
       if (rects[a].Overlaps(rects[b])) {
@@ -363,7 +363,7 @@ StatusOr<std::vector<Rect>> CheckRuntimeRects(const RuntimeTensor& rt, const std
       }
     }
   }
-  return rects;
+  return Status::Ok();
 }
 
 // The works that apply a container into pieces. need_data: the runtime
@@ -420,7 +420,7 @@ StatusOr<Plan> PiecesPlan(const Container& c, std::span<const RuntimeTensor> run
         }
       }
     }
-    WSYNC_RETURN_IF_ERROR(CheckRuntimeRects(rt, rects).status());
+    WSYNC_RETURN_IF_ERROR(CheckRuntimeRects(rt, rects));
   }
   return p;
 }
@@ -626,6 +626,28 @@ struct PartApply {
   Plan plan;
   std::function<bool()> holds_base;  // patches; null: unknown
 };
+
+// Reads a part whose tensors are destination tensors of their names.
+// REQUIRES: *p stays where it is (holds_base refers to p->c).
+Status ReadWholePart(std::string_view patch, std::span<const MutableTensorView> tensors, bool allow_extra,
+                     const ApplyOptions& options, PartApply* p) {
+  WSYNC_ASSIGN_OR_RETURN(p->c, internal::ReadContainer(patch, options.verify_patch_checksum));
+  WSYNC_ASSIGN_OR_RETURN(auto dst, MatchTensors(p->c, tensors, allow_extra));
+  p->plan = WholePlan(p->c, dst);
+  WSYNC_RETURN_IF_ERROR(CheckPresent(p->c, p->plan));
+  const Container* held = &p->c;
+  ThreadPool* pool = options.pool;
+  p->holds_base = [held, dst, pool] { return HoldsBase(*held, dst, pool); };
+  return Status::Ok();
+}
+
+// Reads a part applied into pieces (other_parts: see PiecesPlan).
+Status ReadPiecesPart(std::string_view patch, std::span<const RuntimeTensor> runtime, bool other_parts,
+                      const ApplyOptions& options, PartApply* p) {
+  WSYNC_ASSIGN_OR_RETURN(p->c, internal::ReadContainer(patch, options.verify_patch_checksum));
+  WSYNC_ASSIGN_OR_RETURN(p->plan, PiecesPlan(p->c, runtime, /*need_data=*/true, other_parts));
+  return CheckPresent(p->c, p->plan);
+}
 
 Status ApplyAll(std::vector<PartApply>& parts, ThreadPool* pool) {
   std::vector<std::unique_ptr<KeyframeApply>> keyframes;
@@ -863,14 +885,8 @@ StatusOr<std::string> EncodeKeyframe(std::span<const TensorView> target, const E
 
 Status ApplyPatch(std::string_view patch, std::span<const MutableTensorView> tensors,
                   const ApplyOptions& options) {
-  WSYNC_ASSIGN_OR_RETURN(Container c, internal::ReadContainer(patch, options.verify_patch_checksum));
-  WSYNC_ASSIGN_OR_RETURN(auto dst, MatchTensors(c, tensors, options.allow_extra_tensors));
   std::vector<PartApply> parts(1);
-  parts[0].plan = WholePlan(c, dst);
-  WSYNC_RETURN_IF_ERROR(CheckPresent(c, parts[0].plan));
-  parts[0].c = std::move(c);
-  const Container& held = parts[0].c;
-  parts[0].holds_base = [&held, dst, &options] { return HoldsBase(held, dst, options.pool); };
+  WSYNC_RETURN_IF_ERROR(ReadWholePart(patch, tensors, options.allow_extra_tensors, options, &parts[0]));
   return ApplyAll(parts, options.pool);
 }
 
@@ -926,9 +942,7 @@ std::vector<TileGrid> GridsFor(std::span<const std::vector<RuntimeTensor>> layou
 
 Status ApplyToPieces(std::string_view patch, std::span<const RuntimeTensor> runtime, const ApplyOptions& options) {
   std::vector<PartApply> parts(1);
-  WSYNC_ASSIGN_OR_RETURN(parts[0].c, internal::ReadContainer(patch, options.verify_patch_checksum));
-  WSYNC_ASSIGN_OR_RETURN(parts[0].plan, PiecesPlan(parts[0].c, runtime, /*need_data=*/true));
-  WSYNC_RETURN_IF_ERROR(CheckPresent(parts[0].c, parts[0].plan));
+  WSYNC_RETURN_IF_ERROR(ReadPiecesPart(patch, runtime, /*other_parts=*/false, options, &parts[0]));
   return ApplyAll(parts, options.pool);
 }
 
@@ -938,19 +952,13 @@ Status ApplyParts(std::span<const std::string_view> patches, std::span<const Mut
   std::vector<PartApply> parts(patches.size());
   std::unordered_map<std::string_view, size_t> part_of;
   for (size_t i = 0; i < patches.size(); ++i) {
-    PartApply& p = parts[i];
-    WSYNC_ASSIGN_OR_RETURN(p.c, internal::ReadContainer(patches[i], options.verify_patch_checksum));
-    WSYNC_ASSIGN_OR_RETURN(auto dst, MatchTensors(p.c, tensors, /*allow_extra=*/true));
-    for (const TensorEntry& e : p.c.tensors) {
+    WSYNC_RETURN_IF_ERROR(ReadWholePart(patches[i], tensors, /*allow_extra=*/true, options, &parts[i]));
+    for (const TensorEntry& e : parts[i].c.tensors) {
       if (auto [it, fresh] = part_of.emplace(e.name, i); !fresh) {
         return FailedPreconditionError("tensor " + Quoted(e.name) + " is in parts " + std::to_string(it->second) +
                                        " and " + std::to_string(i) + " of the version");
       }
     }
-    p.plan = WholePlan(p.c, dst);
-    WSYNC_RETURN_IF_ERROR(CheckPresent(p.c, p.plan));
-    const Container* held = &p.c;
-    p.holds_base = [held, dst, &options] { return HoldsBase(*held, dst, options.pool); };
   }
   if (!options.allow_extra_tensors) {
     for (const MutableTensorView& t : tensors) {
@@ -968,15 +976,12 @@ Status ApplyPartsToPieces(std::span<const std::string_view> patches, std::span<c
   std::vector<PartApply> parts(patches.size());
   std::unordered_set<std::string> names;
   for (size_t i = 0; i < patches.size(); ++i) {
-    PartApply& p = parts[i];
-    WSYNC_ASSIGN_OR_RETURN(p.c, internal::ReadContainer(patches[i], options.verify_patch_checksum));
-    for (const TensorEntry& e : p.c.tensors) {
+    WSYNC_RETURN_IF_ERROR(ReadPiecesPart(patches[i], runtime, /*other_parts=*/true, options, &parts[i]));
+    for (const TensorEntry& e : parts[i].c.tensors) {
       if (!names.insert(e.name).second) {
         return FailedPreconditionError("tensor " + Quoted(e.name) + " is in two parts of the version");
       }
     }
-    WSYNC_ASSIGN_OR_RETURN(p.plan, PiecesPlan(p.c, runtime, /*need_data=*/true, /*other_parts=*/true));
-    WSYNC_RETURN_IF_ERROR(CheckPresent(p.c, p.plan));
   }
   for (const RuntimeTensor& rt : runtime) {
     for (size_t j = 0; j < rt.pieces.size(); ++j) {
