@@ -57,7 +57,7 @@ void SinkCore::ReportApplied(uint64_t version) {
 
 StatusOr<uint64_t> SinkCore::RegisterTensors(buffers::MappedTensors reg, uint64_t claimed) {
   // Refused at once when the tensors cannot take the versions published.
-  if (Status s = CheckPublishedLayout(reg); !s.ok()) {
+  if (Status s = CheckPublishedLayout(reg, env_.coordinator->GetLayout()); !s.ok()) {
     spdlog::warn("sink {}: registration refused: {}", config_.name, s.ToString());
     return s;
   }
@@ -482,7 +482,8 @@ void SinkCore::SyncLoop() {
     }
     const uint64_t head = head_.load();
     if (!w || w.get() == mismatched_ || parent.empty() || w->applied() >= head) continue;
-    wsync::Status s = CheckPublishedLayout(w->store().tensors());
+    const PublishedLayout published = env_.coordinator->GetLayout();
+    wsync::Status s = CheckPublishedLayout(w->store().tensors(), published);
     if (!s.ok()) {
       // Tensors that cannot take the published versions never will: no
       // pull until they are registered again.
@@ -491,7 +492,7 @@ void SinkCore::SyncLoop() {
       mismatched_ = w.get();
       continue;
     }
-    const std::vector<PartPull> pulls = PullsFrom(parent);
+    const std::vector<PartPull> pulls = PullsFrom(parent, published);
     const std::string from_where =
         Quoted(parent) + (pulls.size() > 1 && pulls[0].node != parent ? " (each part from its source)" : "");
     s = SyncOnce(w, pulls, resync || w->applied() == 0 ? 0 : w->applied(), head);
@@ -527,8 +528,7 @@ void SinkCore::SyncLoop() {
 // Ok unless a layout is published and the tensors do not match it: the
 // published tensors themselves, or runtime tensors whose pieces the
 // published tensors and their tile grids hold.
-Status SinkCore::CheckPublishedLayout(const buffers::MappedTensors& tensors) {
-  auto published = env_.coordinator->GetLayout();
+Status SinkCore::CheckPublishedLayout(const buffers::MappedTensors& tensors, const PublishedLayout& published) {
   if (!published.ok() || !published->set()) return wsync::Status::Ok();  // checked again next time
   if (tensors.has_pieces()) {
     WSYNC_ASSIGN_OR_RETURN(CanonicalLayout canonical, CanonicalOf(published->layout()));
@@ -548,8 +548,7 @@ Status SinkCore::CheckPublishedLayout(const buffers::MappedTensors& tensors) {
 }
 
 
-std::vector<SinkCore::PartPull> SinkCore::PullsFrom(const std::string& parent) {
-  auto published = env_.coordinator->GetLayout();
+std::vector<SinkCore::PartPull> SinkCore::PullsFrom(const std::string& parent, const PublishedLayout& published) {
   if (!published.ok() || !published->set() || published->layout().parts() <= 1) return {{parent, 0}};
   const auto& sources = published->layout().part_sources();
   const bool relay = std::find(sources.begin(), sources.end(), parent) == sources.end();

@@ -134,19 +134,19 @@ class SinkCore : public exchange::PatchProvider {
   void ResetBackoff();
   void ResetBackoffSoon();  // REQUIRES: state_mu_ held (takes sync_mu_ only)
   std::chrono::milliseconds RetryDelay(uint64_t failures);
-  Status CheckPublishedLayout(const buffers::MappedTensors& tensors);
-  // Pulls (from, to) from each of `nodes` (the parent, or the source of
-  // every part of a version published by several sources) and applies what
-  // they send as one.
+  using PublishedLayout = StatusOr<wsync::v1::GetLayoutResponse>;  // GetLayout's answer
+  Status CheckPublishedLayout(const buffers::MappedTensors& tensors, const PublishedLayout& published);
   struct PartPull {
     std::string node;
     uint32_t part = 0;
   };
+  // Pulls (from, to) from each of `pulls` (the parent, or every part of a
+  // version published by several sources) and applies what they send as one.
   Status SyncOnce(const std::shared_ptr<SinkWeights>& w, const std::vector<PartPull>& pulls, uint64_t from,
                   uint64_t to);
   // What to pull a version from: the parent; with several sources, each
   // part from its source, or every part from the parent when it is a relay.
-  std::vector<PartPull> PullsFrom(const std::string& parent);
+  std::vector<PartPull> PullsFrom(const std::string& parent, const PublishedLayout& published);
 
   const DataDaemonConfig config_;
   const SinkEnvironment env_;
