@@ -57,7 +57,8 @@ void SinkCore::ReportApplied(uint64_t version) {
 
 StatusOr<uint64_t> SinkCore::RegisterTensors(buffers::MappedTensors reg, uint64_t claimed) {
   // Refused at once when the tensors cannot take the versions published.
-  if (Status s = CheckPublishedLayout(reg, env_.coordinator->GetLayout()); !s.ok()) {
+  const PublishedLayout published = env_.coordinator->GetLayout();
+  if (Status s = CheckPublishedLayout(reg, published); !s.ok()) {
     spdlog::warn("sink {}: registration refused: {}", config_.name, s.ToString());
     return s;
   }
@@ -76,7 +77,15 @@ StatusOr<uint64_t> SinkCore::RegisterTensors(buffers::MappedTensors reg, uint64_
   }
   if (applied != 0) {
     auto versions = env_.coordinator->ListVersions(applied - 1);
-    auto sum = store->SetChecksum(env_.pool);
+    // The versions' checksums follow their tile grids (patch-format.md).
+    StatusOr<uint64_t> sum = UnavailableError("no layout published");
+    if (published.ok()) {
+      if (auto canonical = CanonicalOf(published->layout()); canonical.ok()) {
+        sum = store->SetChecksum(canonical->grids, env_.pool);
+      } else {
+        sum = canonical.status();
+      }
+    }
     const bool match = versions.ok() && versions->versions_size() > 0 && versions->versions(0).version() == applied &&
                        sum.ok() && versions->versions(0).set_checksum() == *sum;
     if (!match) {
@@ -270,16 +279,28 @@ StatusOr<std::shared_ptr<PatchStream>> SinkCore::OpenFor(uint64_t from, uint64_t
   }
   // A keyframe of what it holds (the child had another base): with several
   // sources, of the part's tensors.
+  // Coded with the published grids, so that children holding pieces apply
+  // it too (without the coordinator, flat: whole children only).
   std::vector<std::string> names;
-  if (auto published = env_.coordinator->GetLayout(); published.ok() && published->layout().parts() > 1) {
+  codec::EncodeOptions eo;
+  const PublishedLayout published = env_.coordinator->GetLayout();
+  if (!published.ok()) {
+    if (part != 0) return published.status().WithContext("keyframe of part " + std::to_string(part));
+    spdlog::warn("sink {}: keyframe for a child without the published layout (flat): {}", config_.name,
+                 published.status().ToString());
+  } else if (published->layout().parts() > 1) {
     const v1::Layout mine = control::PartOf(published->layout(), part);
     for (const auto& t : mine.tensors()) names.push_back(t.name());
     if (names.empty()) return NotFoundError("the published layout has no part " + std::to_string(part));
+    WSYNC_ASSIGN_OR_RETURN(CanonicalLayout canonical, CanonicalOf(mine));
+    eo.grids = std::move(canonical.grids);
   } else if (part != 0) {
     return NotFoundError("the versions have no part " + std::to_string(part));
+  } else if (published.ok()) {
+    WSYNC_ASSIGN_OR_RETURN(CanonicalLayout canonical, CanonicalOf(published->layout()));
+    eo.grids = std::move(canonical.grids);
   }
   const uint64_t v = weights->Hold();
-  codec::EncodeOptions eo;
   eo.pool = env_.pool;
   eo.target_version = v;
   StatusOr<std::string> kf = weights->store().EncodeKeyframe(eo, names);

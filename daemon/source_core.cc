@@ -134,6 +134,7 @@ StatusOr<SourceRegistration> SourceCore::RegisterTensors(buffers::MappedTensors 
   cast_ = !out.cast_to_bf16.empty();
   tensors_ = std::make_unique<buffers::MappedTensors>(std::move(reg));
   layout_ = layout;
+  grids_ = grids;
   layout_set_ = mine_published;
   part_ = part;
   parts_ = parts;
@@ -286,10 +287,14 @@ StatusOr<bool> SourceCore::HeadHoldsTheRegisteredWeights() {
     WSYNC_ASSIGN_OR_RETURN(uint64_t sum, TensorsSetChecksum(*tensors_, pool_));
     return sum == head_pub_.set_checksum;
   }
-  if (!cast_) return codec::SetChecksum(views, pool_) == head_pub_.set_checksum;
+  if (!cast_) {
+    WSYNC_ASSIGN_OR_RETURN(uint64_t sum, codec::SetChecksum(views, grids_, pool_));
+    return sum == head_pub_.set_checksum;
+  }
   // snapshot_ is scratch between publishes (the previous head's buffers).
   WSYNC_RETURN_IF_ERROR(CopyToSnapshot(views));
-  return codec::SetChecksum(buffers::Views(snapshot_), pool_) == head_pub_.set_checksum;
+  WSYNC_ASSIGN_OR_RETURN(uint64_t sum, codec::SetChecksum(buffers::Views(snapshot_), grids_, pool_));
+  return sum == head_pub_.set_checksum;
 }
 
 // Copies (and casts) `views` into snapshot_, reallocating it when its

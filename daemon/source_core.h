@@ -116,9 +116,10 @@ class SourceCore {
   bool head_announced_ = false;
   // The copy's own threads: the codec's pool may be busy serving a merge.
   ThreadPool copy_pool_;
-  std::mutex state_mu_;  // tensors_, layout_, cast_, device_
+  std::mutex state_mu_;  // tensors_, layout_, grids_, cast_, device_
   std::unique_ptr<buffers::MappedTensors> tensors_;
   wsync::v1::Layout layout_;  // published layout of tensors_
+  std::vector<codec::TileGrid> grids_;  // tensors_'s tile grids (their checksums follow them)
   bool cast_ = false;         // some of tensors_ are F32, published as BF16
   std::unique_ptr<DeviceSource> device_;  // set for device memory
   std::atomic<uint64_t> coordinator_head_{0};

@@ -1,6 +1,8 @@
 #include "weight_store.h"
 
 #include <set>
+#include <string_view>
+#include <unordered_map>
 
 #include "wsync/util/text.h"
 
@@ -44,7 +46,9 @@ class HostStore : public WeightStore {
     return ApplyOnHost(parts, tensors_, tensors_.Runtime(), options);
   }
   StatusOr<std::vector<buffers::OwnedTensor>> HostCopy() const override { return buffers::CopyTensors(Views()); }
-  StatusOr<uint64_t> SetChecksum(ThreadPool* pool) const override { return codec::SetChecksum(Views(), pool); }
+  StatusOr<uint64_t> SetChecksum(std::span<const codec::TileGrid> grids, ThreadPool* pool) const override {
+    return codec::SetChecksum(Views(), grids, pool);
+  }
   StatusOr<std::string> EncodeKeyframe(const codec::EncodeOptions& options,
                                        std::span<const std::string> only) const override {
     WSYNC_RETURN_IF_ERROR(CheckWhole());
@@ -70,7 +74,9 @@ class DeviceStore : public WeightStore {
     }
     return out;
   }
-  StatusOr<uint64_t> SetChecksum(ThreadPool*) const override { return DeviceSetChecksum(*codec_, Views()); }
+  StatusOr<uint64_t> SetChecksum(std::span<const codec::TileGrid> grids, ThreadPool*) const override {
+    return DeviceSetChecksum(*codec_, Views(), grids);
+  }
   // The keyframe is encoded on the host from a copy (a late sink's, rare).
   StatusOr<std::string> EncodeKeyframe(const codec::EncodeOptions& options,
                                        std::span<const std::string> only) const override {
@@ -111,11 +117,29 @@ Status WeightStore::CheckWhole() const {
   return Status::Ok();
 }
 
-StatusOr<uint64_t> DeviceSetChecksum(cuda::DeviceCodec& device, std::span<const codec::TensorView> tensors) {
+StatusOr<uint64_t> DeviceSetChecksum(cuda::DeviceCodec& device, std::span<const codec::TensorView> tensors,
+                                     std::span<const codec::TileGrid> grids) {
+  std::unordered_map<std::string_view, const codec::TileGrid*> by_name;
+  for (const auto& g : grids) by_name.emplace(g.tensor, &g);
   std::vector<uint64_t> sums;
   for (const auto& t : tensors) {
-    WSYNC_ASSIGN_OR_RETURN(uint64_t sum, device.TensorChecksum(t.data, t.NumBytes()));
+    auto grid = by_name.find(t.name);
+    if (grid == by_name.end()) {
+      WSYNC_ASSIGN_OR_RETURN(uint64_t sum, device.TensorChecksum(t.data, t.NumBytes()));
+      sums.push_back(sum);
+      continue;
+    }
+    std::vector<uint8_t> host(t.NumBytes());
+    WSYNC_RETURN_IF_ERROR(cuda::CopyDeviceToHost(host.data(), t.data, host.size()));
+    codec::TensorView copy = t;
+    copy.data = host.data();
+    WSYNC_ASSIGN_OR_RETURN(uint64_t sum, codec::TensorChecksumOf(copy, grid->second));
     sums.push_back(sum);
+    by_name.erase(grid);
+  }
+  if (!by_name.empty()) {
+    return InvalidArgumentError("tile grid for tensor " + Quoted(by_name.begin()->second->tensor) +
+                                ", which the set lacks");
   }
   return codec::staged::SetChecksumOf(sums);
 }

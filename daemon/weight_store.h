@@ -43,8 +43,9 @@ class WeightStore {
   virtual Status Apply(std::span<const std::string_view> parts, const codec::ApplyOptions& options) = 0;
   // A copy of the tensors in host memory.
   virtual StatusOr<std::vector<buffers::OwnedTensor>> HostCopy() const = 0;
-  // codec::SetChecksum of the tensors, computed where they live.
-  virtual StatusOr<uint64_t> SetChecksum(ThreadPool* pool) const = 0;
+  // codec::SetChecksum of the tensors coded with `grids`, computed where
+  // they live.
+  virtual StatusOr<uint64_t> SetChecksum(std::span<const codec::TileGrid> grids, ThreadPool* pool) const = 0;
   // A keyframe of what the tensors hold (FailedPrecondition for pieces); of
   // the tensors named in `only` when it is not empty (one part of a version
   // of several sources).
@@ -59,7 +60,10 @@ class WeightStore {
   const uint64_t layout_;
 };
 
-// codec::SetChecksum of tensors in device memory, computed on the device.
-StatusOr<uint64_t> DeviceSetChecksum(cuda::DeviceCodec& device, std::span<const codec::TensorView> tensors);
+// codec::SetChecksum of tensors in device memory coded with `grids`:
+// computed on the device, but for the gridded tensors, which the device
+// codec does not hash by cells (#21): those from a host copy.
+StatusOr<uint64_t> DeviceSetChecksum(cuda::DeviceCodec& device, std::span<const codec::TensorView> tensors,
+                                     std::span<const codec::TileGrid> grids = {});
 
 }  // namespace wsync::daemon

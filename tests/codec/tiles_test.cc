@@ -95,28 +95,73 @@ TEST(Tiles, GriddedPatchesRoundTripForEveryShapeAndGrid) {
   }
 }
 
-// A gridded tensor's checksum is its flat checksum whichever way the encoder
-// takes it: in the sweep (row cuts at 1 MiB boundaries) or in a pass of its
-// own (column cuts, or rows cut elsewhere); patches, keyframes and a hashed
-// base alike.
-TEST(Tiles, TensorChecksumsDoNotDependOnTheGrid) {
+// The checksum of a tensor laid out in the bytes of its cells, one cell
+// after the other in row-major order (the reference for the format's
+// "Checksums": 1 MiB blocks of each cell in turn).
+uint64_t CellBlocksChecksum(const OwnedTensor& t, const TileGrid& g) {
+  const uint64_t rows = t.shape.empty() ? 1 : t.shape[0];
+  const uint64_t width = DTypeWidth(t.dtype), cols = t.bytes.size() / width / rows;
+  auto bands = [](std::vector<uint64_t> cuts, uint64_t n) {
+    cuts.insert(cuts.begin(), 0);
+    cuts.push_back(n);
+    return cuts;
+  };
+  const auto rb = bands(g.row_cuts, rows), cb = bands(g.col_cuts, cols);
+  std::vector<uint64_t> digests;
+  for (size_t i = 0; i + 1 < rb.size(); ++i) {
+    for (size_t j = 0; j + 1 < cb.size(); ++j) {
+      std::vector<uint8_t> cell;
+      for (uint64_t r = rb[i]; r < rb[i + 1]; ++r) {
+        const uint8_t* row = t.bytes.data() + (r * cols + cb[j]) * width;
+        cell.insert(cell.end(), row, row + (cb[j + 1] - cb[j]) * width);
+      }
+      for (size_t at = 0; at < cell.size(); at += kChecksumBlockBytes) {
+        digests.push_back(BlockDigest(cell.data() + at, std::min(kChecksumBlockBytes, cell.size() - at)));
+      }
+    }
+  }
+  return CombineBlockDigests(digests);
+}
+
+// A gridded tensor's checksum is taken over its cells' blocks, in the sweep
+// (no pass of its own): its flat checksum when the cells are flat runs at
+// 1 MiB boundaries (rows cut there), another when cut by columns or
+// elsewhere; patches, keyframes and a hashed base alike, and
+// TensorChecksumOf / SetChecksum with the grids compute the same.
+TEST(Tiles, TensorChecksumsAreTakenOverTheCells) {
   std::mt19937_64 rng(5);
   std::vector<OwnedTensor> base = {RandomTensor("rows", DType::kBF16, {2048, 1024}, rng),
                                    RandomTensor("cols", DType::kBF16, {1024, 1536}, rng),
-                                   RandomTensor("odd", DType::kBF16, {1000, 1000}, rng)};
+                                   RandomTensor("odd", DType::kBF16, {1000, 1000}, rng),
+                                   RandomTensor("both", DType::kF32, {700, 900}, rng)};
   auto target = PerturbAll(base, 0.01, rng);
   EncodeOptions o;
-  o.grids = {{"rows", {512, 1536}, {}}, {"cols", {}, {768}}, {"odd", {333}, {}}};
+  o.grids = {{"rows", {512, 1536}, {}}, {"cols", {}, {768}}, {"odd", {333}, {}}, {"both", {350}, {100, 450}}};
+  ThreadPool pool(3);
   auto patch = EncodePatch(Views(base), Views(target), o);
   auto keyframe = EncodeKeyframe(Views(target), o);
   ASSERT_TRUE(patch.ok() && keyframe.ok());
   auto p = InspectPatch(*patch), k = InspectPatch(*keyframe);
   for (size_t t = 0; t < target.size(); ++t) {
+    const uint64_t cells = CellBlocksChecksum(target[t], o.grids[t]);
+    EXPECT_EQ(p->tensors[t].target_checksum, cells) << target[t].name;
+    EXPECT_EQ(k->tensors[t].target_checksum, cells) << target[t].name;
+    auto of = TensorChecksumOf(Views(target)[t], &o.grids[t], &pool);
+    ASSERT_TRUE(of.ok());
+    EXPECT_EQ(*of, cells) << target[t].name;
     const uint64_t flat = TensorChecksum(target[t].bytes.data(), target[t].bytes.size());
-    EXPECT_EQ(p->tensors[t].target_checksum, flat) << target[t].name;
-    EXPECT_EQ(k->tensors[t].target_checksum, flat) << target[t].name;
+    EXPECT_EQ(cells == flat, t == 0) << target[t].name << ": flat only when the cells are 1 MiB-aligned runs";
   }
-  EXPECT_EQ(p->base_set_checksum, SetChecksum(Views(base)));
+  auto base_sum = SetChecksum(Views(base), o.grids, &pool);
+  ASSERT_TRUE(base_sum.ok());
+  EXPECT_EQ(p->base_set_checksum, *base_sum);
+  EXPECT_NE(p->base_set_checksum, SetChecksum(Views(base)));
+  EXPECT_EQ(TensorChecksumOf(Views(target)[1], nullptr).value(),
+            TensorChecksum(target[1].bytes.data(), target[1].bytes.size()));
+  TileGrid misfit{"cols", {}, {1536}};
+  EXPECT_EQ(TensorChecksumOf(Views(target)[1], &misfit).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(SetChecksum(Views(target), std::vector<TileGrid>{{"nope", {1}, {}}}).status().code(),
+            StatusCode::kInvalidArgument);
   // The tile digests (taken from the blocks where a chunk is one) verify.
   auto work = base;
   Status s = ApplyPatch(*patch, MutableViews(work), {});
@@ -143,7 +188,8 @@ TEST(Tiles, AGridChangesNothingForTensorsWithoutOne) {
   auto i0 = InspectPatch(*p0), i1 = InspectPatch(*p1);
   EXPECT_EQ(i0->tensors[0].position_bytes + i0->tensors[0].value_bytes,
             i1->tensors[0].position_bytes + i1->tensors[0].value_bytes);
-  EXPECT_EQ(i0->tensors[1].target_checksum, i1->tensors[1].target_checksum) << "tensor checksums are the same";
+  EXPECT_EQ(i0->tensors[0].target_checksum, i1->tensors[0].target_checksum);
+  EXPECT_EQ(i1->tensors[1].target_checksum, CellBlocksChecksum(target[1], gridded.grids[0]));
   EXPECT_EQ(i1->tensors[1].chunks, 2u);
 }
 

@@ -474,6 +474,44 @@ TEST_F(SinkCoreTest, PiecesSinkAppliesItsSelectionsAndRecovers) {
   whole.ExpectReaches(4, v[3]);
 }
 
+// Versions coded on a tile grid carry checksums taken over its cells: a
+// whole sink registering weights it says are version 2 is believed (its
+// checksum is taken on the published grid), and a sink holding pieces
+// behind it (fan-out 1) gets its keyframe from it, coded on that grid.
+TEST_F(SinkCoreTest, GriddedVersionsAreClaimedAndRelayedOnTheirGrid) {
+  auto v = Versions(3);
+  const uint64_t half = 150000;  // w1's cells: 300 KB each, not flat 1 MiB blocks
+  auto held = [&](const std::vector<OwnedTensor>& version) {
+    OwnedTensor h{"w1.half", codec::DType::kBF16, {half}, {}};
+    h.bytes.assign(version[0].bytes.begin() + half * 2, version[0].bytes.end());
+    return std::vector<OwnedTensor>{h, version[1]};
+  };
+  const std::vector<std::vector<codec::Piece>> pieces = {{{"w1", {half}, {half}, {0}}}, {{"w2", {0}, {7000}, {0}}}};
+  auto zeros = Zeros(held(v[0]));
+  std::vector<codec::RuntimeTensor> layout;
+  for (size_t i = 0; i < zeros.size(); ++i) {
+    layout.push_back({{zeros[i].name, zeros[i].dtype, zeros[i].shape, nullptr}, pieces[i]});
+  }
+  TestSource source(state_.get(), fabric_);
+  source.Serve({layout}, v[0]);
+  source.Publish(1, v[0]);
+  source.Publish(2, v[1]);
+  ASSERT_NE(state_->ListVersions(1).versions(0).set_checksum(), codec::SetChecksum(buffers::Views(v[1])))
+      << "the grid changes this set's checksum";
+  TestSink whole("sink-0", state_.get(), fabric_);
+  auto claimed = whole.RegisterMemory(v[1], 2);
+  ASSERT_TRUE(claimed.ok()) << claimed.status().ToString();
+  whole.ExpectReaches(2, v[1]);
+  EXPECT_EQ(whole.core->status().pulls_made, 0u) << "the claim of version 2 is believed";
+  TestSink shard("sink-1", state_.get(), fabric_);
+  ASSERT_TRUE(shard.RegisterMemory(zeros, 0, pieces).ok());
+  shard.ExpectReaches(2, held(v[1]));
+  EXPECT_EQ(ParentOf("sink-1"), "sink-0");
+  source.Publish(3, v[2]);
+  whole.ExpectReaches(3, v[2]);
+  shard.ExpectReaches(3, held(v[2]));
+}
+
 // Two sources, each publishing one tensor of every version: the sink applies
 // a version only once both parts are in, pulling each from its source; a
 // second sink behind it (fan-out 1) pulls both parts from it, and a late

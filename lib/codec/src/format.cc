@@ -69,14 +69,21 @@ Status LayTiles(TensorEntry* t, uint32_t chunk_bytes, uint64_t max_chunks) {
   }
   t->chunks.resize(count);
   t->tiles.reserve(count);
+  // Checksum blocks: 1 MiB runs of each cell's bytes, cell after cell. A
+  // chunk starts at a multiple of chunk_bytes in its cell, so at a block.
+  const uint64_t width = DTypeWidth(t->dtype);
+  uint64_t blocks = 0;
   for (size_t i = 0; i + 1 < rb.size(); ++i) {
     for (size_t j = 0; j + 1 < cb.size(); ++j) {
       const uint64_t w = cb[j + 1] - cb[j], cell = (rb[i + 1] - rb[i]) * w;
       for (uint64_t first = 0; first < cell; first += per) {
-        t->tiles.push_back(Tile{rb[i], cb[j], w, first, std::min(per, cell - first)});
+        t->tiles.push_back(Tile{rb[i], cb[j], w, first, std::min(per, cell - first),
+                                blocks + first * width / kChecksumBlockBytes});
       }
+      blocks += ChecksumBlockCount(cell * width);
     }
   }
+  t->checksum_blocks = blocks;
   return Status::Ok();
 }
 

@@ -13,7 +13,7 @@
 namespace wsync::codec::internal {
 
 inline constexpr char kMagic[8] = {'W', 'S', 'Y', 'N', 'C', 'P', 'A', 'T'};
-inline constexpr uint16_t kFormatVersion = 3;
+inline constexpr uint16_t kFormatVersion = 4;
 inline constexpr size_t kPreambleBytes = 40;
 inline constexpr size_t kChecksumOffset = 32;
 inline constexpr uint32_t kMinChunkBytes = 1u << 20;
@@ -37,6 +37,7 @@ struct Tile {
   uint64_t cell_cols = 0;  // the cell's width
   uint64_t first = 0;
   uint64_t n = 0;
+  uint64_t block = 0;      // its first checksum block in the tensor (cell blocks)
   uint64_t FirstRow() const { return row0 + first / cell_cols; }
   uint64_t LastRow() const { return row0 + (first + n - 1) / cell_cols; }
 };
@@ -62,6 +63,7 @@ struct TensorEntry {
   std::vector<uint64_t> row_cuts, col_cuts;
   std::vector<ChunkEntry> chunks;
   std::vector<Tile> tiles;               // parallel to chunks
+  uint64_t checksum_blocks = 0;          // 1 MiB blocks of its cells, in cell order
   bool gridded() const { return !row_cuts.empty() || !col_cuts.empty(); }
 };
 
@@ -70,8 +72,9 @@ struct TensorEntry {
 void ViewOf(const std::vector<uint64_t>& shape, uint64_t numel, uint64_t* rows, uint64_t* cols);
 
 // Checks t's grid against its view and lays out its chunks (t->chunks and
-// t->tiles), refusing more than max_chunks before allocating. DataLoss
-// naming the field (the caller adds the tensor).
+// t->tiles) and its checksum blocks, refusing more than max_chunks before
+// allocating. DataLoss naming the field (the caller adds the tensor).
+// REQUIRES: chunk_bytes a multiple of kChecksumBlockBytes.
 Status LayTiles(TensorEntry* t, uint32_t chunk_bytes, uint64_t max_chunks);
 
 struct Container {

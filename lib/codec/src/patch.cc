@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <limits>
 #include <mutex>
 #include <optional>
 #include <unordered_map>
@@ -118,6 +119,24 @@ std::vector<Task> TasksOf(const std::vector<TensorEntry>& tensors) {
   return tasks;
 }
 
+uint64_t EntryChecksum(const TensorEntry& e, const uint8_t* data, ThreadPool* pool) {
+  if (!e.gridded()) return TensorChecksum(data, e.nbytes, pool);
+  // Chunks of one block each lay out exactly the checksum blocks (e's grid
+  // was checked when e was laid out).
+  const TileGrid grid{e.name, e.row_cuts, e.col_cuts};
+  const TensorEntry blocks =
+      std::move(EntryFor(TensorView{e.name, e.dtype, e.shape, data}, kChecksumBlockBytes, &grid)).value();
+  const size_t width = DTypeWidth(e.dtype);
+  const Placement at = Identity(blocks, data);
+  std::vector<uint64_t> digests(blocks.tiles.size());
+  ParallelFor(pool, digests.size(), [&](size_t i) {
+    thread_local std::vector<uint8_t> scratch;
+    const Tile& tile = blocks.tiles[i];
+    digests[i] = BlockDigest(ChunkBytes(tile, at, width, &scratch), tile.n * width);
+  });
+  return CombineBlockDigests(digests);
+}
+
 std::string Concatenate(std::vector<std::string>& streams) {
   size_t total = 0;
   for (const auto& s : streams) total += s.size();
@@ -224,9 +243,11 @@ struct Decoded {
 };
 
 bool HoldsBase(const Container& c, const std::vector<const MutableTensorView*>& dst, ThreadPool* pool) {
-  std::vector<TensorView> views;
-  for (const auto* d : dst) views.push_back(d->AsConst());
-  return SetChecksum(views, pool) == c.base_set_checksum;
+  std::vector<uint64_t> sums;
+  for (size_t t = 0; t < dst.size(); ++t) {
+    sums.push_back(internal::EntryChecksum(c.tensors[t], static_cast<const uint8_t*>(dst[t]->data), pool));
+  }
+  return internal::SetChecksumOf(sums) == c.base_set_checksum;
 }
 
 Status WrongBase(const Container& c) {
@@ -741,6 +762,24 @@ StatusOr<std::vector<TensorEntry>> EntriesFor(std::span<const TensorView> set, c
 
 }  // namespace
 
+StatusOr<uint64_t> TensorChecksumOf(const TensorView& t, const TileGrid* grid, ThreadPool* pool) {
+  EncodeOptions o;
+  if (grid != nullptr) o.grids.push_back(*grid);
+  WSYNC_ASSIGN_OR_RETURN(auto entries, EntriesFor(std::span<const TensorView>(&t, 1), o));
+  return internal::EntryChecksum(entries[0], static_cast<const uint8_t*>(t.data), pool);
+}
+
+StatusOr<uint64_t> SetChecksum(std::span<const TensorView> tensors, std::span<const TileGrid> grids, ThreadPool* pool) {
+  EncodeOptions o;
+  o.grids.assign(grids.begin(), grids.end());
+  WSYNC_ASSIGN_OR_RETURN(auto entries, EntriesFor(tensors, o));
+  std::vector<uint64_t> sums;
+  for (size_t t = 0; t < entries.size(); ++t) {
+    sums.push_back(internal::EntryChecksum(entries[t], static_cast<const uint8_t*>(tensors[t].data), pool));
+  }
+  return internal::SetChecksumOf(sums);
+}
+
 StatusOr<std::string> EncodePatch(std::span<const TensorView> base, std::span<const TensorView> target,
                                   const EncodeOptions& options) {
   WSYNC_RETURN_IF_ERROR(ValidateOptions(options));
@@ -817,24 +856,21 @@ StatusOr<std::string> EncodePatch(std::span<const TensorView> base, std::span<co
     // before its sweep: a small one is then still in cache.
     const ClassSpec* source = e.chunks.size() > 1 ? &classes[i - (ci - ClassSourceChunk(ci))] : nullptr;
     // Digested in the sweep, while in cache: the tile (gridded tensors) and
-    // the checksum blocks (BlocksInline; other tensors below, whole). A
-    // chunk of at most one block is its block: one digest serves both.
-    const bool inline_blocks = internal::BlocksInline(e);
-    const bool tile_is_block = inline_blocks && n * sizeof(T) <= kChecksumBlockBytes;
+    // the checksum blocks it covers. A chunk of at most one block is its
+    // block: one digest serves both.
+    const bool tile_is_block = n * sizeof(T) <= kChecksumBlockBytes;
     std::optional<internal::BlockHasher> tile_digest;
     if (e.gridded() && !tile_is_block) tile_digest.emplace();
-    std::optional<internal::ChunkDigester> target_digest, base_digest;
-    if (inline_blocks) {
-      target_digest.emplace(&target_digests, ti, internal::FirstBlock(e, ci));
-      if (hash_base) base_digest.emplace(&base_digests, ti, internal::FirstBlock(e, ci));
-    }
+    internal::ChunkDigester target_digest(&target_digests, ti, internal::FirstBlock(e, ci));
+    std::optional<internal::ChunkDigester> base_digest;
+    if (hash_base) base_digest.emplace(&base_digests, ti, internal::FirstBlock(e, ci));
     encoded[i] = internal::EncodeChunkPair(b, t, n, codec_options(e), source, [&](size_t begin, size_t len) {
       if (tile_digest) tile_digest->Update(t + begin, len * sizeof(T));
       if (base_digest) base_digest->Update(reinterpret_cast<const uint8_t*>(b + begin), len * sizeof(T));
-      if (target_digest) target_digest->Update(reinterpret_cast<const uint8_t*>(t + begin), len * sizeof(T));
+      target_digest.Update(reinterpret_cast<const uint8_t*>(t + begin), len * sizeof(T));
     });
     if (base_digest) base_digest->Finish();
-    if (target_digest) target_digest->Finish();
+    target_digest.Finish();
     if (tile_digest) c.tensors[ti].chunks[ci].digest = tile_digest->Digest();
     if (e.gridded() && tile_is_block) {
       c.tensors[ti].chunks[ci].digest = target_digests.blocks[ti][internal::FirstBlock(e, ci)];
@@ -842,13 +878,8 @@ StatusOr<std::string> EncodePatch(std::span<const TensorView> base, std::span<co
   });
   std::vector<uint64_t> base_sums;
   for (size_t t = 0; t < c.tensors.size(); ++t) {
-    const bool inline_blocks = internal::BlocksInline(c.tensors[t]);
-    c.tensors[t].target_checksum = inline_blocks ? target_digests.Tensor(t)
-                                                 : TensorChecksum(target[t].data, target[t].NumBytes(), options.pool);
-    if (hash_base) {
-      base_sums.push_back(inline_blocks ? base_digests.Tensor(t)
-                                        : TensorChecksum(base[t].data, base[t].NumBytes(), options.pool));
-    }
+    c.tensors[t].target_checksum = target_digests.Tensor(t);
+    if (hash_base) base_sums.push_back(base_digests.Tensor(t));
   }
   c.base_set_checksum = hash_base ? internal::SetChecksumOf(base_sums) : *options.base_set_checksum;
   return Finish(c, tasks, encoded);
@@ -873,13 +904,9 @@ StatusOr<std::string> EncodeKeyframe(std::span<const TensorView> target, const E
     const uint8_t* bytes = internal::ChunkBytes(e.tiles[ci], internal::Identity(e, target[ti].data), sizeof(T), &scratch);
     internal::EncodeKeyframeChunk(reinterpret_cast<const T*>(bytes), n, options.zstd_level, &encoded[i].pos);
     if (e.gridded()) c.tensors[ti].chunks[ci].digest = BlockDigest(bytes, n * sizeof(T));
-    if (internal::BlocksInline(e)) digests.DigestChunk(ti, internal::FirstBlock(e, ci), bytes, n * sizeof(T));
+    digests.DigestChunk(ti, internal::FirstBlock(e, ci), bytes, n * sizeof(T));
   });
-  for (size_t t = 0; t < c.tensors.size(); ++t) {
-    c.tensors[t].target_checksum = internal::BlocksInline(c.tensors[t])
-                                       ? digests.Tensor(t)
-                                       : TensorChecksum(target[t].data, target[t].NumBytes(), options.pool);
-  }
+  for (size_t t = 0; t < c.tensors.size(); ++t) c.tensors[t].target_checksum = digests.Tensor(t);
   return Finish(c, tasks, encoded);
 }
 
@@ -1077,16 +1104,16 @@ StatusOr<std::string> MergePatches(std::string_view first, std::string_view seco
   if (!base.empty() && !keyframe) {
     std::unordered_map<std::string_view, const TensorView*> by_name;
     for (const auto& t : base) by_name[t.name] = &t;
-    std::vector<TensorView> ordered;
+    std::vector<uint64_t> sums;
     for (size_t t = 0; t < a.tensors.size(); ++t) {
       auto it = by_name.find(a.tensors[t].name);
       if (it == by_name.end() || it->second->dtype != a.tensors[t].dtype || it->second->shape != a.tensors[t].shape) {
         return FailedPreconditionError("base tensor " + Quoted(a.tensors[t].name) + " is missing or of another dtype or shape");
       }
       base_of[t] = it->second;
-      ordered.push_back(*it->second);
+      sums.push_back(internal::EntryChecksum(a.tensors[t], static_cast<const uint8_t*>(it->second->data), options.pool));
     }
-    if (SetChecksum(ordered, options.pool) != a.base_set_checksum) {
+    if (internal::SetChecksumOf(sums) != a.base_set_checksum) {
       return FailedPreconditionError("the given base is not the first patch's base version");
     }
   }

@@ -148,7 +148,7 @@ struct Digests {
   std::vector<std::vector<uint64_t>> blocks;
 
   explicit Digests(const std::vector<TensorEntry>& tensors) {
-    for (const auto& t : tensors) blocks.emplace_back(ChecksumBlockCount(t.nbytes));
+    for (const auto& t : tensors) blocks.emplace_back(t.checksum_blocks);
   }
   // Digests of tensors of these sizes.
   explicit Digests(const std::vector<uint64_t>& nbytes) {
@@ -159,26 +159,14 @@ struct Digests {
   uint64_t Tensor(size_t t) const { return CombineBlockDigests(blocks[t]); }
 };
 
-// The tensor checksum's blocks are 1 MiB runs of the tensor's bytes in flat
-// order. A chunk covers whole blocks of them, and digests them while it is
-// swept, when it is a block-aligned flat run: always in an ungridded tensor,
-// and in one gridded by rows only at block boundaries. Other gridded tensors
-// are checksummed in a pass of their own.
-inline bool BlocksInline(const TensorEntry& e) {
-  if (!e.gridded()) return true;
-  if (!e.col_cuts.empty()) return false;
-  const uint64_t row_bytes = e.cols * DTypeWidth(e.dtype);
-  for (uint64_t cut : e.row_cuts) {
-    if (cut * row_bytes % kChecksumBlockBytes != 0) return false;
-  }
-  return true;
-}
+// The first checksum block of chunk c (format.h's cell blocks: a chunk
+// covers whole blocks of its cell, the last one possibly short).
+inline size_t FirstBlock(const TensorEntry& e, size_t c) { return static_cast<size_t>(e.tiles[c].block); }
 
-// The first checksum block of chunk c. REQUIRES: BlocksInline(e).
-inline size_t FirstBlock(const TensorEntry& e, size_t c) {
-  const Tile& t = e.tiles[c];
-  return static_cast<size_t>((t.row0 * e.cols + t.first) * DTypeWidth(e.dtype) / kChecksumBlockBytes);
-}
+// The format's checksum of tensor e's bytes at `data` (contiguous, e's
+// shape): its cells' blocks, gathered where a cell is narrower than the
+// tensor. Parallel over blocks when a pool is given.
+uint64_t EntryChecksum(const TensorEntry& e, const uint8_t* data, ThreadPool* pool);
 
 // Digests the checksum blocks of one chunk from consecutive pieces of it
 // (a sweep's segments), into Digests.

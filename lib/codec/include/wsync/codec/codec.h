@@ -261,9 +261,19 @@ struct PatchInfo {
 // checksum); decodes no stream.
 StatusOr<PatchInfo> InspectPatch(std::string_view patch, bool verify_patch_checksum = true);
 
-// The set checksum the patch format records for a set of tensors:
-// Hash64 over the tensors' checksums (checksum.h) in order.
+// The set checksum the patch format records for a set of ungridded
+// tensors: Hash64 over the tensors' checksums (checksum.h) in order.
 uint64_t SetChecksum(std::span<const TensorView> tensors, ThreadPool* pool = nullptr);
+
+// The checksum the format records for tensor t coded with `grid`: the
+// 1 MiB blocks of each cell in turn (docs/patch-format.md, "Checksums");
+// without a grid (nullptr, or no cuts) TensorChecksum of its bytes.
+// InvalidArgument when the grid does not fit t.
+StatusOr<uint64_t> TensorChecksumOf(const TensorView& t, const TileGrid* grid, ThreadPool* pool = nullptr);
+// SetChecksum of tensors coded with these grids (by tensor name; a tensor
+// without one is ungridded). InvalidArgument for a grid that fits no tensor.
+StatusOr<uint64_t> SetChecksum(std::span<const TensorView> tensors, std::span<const TileGrid> grids,
+                               ThreadPool* pool = nullptr);
 
 // Entropy bounds of the change from base to target, in bits.
 struct DiffStats {
