@@ -215,12 +215,27 @@ int RunOnSnapshots(const TpBenchOptions& o, ThreadPool* pool) {
   }
   const auto grids = codec::GridsFor(LayoutsOf(*ranks), buffers::Views(snaps[0]));
   uint64_t dense = 0, flat = 0, gridded = 0;
+  // Where the grid's bytes go: more chunks, each with its streams' fixed
+  // costs (rANS states, tables, directory entry) and, gridded, a digest.
+  struct Parts {
+    uint64_t chunks = 0, gridded_chunks = 0, header = 0, streams = 0;
+    void Add(const codec::PatchInfo& info) {
+      header += info.header_bytes;
+      for (const auto& t : info.tensors) {
+        chunks += t.chunks;
+        if (!t.row_cuts.empty() || !t.col_cuts.empty()) gridded_chunks += t.chunks;
+        streams += t.position_bytes + t.value_bytes;
+      }
+    }
+  } flat_parts, gridded_parts;
   std::vector<uint64_t> rank_bytes(ranks->size(), 0);
   for (size_t i = 0; i + 1 < snaps.size(); ++i) {
     Encoded e = EncodeBoth(snaps[i], snaps[i + 1], grids, 1, pool);
     for (const auto& t : snaps[i]) dense += t.bytes.size();
     flat += e.flat.size();
     gridded += e.gridded.size();
+    flat_parts.Add(*codec::InspectPatch(e.flat));
+    gridded_parts.Add(*codec::InspectPatch(e.gridded));
     for (size_t r = 0; r < ranks->size(); ++r) rank_bytes[r] += codec::SelectForPieces(e.gridded, (*ranks)[r].layout)->size();
   }
   std::printf("%s: %zu pairs, grid of TP %s (%zu tensors gridded)\n", o.dir.c_str(), snaps.size() - 1,
@@ -229,6 +244,15 @@ int RunOnSnapshots(const TpBenchOptions& o, ThreadPool* pool) {
               double(dense) / flat);
   std::printf("  gridded patches: %10llu bytes, ratio %.1fx (%.2f%% larger)\n", static_cast<unsigned long long>(gridded),
               double(dense) / gridded, 100.0 * (double(gridded) / flat - 1));
+  const double extra = double(gridded_parts.chunks - flat_parts.chunks);
+  std::printf("  the grid's cost: %llu chunks for %llu; per added chunk %.1f bytes of streams and %.1f of "
+              "directory, of which the tile digests (8 bytes per gridded chunk) make %.1f\n",
+              static_cast<unsigned long long>(gridded_parts.chunks), static_cast<unsigned long long>(flat_parts.chunks),
+              (double(gridded_parts.streams) - double(flat_parts.streams)) / extra,
+              (double(gridded_parts.header) - double(flat_parts.header)) / extra,
+              8.0 * double(gridded_parts.gridded_chunks) / extra);
+  std::printf("  the tile digests alone are %.2f%% of the flat patches\n",
+              100.0 * 8.0 * double(gridded_parts.gridded_chunks) / double(flat));
   size_t r = 0;
   for (int tp : o.tp) {
     for (int k = 0; k < tp; ++k, ++r) {
