@@ -1,5 +1,6 @@
 #include "weight_store.h"
 
+#include <algorithm>
 #include <set>
 #include <string_view>
 #include <unordered_map>
@@ -62,7 +63,9 @@ class DeviceStore : public WeightStore {
   DeviceStore(buffers::MappedTensors tensors, std::unique_ptr<cuda::DeviceCodec> codec)
       : WeightStore(std::move(tensors)), codec_(std::move(codec)) {}
   Status Apply(std::span<const std::string_view> parts, const codec::ApplyOptions& options) override {
-    if (parts.size() == 1 && !tensors_.has_pieces()) return codec_->ApplyPatch(parts[0], tensors_.MutableViews(), options);
+    if (DeviceAppliesDirectly(parts, tensors_.has_pieces())) {
+      return codec_->ApplyPatch(parts[0], tensors_.MutableViews(), options);
+    }
     return ApplyThroughHost(parts, options);
   }
   StatusOr<std::vector<buffers::OwnedTensor>> HostCopy() const override {
@@ -87,9 +90,9 @@ class DeviceStore : public WeightStore {
   }
 
  private:
-  // Pieces, or the parts of a version from several sources, in device
-  // memory: the device codec decodes flat chunks of one patch only (tiles
-  // and parts on the device are #21's), so the tensors are copied down,
+  // Pieces, the parts of a version from several sources, or a gridded patch,
+  // in device memory: the device codec decodes flat chunks of one patch only
+  // (tiles and parts on the device are #21's), so the tensors are copied down,
   // applied and verified on the host, and copied back up only when the
   // whole apply succeeded. A copy-up that fails midway leaves torn device
   // tensors: DataLoss, and the next patch fails its checks (a keyframe).
@@ -115,6 +118,15 @@ class DeviceStore : public WeightStore {
 Status WeightStore::CheckWhole() const {
   if (tensors_.has_pieces()) return FailedPreconditionError("the tensors hold pieces: no keyframe can be made of them");
   return Status::Ok();
+}
+
+bool DeviceAppliesDirectly(std::span<const std::string_view> parts, bool pieces) {
+  if (parts.size() != 1 || pieces) return false;
+  auto info = codec::InspectPatch(parts[0], /*verify_patch_checksum=*/false);
+  if (!info.ok()) return true;
+  return std::none_of(info->tensors.begin(), info->tensors.end(), [](const codec::TensorInfo& t) {
+    return !t.row_cuts.empty() || !t.col_cuts.empty() || t.absent_chunks > 0;
+  });
 }
 
 StatusOr<uint64_t> DeviceSetChecksum(cuda::DeviceCodec& device, std::span<const codec::TensorView> tensors,

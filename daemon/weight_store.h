@@ -60,6 +60,12 @@ class WeightStore {
   const uint64_t layout_;
 };
 
+// Whether the device codec applies these parts into whole tensors itself:
+// one part, ungridded and no selection (its kernels address flat chunks).
+// Otherwise a device store applies through a host copy. A part that does not
+// parse goes to the device codec, whose reader names what is wrong.
+bool DeviceAppliesDirectly(std::span<const std::string_view> parts, bool pieces);
+
 // codec::SetChecksum of tensors in device memory coded with `grids`:
 // computed on the device, but for the gridded tensors, which the device
 // codec does not hash by cells (#21): those from a host copy.

@@ -183,5 +183,31 @@ TEST(SinkWeights, ClosedWeightsRefuseApplies) {
   EXPECT_EQ(w.applied(), 1u);
 }
 
+// A device store applies on the device only what the device codec reads
+// (one flat patch into whole tensors); gridded patches, selections, several
+// parts and pieces go through a host copy.
+TEST(SinkWeights, DeviceStoresApplyOnTheDeviceOnlyFlatWholePatches) {
+  std::mt19937_64 rng(9);
+  std::vector<OwnedTensor> base = {testing::RandomTensor("m", codec::DType::kBF16, {64, 32}, rng)};
+  std::vector<OwnedTensor> target = {testing::Perturb(base[0], 0.1, rng)};
+  codec::EncodeOptions o;
+  const std::string flat = *codec::EncodePatch(buffers::Views(base), buffers::Views(target), o);
+  o.grids = {{"m", {32}, {}}};
+  const std::string gridded = *codec::EncodePatch(buffers::Views(base), buffers::Views(target), o);
+  std::vector<uint8_t> half(32 * 32 * 2);
+  std::vector<codec::RuntimeTensor> layout = {
+      {{"h", codec::DType::kBF16, {32, 32}, half.data()}, {{"m", {0, 0}, {32, 32}, {0, 0}}}}};
+  const std::string selection = *codec::SelectForPieces(gridded, layout);
+  auto direct = [](std::vector<std::string_view> parts, bool pieces = false) {
+    return DeviceAppliesDirectly(parts, pieces);
+  };
+  EXPECT_TRUE(direct({flat}));
+  EXPECT_FALSE(direct({gridded}));
+  EXPECT_FALSE(direct({selection}));
+  EXPECT_FALSE(direct({flat, flat}));
+  EXPECT_FALSE(direct({flat}, /*pieces=*/true));
+  EXPECT_TRUE(direct({"not a patch"})) << "the device codec's reader names what is wrong";
+}
+
 }  // namespace
 }  // namespace wsync::daemon
