@@ -105,6 +105,13 @@ StatusOr<SourceRegistration> SourceCore::RegisterTensors(buffers::MappedTensors 
     mine_published = expected.tensors_size() > 0;
     if (mine_published) {
       if (auto s = control::CheckLayout(expected, layout, "the registered tensors"); !s.ok()) return s;
+      if (!control::SameGrids(expected, layout)) {
+        // The layouts served changed: the next publish sets the new grids.
+        spdlog::info("source {}: the layouts served changed the tile grids: versions from the next one are coded "
+                     "on the new grids (sinks behind the head get keyframes)",
+                     config_.name);
+        mine_published = false;
+      }
     }
   } else if (!published.ok()) {
     spdlog::warn("source {}: layout not checked at registration (checked at the first publish): {}", config_.name,

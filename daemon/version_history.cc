@@ -216,12 +216,33 @@ Status VersionHistory::SetGrids(std::vector<codec::TileGrid> grids) {
   auto same = [](const codec::TileGrid& a, const codec::TileGrid& b) {
     return a.tensor == b.tensor && a.row_cuts == b.row_cuts && a.col_cuts == b.col_cuts;
   };
-  std::lock_guard<std::mutex> lock(mu_);
-  if (head_ != 0 && !std::equal(grids.begin(), grids.end(), grids_.begin(), grids_.end(), same)) {
-    return FailedPreconditionError("the tile grids cannot change while versions " + std::to_string(oldest_) + ".." +
-                                   std::to_string(head_) + " are kept (the layouts served changed)");
+  std::lock_guard<std::mutex> publishing(publish_mu_);
+  std::shared_ptr<const Weights> head;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (std::equal(grids.begin(), grids.end(), grids_.begin(), grids_.end(), same)) return Status::Ok();
+    if (head_ == 0) {
+      grids_ = std::move(grids);
+      return Status::Ok();
+    }
+    if (head_stale_) WSYNC_RETURN_IF_ERROR(LoadHeadLocked());
+    head = head_weights_;
   }
+  // Patches merge only over one grid: the versions kept before the head go
+  // (sinks behind it get keyframes); the next patch is coded from the head
+  // on the new grids, against the head's checksum on them.
+  WSYNC_ASSIGN_OR_RETURN(uint64_t head_checksum, codec::SetChecksum(buffers::Views(*head), grids, options_.encode.pool));
+  std::lock_guard<std::mutex> lock(mu_);
+  spdlog::info("tile grids changed at version {}: versions {}..{} are no longer kept", head_, oldest_, head_ - 1);
   grids_ = std::move(grids);
+  head_set_checksum_ = head_checksum;
+  oldest_weights_ = head_weights_;  // shared: a publish then fills fresh buffers for the next head
+  oldest_ = head_;
+  patches_.clear();
+  cache_.clear();
+  stats_.bytes = 0;
+  selections_.clear();
+  selection_order_.clear();
   return Status::Ok();
 }
 

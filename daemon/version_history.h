@@ -60,8 +60,9 @@ class VersionHistory : public PatchProvider {
   explicit VersionHistory(Options options) : options_(std::move(options)) {}
 
   // The tile grids (codec.h) versions are coded with from the next publish
-  // on. FailedPrecondition when versions are kept and the grids differ:
-  // patches merge only over one grid.
+  // on. Patches merge only over one grid: new grids drop the versions kept
+  // below the head (pulls from them get keyframes). InvalidArgument for a
+  // grid that does not fit the head's tensors.
   Status SetGrids(std::vector<codec::TileGrid> grids);
   // The layouts of the sinks holding pieces that pull from this history:
   // OpenFor serves each its selection (codec::SelectForPieces).

@@ -408,5 +408,58 @@ TEST(CoordinatorState, PartsOfAVersionSurviveARestart) {
   std::filesystem::remove_all(dir);
 }
 
+// The layouts a source serves change (say the rollout fleet moves from TP 4
+// to TP 8): the same tensors with other tile grids are taken, recorded
+// durably, for a whole set and for one part; other tensors are still refused.
+TEST(CoordinatorState, TileGridsChangeWithTheLayoutsServed) {
+  const std::string dir = ::testing::TempDir() + "/wsync_regrid_" + std::to_string(::getpid());
+  std::filesystem::remove_all(dir);
+  FakeClock clock;
+  auto grid = [](wsync::v1::Layout l, const std::string& name, uint64_t cut) {
+    for (auto& t : *l.mutable_tensors()) {
+      if (t.name() == name) t.add_row_cuts(cut);
+    }
+    return l;
+  };
+  auto whole = PartLayout(0, "src", {"a", "b"});
+  whole.set_parts(0);
+  for (auto& t : *whole.mutable_tensors()) t.set_part(0);
+  {
+    Recovered rec;
+    auto store = OpenLogStore(dir, &rec);
+    ASSERT_TRUE(store.ok());
+    auto s = CoordinatorState::Create(CoordinatorOptions{}, &clock, std::move(*store), rec);
+    ASSERT_TRUE(s.ok());
+    ASSERT_TRUE((*s)->SetLayout(grid(whole, "a", 2)).ok());
+    ASSERT_TRUE((*s)->Publish(V(1)).ok());
+    ASSERT_TRUE((*s)->SetLayout(grid(grid(whole, "a", 1), "b", 2)).ok()) << "the same tensors, other grids";
+    EXPECT_EQ((*s)->GetLayout().layout().tensors(1).row_cuts_size(), 1);
+    auto other = whole;
+    other.mutable_tensors(0)->set_shape(0, 8);
+    EXPECT_EQ((*s)->SetLayout(other).code(), StatusCode::kFailedPrecondition) << "another shape";
+  }
+  Recovered rec;
+  auto store = OpenLogStore(dir, &rec);
+  ASSERT_TRUE(store.ok());
+  auto s = CoordinatorState::Create(CoordinatorOptions{}, &clock, std::move(*store), rec);
+  ASSERT_TRUE(s.ok());
+  const auto layout = (*s)->GetLayout().layout();
+  ASSERT_EQ(layout.tensors_size(), 2);
+  EXPECT_EQ(layout.tensors(0).row_cuts(0), 1u) << "the new grids survive a restart";
+  EXPECT_EQ(layout.tensors(1).row_cuts(0), 2u);
+  EXPECT_EQ((*s)->head(), 1u);
+  std::filesystem::remove_all(dir);
+
+  auto p = Make(&clock);
+  ASSERT_TRUE(p->SetLayout(PartLayout(0, "src-a", {"a"})).ok());
+  ASSERT_TRUE(p->SetLayout(PartLayout(1, "src-b", {"b"})).ok());
+  ASSERT_TRUE(p->SetLayout(grid(PartLayout(1, "src-b", {"b"}), "b", 3)).ok());
+  const auto parts = p->GetLayout().layout();
+  EXPECT_EQ(parts.tensors(0).row_cuts_size(), 0) << "part 0 is untouched";
+  ASSERT_EQ(parts.tensors(1).row_cuts_size(), 1);
+  EXPECT_EQ(parts.tensors(1).row_cuts(0), 3u);
+  EXPECT_EQ(parts.part_sources(1), "src-b");
+}
+
 }  // namespace
 }  // namespace wsync::control

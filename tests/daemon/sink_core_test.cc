@@ -512,6 +512,57 @@ TEST_F(SinkCoreTest, GriddedVersionsAreClaimedAndRelayedOnTheirGrid) {
   shard.ExpectReaches(3, held(v[2]));
 }
 
+// The layouts served change (a rollout fleet resized): the source codes the
+// next versions on the new grid; a whole sink at the head takes the next
+// version as a patch, a sink holding pieces of the old layout (whole cells
+// of the new grid too) goes on, and one of the new layout syncs.
+TEST_F(SinkCoreTest, TheLayoutsServedMayChange) {
+  auto v = Versions(4);
+  auto holding = [](uint64_t from, uint64_t to) {
+    return [from, to](const std::vector<OwnedTensor>& version) {
+      OwnedTensor h{"w1.part", codec::DType::kBF16, {to - from}, {}};
+      h.bytes.assign(version[0].bytes.begin() + from * 2, version[0].bytes.begin() + to * 2);
+      return std::vector<OwnedTensor>{h, version[1]};
+    };
+  };
+  auto layout_of = [&](uint64_t from, uint64_t to, std::vector<std::vector<codec::Piece>>* pieces) {
+    *pieces = {{{"w1", {from}, {to - from}, {0}}}, {{"w2", {0}, {7000}, {0}}}};
+    auto zeros = Zeros(holding(from, to)(v[0]));
+    std::vector<codec::RuntimeTensor> layout;
+    for (size_t i = 0; i < zeros.size(); ++i) {
+      layout.push_back({{zeros[i].name, zeros[i].dtype, zeros[i].shape, nullptr}, (*pieces)[i]});
+    }
+    return layout;
+  };
+  std::vector<std::vector<codec::Piece>> pieces_a, pieces_b;
+  const auto layout_a = layout_of(150000, 300000, &pieces_a);
+  const auto layout_b = layout_of(0, 100000, &pieces_b);
+  TestSource source(state_.get(), fabric_);
+  source.Serve({layout_a}, v[0]);
+  source.Publish(1, v[0]);
+  source.Publish(2, v[1]);
+  TestSink whole("sink-0", state_.get(), fabric_);
+  ASSERT_TRUE(whole.RegisterMemory(Zeros(v[0])).ok());
+  whole.ExpectReaches(2, v[1]);
+  TestSink shard_a("sink-a", state_.get(), fabric_);
+  ASSERT_TRUE(shard_a.RegisterMemory(Zeros(holding(150000, 300000)(v[0])), 0, pieces_a).ok());
+  shard_a.ExpectReaches(2, holding(150000, 300000)(v[1]));
+  // Serving layouts a and b: w1 is cut at 100000 and 150000 from version 3 on.
+  source.Serve({layout_a, layout_b}, v[0]);
+  const uint64_t before = whole.core->status().bytes_received;
+  source.Publish(3, v[2]);
+  whole.ExpectReaches(3, v[2]);
+  EXPECT_LT(whole.core->status().bytes_received - before, 100000u) << "a patch across the new grid, not a keyframe";
+  shard_a.ExpectReaches(3, holding(150000, 300000)(v[2]));
+  TestSink shard_b("sink-b", state_.get(), fabric_);
+  ASSERT_TRUE(shard_b.RegisterMemory(Zeros(holding(0, 100000)(v[0])), 0, pieces_b).ok());
+  shard_b.ExpectReaches(3, holding(0, 100000)(v[2]));
+  source.Publish(4, v[3]);
+  whole.ExpectReaches(4, v[3]);
+  shard_a.ExpectReaches(4, holding(150000, 300000)(v[3]));
+  shard_b.ExpectReaches(4, holding(0, 100000)(v[3]));
+}
+
 // Two sources, each publishing one tensor of every version: the sink applies
 // a version only once both parts are in, pulling each from its source; a
 // second sink behind it (fan-out 1) pulls both parts from it, and a late

@@ -155,6 +155,45 @@ TEST_F(SourceCoreTest, ARestartedSourceKeepsTheLayoutAndTheVersions) {
   EXPECT_EQ(pub->published.base_version, 0u) << "a restarted source starts with a keyframe";
 }
 
+// Registering again with other layouts to serve (a resized rollout fleet)
+// changes the tile grids from the next version on: that version is a patch
+// from the head, coded on the new grids, which the coordinator records.
+TEST_F(SourceCoreTest, OtherLayoutsServedChangeTheGridsFromTheNextVersion) {
+  Start();
+  auto v = Versions(3);
+  auto rows = [](uint64_t n) {
+    return std::vector<codec::RuntimeTensor>{
+        {{"a.part", codec::DType::kBF16, {n}, nullptr}, {{"a", {0}, {n}, {0}}}},
+        {{"b", codec::DType::kBF16, {3000}, nullptr}, {{"b", {0}, {3000}, {0}}}}};
+  };
+  TrainerMemory first(v[0]);
+  auto source = NewSource();
+  ASSERT_TRUE(source->RegisterTensors(first.Mapped(), {rows(100000)}).ok());
+  for (int k = 0; k < 2; ++k) {
+    first.Write(v[k]);
+    ASSERT_TRUE(source->Publish({static_cast<uint64_t>(k + 1)}).ok());
+  }
+  ASSERT_EQ(state_->GetLayout().layout().tensors(0).row_cuts_size(), 1);
+  TrainerMemory second(v[1]);
+  auto reg = source->RegisterTensors(second.Mapped(), {rows(100000), rows(50000)});
+  ASSERT_TRUE(reg.ok()) << reg.status().ToString();
+  EXPECT_EQ(reg->head, 2u);
+  second.Write(v[2]);
+  auto pub = source->Publish({3});
+  ASSERT_TRUE(pub.ok()) << pub.status().ToString();
+  EXPECT_EQ(pub->published.base_version, 2u) << "a patch from the head";
+  const std::vector<codec::TileGrid> grids = {{"a", {50000, 100000}, {}}};
+  EXPECT_EQ(pub->published.set_checksum, *codec::SetChecksum(buffers::Views(v[2]), grids));
+  const auto cuts = state_->GetLayout().layout().tensors(0).row_cuts();
+  EXPECT_EQ(std::vector<uint64_t>(cuts.begin(), cuts.end()), grids[0].row_cuts);
+  auto patch = source->provider()->Open(2, 3);
+  ASSERT_TRUE(patch.ok());
+  auto work = v[1];
+  auto views = buffers::MutableViews(work);
+  ASSERT_TRUE(codec::ApplyPatch((*patch)->Assemble(), views, {}).ok());
+  EXPECT_TRUE(testing::SameBits(work, v[2]));
+}
+
 // The staleness bound holds a version back and names the sink and why.
 TEST_F(SourceCoreTest, TheStalenessBoundNamesTheLaggingSink) {
   control::CoordinatorOptions o;

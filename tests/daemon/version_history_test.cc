@@ -314,7 +314,43 @@ TEST(VersionHistory, ServesEachServedLayoutItsSelection) {
     EXPECT_EQ(*h.OpenFor(2, 3, fp, 0), *patch) << "kept";
   }
   EXPECT_EQ((*h.OpenFor(0, 3, 12345, 0))->total_bytes(), (*whole)->total_bytes()) << "a layout not served: the whole";
-  EXPECT_EQ(h.SetGrids({}).code(), StatusCode::kFailedPrecondition);
+}
+
+// New grids (the layouts served changed) keep the head and drop the versions
+// below it: pulls from them get keyframes; later patches, merged ones too,
+// are coded on the new grids against the head's checksum on them.
+TEST(VersionHistory, NewGridsKeepTheHeadAndDropWhatIsBelowIt) {
+  auto v = Chain(5);
+  for (auto& version : v) version[0].shape = {600, 500};
+  ThreadPool pool(2);
+  VersionHistory::Options o;
+  o.encode.pool = &pool;
+  VersionHistory h(o);
+  const std::vector<codec::TileGrid> rows = {{"a", {300}, {}}}, cols = {{"a", {}, {100, 250}}};
+  ASSERT_TRUE(h.SetGrids(rows).ok());
+  for (int k = 0; k < 3; ++k) ASSERT_TRUE(h.Publish(k + 1, buffers::Views(v[k])).ok());
+  ASSERT_TRUE(h.SetGrids(rows).ok()) << "the same grids change nothing";
+  EXPECT_EQ(h.oldest(), 1u);
+  ASSERT_TRUE(h.SetGrids(cols).ok());
+  EXPECT_EQ(h.oldest(), 3u);
+  EXPECT_EQ((*h.Open(1, 3))->kind(), codec::PatchKind::kKeyframe) << "version 1 is no longer kept";
+  for (int k = 3; k < 5; ++k) {
+    auto pub = h.Publish(k + 1, buffers::Views(v[k]));
+    ASSERT_TRUE(pub.ok()) << pub.status().ToString();
+    EXPECT_EQ(pub->set_checksum, *codec::SetChecksum(buffers::Views(v[k]), cols));
+  }
+  auto merged = h.Open(3, 5);
+  ASSERT_TRUE(merged.ok()) << merged.status().ToString();
+  EXPECT_EQ((*merged)->kind(), codec::PatchKind::kPatch);
+  auto info = codec::InspectPatch((*merged)->Assemble());
+  ASSERT_TRUE(info.ok());
+  EXPECT_EQ(info->tensors[0].col_cuts, cols[0].col_cuts);
+  EXPECT_EQ(info->base_set_checksum, *codec::SetChecksum(buffers::Views(v[2]), cols));
+  EXPECT_TRUE(testing::SameBits(ApplyStream(**merged, v[2]), v[4]));
+  auto kf = h.Open(0, 5);
+  ASSERT_TRUE(kf.ok());
+  EXPECT_TRUE(testing::SameBits(ApplyStream(**kf, v[0]), v[4]));
+  EXPECT_EQ(h.SetGrids({{"nope", {1}, {}}}).code(), StatusCode::kInvalidArgument);
 }
 
 }  // namespace

@@ -389,11 +389,21 @@ Status CoordinatorState::SetLayoutPartLocked(const wsync::v1::Layout& layout) {
                                      " part(s) (sources), this source says " + std::to_string(layout.parts()));
     }
     const wsync::v1::Layout mine = PartOf(*layout_, part);
+    const bool regrid = mine.tensors_size() > 0 && !SameGrids(mine, layout);
     if (mine.tensors_size() > 0) {
       WSYNC_RETURN_IF_ERROR(CheckLayout(mine, layout, "the tensors of this source"));
-      if (layout_->part_sources(static_cast<int>(part)) == layout.source()) return Status::Ok();
+      if (layout_->part_sources(static_cast<int>(part)) == layout.source() && !regrid) return Status::Ok();
     }
     merged = *layout_;
+    if (regrid) {
+      // The layouts the source serves changed: its tensors' grids from now on.
+      std::map<std::string, const wsync::v1::LayoutTensor*> offered;
+      for (const auto& t : layout.tensors()) offered[t.name()] = &t;
+      for (auto& t : *merged.mutable_tensors()) {
+        if (auto it = offered.find(t.name()); it != offered.end() && t.part() == part) t = *it->second;
+      }
+      spdlog::info("layout part {}: tile grids changed by {}", part, layout.source());
+    }
     if (mine.tensors_size() == 0) {
       std::set<std::string> names;
       for (const auto& t : layout_->tensors()) names.insert(t.name());
@@ -426,12 +436,20 @@ Status CoordinatorState::SetLayout(const wsync::v1::Layout& layout) {
     return FailedPreconditionError("the layout was set for " + std::to_string(layout_->parts()) +
                                    " parts (sources); this source registers the whole set");
   }
-  if (layout_) return CheckLayout(*layout_, layout, "the tensors of this source");
+  if (layout_) {
+    WSYNC_RETURN_IF_ERROR(CheckLayout(*layout_, layout, "the tensors of this source"));
+    if (SameGrids(*layout_, layout)) return Status::Ok();
+  }
   if (layout.tensors_size() == 0) return InvalidArgumentError("a layout needs at least one tensor");
+  // A first layout, or the tile grids changed (the layouts the source serves
+  // did): versions from now on are coded on these. Earlier versions keep
+  // their checksums, taken on their grid (a sink's claim of one is checked
+  // on the new grid and fails: it takes a keyframe).
+  const bool regrid = layout_.has_value();
   Record r;
   *r.mutable_layout_set() = layout;
   WSYNC_RETURN_IF_ERROR(Log(r));
-  spdlog::info("layout of {} tensors set by {}", layout.tensors_size(), layout.source());
+  spdlog::info("layout of {} tensors {} by {}", layout.tensors_size(), regrid ? "re-gridded" : "set", layout.source());
   return Status::Ok();
 }
 

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <map>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "wsync/util/text.h"
@@ -37,12 +38,6 @@ Status CheckLayout(const wsync::v1::Layout& published, const wsync::v1::Layout& 
       return FailedPreconditionError("tensor " + Quoted(t.name()) + ": shape " + ShapeText(t) + " in " + what +
                                      ", " + ShapeText(p) + " in the layout published" + from);
     }
-    if (!std::equal(p.row_cuts().begin(), p.row_cuts().end(), t.row_cuts().begin(), t.row_cuts().end()) ||
-        !std::equal(p.col_cuts().begin(), p.col_cuts().end(), t.col_cuts().begin(), t.col_cuts().end())) {
-      return FailedPreconditionError("tensor " + Quoted(t.name()) + ": its tile grid in " + what +
-                                     " differs from the layout published" + from +
-                                     " (the sinks' layouts served changed: a new layout needs a new coordinator store)");
-    }
     want.erase(it);
   }
   if (!want.empty()) {
@@ -50,6 +45,21 @@ Status CheckLayout(const wsync::v1::Layout& published, const wsync::v1::Layout& 
                                    std::to_string(want.size() - 1) + " more) of the layout published" + from);
   }
   return Status::Ok();
+}
+
+bool SameGrids(const wsync::v1::Layout& a, const wsync::v1::Layout& b) {
+  std::map<std::string_view, const wsync::v1::LayoutTensor*> by_name;
+  for (const auto& t : b.tensors()) by_name.emplace(t.name(), &t);
+  for (const auto& t : a.tensors()) {
+    auto it = by_name.find(t.name());
+    if (it == by_name.end()) return false;
+    const auto& u = *it->second;
+    if (!std::equal(t.row_cuts().begin(), t.row_cuts().end(), u.row_cuts().begin(), u.row_cuts().end()) ||
+        !std::equal(t.col_cuts().begin(), t.col_cuts().end(), u.col_cuts().begin(), u.col_cuts().end())) {
+      return false;
+    }
+  }
+  return true;
 }
 
 wsync::v1::Layout PartOf(const wsync::v1::Layout& layout, uint32_t part) {

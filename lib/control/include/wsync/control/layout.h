@@ -11,8 +11,13 @@ namespace wsync::control {
 // Ok when `offered` has exactly the tensors of `published` (the same names,
 // dtypes and shapes; order does not matter). FailedPrecondition otherwise,
 // naming the first tensor that differs and how, in terms of `what` ("the
-// registered tensors", "this checkpoint").
+// registered tensors", "this checkpoint"). Tile grids are not compared:
+// they follow the layouts a source serves and may change (SameGrids).
 Status CheckLayout(const wsync::v1::Layout& published, const wsync::v1::Layout& offered, const char* what);
+
+// Whether every tensor of `a` has the tile grid (row and column cuts) of the
+// tensor of the same name in `b`. REQUIRES: CheckLayout(a, b) ok.
+bool SameGrids(const wsync::v1::Layout& a, const wsync::v1::Layout& b);
 
 // Several sources (Layout.parts > 1): the tensors of part `part` of a
 // layout, as its source offers them.
