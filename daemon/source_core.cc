@@ -93,7 +93,7 @@ StatusOr<SourceRegistration> SourceCore::RegisterTensors(buffers::MappedTensors 
   }
   // The layout is the coordinator's, also across restarts of this source.
   auto published = coordinator_->GetLayout();
-  bool mine_published = false;
+  bool mine_published = false, regrid = false;
   if (published.ok() && published->layout().tensors_size() > 0) {
     const v1::Layout& p = published->layout();
     if (std::max<uint32_t>(p.parts(), 1) != parts) {
@@ -105,13 +105,7 @@ StatusOr<SourceRegistration> SourceCore::RegisterTensors(buffers::MappedTensors 
     mine_published = expected.tensors_size() > 0;
     if (mine_published) {
       if (auto s = control::CheckLayout(expected, layout, "the registered tensors"); !s.ok()) return s;
-      if (!control::SameGrids(expected, layout)) {
-        // The layouts served changed: the next publish sets the new grids.
-        spdlog::info("source {}: the layouts served changed the tile grids: versions from the next one are coded "
-                     "on the new grids (sinks behind the head get keyframes)",
-                     config_.name);
-        mine_published = false;
-      }
+      regrid = !control::SameGrids(expected, layout);
     }
   } else if (!published.ok()) {
     spdlog::warn("source {}: layout not checked at registration (checked at the first publish): {}", config_.name,
@@ -145,6 +139,19 @@ StatusOr<SourceRegistration> SourceCore::RegisterTensors(buffers::MappedTensors 
   layout_set_ = mine_published;
   part_ = part;
   parts_ = parts;
+  if (regrid) {
+    // The layouts served changed: recorded now (the history codes on the new
+    // grids already), so that sinks of the new layouts may register at once.
+    spdlog::info("source {}: the layouts served changed the tile grids: versions from the next one are coded on "
+                 "them (sinks behind the head get keyframes)",
+                 config_.name);
+    v1::Layout l = layout;
+    l.set_source(config_.name);
+    if (Status s = coordinator_->SetLayout(l); !s.ok()) {
+      spdlog::warn("source {}: the new tile grids are recorded at the next publish: {}", config_.name, s.ToString());
+      layout_set_ = false;
+    }
+  }
   // A restarted source learns the head now, so that it names the next valid version.
   if (auto versions = coordinator_->ListVersions(std::numeric_limits<uint64_t>::max()); versions.ok()) {
     coordinator_head_ = std::max(coordinator_head_.load(), versions->head_version());

@@ -178,6 +178,7 @@ TEST_F(SourceCoreTest, OtherLayoutsServedChangeTheGridsFromTheNextVersion) {
   auto reg = source->RegisterTensors(second.Mapped(), {rows(100000), rows(50000)});
   ASSERT_TRUE(reg.ok()) << reg.status().ToString();
   EXPECT_EQ(reg->head, 2u);
+  EXPECT_EQ(state_->GetLayout().layout().tensors(0).row_cuts_size(), 2) << "recorded at once: new sinks may register";
   second.Write(v[2]);
   auto pub = source->Publish({3});
   ASSERT_TRUE(pub.ok()) << pub.status().ToString();

@@ -38,6 +38,7 @@ Scenarios:
   sigterm                     SIGTERM stops, each within a second: an idle
                               sink, a sink whose inference server holds, a
                               source, the coordinator
+  resized_fleet               TP 2 ranks, then the trainer serves TP 2 and 4 and TP 4 ranks join
   tensor_parallel             inference ranks of TP 2 and TP 4 laid out as vLLM
                               lays them (fused qkv and gate_up, shards,
                               replicated kv heads, padded vocabulary), each
@@ -196,6 +197,56 @@ def wsync_status(s, name):
         return snk.status()
     finally:
         snk.close()
+
+
+def resized_fleet(build):
+    """TP 2 ranks and a whole sink from version 1; after version 3 the trainer
+    serves TP 2 and TP 4 (registering again with both), TP 4 ranks join, and
+    every rank holds its slices of versions up to 6 bit for bit."""
+    import torch
+    sys.path.insert(0, os.path.join(build, "python"))
+    from wsync import layouts
+    sys.path.insert(0, HERE)
+    from client_workers import tiny_config
+    versions, resize = 6, 3
+    early, late = [(2, r) for r in range(2)], [(4, r) for r in range(4)]
+    s = system(build, "resized_fleet", sinks=len(early) + len(late) + 1)
+
+    def rank(i, tp, r):
+        return Worker(s, f"tp{tp}-rank{r}", "tp_inference", local(s, f"sink-{i}"), s.tmp, f"tp{tp}-rank{r}",
+                      "--tp", str(tp), "--rank", str(r), "--until", str(versions), "--seed", str(10 + i))
+    try:
+        workers = [rank(i, tp, r) for i, (tp, r) in enumerate(early)]
+        workers.append(Worker(s, "whole", "inference", local(s, f"sink-{len(early)}"), s.tmp, "whole", "--until",
+                              str(versions), "--seed", "3"))
+        for w in workers:
+            w.wait_event("registered")
+        t = Worker(s, "trainer", "trainer", local(s, "source"), s.tmp, "--steps", str(versions), "--lr", "1e-5",
+                   "--lockstep", str(len(workers)), "--serve-tp", "2", "--resize-at", str(resize),
+                   "--resize-tp", "2,4", "--resize-lockstep", str(len(workers) + len(late)))
+        t.wait_event("resized")
+        joined = [rank(len(early) + 1 + i, tp, r) for i, (tp, r) in enumerate(late)]
+        for w in joined:
+            w.wait_event("registered")
+        open(os.path.join(s.tmp, "go"), "w").close()
+        t.finish()
+        for w in workers + joined:
+            w.finish()
+        ver = workers[-1].event("verified")
+        check([v["version"] for v in ver] == list(range(1, versions + 1)) and all(not v["mismatched"] for v in ver),
+              "the whole-model sink held the trainer's BF16 weights bit for bit across the change of layouts")
+        cfg = tiny_config()
+        shapes = layouts.canonical_shapes(cfg)
+        for tp, first in ((2, 1), (4, resize)):
+            for v in range(first, versions + 1):
+                expect = torch.load(os.path.join(s.tmp, f"expect-v{v}.pt"))
+                held = [(layouts.tp_layout(cfg, tp, r), torch.load(os.path.join(s.tmp, f"tp{tp}-rank{r}.v{v}.pt")))
+                        for r in range(tp)]
+                back = layouts.gather(held, shapes)
+                bad = [k for k in shapes if not torch.equal(back[k].view(torch.int16), expect[k].view(torch.int16))]
+                check(not bad, f"version {v}, TP {tp}: the ranks' slices equal the trainer's BF16 weights {bad[:3]}")
+    finally:
+        s.stop()
 
 
 def tensor_parallel(build):
@@ -636,6 +687,7 @@ SCENARIOS = {
     "unconfirmed_publish": unconfirmed_publish,
     "sigterm": sigterm,
     "tensor_parallel": tensor_parallel,
+    "resized_fleet": resized_fleet,
     "two_sources": two_sources,
     "gpu": gpu,
 }

@@ -12,7 +12,10 @@ ranks (wsync.layouts.tp_layout of every rank of each degree). A tp_inference
 process is one such rank: its runtime tensors (fused qkv, gate_up, shards,
 padded vocabulary) laid out as vLLM lays them, registered with their layout;
 for every version it saves what it holds as DIR/NAME.vN.pt (the test
-gathers the canonical tensors back from every rank).
+gathers the canonical tensors back from every rank). With --resize-at V
+--resize-tp 2,4 the trainer registers again after version V, serving those
+degrees (a resized rollout fleet), says "resized", waits for DIR/go and then
+keeps --resize-lockstep K.
 
 The trainer trains a Llama-style model for real (AdamW on FP32 masters),
 publishes every step and saves the BF16 weights it expects (its own
@@ -86,6 +89,14 @@ def trainer(a):
             wait_s=time.monotonic() - t0, loss=loss.item())
         while a.lockstep and len(glob.glob(os.path.join(a.dir, f"*.v{version}"))) < a.lockstep:
             time.sleep(0.01)
+        if version == a.resize_at:
+            # The rollout fleet is resized: serve other layouts from the next version on.
+            serve = [layouts.tp_layout(tiny_config(), int(tp), r) for tp in a.resize_tp.split(",") for r in range(int(tp))]
+            src.register(model, pack=not a.no_pack, serve=serve)
+            say(event="resized", version=version)
+            while not os.path.exists(os.path.join(a.dir, "go")):
+                time.sleep(0.05)
+            a.lockstep = a.resize_lockstep
     # The optimizer kept updating the registered (rebound) parameters in place.
     assert params_before == [id(p) for p in model.parameters()]
     say(event="done")
@@ -197,6 +208,9 @@ def main():
     p.add_argument("--hold-forever", action="store_true")
     p.add_argument("--linger", type=float, default=0.0)
     p.add_argument("--serve-tp", default="")
+    p.add_argument("--resize-at", type=int, default=0)
+    p.add_argument("--resize-tp", default="")
+    p.add_argument("--resize-lockstep", type=int, default=0)
     p.add_argument("--local-b", default="")
     p.add_argument("--pause-at", type=int, default=0)
     p.add_argument("--tp", type=int, default=1)

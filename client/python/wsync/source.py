@@ -97,10 +97,14 @@ class Source:
         publishing the same version numbers; a version reaches the sinks only
         once all n have published it, and sinks apply it whole.
 
-        Raises FailedPreconditionError naming the tensor when the layout
-        differs from the one the coordinator already recorded (the layouts
-        served are part of it), InvalidArgumentError naming a served piece
-        that does not fit the model.
+        Registering again with other `serve` layouts (a resized rollout
+        fleet) codes the next version, a patch from the head, on the new
+        tile grid; sinks behind the head get keyframes.
+
+        Raises FailedPreconditionError naming the tensor when the tensors
+        differ from the ones the coordinator already recorded,
+        InvalidArgumentError naming a served piece that does not fit the
+        model.
         """
         reg = share(model, "source", pack)
         if part is not None:
