@@ -243,6 +243,8 @@ Status VersionHistory::SetGrids(std::vector<codec::TileGrid> grids) {
   stats_.bytes = 0;
   selections_.clear();
   selection_order_.clear();
+  building_.clear();  // builds under way finish for their pullers, uncached
+  ++grid_epoch_;
   return Status::Ok();
 }
 
@@ -412,7 +414,7 @@ StatusOr<std::shared_ptr<PatchStream>> VersionHistory::Open(uint64_t from, uint6
   auto build = std::make_shared<Build>();
   building_[key] = build;
   const std::shared_ptr<const Weights> head = head_weights_, oldest = oldest_weights_;
-  const uint64_t head_version = head_, oldest_version = oldest_;
+  const uint64_t head_version = head_, oldest_version = oldest_, epoch = grid_epoch_;
   std::map<uint64_t, std::shared_ptr<const std::string>> chain(patches_.upper_bound(oldest_version),
                                                                patches_.upper_bound(to));
   lock.unlock();
@@ -444,10 +446,13 @@ StatusOr<std::shared_ptr<PatchStream>> VersionHistory::Open(uint64_t from, uint6
   const double cost_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 
   lock.lock();
-  building_.erase(key);
+  if (auto it = building_.find(key); it != building_.end() && it->second == build) building_.erase(it);
   ++stats_.builds;
-  // Not cached when the versions went out of the history meanwhile.
-  if (built.ok() && to >= oldest_ && (from == 0 || from >= oldest_)) CacheLocked(key, *built, cost_s);
+  // Not cached when the versions went out of the history meanwhile, or the
+  // grids changed (built on the old ones).
+  if (built.ok() && epoch == grid_epoch_ && to >= oldest_ && (from == 0 || from >= oldest_)) {
+    CacheLocked(key, *built, cost_s);
+  }
   build->result = built;
   build->done = true;
   built_.notify_all();

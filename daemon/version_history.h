@@ -166,6 +166,7 @@ class VersionHistory : public PatchProvider {
   std::map<uint64_t, std::shared_ptr<const std::string>> patches_;  // version -> patch from the previous version
   std::map<std::pair<uint64_t, uint64_t>, Cached> cache_;
   std::map<std::pair<uint64_t, uint64_t>, std::shared_ptr<Build>> building_;
+  uint64_t grid_epoch_ = 0;  // SetGrids changes so far: builds from before are not cached
   uint64_t accesses_ = 0;
   CacheStats stats_;
 };

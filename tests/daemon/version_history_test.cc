@@ -325,14 +325,30 @@ TEST(VersionHistory, NewGridsKeepTheHeadAndDropWhatIsBelowIt) {
   ThreadPool pool(2);
   VersionHistory::Options o;
   o.encode.pool = &pool;
+  BuildGate gate;
+  gate.key = {0, 3};
+  o.before_build = gate.Hook();
   VersionHistory h(o);
   const std::vector<codec::TileGrid> rows = {{"a", {300}, {}}}, cols = {{"a", {}, {100, 250}}};
   ASSERT_TRUE(h.SetGrids(rows).ok());
   for (int k = 0; k < 3; ++k) ASSERT_TRUE(h.Publish(k + 1, buffers::Views(v[k])).ok());
   ASSERT_TRUE(h.SetGrids(rows).ok()) << "the same grids change nothing";
   EXPECT_EQ(h.oldest(), 1u);
+  // A keyframe of the head under way when the grids change: its puller gets
+  // it, nobody after (it is not cached: it may be coded on the old grids).
+  auto late = std::async(std::launch::async, [&] { return h.Open(0, 3); });
+  gate.entered.get_future().wait();
   ASSERT_TRUE(h.SetGrids(cols).ok());
   EXPECT_EQ(h.oldest(), 3u);
+  gate.open.set_value();
+  auto old_kf = late.get();
+  ASSERT_TRUE(old_kf.ok());
+  EXPECT_TRUE(testing::SameBits(ApplyStream(**old_kf, Zeros(v[0])), v[2]));
+  auto new_kf = h.Open(0, 3);
+  ASSERT_TRUE(new_kf.ok());
+  EXPECT_EQ(gate.builds.load(), 2) << "built again on the new grids";
+  EXPECT_EQ(codec::InspectPatch((*new_kf)->Assemble())->tensors[0].col_cuts, cols[0].col_cuts);
+  EXPECT_TRUE(testing::SameBits(ApplyStream(**new_kf, Zeros(v[0])), v[2]));
   EXPECT_EQ((*h.Open(1, 3))->kind(), codec::PatchKind::kKeyframe) << "version 1 is no longer kept";
   for (int k = 3; k < 5; ++k) {
     auto pub = h.Publish(k + 1, buffers::Views(v[k]));
