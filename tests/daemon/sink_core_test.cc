@@ -273,13 +273,8 @@ TEST_F(SinkCoreTest, RegistersPullsAKeyframeThenPatches) {
   EXPECT_EQ(st.head, 5u);
   EXPECT_TRUE(st.sync_error.ok());
   EXPECT_LE(st.pulls_made, 5u);  // one per version at most (a keyframe, then patches)
-  // The coordinator sees what it holds.
-  const v1::StatusResponse status = state_->GetStatus();
-  for (const auto& n : status.nodes()) {
-    if (n.name() == "sink-0") {
-      EXPECT_EQ(n.applied_version(), 5u);
-    }
-  }
+  // The coordinator sees what it holds (reported right after the apply).
+  WaitReported("sink-0", 5);
 }
 
 // Weights changed behind the sink's back: the next patch does not fit its
