@@ -201,8 +201,9 @@ def wsync_status(s, name):
 
 def resized_fleet(build):
     """TP 2 ranks and a whole sink from version 1; after version 3 the trainer
-    serves TP 2 and TP 4 (registering again with both), TP 4 ranks join, and
-    every rank holds its slices of versions up to 6 bit for bit."""
+    serves TP 2 and TP 4 (registering again with both), TP 4 ranks join, a
+    TP 2 rank's sink daemon is SIGKILLed and restarted, and every rank holds
+    its slices of versions up to 6 bit for bit."""
     import torch
     sys.path.insert(0, os.path.join(build, "python"))
     from wsync import layouts
@@ -225,6 +226,10 @@ def resized_fleet(build):
                    "--lockstep", str(len(workers)), "--serve-tp", "2", "--resize-at", str(resize),
                    "--resize-tp", "2,4", "--resize-lockstep", str(len(workers) + len(late)))
         t.wait_event("resized")
+        # Meanwhile TP 2 rank 0's sink daemon restarts while the rank waits in
+        # RankSync.sync(): the rank rides it out and registers its pieces again.
+        s.kill("sink-0", signal.SIGKILL)
+        s.restart("sink-0")
         joined = [rank(len(early) + 1 + i, tp, r) for i, (tp, r) in enumerate(late)]
         for w in joined:
             w.wait_event("registered")
@@ -541,6 +546,16 @@ pause(1)                 # the source daemon is SIGKILLed and restarted
 versions.append(step())  # publish registers the trainer's memory again
 pause(2)                 # the sink daemon is SIGKILLed and restarted
 versions.append(step())  # wait registers the inference memory again, holding version 3
+import threading
+waited = {}
+def waiter():
+    waited["v"] = snk.wait(versions[-1] + 1, timeout=60)
+th = threading.Thread(target=waiter)
+th.start()
+pause(3)                 # the sink daemon is SIGKILLed and restarted while wait() blocks
+versions.append(step())
+th.join()
+assert waited.get("v") == versions[-1], (waited, versions)
 print("daemon restart ok", versions)
 """
     try:
@@ -548,7 +563,7 @@ print("daemon restart ok", versions)
                              env=dict(s.env, PYTHONPATH=os.path.join(build, "python")), stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True, cwd=os.path.join(HERE, "..", ".."))
         s.procs["worker-restart"] = (None, p)
-        for n, daemon in ((1, "source"), (2, "sink-0")):
+        for n, daemon in ((1, "source"), (2, "sink-0"), (3, "sink-0")):
             s.wait_for(lambda: os.path.exists(f"{s.tmp}/ready{n}") or p.poll() is not None, f"pause {n}", 120)
             check(p.poll() is None, f"the client runs up to pause {n}")
             s.kill(daemon, signal.SIGKILL)
@@ -557,8 +572,9 @@ print("daemon restart ok", versions)
                                               capture_output=True).returncode == 0, f"the restarted {daemon}")
             open(f"{s.tmp}/go{n}", "w").close()
         out, _ = p.communicate(timeout=180)
-        check(p.returncode == 0 and "daemon restart ok [1, 2, 3, 4]" in out,
-              "the trainer and the inference server went on across both restarts, bit-exact: " + out.strip()[-300:])
+        check(p.returncode == 0 and "daemon restart ok [1, 2, 3, 4, 5]" in out,
+              "the trainer and the inference server went on across the restarts, bit-exact, a wait() riding out "
+              "the sink's: " + out.strip()[-300:])
         check("holding version 3" in s.log("sink-0") and "patch 3->4" in s.log("sink-0"),
               "the restarted sink took the buffers as version 3 and caught up with a patch 3->4")
     finally:

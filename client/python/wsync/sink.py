@@ -12,7 +12,7 @@ import grpc
 
 from ._rpc import Local, pb
 from ._tensors import Registration, TensorsLike, attach_layout, share
-from .errors import FailedPreconditionError, from_rpc_error
+from .errors import FailedPreconditionError, UnavailableError, from_rpc_error
 
 
 class Sink:
@@ -91,6 +91,17 @@ class Sink:
             self._local.call("RegisterTensors", self._registration.request, wait_for_ready=True)
             return call()
 
+    def _through_restart(self, call, deadline: float):
+        """`call()`, again while the daemon is unreachable (restarting: its
+        socket is back within seconds) until `deadline`; then the error."""
+        while True:
+            try:
+                return call()
+            except UnavailableError:
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.1)
+
     @contextlib.contextmanager
     def hold(self, ttl: Optional[float] = None) -> Iterator[int]:
         """Holds the weights stable; yields the version they hold. The sink
@@ -103,7 +114,7 @@ class Sink:
                 return call, next(call)
             except grpc.RpcError as e:
                 raise from_rpc_error(e, f"Hold ({self._local.address})") from None
-        call, first = self._again(start)
+        call, first = self._through_restart(lambda: self._again(start), time.monotonic() + self._local.timeout)
         self._held = first.version
         self._track(first.hold_id, first.ttl_ms / 3000.0)
         try:
@@ -121,10 +132,16 @@ class Sink:
         applied version. Raises DeadlineExceededError with the sink's last
         sync error, or at once FailedPreconditionError when the registered
         tensors cannot take the published versions. hold() and wait()
-        register the same memory again if the sink restarted."""
-        req = pb.WaitForVersionRequest(version=version, timeout_ms=int(timeout * 1000))
-        resp = self._again(lambda: self._local.call("WaitForVersion", req, timeout=timeout + self._local.timeout))
-        return resp.applied_version
+        register the same memory again if the sink restarted, and ride out
+        a restart under way (the daemon unreachable for a while): wait()
+        within its timeout, hold() within the client's."""
+        deadline = time.monotonic() + timeout
+
+        def wait_once():
+            left = max(0.0, deadline - time.monotonic())
+            req = pb.WaitForVersionRequest(version=version, timeout_ms=int(left * 1000))
+            return self._local.call("WaitForVersion", req, timeout=left + self._local.timeout, wait_for_ready=True)
+        return self._through_restart(lambda: self._again(wait_once), deadline).applied_version
 
     def status(self) -> pb.LocalStatusResponse:
         """The sink's view: applied and head versions, sync error, holds."""
