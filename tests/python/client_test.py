@@ -274,7 +274,15 @@ def tensor_parallel(build):
             w.wait_event("registered")
         t = Worker(s, "trainer", "trainer", local(s, "source"), s.tmp, "--steps", str(versions), "--lr", "1e-5",
                    "--lockstep", str(len(ranks) + 1), "--serve-tp", "2,4")
+        # The source daemon is SIGKILLed after version 3 and restarted: the
+        # trainer's client registers its memory (and the layouts served) again,
+        # and the ranks get the restarted source's keyframe selections.
+        s.wait_for(lambda: any(e["version"] == 3 for e in t.event("published")), "version 3 published", 120)
+        s.kill("source", signal.SIGKILL)
+        s.restart("source")
         t.finish()
+        check([e["version"] for e in t.event("published")] == list(range(1, versions + 1)),
+              "the trainer published versions 1..6 across the source's restart")
         for w in workers:
             w.finish()
         ver = workers[-1].event("verified")
