@@ -78,14 +78,11 @@ StatusOr<uint64_t> SinkCore::RegisterTensors(buffers::MappedTensors reg, uint64_
   if (applied != 0) {
     auto versions = env_.coordinator->ListVersions(applied - 1);
     // The versions' checksums follow their tile grids (patch-format.md).
-    StatusOr<uint64_t> sum = UnavailableError("no layout published");
-    if (published.ok()) {
-      if (auto canonical = CanonicalOf(published->layout()); canonical.ok()) {
-        sum = store->SetChecksum(canonical->grids, env_.pool);
-      } else {
-        sum = canonical.status();
-      }
-    }
+    auto sum = [&]() -> StatusOr<uint64_t> {
+      if (!published.ok()) return published.status();
+      WSYNC_ASSIGN_OR_RETURN(CanonicalLayout canonical, CanonicalOf(published->layout()));
+      return store->SetChecksum(canonical.grids, env_.pool);
+    }();
     const bool match = versions.ok() && versions->versions_size() > 0 && versions->versions(0).version() == applied &&
                        sum.ok() && versions->versions(0).set_checksum() == *sum;
     if (!match) {
@@ -278,27 +275,28 @@ StatusOr<std::shared_ptr<PatchStream>> SinkCore::OpenFor(uint64_t from, uint64_t
     return UnavailableError("sink " + config_.name + " holds pieces and makes no keyframes; it relays no sink");
   }
   // A keyframe of what it holds (the child had another base): with several
-  // sources, of the part's tensors.
-  // Coded with the published grids, so that children holding pieces apply
-  // it too (without the coordinator, flat: whole children only).
+  // sources, of the part's tensors; coded on the published grids, so that
+  // children holding pieces apply it too (without the coordinator, flat:
+  // whole children only).
   std::vector<std::string> names;
   codec::EncodeOptions eo;
   const PublishedLayout published = env_.coordinator->GetLayout();
-  if (!published.ok()) {
-    if (part != 0) return published.status().WithContext("keyframe of part " + std::to_string(part));
-    spdlog::warn("sink {}: keyframe for a child without the published layout (flat): {}", config_.name,
-                 published.status().ToString());
-  } else if (published->layout().parts() > 1) {
-    const v1::Layout mine = control::PartOf(published->layout(), part);
-    for (const auto& t : mine.tensors()) names.push_back(t.name());
-    if (names.empty()) return NotFoundError("the published layout has no part " + std::to_string(part));
+  if (published.ok()) {
+    v1::Layout mine = published->layout();
+    if (mine.parts() > 1) {
+      mine = control::PartOf(mine, part);
+      for (const auto& t : mine.tensors()) names.push_back(t.name());
+      if (names.empty()) return NotFoundError("the published layout has no part " + std::to_string(part));
+    } else if (part != 0) {
+      return NotFoundError("the versions have no part " + std::to_string(part));
+    }
     WSYNC_ASSIGN_OR_RETURN(CanonicalLayout canonical, CanonicalOf(mine));
     eo.grids = std::move(canonical.grids);
   } else if (part != 0) {
-    return NotFoundError("the versions have no part " + std::to_string(part));
-  } else if (published.ok()) {
-    WSYNC_ASSIGN_OR_RETURN(CanonicalLayout canonical, CanonicalOf(published->layout()));
-    eo.grids = std::move(canonical.grids);
+    return published.status().WithContext("keyframe of part " + std::to_string(part));
+  } else {
+    spdlog::warn("sink {}: keyframe for a child without the published layout (flat): {}", config_.name,
+                 published.status().ToString());
   }
   const uint64_t v = weights->Hold();
   eo.pool = env_.pool;
