@@ -79,16 +79,21 @@ void ExchangeHandler::Detach() {
     std::lock_guard<std::mutex> lock(outbox_mu_);
     outbox_open_ = false;
     outbox_.clear();
+    outbox_later_.clear();
   }
   outbox_cv_.notify_all();
   if (outbox_thread_.joinable()) outbox_thread_.join();
 }
 
-bool ExchangeHandler::Post(std::function<void()> task) {
+bool ExchangeHandler::Post(std::function<void()> task, std::chrono::milliseconds after) {
   {
     std::lock_guard<std::mutex> lock(outbox_mu_);
-    if (!outbox_open_ || outbox_.size() >= kMaxQueuedSends) return false;
-    outbox_.push_back(std::move(task));
+    if (!outbox_open_ || outbox_.size() + outbox_later_.size() >= kMaxQueuedSends) return false;
+    if (after.count() > 0) {
+      outbox_later_.emplace(std::chrono::steady_clock::now() + after, std::move(task));
+    } else {
+      outbox_.push_back(std::move(task));
+    }
   }
   outbox_cv_.notify_one();
   return true;
@@ -99,10 +104,24 @@ void ExchangeHandler::RunOutbox() {
     std::function<void()> task;
     {
       std::unique_lock<std::mutex> lock(outbox_mu_);
-      outbox_cv_.wait(lock, [&] { return !outbox_open_ || !outbox_.empty(); });
-      if (!outbox_open_) return;
-      task = std::move(outbox_.front());
-      outbox_.pop_front();
+      for (;;) {
+        if (!outbox_open_) return;
+        if (!outbox_.empty()) {
+          task = std::move(outbox_.front());
+          outbox_.pop_front();
+          break;
+        }
+        if (!outbox_later_.empty() && outbox_later_.begin()->first <= std::chrono::steady_clock::now()) {
+          task = std::move(outbox_later_.begin()->second);
+          outbox_later_.erase(outbox_later_.begin());
+          break;
+        }
+        if (outbox_later_.empty()) {
+          outbox_cv_.wait(lock);
+        } else {
+          outbox_cv_.wait_until(lock, outbox_later_.begin()->first);
+        }
+      }
     }
     task();
   }
@@ -192,14 +211,15 @@ void ExchangeHandler::OnCorrupt(PeerId peer, uint32_t channel, uint64_t seq) {
 
 void ExchangeHandler::Refuse(PeerId peer, StatusCode code, const std::string& why) {
   spdlog::warn("data plane: refusing peer {}: {}", peer, why);
-  // The DENIED goes out before the connection closes (sends and the close
-  // are queued in order), from the outbox: this may run on the progress
-  // thread. The transport does not report our own close.
+  // The DENIED goes out from the outbox (this may run on the progress
+  // thread) and the connection closes kRefusalGrace later, so that the
+  // peer reads why before the close. The transport does not report our own
+  // close.
   auto* t = transport_.load();
   if (!Post([t, peer, denied = wire::Encode(ExchangeMessage::kDenied, {code, why})] {
         (void)t->Send(peer, 0, 0, denied);
-        t->Disconnect(peer);
-      })) {
+      }) ||
+      !Post([t, peer] { t->Disconnect(peer); }, kRefusalGrace)) {
     t->Disconnect(peer);
   }
   {

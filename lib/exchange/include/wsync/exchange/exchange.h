@@ -57,6 +57,11 @@ inline constexpr size_t kMaxHandshakes = 64;
 inline constexpr auto kHandshakeTimeout = std::chrono::seconds(10);
 // Refusals and denials waiting to be sent off the progress thread.
 inline constexpr size_t kMaxQueuedSends = 1024;
+// A refused peer's connection is closed this long after its DENIED is sent,
+// so that the DENIED arrives before the close (an immediate close could
+// reset the connection and lose it: the peer then saw only "connection
+// reset", not why). Its messages are ignored meanwhile.
+inline constexpr auto kRefusalGrace = std::chrono::milliseconds(200);
 // Transport limits for a daemon's options: the longest message at all (a
 // sealed chunk of the largest size) and before the handshake.
 inline constexpr uint32_t kMaxMessageBytes = kMaxChunkBytes + 64;
@@ -212,9 +217,9 @@ class ExchangeHandler : public transport::Handler {
   void Refuse(transport::PeerId peer, StatusCode code, const std::string& why);
   void OnHandshake(const std::shared_ptr<Peer>& p, const transport::Message& m);
   std::shared_ptr<Peer> Find(transport::PeerId peer);
-  // Runs `task` on the outbox thread; false when kMaxQueuedSends wait or
-  // the handler is detached.
-  bool Post(std::function<void()> task);
+  // Runs `task` on the outbox thread (not before `after` from now); false
+  // when kMaxQueuedSends wait or the handler is detached.
+  bool Post(std::function<void()> task, std::chrono::milliseconds after = std::chrono::milliseconds(0));
   void RunOutbox();
 
   const SecurityOptions security_;
@@ -230,6 +235,7 @@ class ExchangeHandler : public transport::Handler {
   std::mutex outbox_mu_;
   std::condition_variable outbox_cv_;
   std::deque<std::function<void()>> outbox_;
+  std::multimap<std::chrono::steady_clock::time_point, std::function<void()>> outbox_later_;
   bool outbox_open_ = false;
   std::thread outbox_thread_;
 };
