@@ -112,6 +112,27 @@ void PrintPartial(const v1::ListVersionsResponse& v) {
   }
 }
 
+// The published layout in one line: its tensors, who set it, and how many
+// carry tile grids (for the sinks holding pieces of the layouts served).
+void PrintLayout(const v1::GetLayoutResponse& l) {
+  if (!l.set()) {
+    std::printf("layout: none yet (no source has published)\n");
+    return;
+  }
+  const v1::Layout& layout = l.layout();
+  int gridded = 0;
+  for (const auto& t : layout.tensors()) gridded += t.row_cuts_size() > 0 || t.col_cuts_size() > 0;
+  std::string by = layout.source();
+  if (layout.parts() > 1) {
+    by.clear();
+    for (const auto& s : layout.part_sources()) by += (by.empty() ? "" : ", ") + (s.empty() ? "-" : s);
+    by = std::to_string(layout.parts()) + " sources (" + by + ")";
+  }
+  std::printf("layout: %d tensors by %s", layout.tensors_size(), by.c_str());
+  if (gridded > 0) std::printf(", %d cut in tile grids for the layouts served", gridded);
+  std::printf("\n");
+}
+
 int64_t NowMs() {
   return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch())
       .count();
@@ -124,9 +145,11 @@ Status RunStatus(const Connection& c) {
     PrintJson(s);
     return Status::Ok();
   }
-  std::printf("head version %" PRIu64 ", max staleness %s (%s), oldest needed version %" PRIu64 "\n\n",
+  std::printf("head version %" PRIu64 ", max staleness %s (%s), oldest needed version %" PRIu64 "\n",
               s.head_version(), s.max_staleness() ? std::to_string(s.max_staleness()).c_str() : "unbounded",
               s.policy() == v1::STALENESS_EVICT ? "evict" : "block", s.oldest_needed_version());
+  if (auto l = client->GetLayout(); l.ok()) PrintLayout(*l);
+  std::printf("\n");
   PrintNodes(s);
   if (s.leases_size() > 0) {
     std::printf("\n");

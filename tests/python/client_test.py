@@ -226,6 +226,9 @@ def resized_fleet(build):
                    "--lockstep", str(len(workers)), "--serve-tp", "2", "--resize-at", str(resize),
                    "--resize-tp", "2,4", "--resize-lockstep", str(len(workers) + len(late)))
         t.wait_event("resized")
+        status = subprocess.run([s.wsync, "status"], env=s.env, capture_output=True, text=True).stdout
+        check("cut in tile grids for the layouts served" in status,
+              "`wsync status` shows the layout and its tile grids: " + status.splitlines()[1])
         # Meanwhile TP 2 rank 0's sink daemon restarts while the rank waits in
         # RankSync.sync(): the rank rides it out and registers its pieces again.
         s.kill("sink-0", signal.SIGKILL)
@@ -273,13 +276,16 @@ def tensor_parallel(build):
         for w in workers:
             w.wait_event("registered")
         t = Worker(s, "trainer", "trainer", local(s, "source"), s.tmp, "--steps", str(versions), "--lr", "1e-5",
-                   "--lockstep", str(len(ranks) + 1), "--serve-tp", "2,4")
-        # The source daemon is SIGKILLed after version 3 and restarted: the
-        # trainer's client registers its memory (and the layouts served) again,
-        # and the ranks get the restarted source's keyframe selections.
-        s.wait_for(lambda: any(e["version"] == 3 for e in t.event("published")), "version 3 published", 120)
+                   "--lockstep", str(len(ranks) + 1), "--serve-tp", "2,4", "--pause-after", "3")
+        # The source daemon is SIGKILLed once every sink holds version 3 (a
+        # restarted source holds no earlier version: the trainer's lockstep
+        # would wait for sinks that cannot get it) and restarted: the
+        # trainer's client registers its memory (and the layouts served)
+        # again, and the ranks get the restarted source's keyframe selections.
+        t.wait_event("paused")
         s.kill("source", signal.SIGKILL)
         s.restart("source")
+        open(os.path.join(s.tmp, "resume"), "w").close()
         t.finish()
         check([e["version"] for e in t.event("published")] == list(range(1, versions + 1)),
               "the trainer published versions 1..6 across the source's restart")

@@ -15,7 +15,9 @@ for every version it saves what it holds as DIR/NAME.vN.pt (the test
 gathers the canonical tensors back from every rank). With --resize-at V
 --resize-tp 2,4 the trainer registers again after version V, serving those
 degrees (a resized rollout fleet), says "resized", waits for DIR/go and then
-keeps --resize-lockstep K.
+keeps --resize-lockstep K. With --pause-after V it says "paused" once
+version V is published (and, with --lockstep, held by every sink) and
+waits for DIR/resume.
 
 The trainer trains a Llama-style model for real (AdamW on FP32 masters),
 publishes every step and saves the BF16 weights it expects (its own
@@ -89,6 +91,10 @@ def trainer(a):
             wait_s=time.monotonic() - t0, loss=loss.item())
         while a.lockstep and len(glob.glob(os.path.join(a.dir, f"*.v{version}"))) < a.lockstep:
             time.sleep(0.01)
+        if version == a.pause_after:
+            say(event="paused", version=version)
+            while not os.path.exists(os.path.join(a.dir, "resume")):
+                time.sleep(0.05)
         if version == a.resize_at:
             # The rollout fleet is resized: serve other layouts from the next version on.
             serve = [layouts.tp_layout(tiny_config(), int(tp), r) for tp in a.resize_tp.split(",") for r in range(int(tp))]
@@ -208,6 +214,7 @@ def main():
     p.add_argument("--hold-forever", action="store_true")
     p.add_argument("--linger", type=float, default=0.0)
     p.add_argument("--serve-tp", default="")
+    p.add_argument("--pause-after", type=int, default=0)
     p.add_argument("--resize-at", type=int, default=0)
     p.add_argument("--resize-tp", default="")
     p.add_argument("--resize-lockstep", type=int, default=0)
