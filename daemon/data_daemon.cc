@@ -291,6 +291,7 @@ class Source : public Node, public v1::Local::Service {
     if (core_) core_->Stop();
   }
   void OnHeartbeat(const v1::HeartbeatResponse& hb) override { core_->OnHeartbeat(hb); }
+  void FillHeartbeat(v1::HeartbeatRequest* h) override { core_->FillHeartbeat(h); }
 
  private:
   std::unique_ptr<SourceCore> core_;

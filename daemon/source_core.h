@@ -78,6 +78,8 @@ class SourceCore {
 
   // Membership hook: keeps what leased or live sinks need.
   void OnHeartbeat(const wsync::v1::HeartbeatResponse& hb);
+  // What the heartbeat says of this source: the newest version it holds.
+  void FillHeartbeat(wsync::v1::HeartbeatRequest* h) { h->set_source_head(history_.head()); }
 
  private:
   StatusOr<bool> HeadHoldsTheRegisteredWeights();

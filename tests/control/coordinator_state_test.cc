@@ -177,6 +177,52 @@ TEST(CoordinatorState, BlockPolicyNamesTheLaggingSinks) {
   EXPECT_EQ(s->MayPublish(3).status().code(), StatusCode::kFailedPrecondition);
 }
 
+// A source restarted after announcing the head holds no version (its
+// heartbeat says so): a sink that lacks the head can only get the next one,
+// so the block policy does not wait for it (it would wait forever). A sink
+// behind a relay that holds the head still blocks; so does every sink while
+// what the source holds is not known (registered again, no heartbeat yet).
+TEST(CoordinatorState, BlockPolicyDoesNotWaitForAHeadNoSourceHolds) {
+  FakeClock clock;
+  CoordinatorOptions o;
+  o.max_staleness = 1;
+  o.policy = wsync::v1::STALENESS_BLOCK;
+  o.fanout = 2;  // src -> relay, direct; relay -> leaf
+  auto s = Make(&clock, o);
+  ASSERT_TRUE(s->Register(Reg("src", wsync::v1::ROLE_SOURCE)).ok());
+  for (uint64_t v = 1; v <= 3; ++v) {
+    auto summary = V(v);
+    summary.set_source("src");
+    ASSERT_TRUE(s->Publish(summary).ok());
+  }
+  ASSERT_TRUE(s->Register(Reg("relay", wsync::v1::ROLE_SINK)).ok());
+  ASSERT_TRUE(s->ReportApplied("relay", 3).ok());
+  ASSERT_TRUE(s->Register(Reg("direct", wsync::v1::ROLE_SINK)).ok());
+  ASSERT_TRUE(s->Register(Reg("leaf", wsync::v1::ROLE_SINK)).ok());
+  ASSERT_TRUE(s->ReportApplied("direct", 1).ok());
+  ASSERT_TRUE(s->ReportApplied("leaf", 1).ok());
+  ASSERT_EQ(FindNode(s->GetStatus(), "direct")->parent(), "src");
+  ASSERT_EQ(FindNode(s->GetStatus(), "leaf")->parent(), "relay");
+  EXPECT_EQ(s->MayPublish(4)->blocking_size(), 2) << "the source holds version 3: both can get it";
+  // The source restarts: registered again (holdings not known yet), then
+  // its heartbeat says it holds nothing.
+  ASSERT_TRUE(s->Register(Reg("src", wsync::v1::ROLE_SOURCE)).ok());
+  EXPECT_EQ(s->MayPublish(4)->blocking_size(), 2) << "not known yet: as before";
+  wsync::v1::HeartbeatRequest h;
+  h.set_name("src");
+  h.set_source_head(0);
+  ASSERT_TRUE(s->Heartbeat(h).ok());
+  auto may = s->MayPublish(4);
+  ASSERT_EQ(may->blocking_size(), 1) << "'direct' cannot get version 3 from anyone: not waited for";
+  EXPECT_EQ(may->blocking(0), "leaf") << "its relay holds version 3";
+  // The restarted source publishes version 4 (it holds it): back to normal.
+  ASSERT_TRUE(s->ReportApplied("leaf", 3).ok());
+  auto four = V(4);
+  four.set_source("src");
+  ASSERT_TRUE(s->Publish(four).ok());
+  EXPECT_EQ(s->MayPublish(5)->blocking_size(), 3) << "every sink can get version 4: each one lagging blocks";
+}
+
 TEST(CoordinatorState, EvictPolicyTellsLaggardsToResync) {
   FakeClock clock;
   CoordinatorOptions o;

@@ -218,6 +218,7 @@ StatusOr<wsync::v1::RegisterResponse> CoordinatorState::Register(const wsync::v1
   *r.mutable_node_registered() = ToRecord(n);
   WSYNC_RETURN_IF_ERROR(Log(r));
   Node& stored = nodes_[req.name()];
+  source_heads_.erase(req.name());  // what a (re)registered source holds: its next heartbeat says
   stored.set_state(wsync::v1::NODE_ALIVE);
   stored.set_last_heartbeat_unix_ms(clock_->NowMs());
   stored.set_parent("");
@@ -259,6 +260,7 @@ StatusOr<wsync::v1::HeartbeatResponse> CoordinatorState::Heartbeat(const wsync::
     NotifyLocked();
   }
   it->second.set_oldest_hold_ms(req.oldest_hold_ms());
+  if (it->second.role() == wsync::v1::ROLE_SOURCE) source_heads_[req.name()] = req.source_head();
   wsync::v1::HeartbeatResponse resp;
   *resp.mutable_node() = it->second;
   FillDerivedLocked(resp.mutable_node());
@@ -305,6 +307,7 @@ StatusOr<uint64_t> CoordinatorState::Publish(const VersionSummary& version) {
   *r.mutable_version_published() = version;
   if (version.published_unix_ms() == 0) r.mutable_version_published()->set_published_unix_ms(clock_->NowMs());
   WSYNC_RETURN_IF_ERROR(Log(r));
+  NoteSourceHoldsLocked(version.source(), version.version());
   AssignParentsLocked();
   spdlog::info("version {} published by {} (base {}, {} patch bytes, {} dense bytes{})", version.version(),
                version.source(), version.base_version(), version.patch_bytes(), version.dense_bytes(),
@@ -347,6 +350,7 @@ StatusOr<uint64_t> CoordinatorState::PublishPartLocked(const VersionSummary& par
   *r.mutable_version_part() = part;
   if (part.published_unix_ms() == 0) r.mutable_version_part()->set_published_unix_ms(clock_->NowMs());
   WSYNC_RETURN_IF_ERROR(Log(r));
+  NoteSourceHoldsLocked(part.source(), v);
   const auto& have = parts_[v];
   spdlog::info("version {} part {} of {} published by {} ({} of {} parts in)", v, part.part(), part.parts(),
                part.source(), have.size(), part.parts());
@@ -592,6 +596,14 @@ StatusOr<wsync::v1::MayPublishResponse> CoordinatorState::MayPublish(uint64_t ve
       continue;
     }
     if (version - n.applied_version() <= options_.max_staleness) continue;
+    if (!HeadReachableLocked(n, head)) {
+      // Its source restarted after announcing the head and holds no earlier
+      // version: waiting could never end; the next version will reach it.
+      spdlog::warn("sink {} at version {} lags, but version {} is held by no source or relay it pulls from (its "
+                   "source restarted): version {} is not held back for it",
+                   name, n.applied_version(), head, version);
+      continue;
+    }
     if (options_.policy == wsync::v1::STALENESS_EVICT) {
       Node updated = n;
       updated.set_resync_keyframe(true);
@@ -607,6 +619,39 @@ StatusOr<wsync::v1::MayPublishResponse> CoordinatorState::MayPublish(uint64_t ve
   }
   resp.set_allowed(resp.blocking_size() == 0);
   return resp;
+}
+
+// Whether `sink` can get version `head`: walking up its parents, a sink
+// holding it (a relay) or a source whose history holds it (every part's
+// source, for versions of several sources). A node or a source's holdings
+// not known (not heard from since this coordinator started or since it
+// registered) count as holding it: as before this check.
+void CoordinatorState::NoteSourceHoldsLocked(const std::string& source, uint64_t version) {
+  auto [it, added] = source_heads_.emplace(source, version);
+  if (!added) it->second = std::max(it->second, version);
+}
+
+bool CoordinatorState::HeadReachableLocked(const Node& sink, uint64_t head) const {
+  const Node* n = &sink;
+  for (size_t hops = 0; hops <= nodes_.size(); ++hops) {
+    if (n->parent().empty()) return true;
+    auto it = nodes_.find(n->parent());
+    if (it == nodes_.end()) return true;
+    const Node& p = it->second;
+    if (p.role() == wsync::v1::ROLE_SOURCE) {
+      auto holds = [&](const std::string& source) {
+        auto held = source_heads_.find(source);
+        return held == source_heads_.end() || held->second >= head;
+      };
+      if (layout_ && layout_->parts() > 1) {
+        return std::all_of(layout_->part_sources().begin(), layout_->part_sources().end(), holds);
+      }
+      return holds(p.name());
+    }
+    if (p.applied_version() >= head) return true;
+    n = &p;
+  }
+  return true;
 }
 
 // -------------------------------------------------------------- liveness

@@ -115,6 +115,11 @@ class CoordinatorState {
   // The highest version ever acknowledged: the head, or the store's floor
   // after a salvage that lost versions. REQUIRES: mu_ held.
   uint64_t AcknowledgedHeadLocked() const;
+  // Whether a sink can get version `head` from its parents (a relay holding
+  // it, or a source whose history does). REQUIRES: mu_ held.
+  bool HeadReachableLocked(const wsync::v1::Node& sink, uint64_t head) const;
+  // `source` announced `version`: its history holds it. REQUIRES: mu_ held.
+  void NoteSourceHoldsLocked(const std::string& source, uint64_t version);
   StatusOr<uint64_t> PublishPartLocked(const wsync::v1::VersionSummary& part);
   Status SetLayoutPartLocked(const wsync::v1::Layout& layout);
   void FillDerivedLocked(wsync::v1::Node* n) const;
@@ -128,6 +133,9 @@ class CoordinatorState {
   mutable std::condition_variable changed_;
   uint64_t generation_ = 0;
   std::map<std::string, wsync::v1::Node> nodes_;
+  // Sources: the newest version each one's history holds, as its heartbeats
+  // and announcements say (not durable; absent: not known).
+  std::map<std::string, uint64_t> source_heads_;
   std::map<uint64_t, wsync::v1::VersionSummary> versions_;
   // Versions published by several sources, not yet whole: version -> part -> summary.
   std::map<uint64_t, std::map<uint32_t, wsync::v1::VersionSummary>> parts_;
