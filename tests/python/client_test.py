@@ -199,16 +199,29 @@ def wsync_status(s, name):
         snk.close()
 
 
+def ranks_differ(s, tp, v):
+    """The canonical tensors whose slices held by TP `tp`'s ranks at version
+    `v` (DIR/tpT-rankR.vV.pt), gathered back, differ from the trainer's BF16
+    weights (DIR/expect-vV.pt) in any bit."""
+    import torch
+    from wsync import layouts
+    from client_workers import tiny_config
+    cfg = tiny_config()
+    shapes = layouts.canonical_shapes(cfg)
+    expect = torch.load(os.path.join(s.tmp, f"expect-v{v}.pt"))
+    held = [(layouts.tp_layout(cfg, tp, r), torch.load(os.path.join(s.tmp, f"tp{tp}-rank{r}.v{v}.pt")))
+            for r in range(tp)]
+    back = layouts.gather(held, shapes)
+    return [k for k in shapes if not torch.equal(back[k].view(torch.int16), expect[k].view(torch.int16))]
+
+
 def resized_fleet(build):
     """TP 2 ranks and a whole sink from version 1; after version 3 the trainer
     serves TP 2 and TP 4 (registering again with both), TP 4 ranks join, a
     TP 2 rank's sink daemon is SIGKILLed and restarted, and every rank holds
     its slices of versions up to 6 bit for bit."""
-    import torch
     sys.path.insert(0, os.path.join(build, "python"))
-    from wsync import layouts
     sys.path.insert(0, HERE)
-    from client_workers import tiny_config
     versions, resize = 6, 3
     early, late = [(2, r) for r in range(2)], [(4, r) for r in range(4)]
     s = system(build, "resized_fleet", sinks=len(early) + len(late) + 1)
@@ -243,26 +256,17 @@ def resized_fleet(build):
         ver = workers[-1].event("verified")
         check([v["version"] for v in ver] == list(range(1, versions + 1)) and all(not v["mismatched"] for v in ver),
               "the whole-model sink held the trainer's BF16 weights bit for bit across the change of layouts")
-        cfg = tiny_config()
-        shapes = layouts.canonical_shapes(cfg)
         for tp, first in ((2, 1), (4, resize)):
             for v in range(first, versions + 1):
-                expect = torch.load(os.path.join(s.tmp, f"expect-v{v}.pt"))
-                held = [(layouts.tp_layout(cfg, tp, r), torch.load(os.path.join(s.tmp, f"tp{tp}-rank{r}.v{v}.pt")))
-                        for r in range(tp)]
-                back = layouts.gather(held, shapes)
-                bad = [k for k in shapes if not torch.equal(back[k].view(torch.int16), expect[k].view(torch.int16))]
+                bad = ranks_differ(s, tp, v)
                 check(not bad, f"version {v}, TP {tp}: the ranks' slices equal the trainer's BF16 weights {bad[:3]}")
     finally:
         s.stop()
 
 
 def tensor_parallel(build):
-    import torch
     sys.path.insert(0, os.path.join(build, "python"))
-    from wsync import layouts
     sys.path.insert(0, HERE)
-    from client_workers import tiny_config
     ranks = [(2, r) for r in range(2)] + [(4, r) for r in range(4)]
     versions = 6
     s = system(build, "tensor_parallel", sinks=len(ranks) + 1)
@@ -294,19 +298,9 @@ def tensor_parallel(build):
         ver = workers[-1].event("verified")
         check([v["version"] for v in ver] == list(range(1, versions + 1)) and all(not v["mismatched"] for v in ver),
               "a whole-model sink beside them holds the trainer's BF16 weights bit for bit after every version")
-        cfg = tiny_config()
-        shapes = layouts.canonical_shapes(cfg)
-
-        def bits(x):
-            return x.view(torch.int16)
-
         for v in range(1, versions + 1):
-            expect = torch.load(os.path.join(s.tmp, f"expect-v{v}.pt"))
             for tp in (2, 4):
-                held = [(layouts.tp_layout(cfg, tp, r), torch.load(os.path.join(s.tmp, f"tp{tp}-rank{r}.v{v}.pt")))
-                        for r in range(tp)]
-                back = layouts.gather(held, shapes)
-                bad = [k for k in shapes if not torch.equal(bits(back[k]), bits(expect[k]))]
+                bad = ranks_differ(s, tp, v)
                 check(not bad, f"version {v}, TP {tp}: the canonical tensors gathered from the {tp} ranks equal "
                                f"the trainer's BF16 weights bit for bit {bad[:3]}")
         # Each rank pulls its selection only: bytes received against what the
