@@ -243,11 +243,8 @@ struct Decoded {
 };
 
 bool HoldsBase(const Container& c, const std::vector<const MutableTensorView*>& dst, ThreadPool* pool) {
-  std::vector<uint64_t> sums;
-  for (size_t t = 0; t < dst.size(); ++t) {
-    sums.push_back(internal::EntryChecksum(c.tensors[t], static_cast<const uint8_t*>(dst[t]->data), pool));
-  }
-  return internal::SetChecksumOf(sums) == c.base_set_checksum;
+  auto data = [&](size_t t) { return static_cast<const uint8_t*>(dst[t]->data); };
+  return internal::EntriesSetChecksum(c.tensors, data, pool) == c.base_set_checksum;
 }
 
 Status WrongBase(const Container& c) {
@@ -773,11 +770,7 @@ StatusOr<uint64_t> SetChecksum(std::span<const TensorView> tensors, std::span<co
   EncodeOptions o;
   o.grids.assign(grids.begin(), grids.end());
   WSYNC_ASSIGN_OR_RETURN(auto entries, EntriesFor(tensors, o));
-  std::vector<uint64_t> sums;
-  for (size_t t = 0; t < entries.size(); ++t) {
-    sums.push_back(internal::EntryChecksum(entries[t], static_cast<const uint8_t*>(tensors[t].data), pool));
-  }
-  return internal::SetChecksumOf(sums);
+  return internal::EntriesSetChecksum(entries, [&](size_t t) { return tensors[t].data; }, pool);
 }
 
 StatusOr<std::string> EncodePatch(std::span<const TensorView> base, std::span<const TensorView> target,
@@ -1104,16 +1097,15 @@ StatusOr<std::string> MergePatches(std::string_view first, std::string_view seco
   if (!base.empty() && !keyframe) {
     std::unordered_map<std::string_view, const TensorView*> by_name;
     for (const auto& t : base) by_name[t.name] = &t;
-    std::vector<uint64_t> sums;
     for (size_t t = 0; t < a.tensors.size(); ++t) {
       auto it = by_name.find(a.tensors[t].name);
       if (it == by_name.end() || it->second->dtype != a.tensors[t].dtype || it->second->shape != a.tensors[t].shape) {
         return FailedPreconditionError("base tensor " + Quoted(a.tensors[t].name) + " is missing or of another dtype or shape");
       }
       base_of[t] = it->second;
-      sums.push_back(internal::EntryChecksum(a.tensors[t], static_cast<const uint8_t*>(it->second->data), options.pool));
     }
-    if (internal::SetChecksumOf(sums) != a.base_set_checksum) {
+    if (internal::EntriesSetChecksum(a.tensors, [&](size_t t) { return base_of[t]->data; }, options.pool) !=
+        a.base_set_checksum) {
       return FailedPreconditionError("the given base is not the first patch's base version");
     }
   }

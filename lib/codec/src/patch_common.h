@@ -168,6 +168,15 @@ inline size_t FirstBlock(const TensorEntry& e, size_t c) { return static_cast<si
 // tensor. Parallel over blocks when a pool is given.
 uint64_t EntryChecksum(const TensorEntry& e, const uint8_t* data, ThreadPool* pool);
 
+// The set checksum of tensors laid out as `entries`, entry t's bytes at
+// data(t).
+template <typename F>
+uint64_t EntriesSetChecksum(const std::vector<TensorEntry>& entries, F&& data, ThreadPool* pool) {
+  std::vector<uint64_t> sums;
+  for (size_t t = 0; t < entries.size(); ++t) sums.push_back(EntryChecksum(entries[t], data(t), pool));
+  return SetChecksumOf(sums);
+}
+
 // Digests the checksum blocks of one chunk from consecutive pieces of it
 // (a sweep's segments), into Digests.
 class ChunkDigester {
