@@ -151,14 +151,12 @@ std::string WriteContainer(const Container& c, std::string_view payload) {
   return out;
 }
 
-StatusOr<Container> ReadContainer(std::string_view data, bool verify_checksum) {
-  Container c;
+StatusOr<Preamble> ReadPreamble(std::string_view data) {
+  Preamble p;
   ByteReader r(data, "patch preamble");
   std::string_view magic;
   uint16_t version = 0;
   uint8_t kind = 0, reserved = 0;
-  uint32_t zdir_len = 0, dir_len = 0;
-  uint64_t payload_len = 0, checksum = 0;
   if (data.size() < kPreambleBytes) {
     return DataLossError("patch of " + std::to_string(data.size()) + " bytes is shorter than its " +
                          std::to_string(kPreambleBytes) + "-byte preamble");
@@ -175,34 +173,52 @@ StatusOr<Container> ReadContainer(std::string_view data, bool verify_checksum) {
   }
   r.U8(&kind, "kind");
   r.U8(&reserved, "reserved");
-  r.U32(&c.chunk_bytes, "chunk bytes");
-  r.U32(&zdir_len, "directory length");
-  r.U32(&dir_len, "directory raw length");
-  r.U64(&payload_len, "payload length");
-  r.U64(&checksum, "checksum");
+  r.U32(&p.chunk_bytes, "chunk bytes");
+  r.U32(&p.directory_zlen, "directory length");
+  r.U32(&p.directory_len, "directory raw length");
+  r.U64(&p.payload_len, "payload length");
+  r.U64(&p.checksum, "checksum");
   if (kind != static_cast<uint8_t>(PatchKind::kPatch) && kind != static_cast<uint8_t>(PatchKind::kKeyframe)) {
     return DataLossError("patch preamble: unknown kind " + std::to_string(kind));
   }
-  c.kind = static_cast<PatchKind>(kind);
+  p.kind = static_cast<PatchKind>(kind);
   if (reserved != 0) return DataLossError("patch preamble: reserved byte is not zero");
-  if (c.chunk_bytes < kMinChunkBytes || c.chunk_bytes > kMaxChunkBytes ||
-      (c.chunk_bytes & (c.chunk_bytes - 1)) != 0) {
-    return DataLossError("patch preamble: chunk size " + std::to_string(c.chunk_bytes) +
+  if (p.chunk_bytes < kMinChunkBytes || p.chunk_bytes > kMaxChunkBytes || (p.chunk_bytes & (p.chunk_bytes - 1)) != 0) {
+    return DataLossError("patch preamble: chunk size " + std::to_string(p.chunk_bytes) +
                          " is not a power of two in [1 MiB, 64 MiB]");
   }
-  if (dir_len > kMaxDirectoryBytes) {
-    return DataLossError("patch preamble: directory of " + std::to_string(dir_len) + " bytes exceeds the limit");
+  if (p.directory_len > kMaxDirectoryBytes) {
+    return DataLossError("patch preamble: directory of " + std::to_string(p.directory_len) +
+                         " bytes exceeds the limit");
   }
-  const uint64_t expected = kPreambleBytes + uint64_t{zdir_len} + payload_len;
-  if (payload_len > data.size() || expected != data.size()) {
+  if (p.payload_len > kMaxPayloadBytes) {
+    return DataLossError("patch preamble: payload of " + std::to_string(p.payload_len) + " bytes exceeds the limit");
+  }
+  return p;
+}
+
+StatusOr<Container> ReadContainer(std::string_view data, bool verify_checksum, bool head_only) {
+  Container c;
+  WSYNC_ASSIGN_OR_RETURN(const Preamble pre, ReadPreamble(data));
+  c.kind = pre.kind;
+  c.chunk_bytes = pre.chunk_bytes;
+  const uint32_t zdir_len = pre.directory_zlen, dir_len = pre.directory_len;
+  const uint64_t payload_len = pre.payload_len;
+  if (head_only) {
+    if (data.size() < pre.HeaderBytes()) {
+      return DataLossError("patch head: " + std::to_string(data.size()) + " bytes of its " +
+                           std::to_string(pre.HeaderBytes()) + "-byte preamble and directory");
+    }
+    data = data.substr(0, std::min<uint64_t>(data.size(), pre.TotalBytes()));
+  } else if (pre.TotalBytes() != data.size()) {
     return DataLossError("patch is " + std::to_string(data.size()) + " bytes, its preamble says " +
                          std::to_string(kPreambleBytes) + " + " + std::to_string(zdir_len) + " + " +
                          std::to_string(payload_len) + " (truncated or padded)");
   }
-  if (verify_checksum) {
+  if (verify_checksum && !head_only) {
     uint64_t sum = Hash64(data.data(), kChecksumOffset) ^
                    Hash64(data.data() + kPreambleBytes, data.size() - kPreambleBytes);
-    if (sum != checksum) return DataLossError("patch checksum mismatch: the patch is corrupted");
+    if (sum != pre.checksum) return DataLossError("patch checksum mismatch: the patch is corrupted");
   }
 
   // Check the frame's declared size before allocating for it.
@@ -224,7 +240,7 @@ StatusOr<Container> ReadContainer(std::string_view data, bool verify_checksum) {
     TensorEntry t;
     uint64_t name_len, ndim;
     std::string_view name;
-    uint8_t dtype;
+    uint8_t dtype = 0;
     if (!d.VarintAtMost(&name_len, kMaxNameBytes, "tensor name length") ||
         !d.Bytes(name_len, &name, "tensor name") || !d.U8(&dtype, "dtype")) {
       return d.status().WithContext("tensor " + std::to_string(i));

@@ -23,6 +23,7 @@ inline constexpr uint64_t kMaxNameBytes = 1u << 16;
 inline constexpr uint64_t kMaxDims = 16;
 inline constexpr uint64_t kMaxTensorBytes = uint64_t{1} << 46;
 inline constexpr uint64_t kMaxDirectoryBytes = uint64_t{1} << 28;
+inline constexpr uint64_t kMaxPayloadBytes = uint64_t{1} << 50;
 inline constexpr uint64_t kMaxCuts = 1u << 16;  // per dimension of a tile grid
 // Chunk entry mode bytes beside ChunkMode's: a keyframe's chunk, and a chunk
 // a selection left out.
@@ -99,8 +100,27 @@ struct Container {
 // (offsets are recomputed).
 std::string WriteContainer(const Container& c, std::string_view payload);
 
-// Parses and validates everything but the chunk streams.
-StatusOr<Container> ReadContainer(std::string_view data, bool verify_checksum);
+// The fixed 40 bytes a container starts with.
+struct Preamble {
+  PatchKind kind = PatchKind::kPatch;
+  uint32_t chunk_bytes = 0;
+  uint32_t directory_zlen = 0;
+  uint32_t directory_len = 0;
+  uint64_t payload_len = 0;
+  uint64_t checksum = 0;
+  uint64_t HeaderBytes() const { return kPreambleBytes + directory_zlen; }
+  uint64_t TotalBytes() const { return HeaderBytes() + payload_len; }
+};
+
+// Parses and checks the preamble at the start of data (which may go on).
+StatusOr<Preamble> ReadPreamble(std::string_view data);
+
+// Parses and validates everything but the chunk streams. head_only: data
+// holds at least the preamble and the directory and may end anywhere after
+// them (a container still arriving) or go on past the container (the next
+// segment of a stream); payload is what of it is there, and the checksum is
+// not verified.
+StatusOr<Container> ReadContainer(std::string_view data, bool verify_checksum, bool head_only = false);
 
 // Hash64 over a list of tensor checksums: the set checksum.
 uint64_t SetChecksumOf(const std::vector<uint64_t>& checksums);

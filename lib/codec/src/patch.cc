@@ -551,7 +551,27 @@ class KeyframeApply {
 class DeltaApply {
  public:
   DeltaApply(const Container& c, const Plan& p, ThreadPool* pool)
-      : c_(c), p_(p), pool_(pool), decoded_(p.works.size()), applied_(p.works.size(), 0) {}
+      : c_(c), p_(p), pool_(pool), decoded_(p.works.size()), ready_(p.works.size(), 0), applied_(p.works.size(), 0) {}
+
+  // Decodes work i against the bytes now at its placement and writes
+  // nothing (ahead of Run, while the rest of the patch arrives); Run then
+  // adds it without decoding it again. A chunk that fails to decode is left
+  // to Run, which decodes it again and names the error. Distinct works may
+  // be decoded concurrently.
+  void Predecode(size_t i) {
+    const Work& w = p_.works[i];
+    const TensorEntry& t = c_.tensors[w.tensor];
+    const ChunkEntry& ch = t.chunks[w.chunk];
+    const internal::Tile& tile = t.tiles[w.chunk];
+    WithWidth(DTypeWidth(t.dtype), [&](auto zero) {
+      using T = decltype(zero);
+      thread_local std::vector<uint8_t> scratch;
+      const T* x = reinterpret_cast<const T*>(internal::ChunkBytes(tile, w.at, sizeof(T), &scratch));
+      Status s = internal::DecodeChunk<T>(ch.mode, ch.changed, c_.PosStream(ch), c_.ValStream(ch), x, tile.n,
+                                          ExponentFieldOf(t.dtype), &decoded_[i].Get<T>());
+      ready_[i] = s.ok() ? 1 : 0;
+    });
+  }
 
   // holds_base: whether the destination holds the patch's base (asked after
   // a failure, to tell a wrong base from a corrupt patch); null when it
@@ -613,7 +633,7 @@ class DeltaApply {
       }
       T* x = reinterpret_cast<T*>(bytes);
       SparseDelta<T>& d = decoded_[i].Get<T>();
-      if (!undo) {
+      if (!undo && !ready_[i]) {
         Status s = internal::DecodeChunk<T>(ch.mode, ch.changed, c_.PosStream(ch), c_.ValStream(ch), x, tile.n,
                                             ExponentFieldOf(t.dtype), &d);
         if (!s.ok()) return s.WithContext(ChunkWhere(t, w.chunk));
@@ -632,6 +652,7 @@ class DeltaApply {
   const Plan& p_;
   ThreadPool* pool_;
   std::vector<Decoded> decoded_;
+  std::vector<uint8_t> ready_;  // decoded_[i] holds work i's change (Predecode)
   std::vector<uint8_t> applied_;
 };
 
@@ -643,6 +664,7 @@ struct PartApply {
   Container c;
   Plan plan;
   std::function<bool()> holds_base;  // patches; null: unknown
+  std::unique_ptr<DeltaApply> delta;  // patches: made by ApplyAll unless decoding began ahead
 };
 
 // Reads a part whose tensors are destination tensors of their names.
@@ -667,25 +689,25 @@ Status ReadPiecesPart(std::string_view patch, std::span<const RuntimeTensor> run
   return CheckPresent(p->c, p->plan);
 }
 
-Status ApplyAll(std::vector<PartApply>& parts, ThreadPool* pool) {
+Status ApplyAll(std::span<PartApply* const> parts, ThreadPool* pool) {
   std::vector<std::unique_ptr<KeyframeApply>> keyframes;
-  for (PartApply& p : parts) {
-    if (p.c.kind != PatchKind::kKeyframe) continue;
-    keyframes.push_back(std::make_unique<KeyframeApply>(p.c, p.plan, pool));
+  for (PartApply* p : parts) {
+    if (p->c.kind != PatchKind::kKeyframe) continue;
+    keyframes.push_back(std::make_unique<KeyframeApply>(p->c, p->plan, pool));
     WSYNC_RETURN_IF_ERROR(keyframes.back()->Verify());
   }
-  std::vector<std::unique_ptr<DeltaApply>> applied;
+  std::vector<DeltaApply*> applied;
   auto undo = [&] {
-    for (auto& d : applied) d->Undo();
+    for (DeltaApply* d : applied) d->Undo();
   };
-  for (PartApply& p : parts) {
-    if (p.c.kind != PatchKind::kPatch) continue;
-    auto d = std::make_unique<DeltaApply>(p.c, p.plan, pool);
-    if (Status s = d->Run(p.holds_base); !s.ok()) {
+  for (PartApply* p : parts) {
+    if (p->c.kind != PatchKind::kPatch) continue;
+    if (!p->delta) p->delta = std::make_unique<DeltaApply>(p->c, p->plan, pool);
+    if (Status s = p->delta->Run(p->holds_base); !s.ok()) {
       undo();
       return s;
     }
-    applied.push_back(std::move(d));
+    applied.push_back(p->delta.get());
   }
   for (auto& k : keyframes) {
     if (Status s = k->Write(); !s.ok()) {
@@ -905,8 +927,9 @@ StatusOr<std::string> EncodeKeyframe(std::span<const TensorView> target, const E
 
 Status ApplyPatch(std::string_view patch, std::span<const MutableTensorView> tensors,
                   const ApplyOptions& options) {
-  std::vector<PartApply> parts(1);
-  WSYNC_RETURN_IF_ERROR(ReadWholePart(patch, tensors, options.allow_extra_tensors, options, &parts[0]));
+  PartApply part;
+  WSYNC_RETURN_IF_ERROR(ReadWholePart(patch, tensors, options.allow_extra_tensors, options, &part));
+  PartApply* parts[] = {&part};
   return ApplyAll(parts, options.pool);
 }
 
@@ -961,19 +984,21 @@ std::vector<TileGrid> GridsFor(std::span<const std::vector<RuntimeTensor>> layou
 }
 
 Status ApplyToPieces(std::string_view patch, std::span<const RuntimeTensor> runtime, const ApplyOptions& options) {
-  std::vector<PartApply> parts(1);
-  WSYNC_RETURN_IF_ERROR(ReadPiecesPart(patch, runtime, /*other_parts=*/false, options, &parts[0]));
+  PartApply part;
+  WSYNC_RETURN_IF_ERROR(ReadPiecesPart(patch, runtime, /*other_parts=*/false, options, &part));
+  PartApply* parts[] = {&part};
   return ApplyAll(parts, options.pool);
 }
 
-Status ApplyParts(std::span<const std::string_view> patches, std::span<const MutableTensorView> tensors,
-                  const ApplyOptions& options) {
-  if (patches.empty()) return InvalidArgumentError("no parts to apply");
-  std::vector<PartApply> parts(patches.size());
+namespace {
+
+// Parts of one version hold disjoint tensors, which cover the destination
+// (unless allow_extra_tensors).
+Status CheckWholeParts(std::span<PartApply* const> parts, std::span<const MutableTensorView> tensors,
+                       const ApplyOptions& options) {
   std::unordered_map<std::string_view, size_t> part_of;
-  for (size_t i = 0; i < patches.size(); ++i) {
-    WSYNC_RETURN_IF_ERROR(ReadWholePart(patches[i], tensors, /*allow_extra=*/true, options, &parts[i]));
-    for (const TensorEntry& e : parts[i].c.tensors) {
+  for (size_t i = 0; i < parts.size(); ++i) {
+    for (const TensorEntry& e : parts[i]->c.tensors) {
       if (auto [it, fresh] = part_of.emplace(e.name, i); !fresh) {
         return FailedPreconditionError("tensor " + Quoted(e.name) + " is in parts " + std::to_string(it->second) +
                                        " and " + std::to_string(i) + " of the version");
@@ -987,17 +1012,14 @@ Status ApplyParts(std::span<const std::string_view> patches, std::span<const Mut
       }
     }
   }
-  return ApplyAll(parts, options.pool);
+  return Status::Ok();
 }
 
-Status ApplyPartsToPieces(std::span<const std::string_view> patches, std::span<const RuntimeTensor> runtime,
-                          const ApplyOptions& options) {
-  if (patches.empty()) return InvalidArgumentError("no parts to apply");
-  std::vector<PartApply> parts(patches.size());
-  std::unordered_set<std::string> names;
-  for (size_t i = 0; i < patches.size(); ++i) {
-    WSYNC_RETURN_IF_ERROR(ReadPiecesPart(patches[i], runtime, /*other_parts=*/true, options, &parts[i]));
-    for (const TensorEntry& e : parts[i].c.tensors) {
+// The same for pieces: every piece's tensor in exactly one part.
+Status CheckPiecesParts(std::span<PartApply* const> parts, std::span<const RuntimeTensor> runtime) {
+  std::unordered_set<std::string_view> names;
+  for (PartApply* p : parts) {
+    for (const TensorEntry& e : p->c.tensors) {
       if (!names.insert(e.name).second) {
         return FailedPreconditionError("tensor " + Quoted(e.name) + " is in two parts of the version");
       }
@@ -1010,7 +1032,217 @@ Status ApplyPartsToPieces(std::span<const std::string_view> patches, std::span<c
       }
     }
   }
-  return ApplyAll(parts, options.pool);
+  return Status::Ok();
+}
+
+std::vector<PartApply*> Pointers(std::vector<PartApply>& parts) {
+  std::vector<PartApply*> out;
+  for (PartApply& p : parts) out.push_back(&p);
+  return out;
+}
+
+}  // namespace
+
+Status ApplyParts(std::span<const std::string_view> patches, std::span<const MutableTensorView> tensors,
+                  const ApplyOptions& options) {
+  if (patches.empty()) return InvalidArgumentError("no parts to apply");
+  std::vector<PartApply> parts(patches.size());
+  for (size_t i = 0; i < patches.size(); ++i) {
+    WSYNC_RETURN_IF_ERROR(ReadWholePart(patches[i], tensors, /*allow_extra=*/true, options, &parts[i]));
+  }
+  const std::vector<PartApply*> all = Pointers(parts);
+  WSYNC_RETURN_IF_ERROR(CheckWholeParts(all, tensors, options));
+  return ApplyAll(all, options.pool);
+}
+
+Status ApplyPartsToPieces(std::span<const std::string_view> patches, std::span<const RuntimeTensor> runtime,
+                          const ApplyOptions& options) {
+  if (patches.empty()) return InvalidArgumentError("no parts to apply");
+  std::vector<PartApply> parts(patches.size());
+  for (size_t i = 0; i < patches.size(); ++i) {
+    WSYNC_RETURN_IF_ERROR(ReadPiecesPart(patches[i], runtime, /*other_parts=*/true, options, &parts[i]));
+  }
+  const std::vector<PartApply*> all = Pointers(parts);
+  WSYNC_RETURN_IF_ERROR(CheckPiecesParts(all, runtime));
+  return ApplyAll(all, options.pool);
+}
+
+StatusOr<std::vector<std::string_view>> SplitSegments(std::string_view stream) {
+  std::vector<std::string_view> out;
+  while (!stream.empty() || out.empty()) {
+    StatusOr<internal::Preamble> pre = internal::ReadPreamble(stream);
+    if (!pre.ok()) return pre.status().WithContext("segment " + std::to_string(out.size()) + " of the stream");
+    if (pre->TotalBytes() > stream.size()) {
+      return DataLossError("segment " + std::to_string(out.size()) + " of the stream: its preamble says " +
+                           std::to_string(pre->TotalBytes()) + " bytes, " + std::to_string(stream.size()) +
+                           " remain (truncated)");
+    }
+    out.push_back(stream.substr(0, pre->TotalBytes()));
+    stream.remove_prefix(pre->TotalBytes());
+  }
+  return out;
+}
+
+// ---- ApplyAhead
+
+struct ApplyAhead::Impl {
+  // One segment: a container and its plan, read from its head as soon as
+  // its preamble and directory are in.
+  struct Segment {
+    uint64_t begin = 0;     // in the stream
+    uint64_t header = 0;    // preamble and directory bytes
+    uint64_t total = 0;
+    std::string head;       // those bytes, to check that Apply is given the same
+    PartApply part;
+    std::vector<size_t> order;  // patches: works by where their streams end
+    size_t next = 0;            // works of `order` decoded ahead
+  };
+
+  std::vector<MutableTensorView> tensors;
+  std::vector<RuntimeTensor> runtime;
+  bool pieces = false;
+  ApplyOptions options;
+  std::vector<std::unique_ptr<Segment>> segments;
+  uint64_t end = 0;      // where the next segment begins
+  bool stopped = false;  // something did not parse: Apply reads it again and says what
+  size_t decoded = 0;
+
+  // Opens the segment at `end` when its head is in; false when not (yet).
+  bool Open(std::string_view prefix) {
+    if (prefix.size() < end + internal::kPreambleBytes) return false;
+    const std::string_view rest = prefix.substr(end);
+    StatusOr<internal::Preamble> pre = internal::ReadPreamble(rest);
+    if (!pre.ok()) return Stop();
+    if (rest.size() < pre->HeaderBytes()) return false;
+    auto seg = std::make_unique<Segment>();
+    seg->begin = end;
+    seg->header = pre->HeaderBytes();
+    seg->total = pre->TotalBytes();
+    seg->head = std::string(rest.substr(0, seg->header));
+    PartApply& p = seg->part;
+    StatusOr<Container> c = internal::ReadContainer(rest, /*verify_checksum=*/false, /*head_only=*/true);
+    if (!c.ok()) return Stop();
+    p.c = std::move(*c);
+    if (pieces) {
+      StatusOr<Plan> plan = PiecesPlan(p.c, runtime, /*need_data=*/true, /*other_parts=*/true);
+      if (!plan.ok()) return Stop();
+      p.plan = std::move(*plan);
+    } else {
+      StatusOr<std::vector<const MutableTensorView*>> dst = MatchTensors(p.c, tensors, /*allow_extra=*/true);
+      if (!dst.ok()) return Stop();
+      p.plan = WholePlan(p.c, *dst);
+      const Container* held = &p.c;
+      ThreadPool* pool = options.pool;
+      p.holds_base = [held, dst = *dst, pool] { return HoldsBase(*held, dst, pool); };
+    }
+    if (!CheckPresent(p.c, p.plan).ok()) return Stop();
+    if (p.c.kind == PatchKind::kPatch) {
+      p.delta = std::make_unique<DeltaApply>(p.c, p.plan, options.pool);
+      seg->order.resize(p.plan.works.size());
+      for (size_t i = 0; i < seg->order.size(); ++i) seg->order[i] = i;
+      std::stable_sort(seg->order.begin(), seg->order.end(), [&](size_t a, size_t b) { return StreamEnd(p, a) < StreamEnd(p, b); });
+    }
+    end += seg->total;
+    segments.push_back(std::move(seg));
+    return true;
+  }
+
+  static uint64_t StreamEnd(const PartApply& p, size_t work) {
+    const Work& w = p.plan.works[work];
+    const ChunkEntry& ch = p.c.tensors[w.tensor].chunks[w.chunk];
+    return ch.offset + ch.pos_len + ch.val_len;
+  }
+
+  bool Stop() {
+    stopped = true;
+    return false;
+  }
+
+  // Decodes the works of a patch segment whose streams are in `prefix`.
+  void Decode(Segment& seg, std::string_view prefix) {
+    PartApply& p = seg.part;
+    if (!p.delta || seg.next == seg.order.size()) return;
+    const uint64_t have = std::min<uint64_t>(prefix.size() - seg.begin, seg.total) - seg.header;
+    p.c.payload = prefix.substr(seg.begin + seg.header, have);
+    size_t upto = seg.next;
+    while (upto < seg.order.size() && StreamEnd(p, seg.order[upto]) <= have) ++upto;
+    if (upto == seg.next) return;
+    const size_t first = seg.next;
+    ParallelFor(options.pool, upto - first, [&](size_t k) { p.delta->Predecode(seg.order[first + k]); });
+    decoded += upto - first;
+    seg.next = upto;
+  }
+};
+
+ApplyAhead::ApplyAhead(std::span<const MutableTensorView> tensors, const ApplyOptions& options)
+    : impl_(std::make_unique<Impl>()) {
+  impl_->tensors.assign(tensors.begin(), tensors.end());
+  impl_->options = options;
+}
+
+ApplyAhead::ApplyAhead(std::span<const RuntimeTensor> runtime, const ApplyOptions& options)
+    : impl_(std::make_unique<Impl>()) {
+  impl_->runtime.assign(runtime.begin(), runtime.end());
+  impl_->pieces = true;
+  impl_->options = options;
+}
+
+ApplyAhead::ApplyAhead(ApplyAhead&&) noexcept = default;
+ApplyAhead& ApplyAhead::operator=(ApplyAhead&&) noexcept = default;
+ApplyAhead::~ApplyAhead() = default;
+
+size_t ApplyAhead::decoded_ahead() const { return impl_->decoded; }
+
+void ApplyAhead::Advance(std::string_view prefix) {
+  Impl& m = *impl_;
+  while (!m.stopped) {
+    if (!m.segments.empty()) m.Decode(*m.segments.back(), prefix);
+    if (m.segments.empty() || prefix.size() >= m.end) {
+      if (!m.Open(prefix)) break;
+    } else {
+      break;
+    }
+  }
+}
+
+Status ApplyAhead::Apply(std::string_view stream) {
+  Impl& m = *impl_;
+  WSYNC_ASSIGN_OR_RETURN(std::vector<std::string_view> segments, SplitSegments(stream));
+  // What was read ahead is used when the stream is the one it read: the same
+  // segments with the same heads (and each verified whole below).
+  bool same = !m.stopped && m.segments.size() == segments.size();
+  for (size_t i = 0; same && i < segments.size(); ++i) {
+    const Impl::Segment& seg = *m.segments[i];
+    same = segments[i].data() == stream.data() + seg.begin && segments[i].size() == seg.total &&
+           segments[i].substr(0, seg.header) == seg.head;
+  }
+  if (!same) m.segments.clear();
+  std::vector<PartApply> fresh(same ? 0 : segments.size());
+  std::vector<PartApply*> parts;
+  for (size_t i = 0; i < segments.size(); ++i) {
+    if (!same) {
+      PartApply* p = &fresh[i];
+      if (m.pieces) {
+        WSYNC_RETURN_IF_ERROR(ReadPiecesPart(segments[i], m.runtime, /*other_parts=*/true, m.options, p));
+      } else {
+        WSYNC_RETURN_IF_ERROR(ReadWholePart(segments[i], m.tensors, /*allow_extra=*/true, m.options, p));
+      }
+      parts.push_back(p);
+      continue;
+    }
+    PartApply& p = m.segments[i]->part;
+    // The directory read ahead is this one; the whole segment is checked
+    // (its checksum) before a byte is written.
+    WSYNC_ASSIGN_OR_RETURN(Container whole, internal::ReadContainer(segments[i], m.options.verify_patch_checksum));
+    p.c.payload = whole.payload;
+    parts.push_back(&p);
+  }
+  if (m.pieces) {
+    WSYNC_RETURN_IF_ERROR(CheckPiecesParts(parts, m.runtime));
+  } else {
+    WSYNC_RETURN_IF_ERROR(CheckWholeParts(parts, m.tensors, m.options));
+  }
+  return ApplyAll(parts, m.options.pool);
 }
 
 uint64_t LayoutFingerprint(std::span<const RuntimeTensor> runtime) {

@@ -15,6 +15,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <span>
 #include <string>
@@ -210,6 +211,48 @@ Status ApplyParts(std::span<const std::string_view> parts, std::span<const Mutab
 // whose tensor is in no part is FailedPrecondition.
 Status ApplyPartsToPieces(std::span<const std::string_view> parts, std::span<const RuntimeTensor> runtime,
                           const ApplyOptions& options);
+
+// ---- Streams: one or more containers back to back (docs/patch-format.md,
+// "Streams"). A stream of one container is a plain patch or keyframe; a
+// stream of several (segments, each over its own tensors) is applied as the
+// parts of one version are, all or nothing.
+
+// The segments of a stream. DataLoss naming the segment when a preamble does
+// not parse or the bytes end inside a segment; an empty stream has none.
+StatusOr<std::vector<std::string_view>> SplitSegments(std::string_view stream);
+
+// An apply that decodes while the stream arrives. Fed the stream's bytes as
+// they come in (Advance), it decodes each chunk of a patch segment as soon as
+// its streams are in, against the destination's bytes at that moment, and
+// writes nothing. Apply(stream) then adds, verifies and, on any failure,
+// undoes, decoding only what was not decoded ahead: ApplyParts's contract
+// (ApplyPartsToPieces's into pieces), one segment being one part; for a
+// stream of one container, ApplyPatch's (ApplyToPieces's). The destination
+// must not be written by anyone else from the first Advance to Apply (a
+// chunk decoded against other bytes fails verification, and the apply is
+// undone: never a wrong result). Keyframe segments are decoded by Apply.
+// Not thread-safe; the tensors must outlive it.
+class ApplyAhead {
+ public:
+  ApplyAhead(std::span<const MutableTensorView> tensors, const ApplyOptions& options);
+  ApplyAhead(std::span<const RuntimeTensor> runtime, const ApplyOptions& options);
+  ApplyAhead(ApplyAhead&&) noexcept;
+  ApplyAhead& operator=(ApplyAhead&&) noexcept;
+  ~ApplyAhead();
+
+  // The stream's first bytes: the same bytes at every call, growing. Bytes
+  // that do not parse stop the decoding ahead; Apply reads them again and
+  // names what is wrong.
+  void Advance(std::string_view prefix);
+  // Applies the complete stream.
+  Status Apply(std::string_view stream);
+  // Chunks decoded ahead so far.
+  size_t decoded_ahead() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
 
 // A 64-bit name of a layout (runtime tensors' names and shapes and their
 // pieces; never 0): what a sink sends with a pull so that a source that

@@ -1,0 +1,213 @@
+// Streams of segments (several containers back to back) and ApplyAhead,
+// which decodes them while they arrive: the result must be bit for bit the
+// one of applying the whole stream at once, however the bytes are sliced,
+// and all or nothing.
+#include <gtest/gtest.h>
+
+#include <random>
+#include <set>
+
+#include "test_tensors.h"
+#include "wsync/util/thread_pool.h"
+
+namespace wsync::codec {
+namespace {
+
+using buffers::MutableViews;
+using buffers::OwnedTensor;
+using buffers::Views;
+using testing::RandomTensor;
+
+// Tensors of several 1 MiB chunks each, and small ones.
+std::vector<OwnedTensor> Model(std::mt19937_64& rng) {
+  std::vector<OwnedTensor> m;
+  m.push_back(RandomTensor("embed", DType::kBF16, {1536, 1024}, rng));
+  m.push_back(RandomTensor("q", DType::kBF16, {1024, 1024}, rng));
+  m.push_back(RandomTensor("norm", DType::kF32, {1024}, rng));
+  m.push_back(RandomTensor("mlp", DType::kBF16, {2560, 1024}, rng));
+  m.push_back(RandomTensor("head", DType::kF32, {600, 1024}, rng));
+  return m;
+}
+
+std::vector<OwnedTensor> Step(const std::vector<OwnedTensor>& base, std::mt19937_64& rng) {
+  std::vector<OwnedTensor> out;
+  for (const auto& t : base) {
+    out.push_back(t.dtype == DType::kBF16 ? testing::PerturbByExponent(t, 0.01, 120, rng)
+                                          : testing::Perturb(t, 0.01, rng));
+  }
+  return out;
+}
+
+std::vector<OwnedTensor> Only(const std::vector<OwnedTensor>& all, const std::set<std::string>& names) {
+  std::vector<OwnedTensor> out;
+  for (const auto& t : all) {
+    if (names.count(t.name)) out.push_back(t);
+  }
+  return out;
+}
+
+const std::vector<std::set<std::string>> kGroups = {{"embed"}, {"q", "norm"}, {"mlp", "head"}};
+
+// The patch base -> target as one segment per group.
+std::string Segmented(const std::vector<OwnedTensor>& base, const std::vector<OwnedTensor>& target) {
+  std::string out;
+  for (const auto& g : kGroups) {
+    auto p = EncodePatch(Views(Only(base, g)), Views(Only(target, g)), {});
+    EXPECT_TRUE(p.ok()) << p.status().message();
+    out += *p;
+  }
+  return out;
+}
+
+// Feeds `stream` to `ahead` in random slices (1 byte to 1.5 MiB).
+void Feed(ApplyAhead& ahead, const std::string& stream, std::mt19937_64& rng) {
+  std::uniform_int_distribution<size_t> slice(1, 3 << 19);
+  std::string prefix;
+  for (size_t at = 0; at < stream.size();) {
+    const size_t n = std::min(stream.size() - at, rng() % 4 == 0 ? size_t{1} : slice(rng));
+    prefix.append(stream, at, n);
+    at += n;
+    ahead.Advance(prefix);
+  }
+}
+
+TEST(Streams, SplitSegmentsFindsEachContainerAndNamesTruncation) {
+  std::mt19937_64 rng(1);
+  const auto v0 = Model(rng);
+  const auto v1 = Step(v0, rng);
+  const std::string s = Segmented(v0, v1);
+  auto parts = SplitSegments(s);
+  ASSERT_TRUE(parts.ok()) << parts.status().message();
+  ASSERT_EQ(parts->size(), kGroups.size());
+  size_t total = 0;
+  for (auto p : *parts) {
+    EXPECT_TRUE(InspectPatch(p).ok());
+    total += p.size();
+  }
+  EXPECT_EQ(total, s.size());
+  auto cut = SplitSegments(std::string_view(s).substr(0, s.size() - 1));
+  EXPECT_EQ(cut.status().code(), StatusCode::kDataLoss);
+  EXPECT_NE(cut.status().message().find("segment 2"), std::string::npos) << cut.status().message();
+  auto junk = SplitSegments(s + "garbage that is no preamble at all, forty bytes or more");
+  EXPECT_EQ(junk.status().code(), StatusCode::kDataLoss);
+  EXPECT_NE(junk.status().message().find("segment 3"), std::string::npos) << junk.status().message();
+  EXPECT_FALSE(SplitSegments("").ok());
+}
+
+TEST(Streams, DecodingAheadInAnySlicesGivesTheSameBitsAsApplyingAtOnce) {
+  std::mt19937_64 rng(2);
+  ThreadPool pool(3);
+  const auto v0 = Model(rng);
+  const auto v1 = Step(v0, rng);
+  const std::string segmented = Segmented(v0, v1);
+  auto single = EncodePatch(Views(v0), Views(v1), {});
+  ASSERT_TRUE(single.ok());
+  for (const std::string* stream : {&segmented, static_cast<const std::string*>(&*single)}) {
+    for (int trial = 0; trial < 4; ++trial) {
+      auto work = v0;
+      ApplyOptions o;
+      o.pool = trial % 2 ? &pool : nullptr;
+      ApplyAhead ahead(MutableViews(work), o);
+      Feed(ahead, *stream, rng);
+      EXPECT_TRUE(testing::SameBits(work, v0)) << "nothing is written before Apply";
+      EXPECT_GT(ahead.decoded_ahead(), 10u);
+      Status s = ahead.Apply(*stream);
+      ASSERT_TRUE(s.ok()) << s.message();
+      EXPECT_TRUE(testing::SameBits(work, v1));
+    }
+  }
+  // Fed part of the stream only (the rest decoded by Apply), or nothing.
+  for (size_t fed : {size_t{0}, size_t{100}, segmented.size() / 2}) {
+    auto work = v0;
+    ApplyAhead ahead(MutableViews(work), {});
+    ahead.Advance(std::string_view(segmented).substr(0, fed));
+    ASSERT_TRUE(ahead.Apply(segmented).ok());
+    EXPECT_TRUE(testing::SameBits(work, v1));
+  }
+}
+
+TEST(Streams, AKeyframeSegmentAndPatchSegmentsApplyAsOne) {
+  std::mt19937_64 rng(3);
+  const auto v0 = Model(rng);
+  const auto v1 = Step(v0, rng);
+  auto kf = EncodeKeyframe(Views(Only(v1, kGroups[0])), {});
+  auto rest = EncodePatch(Views(Only(v0, {"q", "norm", "mlp", "head"})), Views(Only(v1, {"q", "norm", "mlp", "head"})), {});
+  ASSERT_TRUE(kf.ok() && rest.ok());
+  const std::string stream = *kf + *rest;
+  auto work = v0;
+  ApplyAhead ahead(MutableViews(work), {});
+  Feed(ahead, stream, rng);
+  Status s = ahead.Apply(stream);
+  ASSERT_TRUE(s.ok()) << s.message();
+  EXPECT_TRUE(testing::SameBits(work, v1));
+}
+
+TEST(Streams, ACorruptLaterSegmentUndoesEverySegment) {
+  std::mt19937_64 rng(4);
+  const auto v0 = Model(rng);
+  const auto v1 = Step(v0, rng);
+  std::string stream = Segmented(v0, v1);
+  auto segments = SplitSegments(stream);
+  ASSERT_TRUE(segments.ok());
+  // A flipped byte in the last segment's last stream.
+  stream[stream.size() - 7] ^= 0x20;
+  for (bool verify : {true, false}) {
+    auto work = v0;
+    ApplyOptions o;
+    o.verify_patch_checksum = verify;
+    ApplyAhead ahead(MutableViews(work), o);
+    Feed(ahead, stream, rng);
+    Status s = ahead.Apply(stream);
+    EXPECT_EQ(s.code(), StatusCode::kDataLoss) << s.message();
+    EXPECT_TRUE(testing::SameBits(work, v0)) << "every segment undone (verify " << verify << ")";
+  }
+  // A stream other than the one read ahead: applied as given, not mixed.
+  auto work = v0;
+  ApplyAhead ahead(MutableViews(work), {});
+  const std::string good = Segmented(v0, v1);
+  Feed(ahead, stream, rng);
+  ASSERT_TRUE(ahead.Apply(good).ok());
+  EXPECT_TRUE(testing::SameBits(work, v1));
+}
+
+TEST(Streams, WeightsChangedAfterDecodingAheadAreNeverMixedIn) {
+  std::mt19937_64 rng(5);
+  const auto v0 = Model(rng);
+  const auto v1 = Step(v0, rng);
+  const std::string stream = Segmented(v0, v1);
+  auto work = v0;
+  ApplyAhead ahead(MutableViews(work), {});
+  Feed(ahead, stream, rng);
+  // Someone writes the destination between the decoding and the apply.
+  work[3].bytes[4096] ^= 0x01;
+  const auto changed = work;
+  Status s = ahead.Apply(stream);
+  EXPECT_FALSE(s.ok());
+  EXPECT_TRUE(s.code() == StatusCode::kFailedPrecondition || s.code() == StatusCode::kDataLoss) << s.message();
+  EXPECT_TRUE(testing::SameBits(work, changed)) << "undone to what it held";
+}
+
+TEST(Streams, TheContractsOfApplyPartsHold) {
+  std::mt19937_64 rng(6);
+  const auto v0 = Model(rng);
+  const auto v1 = Step(v0, rng);
+  auto a = EncodePatch(Views(Only(v0, kGroups[0])), Views(Only(v1, kGroups[0])), {});
+  ASSERT_TRUE(a.ok());
+  auto work = v0;
+  // A tensor in no segment; one in two.
+  for (const std::string& stream : {*a, *a + *a}) {
+    ApplyAhead ahead(MutableViews(work), {});
+    Feed(ahead, stream, rng);
+    Status s = ahead.Apply(stream);
+    EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition) << s.message();
+    EXPECT_TRUE(testing::SameBits(work, v0));
+  }
+  // Garbage fed ahead: Apply says what is wrong.
+  ApplyAhead ahead(MutableViews(work), {});
+  const std::string junk(4096, 'x');
+  ahead.Advance(junk);
+  EXPECT_EQ(ahead.Apply(junk).code(), StatusCode::kDataLoss);
+}
+
+}  // namespace
+}  // namespace wsync::codec
