@@ -200,6 +200,7 @@ SinkStatus SinkCore::status() {
   s.tensors = w ? w->Views().size() : 0;
   s.pulls_made = pulls_made_.load();
   s.bytes_received = bytes_received_.load();
+  s.chunks_decoded_ahead = decoded_ahead_.load();
   s.sync_failures = failures_.load();
   if (w) s.sync_error = w->sync_error();
   std::tie(s.active_holds, s.oldest_hold_ms) = HoldSummary();
@@ -594,21 +595,37 @@ Status SinkCore::SyncOnce(const std::shared_ptr<SinkWeights>& w, const std::vect
   }
   uint64_t bytes = 0;
   std::vector<const PatchStream*> parts;
+  // One stream: decoded chunk by chunk as it arrives (codec::ApplyAhead),
+  // so that at the end only the adds and the checks remain.
+  std::unique_ptr<codec::ApplyAhead> ahead = streams.size() == 1 ? w->BeginApplyAhead() : nullptr;
+  std::string assembled;
   for (const auto& stream : streams) {
-    WSYNC_RETURN_IF_ERROR(stream->WaitComplete(Clock::now() + std::chrono::minutes(5)));
+    const auto deadline = Clock::now() + std::chrono::minutes(5);
+    if (ahead) {
+      assembled.reserve(stream->total_bytes());
+      for (size_t i = 0; i < stream->chunks(); ++i) {
+        WSYNC_ASSIGN_OR_RETURN(std::string chunk, stream->Wait(i, deadline));
+        assembled += chunk;
+        ahead->Advance(assembled);
+      }
+    } else {
+      WSYNC_RETURN_IF_ERROR(stream->WaitComplete(deadline));
+    }
     bytes += stream->total_bytes();
     parts.push_back(stream.get());
   }
   bytes_received_ += bytes;
   const auto received = Clock::now();
-  WSYNC_RETURN_IF_ERROR(w->ApplyParts(parts));
+  WSYNC_RETURN_IF_ERROR(ahead ? w->Apply(*streams[0], *ahead, assembled) : w->ApplyParts(parts));
+  if (ahead) decoded_ahead_ += ahead->decoded_ahead();
   ReportApplied(w->applied());
   using Ms = std::chrono::duration<double, std::milli>;
   const auto done = Clock::now();
-  spdlog::info("sink {}: version {} applied from {} ({} {} bytes, {:.1f} ms: transfer {:.1f} ms, apply {:.1f} ms)",
+  spdlog::info("sink {}: version {} applied from {} ({} {} bytes, {:.1f} ms: transfer {:.1f} ms, apply {:.1f} ms){}",
                config_.name, w->applied(), pulls.size() == 1 ? pulls[0].node : std::to_string(pulls.size()) + " parts",
                streams[0]->kind() == codec::PatchKind::kKeyframe ? "keyframe" : "patch", bytes, Ms(done - t0).count(),
-               Ms(received - t0).count(), Ms(done - received).count());
+               Ms(received - t0).count(), Ms(done - received).count(),
+               ahead ? "; " + std::to_string(ahead->decoded_ahead()) + " chunks decoded while arriving" : "");
   return wsync::Status::Ok();
 }
 

@@ -20,10 +20,41 @@ Status SinkWeights::Apply(const PatchStream& stream) {
 }
 
 Status SinkWeights::ApplyParts(std::span<const PatchStream* const> parts) {
+  std::vector<std::string> bytes;
+  std::vector<std::string_view> views;
+  uint64_t total = 0;
+  for (const PatchStream* p : parts) {
+    WSYNC_RETURN_IF_ERROR(p->WaitComplete(std::chrono::steady_clock::now()).WithContext("apply"));
+    bytes.push_back(p->Assemble());
+    total += bytes.back().size();
+  }
+  for (const auto& b : bytes) views.push_back(b);
+  return ApplyWith(
+      parts,
+      [&] {
+        codec::ApplyOptions options;
+        options.pool = pool_;
+        return store_->Apply(views, options);
+      },
+      total);
+}
+
+std::unique_ptr<codec::ApplyAhead> SinkWeights::BeginApplyAhead() const {
+  codec::ApplyOptions options;
+  options.pool = pool_;
+  return store_->ApplyAhead(options);
+}
+
+Status SinkWeights::Apply(const PatchStream& stream, codec::ApplyAhead& ahead, std::string_view bytes) {
+  const PatchStream* one[] = {&stream};
+  return ApplyWith(one, [&] { return ahead.Apply(bytes); }, bytes.size());
+}
+
+Status SinkWeights::ApplyWith(std::span<const PatchStream* const> parts, const std::function<Status()>& apply,
+                              uint64_t bytes) {
   if (parts.empty()) return InvalidArgumentError("no parts to apply");
   const PatchStream& stream = *parts[0];
   for (const PatchStream* p : parts) {
-    WSYNC_RETURN_IF_ERROR(p->WaitComplete(std::chrono::steady_clock::now()).WithContext("apply"));
     if (p->to() != stream.to()) {
       return InvalidArgumentError("parts of versions " + std::to_string(stream.to()) + " and " + std::to_string(p->to()));
     }
@@ -46,22 +77,12 @@ Status SinkWeights::ApplyParts(std::span<const PatchStream* const> parts) {
   applying_ = true;
   lock.unlock();
   const auto t0 = std::chrono::steady_clock::now();
-  std::vector<std::string> bytes;
-  std::vector<std::string_view> views;
-  size_t total = 0;
-  for (const PatchStream* p : parts) bytes.push_back(p->Assemble());
-  for (const auto& b : bytes) {
-    views.push_back(b);
-    total += b.size();
-  }
-  codec::ApplyOptions options;
-  options.pool = pool_;
-  Status s = store_->Apply(views, options);
+  Status s = apply();
   lock.lock();
   applying_ = false;
   if (s.ok()) {
     spdlog::info("applied {} {}->{} ({} bytes{}) in {:.1f} ms",
-                 stream.kind() == codec::PatchKind::kKeyframe ? "keyframe" : "patch", stream.from(), stream.to(), total,
+                 stream.kind() == codec::PatchKind::kKeyframe ? "keyframe" : "patch", stream.from(), stream.to(), bytes,
                  parts.size() > 1 ? ", " + std::to_string(parts.size()) + " parts" : "",
                  std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
     applied_ = stream.to();

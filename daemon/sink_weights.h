@@ -12,6 +12,7 @@
 
 #include <chrono>
 #include <condition_variable>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <vector>
@@ -41,6 +42,11 @@ class SinkWeights {
   // The parts of one version from several sources (complete streams to
   // the same version), applied as one.
   Status ApplyParts(std::span<const PatchStream* const> parts);
+  // Decoding while a stream arrives: an ApplyAhead over the tensors (null
+  // where the store does not decode ahead), then Apply with it and the
+  // stream's bytes (`stream` complete, `bytes` its Assemble()).
+  std::unique_ptr<codec::ApplyAhead> BeginApplyAhead() const;
+  Status Apply(const PatchStream& stream, codec::ApplyAhead& ahead, std::string_view bytes);
 
   // Waits for an apply in progress, then refuses every later one: the
   // owner may free the memory once the SinkWeights is gone.
@@ -69,6 +75,10 @@ class SinkWeights {
   uint64_t layout() const { return store_->layout(); }
 
  private:
+  // Waits for the holds, checks that every patch starts at the applied
+  // version, runs `apply` and records the version.
+  Status ApplyWith(std::span<const PatchStream* const> parts, const std::function<Status()>& apply, uint64_t bytes);
+
   const std::unique_ptr<WeightStore> store_;
   ThreadPool* pool_;
   mutable std::mutex mu_;

@@ -26,8 +26,19 @@ StatusOr<std::vector<codec::TensorView>> Only(std::vector<codec::TensorView> vie
   return out;
 }
 
+// The segments of every stream, in order: the parts the codec applies as one.
+StatusOr<std::vector<std::string_view>> Segments(std::span<const std::string_view> streams) {
+  std::vector<std::string_view> out;
+  for (std::string_view s : streams) {
+    WSYNC_ASSIGN_OR_RETURN(auto segments, codec::SplitSegments(s));
+    out.insert(out.end(), segments.begin(), segments.end());
+  }
+  return out;
+}
+
 // Applies the parts of one version (one part: a patch or keyframe of the
-// whole set) into host tensors, whole or holding pieces.
+// whole set) into host tensors, whole or holding pieces. REQUIRES: parts
+// split into their segments (Segments).
 Status ApplyOnHost(std::span<const std::string_view> parts, const buffers::MappedTensors& tensors,
                    std::vector<codec::RuntimeTensor> runtime, const codec::ApplyOptions& options) {
   if (tensors.has_pieces()) {
@@ -43,8 +54,13 @@ Status ApplyOnHost(std::span<const std::string_view> parts, const buffers::Mappe
 class HostStore : public WeightStore {
  public:
   explicit HostStore(buffers::MappedTensors tensors) : WeightStore(std::move(tensors)) {}
-  Status Apply(std::span<const std::string_view> parts, const codec::ApplyOptions& options) override {
+  Status Apply(std::span<const std::string_view> streams, const codec::ApplyOptions& options) override {
+    WSYNC_ASSIGN_OR_RETURN(auto parts, Segments(streams));
     return ApplyOnHost(parts, tensors_, tensors_.Runtime(), options);
+  }
+  std::unique_ptr<codec::ApplyAhead> ApplyAhead(const codec::ApplyOptions& options) const override {
+    if (tensors_.has_pieces()) return std::make_unique<codec::ApplyAhead>(tensors_.Runtime(), options);
+    return std::make_unique<codec::ApplyAhead>(tensors_.MutableViews(), options);
   }
   StatusOr<std::vector<buffers::OwnedTensor>> HostCopy() const override { return buffers::CopyTensors(Views()); }
   StatusOr<uint64_t> SetChecksum(std::span<const codec::TileGrid> grids, ThreadPool* pool) const override {
@@ -62,7 +78,8 @@ class DeviceStore : public WeightStore {
  public:
   DeviceStore(buffers::MappedTensors tensors, std::unique_ptr<cuda::DeviceCodec> codec)
       : WeightStore(std::move(tensors)), codec_(std::move(codec)) {}
-  Status Apply(std::span<const std::string_view> parts, const codec::ApplyOptions& options) override {
+  Status Apply(std::span<const std::string_view> streams, const codec::ApplyOptions& options) override {
+    WSYNC_ASSIGN_OR_RETURN(auto parts, Segments(streams));
     if (DeviceAppliesDirectly(parts, tensors_.has_pieces())) {
       return codec_->ApplyPatch(parts[0], tensors_.MutableViews(), options);
     }

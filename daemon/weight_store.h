@@ -40,7 +40,16 @@ class WeightStore {
   // version from several sources together: verified, undone on a mismatch
   // (codec::ApplyPatch's contract, ApplyParts's for several parts;
   // ApplyToPieces's and ApplyPartsToPieces's when the tensors hold pieces).
+  // Each part may be a stream of segments (codec::SplitSegments): all the
+  // segments of all the parts apply as one.
   virtual Status Apply(std::span<const std::string_view> parts, const codec::ApplyOptions& options) = 0;
+  // An apply that decodes a stream while it arrives (codec::ApplyAhead) into
+  // the tensors; null where the store decodes elsewhere (a device store's
+  // codec decodes on the GPU, from the whole patch).
+  virtual std::unique_ptr<codec::ApplyAhead> ApplyAhead(const codec::ApplyOptions& options) const {
+    (void)options;
+    return nullptr;
+  }
   // A copy of the tensors in host memory.
   virtual StatusOr<std::vector<buffers::OwnedTensor>> HostCopy() const = 0;
   // codec::SetChecksum of the tensors coded with `grids`, computed where

@@ -273,6 +273,7 @@ TEST_F(SinkCoreTest, RegistersPullsAKeyframeThenPatches) {
   EXPECT_EQ(st.head, 5u);
   EXPECT_TRUE(st.sync_error.ok());
   EXPECT_LE(st.pulls_made, 5u);  // one per version at most (a keyframe, then patches)
+  EXPECT_GT(st.chunks_decoded_ahead, 0u) << "patches are decoded while they arrive";
   // The coordinator sees what it holds (reported right after the apply).
   WaitReported("sink-0", 5);
 }
