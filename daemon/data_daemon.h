@@ -38,6 +38,9 @@ struct DataDaemonConfig {
   // (x2 per failure, each drawn in [delay/2, delay]; docs/data-plane.md).
   uint64_t retry_first_ms = 200;
   uint64_t retry_max_ms = 30'000;
+  // Sinks: decode a pulled stream chunk by chunk while it arrives (host
+  // tensors; docs/data-plane.md, "Streaming"). Off: decode once it is in.
+  bool decode_ahead = true;
   uint64_t corrupt_every = 0;            // fault injection (tests)
   uint64_t fail_announce = 0;            // fault injection (tests): announcing this version fails
 };

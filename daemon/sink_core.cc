@@ -597,16 +597,25 @@ Status SinkCore::SyncOnce(const std::shared_ptr<SinkWeights>& w, const std::vect
   std::vector<const PatchStream*> parts;
   // One stream: decoded chunk by chunk as it arrives (codec::ApplyAhead),
   // so that at the end only the adds and the checks remain.
-  std::unique_ptr<codec::ApplyAhead> ahead = streams.size() == 1 ? w->BeginApplyAhead() : nullptr;
+  std::unique_ptr<codec::ApplyAhead> ahead =
+      streams.size() == 1 && config_.decode_ahead ? w->BeginApplyAhead() : nullptr;
   std::string assembled;
   for (const auto& stream : streams) {
     const auto deadline = Clock::now() + std::chrono::minutes(5);
     if (ahead) {
+      // Each round takes every chunk in by then and decodes what they
+      // complete; once the last chunk is in, the apply decodes the rest
+      // (in parallel) rather than this loop.
       assembled.reserve(stream->total_bytes());
-      for (size_t i = 0; i < stream->chunks(); ++i) {
+      for (size_t i = 0; i < stream->chunks();) {
         WSYNC_ASSIGN_OR_RETURN(std::string chunk, stream->Wait(i, deadline));
         assembled += chunk;
-        ahead->Advance(assembled);
+        for (++i; i < stream->chunks(); ++i) {
+          StatusOr<std::string> more = stream->Wait(i, Clock::now());
+          if (!more.ok()) break;
+          assembled += *more;
+        }
+        if (i < stream->chunks()) ahead->Advance(assembled);
       }
     } else {
       WSYNC_RETURN_IF_ERROR(stream->WaitComplete(deadline));
@@ -615,7 +624,9 @@ Status SinkCore::SyncOnce(const std::shared_ptr<SinkWeights>& w, const std::vect
     parts.push_back(stream.get());
   }
   bytes_received_ += bytes;
-  const auto received = Clock::now();
+  // When the last byte was in (decoding ahead may still have been busy).
+  auto received = t0;
+  for (const auto& stream : streams) received = std::max(received, stream->completed_at());
   WSYNC_RETURN_IF_ERROR(ahead ? w->Apply(*streams[0], *ahead, assembled) : w->ApplyParts(parts));
   if (ahead) decoded_ahead_ += ahead->decoded_ahead();
   ReportApplied(w->applied());

@@ -189,6 +189,9 @@ int main(int argc, char** argv) {
         ->capture_default_str();
     cmd->add_option("--retry-max-ms", data.retry_max_ms, "sinks: the longest delay between failed sync attempts")
         ->capture_default_str()->check(CLI::Range(uint64_t{100}, uint64_t{600'000}));
+    cmd->add_flag("--no-decode-ahead", [&data](int64_t) { data.decode_ahead = false; },
+                  "sinks: decode a patch once all of it is in, not while it arrives (figures: "
+                  "scripts/bench_shaped_link.py)");
     cmd->add_option("--inject-corrupt-every", data.corrupt_every, "fault injection: corrupt every Nth chunk sent")
         ->group("");
     cmd->add_option("--inject-fail-announce", data.fail_announce,

@@ -3,8 +3,10 @@
 namespaces joined by a veth pair shaped with `tc ... tbf rate RATE`
 (UCX_TLS=tcp), syncing a synthetic model (FP32 masters, Adam-like steps,
 BF16 snapshots) version by version. Measured in the same run: the time per
-version with wsync (publish to applied) and the time of a dense full copy
-of the same snapshot over the same link (TCP). Needs root (ip netns, tc).
+version with wsync (publish to applied), with the sink decoding each patch
+once it is in (encode, transfer, apply in turn) and while it arrives (the
+default), and the time of a dense full copy of the same snapshot over the
+same link (TCP). Needs root (ip netns, tc).
 
     bench_shaped_link.py --build BUILD [--params 536870912] [--steps 3] [--rate 1gbit]
 """
@@ -93,24 +95,13 @@ c.close()
     return time.time() - t0
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--build", required=True)
-    ap.add_argument("--params", type=int, default=536870912)
-    ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--lr", default="1e-6")
-    ap.add_argument("--rate", default="1gbit")
-    args = ap.parse_args()
+def run_phase(args, tmp, snaps, decode_ahead):
+    """Coordinator, source and sink from scratch; publishes every snapshot.
+    Returns the rows (version, wire bytes, encode s, sync s, transfer s,
+    apply s) and whether the sink's last version is bit-exact."""
     wsync = os.path.join(args.build, "client", "wsync")
     wsyncd = os.path.join(args.build, "daemon", "wsyncd")
-    bench = os.path.join(args.build, "bench", "wsync-bench")
-    tmp = tempfile.mkdtemp(prefix="wsync_shaped_")
-    snaps_dir = os.path.join(tmp, "snaps")
-    print(f"generating {args.steps + 1} snapshots of {args.params} parameters (lr {args.lr}) ...", flush=True)
-    sh(bench, "--repeat", "1", "synth", "--params", str(args.params), "--steps", str(args.steps),
-       "--lr", args.lr, "--out", snaps_dir)
-    snaps = sorted(os.path.join(snaps_dir, f) for f in os.listdir(snaps_dir))
-    dense = os.path.getsize(snaps[0])
+    tmp = tempfile.mkdtemp(prefix="phase_", dir=tmp)
     env = dict(os.environ, UCX_TLS="tcp", WSYNC_COORDINATOR=f"unix:{tmp}/coord.sock")
     procs = []
 
@@ -134,14 +125,13 @@ def main():
             time.sleep(0.02)
         raise RuntimeError(f"version {v} not applied; logs in {tmp}")
 
-    setup_link(args.rate)
     try:
         spawn("coordinator", [wsyncd, "coordinator", "--listen", f"unix:{tmp}/coord.sock"])
         time.sleep(0.5)
         spawn("source", [wsyncd, "source", "--name", "source", "--local", f"unix:{tmp}/src.sock",
                          "--listen", f"{IP_A}:0"], NS_A)
         spawn("sink", [wsyncd, "sink", "--name", "sink", "--local", f"unix:{tmp}/sink.sock",
-                       "--listen", f"{IP_B}:0"], NS_B)
+                       "--listen", f"{IP_B}:0"] + ([] if decode_ahead else ["--no-decode-ahead"]), NS_B)
         time.sleep(1.0)
         spawn("buffers", [wsync, "serve-buffers", "--local", f"unix:{tmp}/sink.sock", "--like", snaps[0]], NS_B)
         time.sleep(1.0)
@@ -174,26 +164,7 @@ def main():
                        check=True, capture_output=True, text=True)
         zero = json.loads(subprocess.run([wsync, "inspect", f"{tmp}/zero", "--json"], capture_output=True,
                                          text=True).stdout)["changed"] == 0
-        dense_s = [dense_copy_seconds(snaps[-1]) for _ in range(2)]
-        dense_t = statistics.median(dense_s)
-        patch_rows = rows[1:]
-        med = lambda f: statistics.median(f(r) for r in patch_rows)
-        wsync_t = med(lambda r: r[2] + r[3])
-        transfer_t = med(lambda r: r[4])
-        cpu_t = med(lambda r: r[2] + r[5])
-        wire_t = med(lambda r: r[1] * 8 / link_bits_per_second(args.rate))
-        print(f"link: veth + tbf {args.rate}; model: {dense / 1e9:.2f} GB BF16 ({args.params} parameters), lr {args.lr}")
-        print(f"{'version':>7} {'wire bytes':>12} {'encode s':>9} {'transfer s':>11} {'apply s':>8} {'total s':>8}")
-        for v, wire, enc, sync, transfer, apply in rows:
-            print(f"{v:>7} {wire:>12} {enc:>9.2f} {transfer:>11.2f} {apply:>8.2f} {enc + sync:>8.2f}"
-                  f"{'  (keyframe)' if v == 1 else ''}")
-        print(f"dense full copy over the same link: {dense_t:.2f} s (median of {len(dense_s)})")
-        print(f"wsync per version (median over {len(patch_rows)} patches): {wsync_t:.2f} s "
-              f"-> {dense_t / wsync_t:.1f}x less time")
-        print(f"  transfer (request to last byte): {transfer_t:.2f} s -> {dense_t / transfer_t:.1f}x less than dense; "
-              f"the patch at the link rate alone: {wire_t:.2f} s")
-        print(f"  encode + apply (CPU, {os.cpu_count()} cores shared by source and sink): {cpu_t:.2f} s")
-        print(f"last version on the sink bit-exact: {'yes' if zero else 'NO'}")
+        return rows, zero
     finally:
         for p in reversed(procs):
             p.terminate()
@@ -202,6 +173,57 @@ def main():
                 p.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 p.kill()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--build", required=True)
+    ap.add_argument("--params", type=int, default=536870912)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--lr", default="1e-6")
+    ap.add_argument("--rate", default="1gbit")
+    args = ap.parse_args()
+    bench = os.path.join(args.build, "bench", "wsync-bench")
+    tmp = tempfile.mkdtemp(prefix="wsync_shaped_")
+    snaps_dir = os.path.join(tmp, "snaps")
+    print(f"generating {args.steps + 1} snapshots of {args.params} parameters (lr {args.lr}) ...", flush=True)
+    sh(bench, "--repeat", "1", "synth", "--params", str(args.params), "--steps", str(args.steps),
+       "--lr", args.lr, "--out", snaps_dir)
+    snaps = sorted(os.path.join(snaps_dir, f) for f in os.listdir(snaps_dir))
+    dense = os.path.getsize(snaps[0])
+    setup_link(args.rate)
+    try:
+        # The same snapshots over the same link: the sink decoding each patch
+        # once it is in (encode, transfer and apply one after the other),
+        # then decoding while it arrives.
+        phases = [("decoding once the patch is in (--no-decode-ahead)", *run_phase(args, tmp, snaps, False)),
+                  ("decoding while the patch arrives (default)", *run_phase(args, tmp, snaps, True))]
+        dense_s = [dense_copy_seconds(snaps[-1]) for _ in range(2)]
+        dense_t = statistics.median(dense_s)
+        print(f"link: veth + tbf {args.rate}; model: {dense / 1e9:.2f} GB BF16 ({args.params} parameters), lr {args.lr}")
+        summary = []
+        for name, rows, zero in phases:
+            print(f"sink {name}:")
+            print(f"{'version':>7} {'wire bytes':>12} {'encode s':>9} {'transfer s':>11} {'apply s':>8} {'total s':>8}")
+            for v, wire, enc, sync, transfer, apply in rows:
+                print(f"{v:>7} {wire:>12} {enc:>9.3f} {transfer:>11.3f} {apply:>8.3f} {enc + sync:>8.3f}"
+                      f"{'  (keyframe)' if v == 1 else ''}")
+            print(f"  last version on the sink bit-exact: {'yes' if zero else 'NO'}")
+            patch_rows = rows[1:]
+            med = lambda f: statistics.median(f(r) for r in patch_rows)
+            summary.append((name, med(lambda r: r[2] + r[3]), med(lambda r: r[4]), med(lambda r: r[2] + r[5]),
+                            med(lambda r: r[5]), med(lambda r: r[1] * 8 / link_bits_per_second(args.rate))))
+        print(f"dense full copy over the same link: {dense_t:.2f} s (median of {len(dense_s)})")
+        for name, wsync_t, transfer_t, cpu_t, apply_t, wire_t in summary:
+            print(f"wsync per version, sink {name} (median over {args.steps} patches): {wsync_t:.3f} s "
+                  f"-> {dense_t / wsync_t:.1f}x less time than dense")
+            print(f"  transfer (request to last byte): {transfer_t:.3f} s; the patch at the link rate alone: "
+                  f"{wire_t:.3f} s; apply after the last byte: {apply_t:.3f} s")
+        (_, serial, _, _, serial_apply, _), (_, ahead, _, _, ahead_apply, _) = summary
+        print(f"decoding while the patch arrives: time to sync {ahead:.3f} s vs {serial:.3f} s "
+              f"({(1 - ahead / serial) * 100:.0f}% less); apply after the last byte {ahead_apply:.3f} s vs "
+              f"{serial_apply:.3f} s")
+    finally:
         teardown_link()
         shutil.rmtree(tmp, ignore_errors=True)
 

@@ -1,6 +1,7 @@
 // libFuzzer target for the patch decoder: any byte string given to
 // InspectPatch / ApplyPatch / MergePatches / ApplyToPieces / SelectForPieces
-// must give an error or a result,
+// / SplitSegments / ApplyAhead must give an error or a result, ApplyAhead
+// fed it in slices exactly ApplyPatch's,
 // never a crash, a hang or an out-of-bounds access. The whole-patch checksum
 // is turned off so the fuzzer reaches the structural checks behind it.
 #include <cstdint>
@@ -13,6 +14,12 @@
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   using namespace wsync;
   const std::string_view in(reinterpret_cast<const char*>(data), size);
+  (void)codec::SplitSegments(in);
+  {
+    // Heads parsed from any prefix (no tensors: nothing is decoded).
+    codec::ApplyAhead ahead(std::span<const codec::MutableTensorView>{}, {});
+    for (size_t at = 0; at < size; at += 1 + at / 2) ahead.Advance(in.substr(0, at));
+  }
   auto info = codec::InspectPatch(in, /*verify_patch_checksum=*/false);
   if (!info.ok()) return 0;
   uint64_t total = 0;
@@ -36,6 +43,18 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     // All-or-nothing: a rejected patch leaves the destination as it was.
     for (size_t i = 0; i < dst.size(); ++i) {
       if (dst[i].bytes != before[i].bytes) __builtin_trap();
+    }
+  }
+  {
+    // Decoding ahead, fed in slices, gives what applying at once gave.
+    auto ahead_dst = before;
+    codec::ApplyAhead ahead(buffers::MutableViews(ahead_dst), options);
+    for (size_t at = 0; at < size; at += 1 + at / 3) ahead.Advance(in.substr(0, at));
+    ahead.Advance(in);
+    Status a = ahead.Apply(in);
+    if (a.ok() != s.ok()) __builtin_trap();
+    for (size_t i = 0; i < dst.size(); ++i) {
+      if (ahead_dst[i].bytes != (a.ok() ? dst[i].bytes : before[i].bytes)) __builtin_trap();
     }
   }
   auto base = buffers::Views(before);

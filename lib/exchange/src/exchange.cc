@@ -71,7 +71,7 @@ Status PatchStream::Put(size_t i, std::string bytes) {
   if (present_[i]) return Status::Ok();
   data_[i] = std::move(bytes);
   present_[i] = true;
-  ++present_count_;
+  if (++present_count_ == chunks_) completed_at_ = std::chrono::steady_clock::now();
   cv_.notify_all();
   return Status::Ok();
 }

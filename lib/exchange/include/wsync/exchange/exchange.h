@@ -96,6 +96,12 @@ class PatchStream {
   Status WaitComplete(std::chrono::steady_clock::time_point deadline) const;
   // The whole byte string. REQUIRES: complete.
   std::string Assemble() const;
+  // When the last chunk came in (REQUIRES: complete; for a stream made
+  // complete, its creation).
+  std::chrono::steady_clock::time_point completed_at() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return completed_at_;
+  }
   void Fail(const Status& why);
 
  private:
@@ -108,6 +114,7 @@ class PatchStream {
   std::vector<std::string> data_;
   std::vector<bool> present_;
   size_t present_count_ = 0;
+  std::chrono::steady_clock::time_point completed_at_ = std::chrono::steady_clock::now();
   Status failed_;
 };
 
