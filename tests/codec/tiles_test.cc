@@ -567,8 +567,9 @@ TEST(Parts, RanksApplyTheirPiecesOfEveryPartFromTheirSelections) {
   std::mt19937_64 rng(22);
   const auto v0 = CanonicalModel(rng);
   const auto v1 = PerturbAll(v0, 0.02, rng);
-  std::vector<Rank> ranks = MakeRanks(4);
+  std::vector<Rank> ranks = MakeRanks(4), ahead_ranks = MakeRanks(4);
   for (auto& r : ranks) Fill(&r, v0);
+  for (auto& r : ahead_ranks) Fill(&r, v0);
   // Each source grids its own tensors for the served layouts.
   EncodeOptions oa, ob;
   oa.grids = GridsFor(Layouts(ranks), Views(Subset(v0, kPartA)));
@@ -584,39 +585,20 @@ TEST(Parts, RanksApplyTheirPiecesOfEveryPartFromTheirSelections) {
     Status s = ApplyPartsToPieces(parts, ranks[r].layout, {});
     ASSERT_TRUE(s.ok()) << s.message();
     EXPECT_TRUE(testing::SameBits(ranks[r].tensors, Expected(4, r, v1))) << "rank " << r;
+    // The same selections as one stream of two segments (as a source that
+    // encodes in segments sends it), decoded ahead a few bytes at a time.
+    const std::string stream = *sa + *sb;
+    ApplyAhead ahead(ahead_ranks[r].layout, {});
+    for (size_t at = 0; at <= stream.size(); at += 977) ahead.Advance(std::string_view(stream).substr(0, at));
+    ahead.Advance(stream);
+    EXPECT_GT(ahead.decoded_ahead(), 0u);
+    s = ahead.Apply(stream);
+    ASSERT_TRUE(s.ok()) << s.message();
+    EXPECT_TRUE(testing::SameBits(ahead_ranks[r].tensors, Expected(4, r, v1))) << "rank " << r << ", decoded ahead";
   }
   std::vector<std::string_view> only_a = {*pa};
   EXPECT_EQ(ApplyPartsToPieces(only_a, ranks[0].layout, {}).code(), StatusCode::kFailedPrecondition)
       << "pieces of tensors no part has";
-}
-
-TEST(Parts, RanksDecodeSegmentedSelectionsAheadIntoTheirPieces) {
-  std::mt19937_64 rng(23);
-  const auto v0 = CanonicalModel(rng);
-  const auto v1 = PerturbAll(v0, 0.02, rng);
-  std::vector<Rank> ranks = MakeRanks(4);
-  for (auto& r : ranks) Fill(&r, v0);
-  EncodeOptions oa, ob;
-  oa.grids = GridsFor(Layouts(ranks), Views(Subset(v0, kPartA)));
-  ob.grids = GridsFor(Layouts(ranks), Views(Subset(v0, kPartB)));
-  auto pa = EncodePatch(Views(Subset(v0, kPartA)), Views(Subset(v1, kPartA)), oa);
-  auto pb = EncodePatch(Views(Subset(v0, kPartB)), Views(Subset(v1, kPartB)), ob);
-  ASSERT_TRUE(pa.ok() && pb.ok());
-  for (uint64_t r = 0; r < 4; ++r) {
-    // A stream of two segments, as a source that encodes in segments sends
-    // it (selected for the rank), fed a few bytes at a time.
-    auto sa = SelectForPieces(*pa, ranks[r].layout);
-    auto sb = SelectForPieces(*pb, ranks[r].layout);
-    ASSERT_TRUE(sa.ok() && sb.ok());
-    const std::string stream = *sa + *sb;
-    ApplyAhead ahead(ranks[r].layout, {});
-    for (size_t at = 0; at <= stream.size(); at += 977) ahead.Advance(std::string_view(stream).substr(0, at));
-    ahead.Advance(stream);
-    EXPECT_GT(ahead.decoded_ahead(), 0u);
-    Status s = ahead.Apply(stream);
-    ASSERT_TRUE(s.ok()) << s.message();
-    EXPECT_TRUE(testing::SameBits(ranks[r].tensors, Expected(4, r, v1))) << "rank " << r;
-  }
 }
 
 }  // namespace
