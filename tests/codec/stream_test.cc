@@ -94,6 +94,34 @@ TEST(Streams, SplitSegmentsFindsEachContainerAndNamesTruncation) {
   EXPECT_FALSE(SplitSegments("").ok());
 }
 
+TEST(Streams, JoinedSegmentsAreTheContainerOfTheWholeSet) {
+  std::mt19937_64 rng(7);
+  const auto v0 = Model(rng);
+  const auto v1 = Step(v0, rng);
+  const std::string stream = Segmented(v0, v1);
+  auto segments = SplitSegments(stream);
+  ASSERT_TRUE(segments.ok());
+  auto joined = JoinSegments(*segments, SetChecksum(Views(v0)));
+  ASSERT_TRUE(joined.ok()) << joined.status().message();
+  auto whole = EncodePatch(Views(v0), Views(v1), {});
+  ASSERT_TRUE(whole.ok());
+  EXPECT_TRUE(*joined == *whole) << "the same bytes as encoding every tensor at once";
+  // Keyframes too (no base checksum).
+  std::string kfs;
+  for (const auto& g : kGroups) kfs += *EncodeKeyframe(Views(Only(v1, g)), {});
+  auto kf_segments = SplitSegments(kfs);
+  ASSERT_TRUE(kf_segments.ok());
+  auto kf = JoinSegments(*kf_segments, 0);
+  ASSERT_TRUE(kf.ok());
+  EXPECT_TRUE(*kf == *EncodeKeyframe(Views(v1), {}));
+  // Segments that do not belong together.
+  std::vector<std::string_view> twice = {(*segments)[0], (*segments)[0]};
+  EXPECT_EQ(JoinSegments(twice, 0).status().code(), StatusCode::kInvalidArgument);
+  std::vector<std::string_view> mixed = {(*segments)[0], (*kf_segments)[1]};
+  EXPECT_EQ(JoinSegments(mixed, 0).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(JoinSegments({}, 0).status().code(), StatusCode::kInvalidArgument);
+}
+
 TEST(Streams, DecodingAheadInAnySlicesGivesTheSameBitsAsApplyingAtOnce) {
   std::mt19937_64 rng(2);
   ThreadPool pool(3);

@@ -1083,6 +1083,36 @@ StatusOr<std::vector<std::string_view>> SplitSegments(std::string_view stream) {
   return out;
 }
 
+StatusOr<std::string> JoinSegments(std::span<const std::string_view> segments, uint64_t base_set_checksum) {
+  if (segments.empty()) return InvalidArgumentError("no segments to join");
+  Container joined;
+  std::string payload;
+  std::unordered_set<std::string> names;
+  for (size_t i = 0; i < segments.size(); ++i) {
+    StatusOr<Container> c = internal::ReadContainer(segments[i], /*verify_checksum=*/true);
+    if (!c.ok()) return c.status().WithContext("segment " + std::to_string(i));
+    if (i == 0) {
+      joined.kind = c->kind;
+      joined.chunk_bytes = c->chunk_bytes;
+      joined.base_version = c->base_version;
+      joined.target_version = c->target_version;
+      joined.base_set_checksum = base_set_checksum;
+    } else if (c->kind != joined.kind || c->chunk_bytes != joined.chunk_bytes ||
+               c->base_version != joined.base_version || c->target_version != joined.target_version) {
+      return InvalidArgumentError("segment " + std::to_string(i) +
+                                  " differs from segment 0 in kind, chunk size or versions");
+    }
+    for (TensorEntry& t : c->tensors) {
+      if (!names.insert(t.name).second) {
+        return InvalidArgumentError("tensor " + Quoted(t.name) + " is in two segments");
+      }
+      joined.tensors.push_back(std::move(t));
+    }
+    payload.append(c->payload);
+  }
+  return internal::WriteContainer(joined, payload);
+}
+
 // ---- ApplyAhead
 
 struct ApplyAhead::Impl {

@@ -221,6 +221,14 @@ Status ApplyPartsToPieces(std::span<const std::string_view> parts, std::span<con
 // not parse or the bytes end inside a segment; an empty stream has none.
 StatusOr<std::vector<std::string_view>> SplitSegments(std::string_view stream);
 
+// One container of a stream's segments (the same kind, chunk size and
+// versions; disjoint tensors, taken in order), with `base_set_checksum` as
+// the set checksum of the base (patches: that of all segments' tensors,
+// which no segment records). Byte for byte the container that encoding all
+// the tensors at once gives. InvalidArgument naming what differs; the
+// segments' errors (DataLoss) as ReadContainer's.
+StatusOr<std::string> JoinSegments(std::span<const std::string_view> segments, uint64_t base_set_checksum);
+
 // An apply that decodes while the stream arrives. Fed the stream's bytes as
 // they come in (Advance), it decodes each chunk of a patch segment as soon as
 // its streams are in, against the destination's bytes at that moment, and
