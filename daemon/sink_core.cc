@@ -606,16 +606,20 @@ Status SinkCore::SyncOnce(const std::shared_ptr<SinkWeights>& w, const std::vect
       // Each round takes every chunk in by then and decodes what they
       // complete; once the last chunk is in, the apply decodes the rest
       // (in parallel) rather than this loop.
+      // (A stream still being encoded at its source has no known length
+      // until its last chunk: chunks are taken until there is no next.)
       assembled.reserve(stream->total_bytes());
-      for (size_t i = 0; i < stream->chunks();) {
-        WSYNC_ASSIGN_OR_RETURN(std::string chunk, stream->Wait(i, deadline));
-        assembled += chunk;
-        for (++i; i < stream->chunks(); ++i) {
+      for (size_t i = 0;;) {
+        StatusOr<std::string> chunk = stream->Wait(i, deadline);
+        if (chunk.status().code() == StatusCode::kOutOfRange) break;
+        WSYNC_RETURN_IF_ERROR(chunk.status());
+        assembled += *chunk;
+        for (++i;; ++i) {
           StatusOr<std::string> more = stream->Wait(i, Clock::now());
           if (!more.ok()) break;
           assembled += *more;
         }
-        if (i < stream->chunks()) ahead->Advance(assembled);
+        if (!stream->WaitComplete(Clock::now()).ok()) ahead->Advance(assembled);
       }
     } else {
       WSYNC_RETURN_IF_ERROR(stream->WaitComplete(deadline));

@@ -124,6 +124,75 @@ TEST_P(PatchExchangeTest, RelayForwardsChunksAsTheyArrive) {
   EXPECT_EQ(source->server->bytes_served(), v.patch.size());
 }
 
+// A stream whose length is not known when it is served (a version still
+// being encoded): the producer appends as it goes, the server sends chunks
+// as they exist and END with the total; a relay forwards it as it grows,
+// and both pullers end with the exact bytes.
+TEST_P(PatchExchangeTest, AGrowingStreamIsServedAndRelayedAsItGrows) {
+  Versions v = MakeVersions();
+  auto source = MakeNode();
+  auto relay = MakeNode();
+  auto sink = MakeNode();
+  auto growing = PatchStream::Growing(codec::PatchKind::kPatch, 1, 2, kChunk);
+  source.get()->provider.streams[{1, 2}] = growing;
+  auto up = relay->transport->Connect(source->transport->LocalConnInfo());
+  ASSERT_TRUE(up.ok());
+  auto in = relay->fetcher->Pull(*up, 1, 2, 0, 0, 10s);
+  ASSERT_TRUE(in.ok()) << in.status().ToString();
+  relay->provider.streams[{1, 2}] = *in;
+  auto down = sink->transport->Connect(relay->transport->LocalConnInfo());
+  ASSERT_TRUE(down.ok());
+  auto out = sink->fetcher->Pull(*down, 1, 2, 0, 0, 10s);
+  ASSERT_TRUE(out.ok()) << out.status().ToString();
+  EXPECT_FALSE((*out)->sized()) << "the header said: length unknown";
+  // The producer appends in uneven pieces; the sink has the first chunk
+  // before the producer is done.
+  const std::string& bytes = v.patch;
+  const size_t half = bytes.size() / 2 + 123;
+  ASSERT_TRUE(growing->Append(std::string_view(bytes).substr(0, half)).ok());
+  ASSERT_TRUE((*out)->Wait(0, std::chrono::steady_clock::now() + 10s).ok());
+  EXPECT_FALSE((*out)->WaitComplete(std::chrono::steady_clock::now()).ok());
+  ASSERT_TRUE(growing->Append(std::string_view(bytes).substr(half)).ok());
+  ASSERT_TRUE(growing->Finish().ok());
+  for (const auto& s : {*in, *out}) {
+    ASSERT_TRUE(s->WaitComplete(std::chrono::steady_clock::now() + 20s).ok());
+    EXPECT_EQ(s->total_bytes(), bytes.size());
+    EXPECT_TRUE(s->Assemble() == bytes);
+  }
+  ExpectAppliesExactly(v, (*out)->Assemble());
+}
+
+TEST(PatchStreamTest, GrowingStreamsAreSizedByTheirProducerOrTheirEnd) {
+  const uint32_t chunk = 4096;
+  auto s = PatchStream::Growing(codec::PatchKind::kPatch, 1, 2, chunk);
+  EXPECT_FALSE(s->sized());
+  ASSERT_TRUE(s->Append(std::string(chunk + 10, 'a')).ok());
+  ASSERT_TRUE(s->Wait(0, std::chrono::steady_clock::now()).ok()) << "a whole chunk is there at once";
+  EXPECT_EQ(s->Wait(1, std::chrono::steady_clock::now()).status().code(), StatusCode::kDeadlineExceeded);
+  ASSERT_TRUE(s->Finish().ok());
+  EXPECT_EQ(s->total_bytes(), chunk + 10u);
+  EXPECT_EQ(s->Wait(1, std::chrono::steady_clock::now())->size(), 10u);
+  EXPECT_EQ(s->Wait(2, std::chrono::steady_clock::now()).status().code(), StatusCode::kOutOfRange);
+  EXPECT_FALSE(s->Append("x").ok());
+  EXPECT_FALSE(s->Finish().ok());
+  // A puller's: END must fit the chunks that came.
+  auto p = std::make_shared<PatchStream>(codec::PatchKind::kPatch, 1, 2, kUnknownTotal, chunk);
+  ASSERT_TRUE(p->Put(0, std::string(chunk, 'a')).ok());
+  ASSERT_TRUE(p->Put(1, std::string(7, 'b')).ok());
+  EXPECT_FALSE(p->Put(2, std::string(chunk + 1, 'c')).ok()) << "longer than a chunk";
+  EXPECT_FALSE(p->Put(kMaxStreamChunks, std::string(chunk, 'c')).ok()) << "past the limit on chunks";
+  EXPECT_EQ(p->SetTotal(2 * chunk).code(), StatusCode::kDataLoss) << "chunk 1 is short";
+  EXPECT_EQ(p->SetTotal(kMaxStreamChunks * uint64_t{chunk}).code(), StatusCode::kDataLoss);
+  EXPECT_FALSE(p->WaitComplete(std::chrono::steady_clock::now()).ok());
+  ASSERT_TRUE(p->SetTotal(chunk + 7).ok());
+  ASSERT_TRUE(p->WaitComplete(std::chrono::steady_clock::now()).ok());
+  EXPECT_EQ(p->Assemble(), std::string(chunk, 'a') + std::string(7, 'b'));
+  // A failed producer fails its pullers' waits.
+  auto f = PatchStream::Growing(codec::PatchKind::kPatch, 1, 2, chunk);
+  f->Fail(DataLossError("encode failed"));
+  EXPECT_EQ(f->Wait(0, std::chrono::steady_clock::now() + 1s).status().code(), StatusCode::kDataLoss);
+}
+
 TEST_P(PatchExchangeTest, ParentFailureFailsThePull) {
   Versions v = MakeVersions();
   transport::TransportOptions slow;

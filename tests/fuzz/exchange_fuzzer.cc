@@ -32,6 +32,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       Check(CheckStreamShape(m->total, m->chunk).ok());
     }
   }
+  if (auto m = wire::ParseEnd(in); m.ok()) Check(wire::EncodeEnd(*m) == in && *m != kUnknownTotal);
   if (auto m = wire::ParseChunk(in); m.ok()) Check(m->size() + 1 == in.size() && m->size() <= kMaxChunkBytes);
   for (auto type : {ExchangeMessage::kRefetch, ExchangeMessage::kCancel}) {
     if (wire::ParseBare(in, type).ok()) Check(in.size() == 1);

@@ -14,6 +14,13 @@ constexpr auto kServeTimeout = std::chrono::minutes(10);  // longest wait for a 
 constexpr auto kLinger = std::chrono::seconds(30);        // refetch window after the last chunk
 constexpr int kMaxRefetchesPerMessage = 4;                  // then the pull fails with DataLoss
 
+// The message a seq names, for errors.
+std::string What(uint64_t seq) {
+  if (seq == 0) return "the header";
+  if (seq == kEndSeq) return "the end";
+  return "chunk " + std::to_string(seq - 1);
+}
+
 // The HEADER that refuses pull (from, to), with the code and text of `why`.
 std::string RefusalHeader(uint64_t from, uint64_t to, const Status& why) {
   wire::Header h;
@@ -33,7 +40,7 @@ Status CheckStreamShape(uint64_t total_bytes, uint32_t chunk_bytes) {
     return DataLossError("header: chunk size " + std::to_string(chunk_bytes) + " outside [" +
                          std::to_string(kMinChunkBytes) + ", " + std::to_string(kMaxChunkBytes) + "]");
   }
-  if (total_bytes / chunk_bytes >= kMaxStreamChunks) {
+  if (total_bytes != kUnknownTotal && total_bytes / chunk_bytes >= kMaxStreamChunks) {
     return DataLossError("header: " + std::to_string(total_bytes) + " bytes in chunks of " +
                          std::to_string(chunk_bytes) + " is more than " + std::to_string(kMaxStreamChunks) + " chunks");
   }
@@ -45,9 +52,10 @@ PatchStream::PatchStream(codec::PatchKind kind, uint64_t from, uint64_t to, uint
     : kind_(kind),
       from_(from),
       to_(to),
-      total_(total_bytes),
       chunk_bytes_(chunk_bytes),
-      chunks_(static_cast<size_t>((total_bytes + chunk_bytes - 1) / chunk_bytes)),
+      sized_(total_bytes != kUnknownTotal),
+      total_(sized_ ? total_bytes : 0),
+      chunks_(sized_ ? static_cast<size_t>((total_bytes + chunk_bytes - 1) / chunk_bytes) : 0),
       data_(chunks_),
       present_(chunks_, false) {}
 
@@ -60,40 +68,142 @@ std::shared_ptr<PatchStream> PatchStream::FromBytes(codec::PatchKind kind, uint6
   return s;
 }
 
-Status PatchStream::Put(size_t i, std::string bytes) {
-  if (i >= chunks_) return InvalidArgumentError("chunk " + std::to_string(i) + " of " + std::to_string(chunks_));
-  const uint64_t want = std::min<uint64_t>(chunk_bytes_, total_ - i * chunk_bytes_);
-  if (bytes.size() != want) {
-    return InvalidArgumentError("chunk " + std::to_string(i) + " has " + std::to_string(bytes.size()) +
-                                " bytes, expected " + std::to_string(want));
-  }
+std::shared_ptr<PatchStream> PatchStream::Growing(codec::PatchKind kind, uint64_t from, uint64_t to,
+                                                  uint32_t chunk_bytes) {
+  return std::make_shared<PatchStream>(kind, from, to, kUnknownTotal, chunk_bytes);
+}
+
+bool PatchStream::sized() const {
   std::lock_guard<std::mutex> lock(mu_);
+  return sized_;
+}
+
+uint64_t PatchStream::total_bytes() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return total_;
+}
+
+size_t PatchStream::chunks() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return chunks_;
+}
+
+void PatchStream::NoteCompleteLocked() {
+  if (CompleteLocked()) completed_at_ = std::chrono::steady_clock::now();
+  cv_.notify_all();
+}
+
+Status PatchStream::Put(size_t i, std::string bytes) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (sized_) {
+    if (i >= chunks_) return InvalidArgumentError("chunk " + std::to_string(i) + " of " + std::to_string(chunks_));
+    const uint64_t want = std::min<uint64_t>(chunk_bytes_, total_ - i * chunk_bytes_);
+    if (bytes.size() != want) {
+      return InvalidArgumentError("chunk " + std::to_string(i) + " has " + std::to_string(bytes.size()) +
+                                  " bytes, expected " + std::to_string(want));
+    }
+  } else {
+    // Not sized yet: a chunk is whole, or (the last) shorter; no index past
+    // the limit on chunks is taken (bounded bookkeeping).
+    if (i >= kMaxStreamChunks) {
+      return InvalidArgumentError("chunk " + std::to_string(i) + " past the limit of " +
+                                  std::to_string(kMaxStreamChunks) + " chunks");
+    }
+    if (bytes.size() > chunk_bytes_ || bytes.empty()) {
+      return InvalidArgumentError("chunk " + std::to_string(i) + " has " + std::to_string(bytes.size()) +
+                                  " bytes, chunks have " + std::to_string(chunk_bytes_));
+    }
+    if (i >= data_.size()) {
+      data_.resize(i + 1);
+      present_.resize(i + 1, false);
+    }
+  }
   if (present_[i]) return Status::Ok();
   data_[i] = std::move(bytes);
   present_[i] = true;
-  if (++present_count_ == chunks_) completed_at_ = std::chrono::steady_clock::now();
+  ++present_count_;
+  NoteCompleteLocked();
+  return Status::Ok();
+}
+
+Status PatchStream::Append(std::string_view bytes) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (sized_) return FailedPreconditionError("append to a stream already sized");
+  pending_.append(bytes);
+  size_t taken = 0;
+  while (pending_.size() - taken >= chunk_bytes_) {
+    if (data_.size() >= kMaxStreamChunks) return ResourceExhaustedError("stream longer than the limit on chunks");
+    data_.push_back(pending_.substr(taken, chunk_bytes_));
+    present_.push_back(true);
+    ++present_count_;
+    taken += chunk_bytes_;
+  }
+  pending_.erase(0, taken);
   cv_.notify_all();
+  return Status::Ok();
+}
+
+Status PatchStream::Finish() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (sized_) return FailedPreconditionError("stream already sized");
+  uint64_t total = data_.size() * uint64_t{chunk_bytes_};
+  if (!pending_.empty()) {
+    total += pending_.size();
+    data_.push_back(std::exchange(pending_, {}));
+    present_.push_back(true);
+    ++present_count_;
+  }
+  sized_ = true;
+  total_ = total;
+  chunks_ = data_.size();
+  NoteCompleteLocked();
+  return Status::Ok();
+}
+
+Status PatchStream::SetTotal(uint64_t total) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (sized_) return total == total_ ? Status::Ok() : DataLossError("END: total " + std::to_string(total) +
+                                                                    " for a stream of " + std::to_string(total_));
+  WSYNC_RETURN_IF_ERROR(CheckStreamShape(total, chunk_bytes_).WithContext("END"));
+  const size_t chunks = static_cast<size_t>((total + chunk_bytes_ - 1) / chunk_bytes_);
+  for (size_t i = 0; i < data_.size(); ++i) {
+    if (!present_[i]) continue;
+    const uint64_t want = i < chunks ? std::min<uint64_t>(chunk_bytes_, total - i * chunk_bytes_) : 0;
+    if (data_[i].size() != want) {
+      return DataLossError("END: a total of " + std::to_string(total) + " bytes, but chunk " + std::to_string(i) +
+                           " has " + std::to_string(data_[i].size()));
+    }
+  }
+  data_.resize(chunks);
+  present_.resize(chunks, false);
+  sized_ = true;
+  total_ = total;
+  chunks_ = chunks;
+  NoteCompleteLocked();
   return Status::Ok();
 }
 
 StatusOr<std::string> PatchStream::Wait(size_t i, std::chrono::steady_clock::time_point deadline) const {
   std::unique_lock<std::mutex> lock(mu_);
-  if (i >= chunks_) return OutOfRangeError("chunk " + std::to_string(i) + " of " + std::to_string(chunks_));
-  if (!cv_.wait_until(lock, deadline, [&] { return present_[i] || !failed_.ok(); })) {
+  auto beyond = [&] { return sized_ && i >= chunks_; };
+  auto here = [&] { return i < present_.size() && present_[i]; };
+  if (!cv_.wait_until(lock, deadline, [&] { return beyond() || here() || !failed_.ok(); })) {
     return DeadlineExceededError("chunk " + std::to_string(i) + " did not arrive in time");
   }
-  if (present_[i]) return data_[i];
+  if (here()) return data_[i];
+  if (beyond()) return OutOfRangeError("chunk " + std::to_string(i) + " of " + std::to_string(chunks_));
   return failed_;
 }
 
 Status PatchStream::WaitComplete(std::chrono::steady_clock::time_point deadline) const {
   std::unique_lock<std::mutex> lock(mu_);
-  if (!cv_.wait_until(lock, deadline, [&] { return present_count_ == chunks_ || !failed_.ok(); })) {
+  if (!cv_.wait_until(lock, deadline, [&] { return CompleteLocked() || !failed_.ok(); })) {
     return DeadlineExceededError("patch " + std::to_string(from_) + "->" + std::to_string(to_) + ": " +
-                                 std::to_string(present_count_) + " of " + std::to_string(chunks_) +
+                                 std::to_string(present_count_) + " of " +
+                                 (sized_ ? std::to_string(chunks_) : std::string("an unknown number of")) +
                                  " chunks arrived in time");
   }
-  return present_count_ == chunks_ ? Status::Ok() : failed_;
+  return CompleteLocked() ? Status::Ok() : failed_;
 }
 
 std::string PatchStream::Assemble() const {
@@ -106,7 +216,7 @@ std::string PatchStream::Assemble() const {
 
 void PatchStream::Fail(const Status& why) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (failed_.ok() && present_count_ < chunks_) failed_ = why;
+  if (failed_.ok() && !CompleteLocked()) failed_ = why;
   cv_.notify_all();
 }
 
@@ -120,7 +230,7 @@ struct PatchServer::Request {
   uint32_t part = 0;
   std::mutex mu;
   std::condition_variable cv;
-  std::vector<size_t> refetch;
+  std::vector<uint64_t> refetch;  // seqs
   bool done = false;  // cancelled, completed or peer failed
 };
 
@@ -200,7 +310,7 @@ void PatchServer::OnRequest(const Message& m) {
   if (it == requests_.end()) return;
   std::lock_guard<std::mutex> rl(it->second->mu);
   if (type == ExchangeMessage::kRefetch) {
-    if (it->second->refetch.size() < kMaxStreamChunks) it->second->refetch.push_back(static_cast<size_t>(m.seq));
+    if (it->second->refetch.size() < kMaxStreamChunks) it->second->refetch.push_back(m.seq);
   } else {
     it->second->done = true;
   }
@@ -242,11 +352,14 @@ void PatchServer::Serve(std::shared_ptr<Request> r) {
     return finish();
   }
   const auto& s = *stream;
+  // A stream still growing (a version being encoded, or a relay's stream
+  // from such a source) goes out as it grows; END gives its total.
+  const bool growing = !s->sized();
   wire::Header h;
   h.kind = s->kind();
   h.from = s->from();
   h.to = s->to();
-  h.total = s->total_bytes();
+  h.total = growing ? kUnknownTotal : s->total_bytes();
   h.chunk = s->chunk_bytes();
   const std::string header = wire::Encode(h);
   if (!link_->Send(r->peer, r->channel, 0, header).ok()) return finish();
@@ -254,7 +367,9 @@ void PatchServer::Serve(std::shared_ptr<Request> r) {
     std::lock_guard<std::mutex> lock(r->mu);
     return r->done;
   };
-  auto send_chunk = [&](size_t i) {
+  // Sends chunk i once it is there: Ok, OutOfRange past the stream's
+  // last chunk, another error when it cannot be sent.
+  auto send_chunk = [&](size_t i) -> Status {
     // Wait in slices, so a cancelled request or a stopping server gives up.
     const auto give_up = std::chrono::steady_clock::now() + kServeTimeout;
     StatusOr<std::string> bytes = DeadlineExceededError("not yet");
@@ -265,11 +380,12 @@ void PatchServer::Serve(std::shared_ptr<Request> r) {
         break;
       }
     }
-    if (!bytes.ok()) return false;
-    if (!link_->Send(r->peer, r->channel, i + 1, wire::EncodeChunk(*bytes)).ok()) return false;
+    if (!bytes.ok()) return bytes.status();
+    WSYNC_RETURN_IF_ERROR(link_->Send(r->peer, r->channel, i + 1, wire::EncodeChunk(*bytes)));
     bytes_served_ += bytes->size();
-    return true;
+    return Status::Ok();
   };
+  auto send_end = [&] { return link_->Send(r->peer, r->channel, kEndSeq, wire::EncodeEnd(s->total_bytes())).ok(); };
   auto take_refetches = [&] {
     std::lock_guard<std::mutex> lock(r->mu);
     return std::exchange(r->refetch, {});
@@ -285,28 +401,34 @@ void PatchServer::Serve(std::shared_ptr<Request> r) {
     spdlog::info("peer {} pull {}->{} aborted: {}", r->peer, r->from, r->to, why.ToString());
     finish();
   };
-  // A refetch names a message by its seq: 0 is the header, i + 1 chunk i.
-  auto resend = [&](size_t seq) {
+  // A refetch names a message by its seq: 0 is the header, i + 1 chunk i,
+  // kEndSeq the END.
+  auto resend = [&](uint64_t seq) {
     if (seq == 0) return link_->Send(r->peer, r->channel, 0, header).ok();
-    return seq - 1 >= s->chunks() || send_chunk(seq - 1);
+    if (seq == kEndSeq) return !growing || !s->sized() || send_end();
+    Status sent = send_chunk(static_cast<size_t>(seq - 1));
+    return sent.ok() || sent.code() == StatusCode::kOutOfRange;
   };
-  for (size_t i = 0; i < s->chunks(); ++i) {
-    for (size_t again : take_refetches()) {
-      if (again <= i && !resend(again)) return abort();
+  for (size_t i = 0;; ++i) {
+    for (uint64_t again : take_refetches()) {
+      if ((again == kEndSeq || again <= i) && !resend(again)) return abort();
     }
     if (cancelled()) return finish();
-    if (!send_chunk(i)) return abort();
+    Status sent = send_chunk(i);
+    if (sent.code() == StatusCode::kOutOfRange) break;  // past the last chunk
+    if (!sent.ok()) return abort();
   }
+  if (growing && !send_end()) return abort();
   // Linger for refetches until the fetcher says it is done.
   const auto until = std::chrono::steady_clock::now() + kLinger;
   for (;;) {
-    std::vector<size_t> again;
+    std::vector<uint64_t> again;
     {
       std::unique_lock<std::mutex> lock(r->mu);
       if (!r->cv.wait_until(lock, until, [&] { return r->done || !r->refetch.empty(); }) || r->done) break;
       again = std::exchange(r->refetch, {});
     }
-    for (size_t seq : again) {
+    for (uint64_t seq : again) {
       if (!resend(seq)) return finish();
     }
   }
@@ -375,6 +497,19 @@ void PatchFetcher::OnResponse(const Message& m) {
       p.header_seen = true;
       cv_.notify_all();
       if (!p.stream) return;
+    } else if (type == ExchangeMessage::kEnd) {
+      auto total = wire::ParseEnd(m.payload);
+      Status sized = !total.ok()           ? total.status()
+                     : m.seq != kEndSeq    ? DataLossError("END with seq " + std::to_string(m.seq))
+                     : !p.stream           ? DataLossError("END before the header")
+                                           : p.stream->SetTotal(*total);
+      if (!sized.ok()) {
+        spdlog::warn("peer {}: pull {}: {}", m.peer, m.channel, sized.ToString());
+        FailLocked(p, sized);
+        pending_.erase(it);
+        cv_.notify_all();
+        return;
+      }
     } else {
       auto chunk = wire::ParseChunk(m.payload);
       if (!chunk.ok() || m.seq == 0) {  // a chunk never has seq 0
@@ -411,7 +546,7 @@ void PatchFetcher::OnCorrupt(PeerId peer, uint32_t channel, uint64_t seq) {
     if (++it->second->corrupt[seq] > kMaxRefetchesPerMessage) {
       // A link that corrupts the same message again and again: the pull
       // fails (the sink retries later, with backoff) instead of looping.
-      const Status why = DataLossError((seq == 0 ? std::string("the header") : "chunk " + std::to_string(seq - 1)) +
+      const Status why = DataLossError(What(seq) +
                                        " of pull " + std::to_string(channel) + " arrived corrupt " +
                                        std::to_string(kMaxRefetchesPerMessage + 1) + " times");
       FailLocked(*it->second, why);
@@ -422,8 +557,7 @@ void PatchFetcher::OnCorrupt(PeerId peer, uint32_t channel, uint64_t seq) {
     }
   }
   ++refetches_;
-  spdlog::warn("peer {}: {} of pull {} arrived corrupt: fetching it again", peer,
-               seq == 0 ? std::string("the header") : "chunk " + std::to_string(seq - 1), channel);
+  spdlog::warn("peer {}: {} of pull {} arrived corrupt: fetching it again", peer, What(seq), channel);
   (void)link_->Send(peer, channel, seq, wire::EncodeBare(ExchangeMessage::kRefetch));
 }
 

@@ -420,6 +420,7 @@ void ExchangeHandler::Route(Message m) {
       break;
     case ExchangeMessage::kHeader:
     case ExchangeMessage::kChunk:
+    case ExchangeMessage::kEnd:
     case ExchangeMessage::kAbort:
       if (fetcher_ != nullptr) fetcher_->OnResponse(m);
       break;

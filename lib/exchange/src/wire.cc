@@ -21,6 +21,7 @@ const char* Name(ExchangeMessage type) {
     case ExchangeMessage::kProof: return "PROOF";
     case ExchangeMessage::kDenied: return "DENIED";
     case ExchangeMessage::kSealed: return "SEALED";
+    case ExchangeMessage::kEnd: return "END";
   }
   return "message";
 }
@@ -145,6 +146,23 @@ StatusOr<std::string_view> ParseChunk(std::string_view m) {
                          std::to_string(kMaxChunkBytes) + ")");
   }
   return m.substr(1);
+}
+
+std::string EncodeEnd(uint64_t total) {
+  std::string out = Start(ExchangeMessage::kEnd);
+  ByteWriter w(&out);
+  w.U64(total);
+  return out;
+}
+
+StatusOr<uint64_t> ParseEnd(std::string_view m) {
+  WSYNC_ASSIGN_OR_RETURN(ByteReader r, Open(m, ExchangeMessage::kEnd));
+  uint64_t total = 0;
+  r.U64(&total, "total");
+  if (!r.ok()) return r.status();
+  WSYNC_RETURN_IF_ERROR(End(r, ExchangeMessage::kEnd));
+  if (total == kUnknownTotal) return DataLossError("END: the total is the unknown total");
+  return total;
 }
 
 std::string EncodeBare(ExchangeMessage type) { return Start(type); }

@@ -58,6 +58,11 @@ StatusOr<Header> ParseHeader(std::string_view m);
 std::string EncodeChunk(std::string_view bytes);
 StatusOr<std::string_view> ParseChunk(std::string_view m);
 
+// END: the total of a stream whose HEADER said kUnknownTotal, after its
+// last chunk (seq kEndSeq).
+std::string EncodeEnd(uint64_t total);
+StatusOr<uint64_t> ParseEnd(std::string_view m);
+
 // REFETCH and CANCEL: the type byte only.
 std::string EncodeBare(ExchangeMessage type);
 Status ParseBare(std::string_view m, ExchangeMessage type);

@@ -67,32 +67,57 @@ inline constexpr auto kRefusalGrace = std::chrono::milliseconds(200);
 inline constexpr uint32_t kMaxMessageBytes = kMaxChunkBytes + 64;
 inline constexpr uint32_t kMaxUntrustedMessageBytes = 256;
 
-// Ok when a stream of `total_bytes` in chunks of `chunk_bytes` is within
-// the limits above; DataLoss naming the field otherwise.
+// A HEADER's total for a stream whose length is not known yet (a growing
+// stream: its END message says it).
+inline constexpr uint64_t kUnknownTotal = ~uint64_t{0};
+
+// Ok when a stream of `total_bytes` (or kUnknownTotal) in chunks of
+// `chunk_bytes` is within the limits above; DataLoss naming the field
+// otherwise.
 Status CheckStreamShape(uint64_t total_bytes, uint32_t chunk_bytes);
 
-// The bytes of one patch or keyframe, possibly still arriving.
+// The bytes of one patch or keyframe, possibly still arriving, possibly of
+// a length not known yet (growing: its producer appends and finishes it, or
+// a puller learns its total from the END message).
 class PatchStream {
  public:
-  // REQUIRES: CheckStreamShape(total_bytes, chunk_bytes) ok, or the values
-  // come from this process (FromBytes).
+  // total_bytes: kUnknownTotal for a growing stream. REQUIRES:
+  // CheckStreamShape(total_bytes, chunk_bytes) ok, or the values come from
+  // this process (FromBytes).
   PatchStream(codec::PatchKind kind, uint64_t from, uint64_t to, uint64_t total_bytes, uint32_t chunk_bytes);
   // A complete stream over `bytes`.
   static std::shared_ptr<PatchStream> FromBytes(codec::PatchKind kind, uint64_t from, uint64_t to,
                                                 std::string bytes, uint32_t chunk_bytes);
+  // A growing stream its producer fills with Append and ends with Finish.
+  static std::shared_ptr<PatchStream> Growing(codec::PatchKind kind, uint64_t from, uint64_t to, uint32_t chunk_bytes);
 
   codec::PatchKind kind() const { return kind_; }
   uint64_t from() const { return from_; }
   uint64_t to() const { return to_; }
-  uint64_t total_bytes() const { return total_; }
   uint32_t chunk_bytes() const { return chunk_bytes_; }
-  size_t chunks() const { return chunks_; }
+  // Whether the length is known (always, but for a growing stream before
+  // its end).
+  bool sized() const;
+  // The length and the chunk count once sized (0 before).
+  uint64_t total_bytes() const;
+  size_t chunks() const;
 
-  // Stores chunk i (InvalidArgument if its size is wrong; a repeat is ignored).
+  // Stores chunk i (InvalidArgument if its size is wrong; a repeat is
+  // ignored). In a growing stream not yet sized, every chunk but the last
+  // has chunk_bytes.
   Status Put(size_t i, std::string bytes);
-  // Blocks until chunk i is present, the stream failed, or the deadline.
+  // A growing stream's producer: appends bytes (whole chunks become
+  // present at once), then Finish() sizes it.
+  Status Append(std::string_view bytes);
+  Status Finish();
+  // A growing stream's puller: sizes it at `total` (the END message).
+  // DataLoss when the chunks present do not fit that total.
+  Status SetTotal(uint64_t total);
+  // Blocks until chunk i is present, the stream failed, or the deadline;
+  // OutOfRange when the stream is sized and has no chunk i.
   StatusOr<std::string> Wait(size_t i, std::chrono::steady_clock::time_point deadline) const;
-  // Blocks until every chunk is present (or failure / deadline).
+  // Blocks until the stream is sized and every chunk is present (or
+  // failure / deadline).
   Status WaitComplete(std::chrono::steady_clock::time_point deadline) const;
   // The whole byte string. REQUIRES: complete.
   std::string Assemble() const;
@@ -105,15 +130,21 @@ class PatchStream {
   void Fail(const Status& why);
 
  private:
+  bool CompleteLocked() const { return sized_ && present_count_ == chunks_; }
+  void NoteCompleteLocked();
+
   const codec::PatchKind kind_;
-  const uint64_t from_, to_, total_;
+  const uint64_t from_, to_;
   const uint32_t chunk_bytes_;
-  const size_t chunks_;
   mutable std::mutex mu_;
   mutable std::condition_variable cv_;
+  bool sized_;
+  uint64_t total_;
+  size_t chunks_;
   std::vector<std::string> data_;
   std::vector<bool> present_;
   size_t present_count_ = 0;
+  std::string pending_;  // a producer's bytes past the last whole chunk
   std::chrono::steady_clock::time_point completed_at_ = std::chrono::steady_clock::now();
   Status failed_;
 };
@@ -152,7 +183,10 @@ enum class ExchangeMessage : uint8_t {
   kProof = 9,
   kDenied = 10,
   kSealed = 11,
+  kEnd = 12,
 };
+// The transport seq of an END message (and of a REFETCH asking for it).
+inline constexpr uint64_t kEndSeq = uint64_t{1} << 63;
 
 // What a daemon's data plane demands of its peers (docs/security.md).
 enum class SecurityMode : uint8_t {
