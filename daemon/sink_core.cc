@@ -83,11 +83,14 @@ StatusOr<uint64_t> SinkCore::RegisterTensors(buffers::MappedTensors reg, uint64_
       WSYNC_ASSIGN_OR_RETURN(CanonicalLayout canonical, CanonicalOf(published->layout()));
       return store->SetChecksum(canonical.grids, env_.pool);
     }();
-    const bool match = versions.ok() && versions->versions_size() > 0 && versions->versions(0).version() == applied &&
-                       sum.ok() && versions->versions(0).set_checksum() == *sum;
+    // A version announced while it was encoded and not completed has no
+    // checksum to check a claim against: not trusted.
+    const bool known = versions.ok() && versions->versions_size() > 0 &&
+                       versions->versions(0).version() == applied && !versions->versions(0).incomplete();
+    const bool match = known && sum.ok() && versions->versions(0).set_checksum() == *sum;
     if (!match) {
-      spdlog::warn("sink {}: the registered tensors are not version {} (checksum differs): starting from a keyframe",
-                   config_.name, applied);
+      spdlog::warn("sink {}: the registered tensors are not version {} ({}): starting from a keyframe", config_.name,
+                   applied, known ? "checksum differs" : "no checksum of it is known");
       applied = 0;
     }
   }

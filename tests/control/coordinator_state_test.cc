@@ -80,6 +80,72 @@ TEST(CoordinatorState, RetryOfAStoredPublishSucceedsAndChangesNothing) {
   EXPECT_EQ(s->Publish(v).status().code(), StatusCode::kFailedPrecondition);
 }
 
+// A version announced while it is encoded (its patch streamed as it is):
+// visible at once without its checksum, completed by the same source's
+// second announce, durably; retries of either are successes; another
+// source's, or a completion below the head, are not completions.
+TEST(CoordinatorState, AVersionAnnouncedWhileEncodedIsCompletedDurably) {
+  const std::string dir = ::testing::TempDir() + "/wsync_incomplete_" + std::to_string(::getpid());
+  std::filesystem::remove_all(dir);
+  FakeClock clock;
+  CoordinatorOptions o;
+  o.compact_every = 2;
+  auto early = V(1);
+  early.set_source("trainer");
+  early.set_incomplete(true);
+  auto done = early;
+  done.set_incomplete(false);
+  done.set_set_checksum(0xabc);
+  done.set_patch_bytes(77);
+  {
+    Recovered rec;
+    auto store = OpenLogStore(dir, &rec);
+    ASSERT_TRUE(store.ok());
+    auto st = CoordinatorState::Create(o, &clock, std::move(*store), rec);
+    ASSERT_TRUE(st.ok());
+    auto& s = *st;
+    ASSERT_TRUE(s->Publish(early).ok());
+    EXPECT_EQ(s->head(), 1u) << "visible at once: sinks pull it while it is encoded";
+    EXPECT_TRUE(s->ListVersions(0).versions(0).incomplete());
+    ASSERT_TRUE(s->Publish(early).ok()) << "a retry of the early announce";
+    auto other = done;
+    other.set_source("someone-else");
+    EXPECT_EQ(s->Publish(other).status().code(), StatusCode::kFailedPrecondition);
+    ASSERT_TRUE(s->Publish(done).ok());
+    const auto listed = s->ListVersions(0).versions(0);
+    EXPECT_FALSE(listed.incomplete());
+    EXPECT_EQ(listed.set_checksum(), 0xabcu);
+    EXPECT_EQ(listed.patch_bytes(), 77u);
+    ASSERT_TRUE(s->Publish(done).ok()) << "a retry of the completion";
+    ASSERT_TRUE(s->Publish(early).ok()) << "a late retry of the early announce changes nothing";
+    EXPECT_FALSE(s->ListVersions(0).versions(0).incomplete());
+    // Version 2, early, then 3 above it: 2 can no longer be completed.
+    auto early2 = early;
+    early2.set_version(2);
+    early2.set_base_version(1);
+    ASSERT_TRUE(s->Publish(early2).ok());
+    auto v3 = done;
+    v3.set_version(3);
+    v3.set_base_version(2);
+    ASSERT_TRUE(s->Publish(v3).ok());
+    auto done2 = done;
+    done2.set_version(2);
+    done2.set_base_version(1);
+    EXPECT_EQ(s->Publish(done2).status().code(), StatusCode::kFailedPrecondition);
+  }
+  Recovered rec;
+  auto store = OpenLogStore(dir, &rec);
+  ASSERT_TRUE(store.ok());
+  auto s = CoordinatorState::Create(o, &clock, std::move(*store), rec);
+  ASSERT_TRUE(s.ok());
+  const auto versions = (*s)->ListVersions(0);
+  ASSERT_EQ(versions.versions_size(), 3);
+  EXPECT_FALSE(versions.versions(0).incomplete()) << "the completion survived the restart";
+  EXPECT_EQ(versions.versions(0).set_checksum(), 0xabcu);
+  EXPECT_TRUE(versions.versions(1).incomplete());
+  std::filesystem::remove_all(dir);
+}
+
 TEST(CoordinatorState, NodesExpireAfterTheirTtlAndMustReregister) {
   FakeClock clock;
   auto s = Make(&clock);

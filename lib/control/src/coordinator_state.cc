@@ -116,7 +116,11 @@ void CoordinatorState::Apply(const Record& r) {
     }
     case Record::kVersionPublished: {
       const uint64_t v = r.version_published().version();
-      if (versions_.empty() || v > versions_.rbegin()->first) versions_[v] = r.version_published();
+      // Above the head, or the head's summary completed.
+      if (versions_.empty() || v > versions_.rbegin()->first ||
+          (v == versions_.rbegin()->first && versions_.rbegin()->second.incomplete())) {
+        versions_[v] = r.version_published();
+      }
       // Parts of this version and of older ones: whole now, or never.
       parts_.erase(parts_.begin(), parts_.upper_bound(v));
       break;
@@ -289,10 +293,23 @@ StatusOr<uint64_t> CoordinatorState::Publish(const VersionSummary& version) {
   // high-water mark: higher than the head after a salvage lost records).
   const uint64_t head = AcknowledgedHeadLocked();
   if (auto it = versions_.find(version.version()); it != versions_.end() &&
-      it->second.set_checksum() == version.set_checksum() && it->second.source() == version.source() &&
-      it->second.base_version() == version.base_version()) {
-    // A retry of a publish that was stored but whose answer was lost.
-    return version.version();
+      it->second.source() == version.source() && it->second.base_version() == version.base_version()) {
+    const VersionSummary& had = it->second;
+    if (had.incomplete() && !version.incomplete() && it == std::prev(versions_.end())) {
+      // The version announced while it was encoded, now complete.
+      Record r;
+      *r.mutable_version_published() = version;
+      r.mutable_version_published()->set_published_unix_ms(had.published_unix_ms());
+      WSYNC_RETURN_IF_ERROR(Log(r));
+      spdlog::info("version {} complete ({} patch bytes)", version.version(), version.patch_bytes());
+      return version.version();
+    }
+    if ((had.set_checksum() == version.set_checksum() && had.incomplete() == version.incomplete()) ||
+        (!had.incomplete() && version.incomplete())) {
+      // A retry of a publish that was stored but whose answer was lost (or
+      // of the early announce of a version since completed).
+      return version.version();
+    }
   }
   if (version.version() <= head) {
     return FailedPreconditionError("version " + std::to_string(version.version()) +
@@ -309,9 +326,9 @@ StatusOr<uint64_t> CoordinatorState::Publish(const VersionSummary& version) {
   WSYNC_RETURN_IF_ERROR(Log(r));
   NoteSourceHoldsLocked(version.source(), version.version());
   AssignParentsLocked();
-  spdlog::info("version {} published by {} (base {}, {} patch bytes, {} dense bytes{})", version.version(),
+  spdlog::info("version {} published by {} (base {}, {} patch bytes, {} dense bytes{}{})", version.version(),
                version.source(), version.base_version(), version.patch_bytes(), version.dense_bytes(),
-               version.keyframe() ? ", keyframe" : "");
+               version.keyframe() ? ", keyframe" : "", version.incomplete() ? ", still being encoded: streamed as it is" : "");
   return version.version();
 }
 
@@ -329,6 +346,10 @@ StatusOr<uint64_t> CoordinatorState::PublishPartLocked(const VersionSummary& par
   }
   if (part.part() >= part.parts()) {
     return InvalidArgumentError("part " + std::to_string(part.part()) + " of " + std::to_string(part.parts()));
+  }
+  if (part.incomplete()) {
+    return InvalidArgumentError("version " + std::to_string(v) + " part " + std::to_string(part.part()) +
+                                ": a part is announced once encoded (no incomplete announce)");
   }
   if (auto it = versions_.find(v); it != versions_.end() && static_cast<int>(part.part()) < it->second.part_summaries_size()) {
     const VersionSummary& had = it->second.part_summaries(static_cast<int>(part.part()));
