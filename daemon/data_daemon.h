@@ -41,6 +41,11 @@ struct DataDaemonConfig {
   // Sinks: decode a pulled stream chunk by chunk while it arrives (host
   // tensors; docs/data-plane.md, "Streaming"). Off: decode once it is in.
   bool decode_ahead = true;
+  // Sources: a version of host weights larger than this is encoded in
+  // segments of whole tensors of about this many bytes, announced once the
+  // first is encoded and served to its pullers as it is encoded (0: encoded
+  // whole, announced once encoded).
+  uint64_t segment_bytes = 64u << 20;
   uint64_t corrupt_every = 0;            // fault injection (tests)
   uint64_t fail_announce = 0;            // fault injection (tests): announcing this version fails
 };

@@ -36,9 +36,11 @@ SourceCore::SourceCore(DataDaemonConfig config, control::CoordinatorClient* coor
     : config_(std::move(config)),
       coordinator_(coordinator),
       pool_(pool),
-      history_([pool] {
+      history_([this, pool] {
         VersionHistory::Options o;
         o.encode.pool = pool;
+        o.segment_bytes = config_.segment_bytes;
+        o.on_stream = [this](const PublishedVersion& early) { AnnounceEarly(early); };
         return o;
       }()),
       copy_pool_(config_.threads) {}
@@ -397,6 +399,29 @@ Status SourceCore::Announce(const PublishedVersion& pub, double ms) {
                config_.name, pub.version, pub.patch_bytes, pub.dense_bytes,
                pub.patch_bytes ? static_cast<double>(pub.dense_bytes) / pub.patch_bytes : 0.0, ms);
   return wsync::Status::Ok();
+}
+
+// Tells the coordinator of a version whose patch is streamed while it is
+// encoded (the history calls this once its first segment is out), so that
+// sinks pull it at once. One attempt, no retries (this runs between
+// segments of the encode): if it fails, the complete announce after the
+// encode publishes the version as usual. Versions of several sources are
+// announced once encoded (the coordinator takes parts whole).
+void SourceCore::AnnounceEarly(const PublishedVersion& early) {
+  if (parts_ > 1 || early.version == config_.fail_announce) return;
+  v1::VersionSummary v;
+  v.set_version(early.version);
+  v.set_base_version(early.base_version);
+  v.set_dense_bytes(early.dense_bytes);
+  v.set_source(config_.name);
+  v.set_incomplete(true);
+  StatusOr<uint64_t> head = coordinator_->Publish(v);
+  if (!head.ok()) {
+    spdlog::warn("source {}: announcing version {} while it is encoded: {} (announced once encoded)", config_.name,
+                 early.version, head.status().ToString());
+    return;
+  }
+  spdlog::debug("source {}: version {} announced while it is encoded", config_.name, early.version);
 }
 
 // Waits for a version being published in the background; returns (once)

@@ -87,6 +87,7 @@ class SourceCore {
   Status CheckVersion(uint64_t version);
   std::string DescribeLagging(const wsync::v1::MayPublishResponse& may);
   Status Announce(const PublishedVersion& pub, double ms);
+  void AnnounceEarly(const PublishedVersion& early);
   Status JoinBackground();
   void WaitBackground();
   bool SleepFor(std::chrono::milliseconds d);  // false once stopping

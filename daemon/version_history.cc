@@ -1,4 +1,5 @@
 #include "version_history.h"
+#include "wsync/codec/staged.h"
 #include "wsync/util/text.h"
 
 #include <algorithm>
@@ -21,6 +22,7 @@ Status ApplyInPlace(const std::string& patch, std::vector<buffers::OwnedTensor>&
 StatusOr<PublishedVersion> VersionHistory::Publish(uint64_t version, std::span<const codec::TensorView> weights) {
   NewVersion next;
   next.layout = weights;
+  next.host = weights;
   next.encode = [&](std::span<const codec::TensorView> head, const codec::EncodeOptions& eo) {
     return codec::EncodePatch(head, weights, eo);
   };
@@ -34,6 +36,7 @@ StatusOr<PublishedVersion> VersionHistory::Publish(uint64_t version, std::vector
   const std::vector<codec::TensorView> views = buffers::Views(*weights);
   NewVersion next;
   next.layout = views;
+  next.host = views;
   next.encode = [&](std::span<const codec::TensorView> head, const codec::EncodeOptions& eo) {
     return codec::EncodePatch(head, views, eo);
   };
@@ -91,6 +94,68 @@ std::shared_ptr<VersionHistory::Weights> VersionHistory::Fresh(const Weights& li
   return fresh;
 }
 
+namespace {
+
+// Consecutive groups [begin, end) of whole tensors of about `bytes` each
+// (one group when bytes is 0 or the set is smaller).
+std::vector<std::pair<size_t, size_t>> SegmentGroups(std::span<const codec::TensorView> layout, uint64_t bytes) {
+  std::vector<std::pair<size_t, size_t>> out;
+  size_t begin = 0;
+  uint64_t sum = 0;
+  for (size_t i = 0; i < layout.size(); ++i) {
+    sum += layout[i].NumBytes();
+    if (bytes != 0 && sum >= bytes && i + 1 < layout.size()) {
+      out.push_back({begin, i + 1});
+      begin = i + 1;
+      sum = 0;
+    }
+  }
+  if (begin < layout.size() || out.empty()) out.push_back({begin, layout.size()});
+  return out;
+}
+
+// The tensor checksums a patch or keyframe records, in order.
+std::vector<uint64_t> TargetSums(const codec::PatchInfo& info) {
+  std::vector<uint64_t> out;
+  for (const auto& t : info.tensors) out.push_back(t.target_checksum);
+  return out;
+}
+
+}  // namespace
+
+StatusOr<std::string> VersionHistory::EncodeStreamed(const Weights& head, const NewVersion& next,
+                                                     const codec::EncodeOptions& eo,
+                                                     const std::vector<std::pair<size_t, size_t>>& groups,
+                                                     const std::shared_ptr<PatchStream>& live) {
+  const std::vector<codec::TensorView> base = buffers::Views(head);
+  std::vector<std::string> segments;
+  for (size_t k = 0; k < groups.size(); ++k) {
+    const auto [b, e] = groups[k];
+    codec::EncodeOptions go = eo;
+    go.grids.clear();
+    for (const auto& g : eo.grids) {
+      for (size_t i = b; i < e; ++i) {
+        if (base[i].name == g.tensor) go.grids.push_back(g);
+      }
+    }
+    go.base_set_checksum = codec::staged::SetChecksumOf(std::span<const uint64_t>(head_sums_).subspan(b, e - b));
+    WSYNC_ASSIGN_OR_RETURN(std::string segment,
+                           codec::EncodePatch(std::span(base).subspan(b, e - b), next.host.subspan(b, e - b), go));
+    WSYNC_RETURN_IF_ERROR(live->Append(segment));
+    segments.push_back(std::move(segment));
+    if (k == 0 && options_.on_stream) {
+      PublishedVersion early;
+      early.version = eo.target_version;
+      early.base_version = eo.base_version;
+      for (const auto& t : next.layout) early.dense_bytes += t.NumBytes();
+      options_.on_stream(early);
+    }
+    if (options_.after_segment) options_.after_segment(k);
+  }
+  std::vector<std::string_view> views(segments.begin(), segments.end());
+  return codec::JoinSegments(views, *eo.base_set_checksum);
+}
+
 StatusOr<PublishedVersion> VersionHistory::Publish(uint64_t version, const NewVersion& next) {
   std::lock_guard<std::mutex> publishing(publish_mu_);
   std::shared_ptr<const Weights> head;
@@ -117,12 +182,14 @@ StatusOr<PublishedVersion> VersionHistory::Publish(uint64_t version, const NewVe
     WSYNC_ASSIGN_OR_RETURN(std::string kf, codec::EncodeKeyframe(buffers::Views(*first), eo));
     WSYNC_ASSIGN_OR_RETURN(codec::PatchInfo info, codec::InspectPatch(kf));
     out.set_checksum = info.target_set_checksum;
+    std::vector<uint64_t> sums = TargetSums(info);
     out.patch_bytes = kf.size();
     auto stream =
         PatchStream::FromBytes(codec::PatchKind::kKeyframe, 0, version, std::move(kf), options_.stream_chunk_bytes);
     auto oldest = std::make_shared<Weights>(*first);
     std::lock_guard<std::mutex> lock(mu_);
     head_set_checksum_ = out.set_checksum;
+    head_sums_ = std::move(sums);
     head_weights_ = std::move(first);
     oldest_weights_ = std::move(oldest);
     head_ = oldest_ = version;
@@ -133,9 +200,42 @@ StatusOr<PublishedVersion> VersionHistory::Publish(uint64_t version, const NewVe
   eo.base_version = head_version;
   eo.target_version = version;
   eo.base_set_checksum = head_checksum;  // the head was the last target: no second hash of it
-  WSYNC_ASSIGN_OR_RETURN(std::string encoded, next.encode(buffers::Views(*head), eo));
-  WSYNC_ASSIGN_OR_RETURN(codec::PatchInfo info, codec::InspectPatch(encoded));
-  auto patch = std::make_shared<const std::string>(std::move(encoded));
+  const auto groups = SegmentGroups(next.layout, options_.segment_bytes);
+  StatusOr<std::string> encoded = UnavailableError("not encoded");
+  if (!next.host.empty() && groups.size() > 1 && head_sums_.size() == head->size()) {
+    // Streamed: pullers of (head, version) get the segments as they come.
+    auto live = PatchStream::Growing(codec::PatchKind::kPatch, head_version, version, options_.stream_chunk_bytes);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      live_ = Live{head_version, version, live};
+    }
+    encoded = EncodeStreamed(*head, next, eo, groups, live);
+    if (encoded.ok()) {
+      if (Status finished = live->Finish(); !finished.ok()) encoded = finished;
+    }
+    if (!encoded.ok()) {
+      live->Fail(encoded.status());
+      std::lock_guard<std::mutex> lock(mu_);
+      live_.reset();
+      built_.notify_all();
+    }
+  } else {
+    encoded = next.encode(buffers::Views(*head), eo);
+  }
+  WSYNC_RETURN_IF_ERROR(encoded.status());
+  // From here on a failure ends the live stream's version too.
+  auto end_live = [&] {
+    std::lock_guard<std::mutex> lock(mu_);
+    live_.reset();
+    built_.notify_all();
+  };
+  StatusOr<codec::PatchInfo> inspected = codec::InspectPatch(*encoded);
+  if (!inspected.ok()) {
+    end_live();
+    return inspected.status();
+  }
+  const codec::PatchInfo& info = *inspected;
+  auto patch = std::make_shared<const std::string>(std::move(*encoded));
   head.reset();  // only pulls may still hold the head's buffers now
   std::unique_lock<std::mutex> lock(mu_);
   if (next.load_head) {
@@ -147,6 +247,8 @@ StatusOr<PublishedVersion> VersionHistory::Publish(uint64_t version, const NewVe
     // pull's build).
     if (Status filled = next.fill(*head_weights_); !filled.ok()) {
       // The head copy may be torn: rebuild it from the oldest copy and the chain.
+      live_.reset();
+      built_.notify_all();
       Weights w = *oldest_weights_;
       for (const auto& [v, p] : patches_) WSYNC_RETURN_IF_ERROR(ApplyInPlace(*p, w, options_.encode.pool));
       *head_weights_ = std::move(w);
@@ -156,15 +258,21 @@ StatusOr<PublishedVersion> VersionHistory::Publish(uint64_t version, const NewVe
     // A pull reads them (a keyframe of the head being built): fresh buffers.
     lock.unlock();
     auto fresh = Fresh(*head_weights_);  // stable: only this thread replaces it (publish_mu_)
-    WSYNC_RETURN_IF_ERROR(next.fill(*fresh).WithContext("version " + std::to_string(version)));
+    if (Status filled = next.fill(*fresh); !filled.ok()) {
+      end_live();
+      return filled.WithContext("version " + std::to_string(version));
+    }
     lock.lock();
     head_weights_ = std::move(fresh);
   }
   out.base_version = head_;
   out.patch_bytes = patch->size();
   out.set_checksum = head_set_checksum_ = info.target_set_checksum;
+  head_sums_ = TargetSums(info);
   patches_[version] = std::move(patch);
   head_ = version;
+  live_.reset();  // its pullers have their stream; later ones get the stored patch
+  built_.notify_all();
   return out;
 }
 
@@ -231,11 +339,24 @@ Status VersionHistory::SetGrids(std::vector<codec::TileGrid> grids) {
   // Patches merge only over one grid: the versions kept before the head go
   // (sinks behind it get keyframes); the next patch is coded from the head
   // on the new grids, against the head's checksum on them.
-  WSYNC_ASSIGN_OR_RETURN(uint64_t head_checksum, codec::SetChecksum(buffers::Views(*head), grids, options_.encode.pool));
+  for (const auto& g : grids) {
+    if (std::none_of(head->begin(), head->end(), [&](const buffers::OwnedTensor& t) { return t.name == g.tensor; })) {
+      return InvalidArgumentError("tile grid for tensor " + Quoted(g.tensor) + ", which the published set lacks");
+    }
+  }
+  std::vector<uint64_t> sums;
+  for (const auto& t : buffers::Views(*head)) {
+    const auto grid = std::find_if(grids.begin(), grids.end(), [&](const codec::TileGrid& g) { return g.tensor == t.name; });
+    WSYNC_ASSIGN_OR_RETURN(uint64_t sum,
+                           codec::TensorChecksumOf(t, grid == grids.end() ? nullptr : &*grid, options_.encode.pool));
+    sums.push_back(sum);
+  }
+  const uint64_t head_checksum = codec::staged::SetChecksumOf(sums);
   std::lock_guard<std::mutex> lock(mu_);
   spdlog::info("tile grids changed at version {}: versions {}..{} are no longer kept", head_, oldest_, head_ - 1);
   grids_ = std::move(grids);
   head_set_checksum_ = head_checksum;
+  head_sums_ = std::move(sums);
   oldest_weights_ = head_weights_;  // shared: a publish then fills fresh buffers for the next head
   oldest_ = head_;
   patches_.clear();
@@ -273,7 +394,14 @@ StatusOr<std::shared_ptr<PatchStream>> VersionHistory::OpenFor(uint64_t from, ui
   }
   WSYNC_ASSIGN_OR_RETURN(auto whole, Open(from, to));
   WSYNC_RETURN_IF_ERROR(whole->WaitComplete(std::chrono::steady_clock::now() + std::chrono::minutes(5)));
-  WSYNC_ASSIGN_OR_RETURN(std::string selected, codec::SelectForPieces(whole->Assemble(), pieces));
+  // Segment by segment: a version streamed while it was encoded is several.
+  const std::string bytes = whole->Assemble();
+  WSYNC_ASSIGN_OR_RETURN(auto segments, codec::SplitSegments(bytes));
+  std::string selected;
+  for (std::string_view segment : segments) {
+    WSYNC_ASSIGN_OR_RETURN(std::string part, codec::SelectForPieces(segment, pieces));
+    selected += part;
+  }
   auto stream = PatchStream::FromBytes(whole->kind(), whole->from(), whole->to(), std::move(selected),
                                        options_.stream_chunk_bytes);
   std::lock_guard<std::mutex> lock(mu_);
@@ -380,6 +508,14 @@ StatusOr<std::shared_ptr<const VersionHistory::Weights>> VersionHistory::Weights
 
 StatusOr<std::shared_ptr<PatchStream>> VersionHistory::Open(uint64_t from, uint64_t to) {
   std::unique_lock<std::mutex> lock(mu_);
+  if (live_ && live_->to == to) {
+    // The version being encoded: its patch from the head as it grows;
+    // anything else of it (a keyframe, a merge) once it is encoded.
+    if (live_->from == from) return live_->stream;
+    if (!built_.wait_for(lock, std::chrono::minutes(5), [&] { return !live_ || live_->to != to; })) {
+      return UnavailableError("version " + std::to_string(to) + " is still being encoded");
+    }
+  }
   // NotFound, as for any version not held: the puller waits for a newer
   // version (a restarted source publishes its history anew).
   if (head_ == 0) return NotFoundError("version " + std::to_string(to) + " is not held: nothing published since "

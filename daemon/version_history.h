@@ -23,6 +23,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -56,6 +57,17 @@ class VersionHistory : public PatchProvider {
     uint64_t cache_bytes = 0;
     // Test seam: called outside the lock before a keyframe or merge is built.
     std::function<void(uint64_t from, uint64_t to)> before_build;
+    // Streaming (docs/data-plane.md, "Streaming versions"): a version of
+    // host weights larger than this (dense bytes) is encoded in segments of
+    // whole tensors of about this size, and its patch from the head is
+    // served while it is encoded (0: versions are encoded whole).
+    uint64_t segment_bytes = 0;
+    // Called (on the publishing thread) once the first segment of a version
+    // is encoded: its patch is served from then on. patch_bytes and
+    // set_checksum are 0 (not known yet).
+    std::function<void(const PublishedVersion& early)> on_stream;
+    // Test seam: called after each segment is encoded (its index).
+    std::function<void(size_t segment)> after_segment;
   };
   explicit VersionHistory(Options options) : options_(std::move(options)) {}
 
@@ -98,6 +110,10 @@ class VersionHistory : public PatchProvider {
     // loaded through load_head only when something needs it (a keyframe of
     // the head), so a publish moves only the patch across PCIe.
     std::function<Status(std::vector<buffers::OwnedTensor>& head)> load_head;
+    // The new weights in host memory, when they are (data readable): then
+    // the version may be encoded in segments and streamed (encode is not
+    // called).
+    std::span<const codec::TensorView> host;
   };
   StatusOr<PublishedVersion> Publish(uint64_t version, const NewVersion& next);
 
@@ -148,6 +164,12 @@ class VersionHistory : public PatchProvider {
   void CacheLocked(std::pair<uint64_t, uint64_t> key, std::shared_ptr<PatchStream> stream, double cost_s);
   // New zeroed buffers of `like`'s layout (for when a pull reads the old ones).
   static std::shared_ptr<Weights> Fresh(const Weights& like);
+  // The patch from `head` to next.host in segments (groups of whole tensors
+  // of about options_.segment_bytes), each appended to live_'s stream as it
+  // is encoded; returns them joined into one container. Outside mu_.
+  StatusOr<std::string> EncodeStreamed(const Weights& head, const NewVersion& next, const codec::EncodeOptions& eo,
+                                       const std::vector<std::pair<size_t, size_t>>& groups,
+                                       const std::shared_ptr<PatchStream>& live);
 
   Options options_;
   std::mutex publish_mu_;  // serializes Publish and Retain; never held by pulls
@@ -159,6 +181,14 @@ class VersionHistory : public PatchProvider {
   std::condition_variable built_;
   uint64_t head_ = 0, oldest_ = 0;
   uint64_t head_set_checksum_ = 0;  // SetChecksum of the head version (valid once head_ != 0)
+  std::vector<uint64_t> head_sums_;  // its tensor checksums (segments' base checksums)
+  // The version being encoded in segments: its patch from the head, served
+  // while it grows.
+  struct Live {
+    uint64_t from = 0, to = 0;
+    std::shared_ptr<PatchStream> stream;
+  };
+  std::optional<Live> live_;
   std::shared_ptr<Weights> head_weights_, oldest_weights_;  // shared with pulls reading them
   bool head_stale_ = false;  // head_weights_ is behind: load through head_loader_
   bool oldest_moving_ = false;  // Retain moves the oldest copy forward in place

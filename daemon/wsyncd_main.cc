@@ -189,6 +189,13 @@ int main(int argc, char** argv) {
         ->capture_default_str();
     cmd->add_option("--retry-max-ms", data.retry_max_ms, "sinks: the longest delay between failed sync attempts")
         ->capture_default_str()->check(CLI::Range(uint64_t{100}, uint64_t{600'000}));
+    cmd->add_option("--segment-mib", [&data](const std::vector<std::string>& v) {
+                      data.segment_bytes = static_cast<uint64_t>(std::stod(v.at(0)) * (1 << 20));
+                      return true;
+                    },
+                    "sources: encode versions in segments of about this many MiB of weights (a fraction is "
+                    "fine), each served as soon as it is encoded (0: encode whole versions)")
+        ->default_str("64")->check(CLI::Range(0.0, 1048576.0));
     cmd->add_flag("--no-decode-ahead", [&data](int64_t) { data.decode_ahead = false; },
                   "sinks: decode a patch once all of it is in, not while it arrives (figures: "
                   "scripts/bench_shaped_link.py)");

@@ -3,14 +3,16 @@
 namespaces joined by a veth pair shaped with `tc ... tbf rate RATE`
 (UCX_TLS=tcp), syncing a synthetic model (FP32 masters, Adam-like steps,
 BF16 snapshots) version by version. Measured in the same run: the time per
-version with wsync (publish to applied), with the sink decoding each patch
-once it is in (encode, transfer, apply in turn) and while it arrives (the
-default), and the time of a dense full copy of the same snapshot over the
+version with wsync (the source's publish to the sink's apply), serial
+(whole versions, encode, transfer and apply in turn) and streamed (the
+default: versions sent in segments as they are encoded, decoded as they
+arrive), and the time of a dense full copy of the same snapshot over the
 same link (TCP). Needs root (ip netns, tc).
 
     bench_shaped_link.py --build BUILD [--params 536870912] [--steps 3] [--rate 1gbit]
 """
 import argparse
+import datetime
 import json
 import os
 import re
@@ -51,9 +53,16 @@ def teardown_link():
     sh("ip", "netns", "del", NS_B, check=False)
 
 
-# The sink's log line for an applied version (daemon/data_daemon.cc).
-APPLIED = re.compile(r"version (\d+) applied from \S+ \(\w+ \d+ bytes, ([\d.]+) ms: transfer ([\d.]+) ms, "
+# The sink's log line for an applied version (daemon/sink_core.cc), and the
+# source's for a published one (daemon/source_core.cc), with their times.
+STAMP = r"^(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3})"
+APPLIED = re.compile(STAMP + r".*version (\d+) applied from \S+ \(\w+ \d+ bytes, ([\d.]+) ms: transfer ([\d.]+) ms, "
                      r"apply ([\d.]+) ms\)")
+PUBLISHED = re.compile(STAMP + r".*version (\d+) published: .*encoded in ([\d.]+) ms")
+
+
+def stamp(text):
+    return datetime.datetime.strptime(text, "%Y-%m-%dT%H:%M:%S.%f").timestamp()
 
 
 def link_bits_per_second(rate):
@@ -95,10 +104,12 @@ c.close()
     return time.time() - t0
 
 
-def run_phase(args, tmp, snaps, decode_ahead):
+def run_phase(args, tmp, snaps, source_flags, sink_flags):
     """Coordinator, source and sink from scratch; publishes every snapshot.
-    Returns the rows (version, wire bytes, encode s, sync s, transfer s,
-    apply s) and whether the sink's last version is bit-exact."""
+    Returns the rows (version, wire bytes, encode s, time to sync s,
+    transfer s, apply s) and whether the sink's last version is bit-exact.
+    Time to sync: from the start of the source's publish to the sink's
+    apply (both daemons' log times: one clock)."""
     wsync = os.path.join(args.build, "client", "wsync")
     wsyncd = os.path.join(args.build, "daemon", "wsyncd")
     tmp = tempfile.mkdtemp(prefix="phase_", dir=tmp)
@@ -129,9 +140,9 @@ def run_phase(args, tmp, snaps, decode_ahead):
         spawn("coordinator", [wsyncd, "coordinator", "--listen", f"unix:{tmp}/coord.sock"])
         time.sleep(0.5)
         spawn("source", [wsyncd, "source", "--name", "source", "--local", f"unix:{tmp}/src.sock",
-                         "--listen", f"{IP_A}:0"], NS_A)
+                         "--listen", f"{IP_A}:0"] + source_flags, NS_A)
         spawn("sink", [wsyncd, "sink", "--name", "sink", "--local", f"unix:{tmp}/sink.sock",
-                       "--listen", f"{IP_B}:0"] + ([] if decode_ahead else ["--no-decode-ahead"]), NS_B)
+                       "--listen", f"{IP_B}:0"] + sink_flags, NS_B)
         time.sleep(1.0)
         spawn("buffers", [wsync, "serve-buffers", "--local", f"unix:{tmp}/sink.sock", "--like", snaps[0]], NS_B)
         time.sleep(1.0)
@@ -148,14 +159,18 @@ def run_phase(args, tmp, snaps, decode_ahead):
             words = p.stdout.split()
             wire, encode_ms = int(words[3]), float(words[-2])
             wait_applied(v)
-            sync = None
+            done = published = None
             for line in open(os.path.join(tmp, "sink.log")):
                 m = APPLIED.search(line)
-                if m and int(m.group(1)) == v:
-                    sync = [float(m.group(i)) / 1000 for i in (2, 3, 4)]
-            if sync is None:
-                raise RuntimeError(f"no 'version {v} applied' line in {tmp}/sink.log")
-            rows.append((v, wire, encode_ms / 1000, *sync))
+                if m and int(m.group(2)) == v:
+                    done = (stamp(m.group(1)), float(m.group(4)) / 1000, float(m.group(5)) / 1000)
+            for line in open(os.path.join(tmp, "source.log")):
+                m = PUBLISHED.search(line)
+                if m and int(m.group(2)) == v:
+                    published = stamp(m.group(1)) - float(m.group(3)) / 1000
+            if done is None or published is None:
+                raise RuntimeError(f"no log line of version {v} in {tmp}/sink.log or source.log")
+            rows.append((v, wire, encode_ms / 1000, done[0] - published, done[1], done[2]))
         last = subprocess.run([wsync, "dump", "--local", f"unix:{tmp}/sink.sock", "-o", f"{tmp}/last.safetensors",
                                "--version", str(len(snaps))], env=env, capture_output=True, text=True)
         if last.returncode != 0:
@@ -193,36 +208,36 @@ def main():
     dense = os.path.getsize(snaps[0])
     setup_link(args.rate)
     try:
-        # The same snapshots over the same link: the sink decoding each patch
-        # once it is in (encode, transfer and apply one after the other),
-        # then decoding while it arrives.
-        phases = [("decoding once the patch is in (--no-decode-ahead)", *run_phase(args, tmp, snaps, False)),
-                  ("decoding while the patch arrives (default)", *run_phase(args, tmp, snaps, True))]
+        # The same snapshots over the same link: encode, transfer and apply
+        # one after the other (whole versions, decoded once in), then the
+        # default pipeline (versions streamed in segments as they are
+        # encoded, decoded while they arrive).
+        phases = [("serial (--segment-mib 0, --no-decode-ahead)",
+                   *run_phase(args, tmp, snaps, ["--segment-mib", "0"], ["--no-decode-ahead"])),
+                  ("streamed (default)", *run_phase(args, tmp, snaps, [], []))]
         dense_s = [dense_copy_seconds(snaps[-1]) for _ in range(2)]
         dense_t = statistics.median(dense_s)
         print(f"link: veth + tbf {args.rate}; model: {dense / 1e9:.2f} GB BF16 ({args.params} parameters), lr {args.lr}")
         summary = []
         for name, rows, zero in phases:
-            print(f"sink {name}:")
-            print(f"{'version':>7} {'wire bytes':>12} {'encode s':>9} {'transfer s':>11} {'apply s':>8} {'total s':>8}")
+            print(f"{name}:")
+            print(f"{'version':>7} {'wire bytes':>12} {'encode s':>9} {'transfer s':>11} {'apply s':>8} {'to sync s':>10}")
             for v, wire, enc, sync, transfer, apply in rows:
-                print(f"{v:>7} {wire:>12} {enc:>9.3f} {transfer:>11.3f} {apply:>8.3f} {enc + sync:>8.3f}"
+                print(f"{v:>7} {wire:>12} {enc:>9.3f} {transfer:>11.3f} {apply:>8.3f} {sync:>10.3f}"
                       f"{'  (keyframe)' if v == 1 else ''}")
             print(f"  last version on the sink bit-exact: {'yes' if zero else 'NO'}")
             patch_rows = rows[1:]
             med = lambda f: statistics.median(f(r) for r in patch_rows)
-            summary.append((name, med(lambda r: r[2] + r[3]), med(lambda r: r[4]), med(lambda r: r[2] + r[5]),
-                            med(lambda r: r[5]), med(lambda r: r[1] * 8 / link_bits_per_second(args.rate))))
+            summary.append((name, med(lambda r: r[3]), med(lambda r: r[2]), med(lambda r: r[4]), med(lambda r: r[5]),
+                            med(lambda r: r[2] + r[4] + r[5])))
         print(f"dense full copy over the same link: {dense_t:.2f} s (median of {len(dense_s)})")
-        for name, wsync_t, transfer_t, cpu_t, apply_t, wire_t in summary:
-            print(f"wsync per version, sink {name} (median over {args.steps} patches): {wsync_t:.3f} s "
-                  f"-> {dense_t / wsync_t:.1f}x less time than dense")
-            print(f"  transfer (request to last byte): {transfer_t:.3f} s; the patch at the link rate alone: "
-                  f"{wire_t:.3f} s; apply after the last byte: {apply_t:.3f} s")
-        (_, serial, _, _, serial_apply, _), (_, ahead, _, _, ahead_apply, _) = summary
-        print(f"decoding while the patch arrives: time to sync {ahead:.3f} s vs {serial:.3f} s "
-              f"({(1 - ahead / serial) * 100:.0f}% less); apply after the last byte {ahead_apply:.3f} s vs "
-              f"{serial_apply:.3f} s")
+        print("medians over the patches (transfer: the sink's request to its last byte; apply: after the last byte)")
+        for name, sync_t, enc_t, transfer_t, apply_t, sum_t in summary:
+            print(f"  {name}: time to sync {sync_t:.3f} s ({dense_t / sync_t:.1f}x less than dense); "
+                  f"encode {enc_t:.3f} + transfer {transfer_t:.3f} + apply {apply_t:.3f} = {sum_t:.3f} s")
+        serial, streamed = summary[0][1], summary[1][1]
+        print(f"streamed: time to sync {streamed:.3f} s against {serial:.3f} s serial "
+              f"({(1 - streamed / serial) * 100:.0f}% less); the serial stages sum to {summary[0][5]:.3f} s")
     finally:
         teardown_link()
         shutil.rmtree(tmp, ignore_errors=True)

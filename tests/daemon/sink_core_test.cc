@@ -9,6 +9,8 @@
 
 #include <gtest/gtest.h>
 
+#include <future>
+
 #include <cstring>
 #include <random>
 #include <thread>
@@ -300,6 +302,78 @@ TEST_F(SinkCoreTest, PatchesAreDecodedWhileTheyArrive) {
   }
   EXPECT_GT(ahead.core->status().chunks_decoded_ahead, 0u) << "patches are decoded while they arrive";
   EXPECT_EQ(after.core->status().chunks_decoded_ahead, 0u);
+}
+
+// A source that encodes in segments announces the version once its first
+// segment is out (incomplete: no checksum yet) and serves the patch as it
+// is encoded: the sink pulls it while the encode is held after its first
+// segment, decodes what came, and applies the whole version, bit for bit,
+// once the last segment is in. The coordinator then holds the complete
+// summary, and a sink that claims the version is checked against it.
+TEST_F(SinkCoreTest, AVersionIsPulledWhileItsSourceEncodesIt) {
+  std::mt19937_64 rng(31);
+  std::vector<std::vector<OwnedTensor>> v(3);
+  for (const char* name : {"a", "b", "c", "d"}) v[0].push_back(testing::RandomTensor(name, codec::DType::kBF16, {600000}, rng));
+  for (int k = 1; k < 3; ++k) {
+    for (const auto& t : v[k - 1]) v[k].push_back(testing::PerturbByExponent(t, 0.01, 120, rng));
+  }
+  std::promise<void> streaming;
+  std::promise<void> go_on;
+  auto go = go_on.get_future().share();
+  std::atomic<bool> hold_next{false};
+  control::InProcessClient announcer(state_.get());
+  VersionHistory::Options o;
+  o.stream_chunk_bytes = 4096;
+  o.segment_bytes = 1 << 20;
+  o.on_stream = [&](const PublishedVersion& early) {
+    v1::VersionSummary s;
+    s.set_version(early.version);
+    s.set_base_version(early.base_version);
+    s.set_dense_bytes(early.dense_bytes);
+    s.set_source("source");
+    s.set_incomplete(true);
+    ASSERT_TRUE(announcer.Publish(s).ok());
+  };
+  o.after_segment = [&](size_t k) {
+    if (k == 0 && hold_next.exchange(false)) {
+      streaming.set_value();
+      go.wait();
+    }
+  };
+  TestSource source(state_.get(), fabric_, {}, "source", o);
+  source.Publish(1, v[0]);
+  TestSink sink("sink-0", state_.get(), fabric_);
+  ASSERT_TRUE(sink.RegisterMemory(v[0], 1).ok());
+  hold_next = true;
+  auto publishing = std::async(std::launch::async, [&] { source.Publish(2, v[1]); });
+  if (streaming.get_future().wait_for(10s) != std::future_status::ready) {
+    go_on.set_value();
+    publishing.get();
+    FAIL() << "version 2 was not streamed while it was encoded";
+  }
+  // The sink has learned of version 2 and receives it while it is encoded.
+  const uint64_t served = source.plane.server->bytes_served();
+  const auto until = std::chrono::steady_clock::now() + 10s;
+  while (source.plane.server->bytes_served() == served && std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  EXPECT_GT(source.plane.server->bytes_served(), served) << "the first segment went out before the encode ended";
+  EXPECT_EQ(sink.core->weights()->applied(), 1u) << "nothing applied before the last segment";
+  go_on.set_value();
+  publishing.get();
+  sink.ExpectReaches(2, v[1]);
+  auto listed = source.client.ListVersions(1);
+  ASSERT_TRUE(listed.ok());
+  ASSERT_EQ(listed->versions_size(), 1);
+  EXPECT_FALSE(listed->versions(0).incomplete()) << "completed by the source's announce";
+  EXPECT_EQ(listed->versions(0).set_checksum(), codec::SetChecksum(buffers::Views(v[1])));
+  // A version streamed the same way and then a restart claiming it: trusted.
+  source.Publish(3, v[2]);
+  sink.ExpectReaches(3, v[2]);
+  TestSink restarted("sink-1", state_.get(), fabric_);
+  ASSERT_TRUE(restarted.RegisterMemory(v[2], 3).ok());
+  restarted.ExpectReaches(3, v[2]);
+  EXPECT_EQ(restarted.core->status().pulls_made, 0u) << "its claim was checked, no keyframe";
 }
 
 // Weights changed behind the sink's back: the next patch does not fit its

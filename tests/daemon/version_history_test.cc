@@ -225,6 +225,101 @@ TEST(VersionHistory, PublishNeverWaitsForAKeyframeBuild) {
   EXPECT_TRUE(testing::SameBits(ApplyStream(**head_kf, Zeros(v[0])), v[5]));
 }
 
+// A version larger than a segment is encoded in segments and its patch from
+// the head is served while it is encoded: a puller has the first segment
+// before the last is encoded, and the stream (segments back to back) takes
+// the head to the version bit for bit. What else a puller asks of that
+// version waits for its encode; the stored patch is the whole-set encode.
+TEST(VersionHistory, AVersionIsServedWhileItIsEncodedInSegments) {
+  std::mt19937_64 rng(9);
+  std::vector<std::vector<OwnedTensor>> v(3);
+  for (const char* name : {"a", "b", "c", "d"}) {
+    v[0].push_back(testing::RandomTensor(name, codec::DType::kBF16, {600000}, rng));
+  }
+  for (int k = 1; k < 3; ++k) {
+    for (const auto& t : v[k - 1]) v[k].push_back(testing::PerturbByExponent(t, 0.01, 120, rng));
+  }
+  std::promise<void> first_segment, go_on;
+  auto go = go_on.get_future().share();
+  std::vector<PublishedVersion> early;
+  VersionHistory::Options o;
+  o.stream_chunk_bytes = 4096;
+  o.segment_bytes = 1 << 20;  // one tensor (1.2 MB) per segment
+  o.on_stream = [&](const PublishedVersion& p) { early.push_back(p); };
+  o.after_segment = [&, paused = false](size_t k) mutable {
+    if (k == 0 && !paused && !early.empty() && early.back().version == 2) {
+      paused = true;
+      first_segment.set_value();
+      go.wait();
+    }
+  };
+  VersionHistory h(o);
+  ASSERT_TRUE(h.Publish(1, buffers::Views(v[0])).ok());
+  EXPECT_TRUE(early.empty()) << "the first version is a keyframe, encoded whole";
+  auto publishing = std::async(std::launch::async, [&] { return h.Publish(2, buffers::Views(v[1])); });
+  if (first_segment.get_future().wait_for(std::chrono::seconds(10)) != std::future_status::ready) {
+    go_on.set_value();
+    (void)publishing.get();
+    FAIL() << "version 2 was not encoded in segments";
+  }
+  ASSERT_EQ(early.size(), 1u);
+  EXPECT_EQ(early[0].version, 2u);
+  EXPECT_EQ(early[0].base_version, 1u);
+  EXPECT_EQ(early[0].set_checksum, 0u) << "not known yet";
+  auto live = h.Open(1, 2);
+  ASSERT_TRUE(live.ok()) << live.status().ToString();
+  EXPECT_FALSE((*live)->sized()) << "a growing stream";
+  ASSERT_TRUE((*live)->Wait(0, std::chrono::steady_clock::now() + std::chrono::seconds(5)).ok())
+      << "the first segment is there before the rest is encoded";
+  auto keyframe = std::async(std::launch::async, [&] { return h.Open(0, 2); });
+  // A sink holding tensor b whole as its one piece: its selection of the
+  // version being encoded, once it is encoded.
+  std::vector<OwnedTensor> held = {v[0][1]};
+  held[0].name = "held-b";
+  std::vector<codec::RuntimeTensor> layout = {
+      {{held[0].name, held[0].dtype, held[0].shape, held[0].bytes.data()}, {{"b", {0}, {600000}, {0}}}}};
+  h.SetServedLayouts({layout});
+  auto selection = std::async(std::launch::async, [&] { return h.OpenFor(1, 2, codec::LayoutFingerprint(layout), 0); });
+  EXPECT_EQ(keyframe.wait_for(std::chrono::milliseconds(100)), std::future_status::timeout)
+      << "a keyframe of the version waits for its encode";
+  go_on.set_value();
+  auto pub = publishing.get();
+  ASSERT_TRUE(pub.ok()) << pub.status().ToString();
+  EXPECT_EQ(pub->set_checksum, codec::SetChecksum(buffers::Views(v[1])));
+  ASSERT_TRUE((*live)->WaitComplete(std::chrono::steady_clock::now() + std::chrono::seconds(5)).ok());
+  const std::string streamed = (*live)->Assemble();
+  auto segments = codec::SplitSegments(streamed);
+  ASSERT_TRUE(segments.ok());
+  EXPECT_EQ(segments->size(), 4u);
+  auto work = v[0];
+  ASSERT_TRUE(codec::ApplyParts(*segments, buffers::MutableViews(work), {}).ok());
+  EXPECT_TRUE(testing::SameBits(work, v[1])) << "the streamed segments";
+  auto kf = keyframe.get();
+  ASSERT_TRUE(kf.ok()) << kf.status().ToString();
+  auto selected = selection.get();
+  ASSERT_TRUE(selected.ok()) << selected.status().ToString();
+  const std::string selected_bytes = (*selected)->Assemble();
+  auto selected_segments = codec::SplitSegments(selected_bytes);
+  ASSERT_TRUE(selected_segments.ok());
+  EXPECT_LT(selected_bytes.size(), streamed.size() / 2) << "b's chunks only";
+  ASSERT_TRUE(codec::ApplyPartsToPieces(*selected_segments, layout, {}).ok());
+  EXPECT_EQ(held[0].bytes, v[1][1].bytes) << "the piece holds version 2 of b";
+  EXPECT_TRUE(testing::SameBits(ApplyStream(**kf, Zeros(v[0])), v[1]));
+  auto stored = h.Open(1, 2);
+  ASSERT_TRUE(stored.ok());
+  codec::EncodeOptions versions;
+  versions.base_version = 1;
+  versions.target_version = 2;
+  EXPECT_TRUE((*stored)->Assemble() == *codec::EncodePatch(buffers::Views(v[0]), buffers::Views(v[1]), versions))
+      << "the history keeps the segments as one container";
+  // The next version streams from this one; merges across both are exact.
+  ASSERT_TRUE(h.Publish(3, buffers::Views(v[2])).ok());
+  EXPECT_EQ(early.size(), 2u);
+  auto merged = h.Open(1, 3);
+  ASSERT_TRUE(merged.ok());
+  EXPECT_TRUE(testing::SameBits(ApplyStream(**merged, v[0]), v[2]));
+}
+
 // A merge reading the oldest copy while Retain moves it forward: Retain
 // moves a copy, the merge sees the old weights, both are exact.
 TEST(VersionHistory, RetainDoesNotWriteWhatAMergeReads) {

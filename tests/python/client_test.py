@@ -142,7 +142,9 @@ def local(s, name):
 
 
 def train(build, lr):
-    s = system(build, f"train_lr{lr}")
+    # Segments of 0.25 MiB: the model's versions (1 MB in BF16) are streamed
+    # to the sinks in segments as they are encoded (docs/data-plane.md).
+    s = system(build, f"train_lr{lr}", source_args=("--segment-mib", "0.25"))
     try:
         a = Worker(s, "inference-a", "inference", local(s, "sink-0"), s.tmp, "a", "--until", "8", "--seed", "1")
         b = Worker(s, "inference-b", "inference", local(s, "sink-1"), s.tmp, "b", "--until", "8", "--seed", "2",
