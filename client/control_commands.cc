@@ -187,7 +187,7 @@ Status RunVersions(const Connection& c, uint64_t after) {
               "RATIO", "CHECKSUM", "SOURCE");
   for (const auto& s : v.versions()) {
     std::printf("%8" PRIu64 " %8" PRIu64 " %-8s %14" PRIu64 " %14" PRIu64 " %7.1fx %016" PRIx64 "   %-16s\n",
-                s.version(), s.base_version(), s.keyframe() ? "keyframe" : "patch", s.patch_bytes(), s.dense_bytes(),
+                s.version(), s.base_version(), s.incomplete() ? "encoding" : s.keyframe() ? "keyframe" : "patch", s.patch_bytes(), s.dense_bytes(),
                 s.patch_bytes() ? static_cast<double>(s.dense_bytes()) / s.patch_bytes() : 0.0, s.set_checksum(),
                 s.source().c_str());
   }

@@ -80,6 +80,18 @@ class DeviceStore : public WeightStore {
       : WeightStore(std::move(tensors)), codec_(std::move(codec)) {}
   Status Apply(std::span<const std::string_view> streams, const codec::ApplyOptions& options) override {
     WSYNC_ASSIGN_OR_RETURN(auto parts, Segments(streams));
+    std::string joined;
+    if (streams.size() == 1 && parts.size() > 1 && !tensors_.has_pieces()) {
+      // A version streamed in segments: one container for the device codec,
+      // joined with the checksum of what the tensors hold as its base's. When
+      // they hold the base that is the base's checksum, and the container is
+      // byte for byte the source's whole patch; when not, the apply fails its
+      // checks and is undone (named a corrupt patch rather than a wrong base:
+      // the sink takes a keyframe either way).
+      WSYNC_ASSIGN_OR_RETURN(uint64_t held, DeviceSetChecksum(*codec_, Views()));
+      WSYNC_ASSIGN_OR_RETURN(joined, codec::JoinSegments(parts, held));
+      parts = {joined};
+    }
     if (DeviceAppliesDirectly(parts, tensors_.has_pieces())) {
       return codec_->ApplyPatch(parts[0], tensors_.MutableViews(), options);
     }

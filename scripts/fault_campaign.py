@@ -67,7 +67,7 @@ def differing_bits(a, b):
 
 
 class Campaign:
-    def __init__(self, build, seed, tmp, token=None, data_security=None):
+    def __init__(self, build, seed, tmp, token=None, data_security=None, source_args=()):
         import torch
         import wsync
         self.torch, self.wsync = torch, wsync
@@ -87,7 +87,7 @@ class Campaign:
         self.mismatched = f"{tmp}/mismatched.safetensors"
         write_safetensors(self.mismatched, {**self.model, "layers.0.weight": torch.zeros(128, 1024, dtype=torch.bfloat16)})
         self.s = System(build, 3, 2, tmp, coordinator_args=["--node-ttl-ms", "3000"], token=token,
-                        data_security=data_security)
+                        data_security=data_security, source_args=source_args)
         self.source_argv = list(self.s.procs["source"][0])
         for n in self.s.sinks:
             self.s.wait_for(lambda: os.path.exists(f"{tmp}/{n}.sock"), f"{n}'s local API")
@@ -303,14 +303,19 @@ def main():
     p.add_argument("--json", default=None)
     p.add_argument("--token", default=None, help="cluster token (coordinator and data plane)")
     p.add_argument("--data-security", choices=["none", "auth", "encrypt"], default=None)
+    p.add_argument("--segment-mib", default=None,
+                   help="the source's --segment-mib (1: the 4 MB model's versions are streamed in segments)")
     a = p.parse_args()
     sys.path.insert(0, os.path.join(os.path.abspath(a.build), "python"))
     seed = a.seed if a.seed is not None else random.SystemRandom().randrange(1 << 31)
     security = f" --token TOKEN --data-security {a.data_security}" if a.data_security else ""
+    if a.segment_mib:
+        security += f" --segment-mib {a.segment_mib}"
     print(f"fault campaign: seed {seed} (replay: fault_campaign.py --build {a.build} --seed {seed}{security}), "
           f"{a.minutes} min", flush=True)
     tmp = tempfile.mkdtemp(prefix=f"wsync_campaign_{seed}_")
-    c = Campaign(a.build, seed, tmp, token=a.token, data_security=a.data_security)
+    c = Campaign(a.build, seed, tmp, token=a.token, data_security=a.data_security,
+                 source_args=["--segment-mib", a.segment_mib] if a.segment_mib else [])
     t0 = time.time()
     try:
         first = c.publish()
