@@ -200,6 +200,13 @@ StatusOr<PublishedVersion> VersionHistory::Publish(uint64_t version, const NewVe
   eo.base_version = head_version;
   eo.target_version = version;
   eo.base_set_checksum = head_checksum;  // the head was the last target: no second hash of it
+  // A version streamed while it is encoded ends being live when it is the
+  // head, or failed (its pullers' streams fail with it).
+  auto end_live = [&] {
+    std::lock_guard<std::mutex> lock(mu_);
+    live_.reset();
+    built_.notify_all();
+  };
   const auto groups = SegmentGroups(next.layout, options_.segment_bytes);
   StatusOr<std::string> encoded = UnavailableError("not encoded");
   if (!next.host.empty() && groups.size() > 1 && head_sums_.size() == head->size()) {
@@ -215,20 +222,12 @@ StatusOr<PublishedVersion> VersionHistory::Publish(uint64_t version, const NewVe
     }
     if (!encoded.ok()) {
       live->Fail(encoded.status());
-      std::lock_guard<std::mutex> lock(mu_);
-      live_.reset();
-      built_.notify_all();
+      end_live();
     }
   } else {
     encoded = next.encode(buffers::Views(*head), eo);
   }
   WSYNC_RETURN_IF_ERROR(encoded.status());
-  // From here on a failure ends the live stream's version too.
-  auto end_live = [&] {
-    std::lock_guard<std::mutex> lock(mu_);
-    live_.reset();
-    built_.notify_all();
-  };
   StatusOr<codec::PatchInfo> inspected = codec::InspectPatch(*encoded);
   if (!inspected.ok()) {
     end_live();
