@@ -96,24 +96,6 @@ std::shared_ptr<VersionHistory::Weights> VersionHistory::Fresh(const Weights& li
 
 namespace {
 
-// Consecutive groups [begin, end) of whole tensors of about `bytes` each
-// (one group when bytes is 0 or the set is smaller).
-std::vector<std::pair<size_t, size_t>> SegmentGroups(std::span<const codec::TensorView> layout, uint64_t bytes) {
-  std::vector<std::pair<size_t, size_t>> out;
-  size_t begin = 0;
-  uint64_t sum = 0;
-  for (size_t i = 0; i < layout.size(); ++i) {
-    sum += layout[i].NumBytes();
-    if (bytes != 0 && sum >= bytes && i + 1 < layout.size()) {
-      out.push_back({begin, i + 1});
-      begin = i + 1;
-      sum = 0;
-    }
-  }
-  if (begin < layout.size() || out.empty()) out.push_back({begin, layout.size()});
-  return out;
-}
-
 // The tensor checksums a patch or keyframe records, in order.
 std::vector<uint64_t> TargetSums(const codec::PatchInfo& info) {
   std::vector<uint64_t> out;
@@ -125,35 +107,21 @@ std::vector<uint64_t> TargetSums(const codec::PatchInfo& info) {
 
 StatusOr<std::string> VersionHistory::EncodeStreamed(const Weights& head, const NewVersion& next,
                                                      const codec::EncodeOptions& eo,
-                                                     const std::vector<std::pair<size_t, size_t>>& groups,
                                                      const std::shared_ptr<PatchStream>& live) {
-  const std::vector<codec::TensorView> base = buffers::Views(head);
-  std::vector<std::string> segments;
-  for (size_t k = 0; k < groups.size(); ++k) {
-    const auto [b, e] = groups[k];
-    codec::EncodeOptions go = eo;
-    go.grids.clear();
-    for (const auto& g : eo.grids) {
-      for (size_t i = b; i < e; ++i) {
-        if (base[i].name == g.tensor) go.grids.push_back(g);
-      }
-    }
-    go.base_set_checksum = codec::staged::SetChecksumOf(std::span<const uint64_t>(head_sums_).subspan(b, e - b));
-    WSYNC_ASSIGN_OR_RETURN(std::string segment,
-                           codec::EncodePatch(std::span(base).subspan(b, e - b), next.host.subspan(b, e - b), go));
-    WSYNC_RETURN_IF_ERROR(live->Append(segment));
-    segments.push_back(std::move(segment));
-    if (k == 0 && options_.on_stream) {
-      PublishedVersion early;
-      early.version = eo.target_version;
-      early.base_version = eo.base_version;
-      for (const auto& t : next.layout) early.dense_bytes += t.NumBytes();
-      options_.on_stream(early);
-    }
-    if (options_.after_segment) options_.after_segment(k);
-  }
-  std::vector<std::string_view> views(segments.begin(), segments.end());
-  return codec::JoinSegments(views, *eo.base_set_checksum);
+  return codec::EncodeSegmented(
+      buffers::Views(head), next.host, eo, options_.segment_bytes, head_sums_,
+      [&](size_t k, std::string_view segment) -> Status {
+        WSYNC_RETURN_IF_ERROR(live->Append(segment));
+        if (k == 0 && options_.on_stream) {
+          PublishedVersion early;
+          early.version = eo.target_version;
+          early.base_version = eo.base_version;
+          for (const auto& t : next.layout) early.dense_bytes += t.NumBytes();
+          options_.on_stream(early);
+        }
+        if (options_.after_segment) options_.after_segment(k);
+        return Status::Ok();
+      });
 }
 
 StatusOr<PublishedVersion> VersionHistory::Publish(uint64_t version, const NewVersion& next) {
@@ -207,16 +175,16 @@ StatusOr<PublishedVersion> VersionHistory::Publish(uint64_t version, const NewVe
     live_.reset();
     built_.notify_all();
   };
-  const auto groups = SegmentGroups(next.layout, options_.segment_bytes);
   StatusOr<std::string> encoded = UnavailableError("not encoded");
-  if (!next.host.empty() && groups.size() > 1 && head_sums_.size() == head->size()) {
+  if (!next.host.empty() && codec::SegmentGroups(next.layout, options_.segment_bytes).size() > 1 &&
+      head_sums_.size() == head->size()) {
     // Streamed: pullers of (head, version) get the segments as they come.
     auto live = PatchStream::Growing(codec::PatchKind::kPatch, head_version, version, options_.stream_chunk_bytes);
     {
       std::lock_guard<std::mutex> lock(mu_);
       live_ = Live{head_version, version, live};
     }
-    encoded = EncodeStreamed(*head, next, eo, groups, live);
+    encoded = EncodeStreamed(*head, next, eo, live);
     if (encoded.ok()) {
       if (Status finished = live->Finish(); !finished.ok()) encoded = finished;
     }
@@ -338,18 +306,8 @@ Status VersionHistory::SetGrids(std::vector<codec::TileGrid> grids) {
   // Patches merge only over one grid: the versions kept before the head go
   // (sinks behind it get keyframes); the next patch is coded from the head
   // on the new grids, against the head's checksum on them.
-  for (const auto& g : grids) {
-    if (std::none_of(head->begin(), head->end(), [&](const buffers::OwnedTensor& t) { return t.name == g.tensor; })) {
-      return InvalidArgumentError("tile grid for tensor " + Quoted(g.tensor) + ", which the published set lacks");
-    }
-  }
-  std::vector<uint64_t> sums;
-  for (const auto& t : buffers::Views(*head)) {
-    const auto grid = std::find_if(grids.begin(), grids.end(), [&](const codec::TileGrid& g) { return g.tensor == t.name; });
-    WSYNC_ASSIGN_OR_RETURN(uint64_t sum,
-                           codec::TensorChecksumOf(t, grid == grids.end() ? nullptr : &*grid, options_.encode.pool));
-    sums.push_back(sum);
-  }
+  WSYNC_ASSIGN_OR_RETURN(std::vector<uint64_t> sums,
+                         codec::TensorChecksums(buffers::Views(*head), grids, options_.encode.pool));
   const uint64_t head_checksum = codec::staged::SetChecksumOf(sums);
   std::lock_guard<std::mutex> lock(mu_);
   spdlog::info("tile grids changed at version {}: versions {}..{} are no longer kept", head_, oldest_, head_ - 1);

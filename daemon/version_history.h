@@ -164,11 +164,10 @@ class VersionHistory : public PatchProvider {
   void CacheLocked(std::pair<uint64_t, uint64_t> key, std::shared_ptr<PatchStream> stream, double cost_s);
   // New zeroed buffers of `like`'s layout (for when a pull reads the old ones).
   static std::shared_ptr<Weights> Fresh(const Weights& like);
-  // The patch from `head` to next.host in segments (groups of whole tensors
-  // of about options_.segment_bytes), each appended to live_'s stream as it
-  // is encoded; returns them joined into one container. Outside mu_.
+  // The patch from `head` to next.host in segments (codec::EncodeSegmented
+  // of about options_.segment_bytes), each appended to `live` as it is
+  // encoded; returns them joined into one container. Outside mu_.
   StatusOr<std::string> EncodeStreamed(const Weights& head, const NewVersion& next, const codec::EncodeOptions& eo,
-                                       const std::vector<std::pair<size_t, size_t>>& groups,
                                        const std::shared_ptr<PatchStream>& live);
 
   Options options_;

@@ -122,6 +122,51 @@ TEST(Streams, JoinedSegmentsAreTheContainerOfTheWholeSet) {
   EXPECT_EQ(JoinSegments({}, 0).status().code(), StatusCode::kInvalidArgument);
 }
 
+TEST(Streams, EncodeSegmentedHandsOutEachSegmentAndJoinsThem) {
+  std::mt19937_64 rng(8);
+  const auto v0 = Model(rng);
+  const auto v1 = Step(v0, rng);
+  EncodeOptions o;
+  o.base_version = 4;
+  o.target_version = 5;
+  // 3 MiB segments: embed (3 MiB), then q + norm + mlp (2 + 5 MiB), then head.
+  const auto groups = SegmentGroups(Views(v1), 3 << 20);
+  ASSERT_EQ(groups.size(), 3u);
+  EXPECT_EQ(groups[0], std::make_pair(size_t{0}, size_t{1}));
+  EXPECT_EQ(groups[1], std::make_pair(size_t{1}, size_t{4}));
+  EXPECT_EQ(groups[2], std::make_pair(size_t{4}, size_t{5}));
+  EXPECT_EQ(SegmentGroups(Views(v1), 0).size(), 1u);
+  EXPECT_EQ(SegmentGroups(Views(v1), 1u << 40).size(), 1u);
+  std::string streamed;
+  std::vector<size_t> order;
+  auto joined = EncodeSegmented(Views(v0), Views(v1), o, 3 << 20, {}, [&](size_t k, std::string_view segment) {
+    order.push_back(k);
+    streamed += segment;
+    return Status::Ok();
+  });
+  ASSERT_TRUE(joined.ok()) << joined.status().message();
+  EXPECT_EQ(order, (std::vector<size_t>{0, 1, 2}));
+  EXPECT_TRUE(*joined == *EncodePatch(Views(v0), Views(v1), o)) << "joined: the whole-set encode";
+  auto work = v0;
+  ApplyAhead ahead(MutableViews(work), {});
+  Feed(ahead, streamed, rng);
+  ASSERT_TRUE(ahead.Apply(streamed).ok());
+  EXPECT_TRUE(testing::SameBits(work, v1)) << "the segments as streamed";
+  // Base checksums given (a source's last target's): the same bytes.
+  auto sums = TensorChecksums(Views(v0), {});
+  ASSERT_TRUE(sums.ok());
+  auto given = EncodeSegmented(Views(v0), Views(v1), o, 3 << 20, *sums, nullptr);
+  ASSERT_TRUE(given.ok());
+  EXPECT_TRUE(*given == *joined);
+  // The callback's error ends the encode; wrong counts are refused.
+  auto stopped = EncodeSegmented(Views(v0), Views(v1), o, 3 << 20, {},
+                                 [](size_t k, std::string_view) { return k == 1 ? CancelledError("puller gone") : Status::Ok(); });
+  EXPECT_EQ(stopped.status().code(), StatusCode::kCancelled);
+  std::vector<uint64_t> short_sums(2);
+  EXPECT_EQ(EncodeSegmented(Views(v0), Views(v1), o, 3 << 20, short_sums, nullptr).status().code(),
+            StatusCode::kInvalidArgument);
+}
+
 TEST(Streams, DecodingAheadInAnySlicesGivesTheSameBitsAsApplyingAtOnce) {
   std::mt19937_64 rng(2);
   ThreadPool pool(3);

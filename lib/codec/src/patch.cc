@@ -788,11 +788,21 @@ StatusOr<uint64_t> TensorChecksumOf(const TensorView& t, const TileGrid* grid, T
   return internal::EntryChecksum(entries[0], static_cast<const uint8_t*>(t.data), pool);
 }
 
-StatusOr<uint64_t> SetChecksum(std::span<const TensorView> tensors, std::span<const TileGrid> grids, ThreadPool* pool) {
+StatusOr<std::vector<uint64_t>> TensorChecksums(std::span<const TensorView> tensors, std::span<const TileGrid> grids,
+                                                ThreadPool* pool) {
   EncodeOptions o;
   o.grids.assign(grids.begin(), grids.end());
   WSYNC_ASSIGN_OR_RETURN(auto entries, EntriesFor(tensors, o));
-  return internal::EntriesSetChecksum(entries, [&](size_t t) { return tensors[t].data; }, pool);
+  std::vector<uint64_t> sums;
+  for (size_t t = 0; t < entries.size(); ++t) {
+    sums.push_back(internal::EntryChecksum(entries[t], static_cast<const uint8_t*>(tensors[t].data), pool));
+  }
+  return sums;
+}
+
+StatusOr<uint64_t> SetChecksum(std::span<const TensorView> tensors, std::span<const TileGrid> grids, ThreadPool* pool) {
+  WSYNC_ASSIGN_OR_RETURN(auto sums, TensorChecksums(tensors, grids, pool));
+  return internal::SetChecksumOf(sums);
 }
 
 StatusOr<std::string> EncodePatch(std::span<const TensorView> base, std::span<const TensorView> target,
@@ -1111,6 +1121,58 @@ StatusOr<std::string> JoinSegments(std::span<const std::string_view> segments, u
     payload.append(c->payload);
   }
   return internal::WriteContainer(joined, payload);
+}
+
+std::vector<std::pair<size_t, size_t>> SegmentGroups(std::span<const TensorView> tensors, uint64_t bytes) {
+  std::vector<std::pair<size_t, size_t>> out;
+  size_t begin = 0;
+  uint64_t sum = 0;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    sum += tensors[i].NumBytes();
+    if (bytes != 0 && sum >= bytes && i + 1 < tensors.size()) {
+      out.push_back({begin, i + 1});
+      begin = i + 1;
+      sum = 0;
+    }
+  }
+  if (begin < tensors.size() || out.empty()) out.push_back({begin, tensors.size()});
+  return out;
+}
+
+StatusOr<std::string> EncodeSegmented(std::span<const TensorView> base, std::span<const TensorView> target,
+                                      const EncodeOptions& options, uint64_t segment_bytes,
+                                      std::span<const uint64_t> base_tensor_checksums,
+                                      const std::function<Status(size_t, std::string_view)>& on_segment) {
+  WSYNC_RETURN_IF_ERROR(ValidateSet(base, /*need_data=*/true));
+  if (base.size() != target.size()) {
+    return InvalidArgumentError("base has " + std::to_string(base.size()) + " tensors, target " +
+                                std::to_string(target.size()));
+  }
+  std::vector<uint64_t> sums(base_tensor_checksums.begin(), base_tensor_checksums.end());
+  if (sums.empty()) {
+    WSYNC_ASSIGN_OR_RETURN(sums, TensorChecksums(base, options.grids, options.pool));
+  } else if (sums.size() != base.size()) {
+    return InvalidArgumentError(std::to_string(sums.size()) + " base tensor checksums for " +
+                                std::to_string(base.size()) + " tensors");
+  }
+  std::vector<std::string> segments;
+  const auto groups = SegmentGroups(target, segment_bytes);
+  for (size_t k = 0; k < groups.size(); ++k) {
+    const auto [b, e] = groups[k];
+    EncodeOptions o = options;
+    o.grids.clear();
+    std::unordered_set<std::string_view> names;
+    for (size_t i = b; i < e; ++i) names.insert(target[i].name);
+    for (const TileGrid& g : options.grids) {
+      if (names.count(g.tensor)) o.grids.push_back(g);
+    }
+    o.base_set_checksum = internal::SetChecksumOf(std::vector<uint64_t>(sums.begin() + b, sums.begin() + e));
+    WSYNC_ASSIGN_OR_RETURN(std::string segment, EncodePatch(base.subspan(b, e - b), target.subspan(b, e - b), o));
+    if (on_segment) WSYNC_RETURN_IF_ERROR(on_segment(k, segment));
+    segments.push_back(std::move(segment));
+  }
+  std::vector<std::string_view> views(segments.begin(), segments.end());
+  return JoinSegments(views, internal::SetChecksumOf(sums));
 }
 
 // ---- ApplyAhead

@@ -15,6 +15,8 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
+#include <utility>
 #include <memory>
 #include <optional>
 #include <span>
@@ -229,6 +231,24 @@ StatusOr<std::vector<std::string_view>> SplitSegments(std::string_view stream);
 // segments' errors (DataLoss) as ReadContainer's.
 StatusOr<std::string> JoinSegments(std::span<const std::string_view> segments, uint64_t base_set_checksum);
 
+// Consecutive groups [begin, end) of whole tensors of about `bytes` (dense)
+// each: the segments of a set (one group when bytes is 0 or the set is
+// smaller; a tensor larger than `bytes` is a group of its own or ends one).
+std::vector<std::pair<size_t, size_t>> SegmentGroups(std::span<const TensorView> tensors, uint64_t bytes);
+
+// The patch from base to target encoded segment by segment (SegmentGroups
+// of about segment_bytes; each segment a container of its tensors with the
+// options' grids for them), each handed to on_segment(index, bytes) as soon
+// as it is encoded (an error from it ends the encode); returns them joined
+// (JoinSegments: the bytes EncodePatch gives). base_tensor_checksums: the
+// base's tensor checksums on options.grids when the caller knows them (a
+// source: its last target's), else empty (hashed here).
+// options.base_set_checksum is not used. EncodePatch's errors.
+StatusOr<std::string> EncodeSegmented(std::span<const TensorView> base, std::span<const TensorView> target,
+                                      const EncodeOptions& options, uint64_t segment_bytes,
+                                      std::span<const uint64_t> base_tensor_checksums,
+                                      const std::function<Status(size_t, std::string_view)>& on_segment);
+
 // An apply that decodes while the stream arrives. Fed the stream's bytes as
 // they come in (Advance), it decodes each chunk of a patch segment as soon as
 // its streams are in, against the destination's bytes at that moment, and
@@ -315,6 +335,11 @@ StatusOr<PatchInfo> InspectPatch(std::string_view patch, bool verify_patch_check
 // The set checksum the patch format records for a set of ungridded
 // tensors: Hash64 over the tensors' checksums (checksum.h) in order.
 uint64_t SetChecksum(std::span<const TensorView> tensors, ThreadPool* pool = nullptr);
+
+// The tensor checksums SetChecksum(tensors, grids) takes the set's of, in
+// order (InvalidArgument as SetChecksum's).
+StatusOr<std::vector<uint64_t>> TensorChecksums(std::span<const TensorView> tensors, std::span<const TileGrid> grids,
+                                                ThreadPool* pool = nullptr);
 
 // The checksum the format records for tensor t coded with `grid`: the
 // 1 MiB blocks of each cell in turn (docs/patch-format.md, "Checksums");
