@@ -7,6 +7,7 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cinttypes>
 #include <cstdio>
 #include <filesystem>
@@ -19,6 +20,7 @@
 #include "gpu_bench.h"
 #include "synth.h"
 #include "wsync/buffers/safetensors.h"
+#include "wsync/codec/staged.h"
 #include "wsync/util/memory.h"
 
 namespace wsync::bench {
@@ -155,7 +157,50 @@ int RunCodec(const std::string& dir, int gap, bool baselines, const Common& c) {
   return 0;
 }
 
-int RunSynth(const SynthOptions& so, int steps, bool baselines, const std::string& out_dir, const Common& c) {
+// Encoding a version whole against in segments (as a source that streams
+// it does): alternated, `repeat` times each, medians; the base's tensor
+// checksums are given to both, as a source has them.
+struct SegmentCost {
+  double whole_ms = 0, segmented_ms = 0;
+  size_t segments = 0;
+  uint64_t whole_bytes = 0, streamed_bytes = 0;
+};
+
+SegmentCost MeasureSegments(std::span<const codec::TensorView> base, std::span<const codec::TensorView> target,
+                            uint64_t segment_bytes, int repeat, ThreadPool* pool) {
+  SegmentCost out;
+  codec::EncodeOptions o;
+  o.pool = pool;
+  auto sums = codec::TensorChecksums(base, {}, pool);
+  if (!sums.ok()) return out;
+  o.base_set_checksum = codec::staged::SetChecksumOf(*sums);
+  std::vector<double> whole, segmented;
+  for (int r = 0; r < repeat; ++r) {
+    auto t0 = std::chrono::steady_clock::now();
+    auto w = codec::EncodePatch(base, target, o);
+    auto t1 = std::chrono::steady_clock::now();
+    uint64_t streamed = 0;
+    size_t count = 0;
+    auto s = codec::EncodeSegmented(base, target, o, segment_bytes, *sums, [&](size_t, std::string_view seg) {
+      streamed += seg.size();
+      ++count;
+      return Status::Ok();
+    });
+    auto t2 = std::chrono::steady_clock::now();
+    if (!w.ok() || !s.ok()) return out;
+    whole.push_back(std::chrono::duration<double, std::milli>(t1 - t0).count());
+    segmented.push_back(std::chrono::duration<double, std::milli>(t2 - t1).count());
+    out.whole_bytes = w->size();
+    out.streamed_bytes = streamed;
+    out.segments = count;
+  }
+  out.whole_ms = Median(whole);
+  out.segmented_ms = Median(segmented);
+  return out;
+}
+
+int RunSynth(const SynthOptions& so, int steps, bool baselines, const std::string& out_dir, const Common& c,
+             double segment_mib) {
   ThreadPool pool(c.threads);
   SynthModel model(so, &pool);
   spdlog::info("synth: {} parameters ({:.2f} GB of BF16), lr {}", model.params(), model.params() * 2 / 1e9, so.lr);
@@ -182,6 +227,16 @@ int RunSynth(const SynthOptions& so, int steps, bool baselines, const std::strin
     save(cur, s);
     pairs.push_back(MeasurePair("step " + std::to_string(s - 1) + "->" + std::to_string(s), buffers::Views(prev),
                                 buffers::Views(cur), mo, &scratch));
+    if (segment_mib > 0) {
+      const SegmentCost sc = MeasureSegments(buffers::Views(prev), buffers::Views(cur),
+                                             static_cast<uint64_t>(segment_mib * (1 << 20)), c.repeat, &pool);
+      std::printf("step %d->%d encoded whole %.1f ms, in %zu segments of %g MiB %.1f ms (%+.1f%%); "
+                  "stream %+.2f%% bytes (%" PRIu64 " vs %" PRIu64 ")\n",
+                  s - 1, s, sc.whole_ms, sc.segments, segment_mib, sc.segmented_ms,
+                  (sc.segmented_ms / sc.whole_ms - 1) * 100,
+                  (static_cast<double>(sc.streamed_bytes) / sc.whole_bytes - 1) * 100, sc.streamed_bytes,
+                  sc.whole_bytes);
+    }
     std::swap(prev, cur);
   }
   const uint64_t dense = model.params() * 2;
@@ -245,7 +300,10 @@ int main(int argc, char** argv) {
   synth->add_option("--seed", so.seed, "random seed");
   synth->add_option("--out", out_dir, "also write the BF16 snapshots here as safetensors");
   synth->add_flag("--baselines", with_baselines, "also measure the baselines (slow at GB scale)");
-  synth->callback([&] { rc = RunSynth(so, steps, with_baselines, out_dir, c); });
+  double segment_mib = 0;
+  synth->add_option("--segment-mib", segment_mib,
+                    "also time encoding each step in segments of this many MiB (as a streaming source) against whole");
+  synth->callback([&] { rc = RunSynth(so, steps, with_baselines, out_dir, c, segment_mib); });
 
   auto* control = app.add_subcommand("control", "coordinator RPC throughput and latency under simulated sinks");
   ControlBenchOptions cb;
