@@ -136,7 +136,7 @@ TEST(Streams, EncodeSegmentedHandsOutEachSegmentAndJoinsThem) {
   EXPECT_EQ(groups[1], std::make_pair(size_t{1}, size_t{4}));
   EXPECT_EQ(groups[2], std::make_pair(size_t{4}, size_t{5}));
   EXPECT_EQ(SegmentGroups(Views(v1), 0).size(), 1u);
-  EXPECT_EQ(SegmentGroups(Views(v1), 1u << 40).size(), 1u);
+  EXPECT_EQ(SegmentGroups(Views(v1), uint64_t{1} << 40).size(), 1u);
   std::string streamed;
   std::vector<size_t> order;
   auto joined = EncodeSegmented(Views(v0), Views(v1), o, 3 << 20, {}, [&](size_t k, std::string_view segment) {
