@@ -520,6 +520,49 @@ TEST_F(SinkCoreTest, HoldsDeferAppliesAndExpire) {
   EXPECT_EQ(sink->core->status().active_holds, 0u);
 }
 
+// Told to resync (the staleness bound, policy evict, flagged it while a
+// hold kept it behind): its next sync is a keyframe, though the source
+// holds patches from its version; back within the bound, the flag clears
+// and patches follow.
+TEST_F(SinkCoreTest, ASinkToldToResyncTakesAKeyframe) {
+  control::CoordinatorOptions o;
+  o.fanout = 1;
+  o.max_staleness = 1;
+  o.policy = v1::STALENESS_EVICT;
+  auto st = control::CoordinatorState::Create(o, &clock_, control::NewNullStore(), control::Recovered());
+  ASSERT_TRUE(st.ok());
+  state_ = std::move(*st);
+  auto v = Versions(6);
+  auto [source, sink] = AtFirstVersion(v);
+  WaitReported("sink-0", 1);  // a sink that never reported a version is not held to the bound
+  auto grant = sink->core->BeginHold("generator", 60'000);
+  ASSERT_TRUE(grant.ok()) << grant.status().ToString();
+  // Version 2 is pulled and waits for the hold; 3..5 come meanwhile.
+  const uint64_t first = sink->core->status().bytes_received;
+  source->Publish(2, v[1]);
+  for (const auto until = std::chrono::steady_clock::now() + 10s;
+       sink->core->status().bytes_received == first && std::chrono::steady_clock::now() < until;) {
+    std::this_thread::sleep_for(5ms);
+  }
+  ASSERT_GT(sink->core->status().bytes_received, first) << "version 2 was not pulled";
+  for (int k = 3; k <= 5; ++k) source->Publish(k, v[k - 1]);
+  auto may = source->client.MayPublish(6, 0);
+  ASSERT_TRUE(may.ok()) << may.status().ToString();
+  EXPECT_TRUE(may->allowed()) << "evict: allowed, the laggard flagged";
+  sink->membership->HeartbeatNow(2s);  // the sink hears of it
+  const uint64_t before = sink->core->status().bytes_received;
+  ASSERT_TRUE(sink->core->ReleaseHold(grant->id).ok());
+  // The pulled patch applies (2), then, still flagged (5 - 2 > 1), a keyframe.
+  sink->ExpectReaches(5, v[4]);
+  const uint64_t keyframe = sink->core->status().bytes_received - before;
+  EXPECT_GT(keyframe, 100'000u) << "a keyframe (~450 KB), not the 2->5 patch (~15 KB)";
+  WaitReported("sink-0", 5);
+  sink->membership->HeartbeatNow(2s);  // within the bound again: the flag clears
+  source->Publish(6, v[5]);
+  sink->ExpectReaches(6, v[5]);
+  EXPECT_LT(sink->core->status().bytes_received - before - keyframe, 50'000u) << "a patch again";
+}
+
 // A sink holding pieces (half of w1's rows, w2 whole) from a source serving
 // that layout: it pulls selections, applies only its pieces bit for bit, is
 // never a parent, and recovers from weights changed behind its back (the
