@@ -364,18 +364,7 @@ Status SourceCore::Announce(const PublishedVersion& pub, double ms) {
   if (pub.version == config_.fail_announce) {
     return UnavailableError("announcing version " + std::to_string(pub.version) + ": injected failure");
   }
-  v1::VersionSummary v;
-  v.set_version(pub.version);
-  v.set_base_version(pub.base_version);
-  v.set_patch_bytes(pub.patch_bytes);
-  v.set_dense_bytes(pub.dense_bytes);
-  v.set_set_checksum(pub.set_checksum);
-  v.set_keyframe(pub.base_version == 0);
-  v.set_source(config_.name);
-  if (parts_ > 1) {  // set at registration, which waits for every publish
-    v.set_part(part_);
-    v.set_parts(parts_);
-  }
+  const v1::VersionSummary v = SummaryOf(pub);
   // A lost answer is retried (the coordinator takes the same summary
   // again as a success), a bounded number of times.
   StatusOr<uint64_t> head = UnavailableError("not announced");
@@ -401,6 +390,23 @@ Status SourceCore::Announce(const PublishedVersion& pub, double ms) {
   return wsync::Status::Ok();
 }
 
+// What the coordinator is told of a version this source publishes.
+v1::VersionSummary SourceCore::SummaryOf(const PublishedVersion& pub) const {
+  v1::VersionSummary v;
+  v.set_version(pub.version);
+  v.set_base_version(pub.base_version);
+  v.set_patch_bytes(pub.patch_bytes);
+  v.set_dense_bytes(pub.dense_bytes);
+  v.set_set_checksum(pub.set_checksum);
+  v.set_keyframe(pub.base_version == 0);
+  v.set_source(config_.name);
+  if (parts_ > 1) {  // set at registration, which waits for every publish
+    v.set_part(part_);
+    v.set_parts(parts_);
+  }
+  return v;
+}
+
 // Tells the coordinator of a version whose patch is streamed while it is
 // encoded (the history calls this once its first segment is out), so that
 // sinks pull it at once. One attempt, no retries (this runs between
@@ -409,11 +415,7 @@ Status SourceCore::Announce(const PublishedVersion& pub, double ms) {
 // announced once encoded (the coordinator takes parts whole).
 void SourceCore::AnnounceEarly(const PublishedVersion& early) {
   if (parts_ > 1 || early.version == config_.fail_announce) return;
-  v1::VersionSummary v;
-  v.set_version(early.version);
-  v.set_base_version(early.base_version);
-  v.set_dense_bytes(early.dense_bytes);
-  v.set_source(config_.name);
+  v1::VersionSummary v = SummaryOf(early);  // no patch bytes or checksum yet
   v.set_incomplete(true);
   StatusOr<uint64_t> head = coordinator_->Publish(v);
   if (!head.ok()) {

@@ -88,6 +88,7 @@ class SourceCore {
   std::string DescribeLagging(const wsync::v1::MayPublishResponse& may);
   Status Announce(const PublishedVersion& pub, double ms);
   void AnnounceEarly(const PublishedVersion& early);
+  wsync::v1::VersionSummary SummaryOf(const PublishedVersion& pub) const;
   Status JoinBackground();
   void WaitBackground();
   bool SleepFor(std::chrono::milliseconds d);  // false once stopping

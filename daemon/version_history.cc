@@ -106,7 +106,7 @@ std::vector<uint64_t> TargetSums(const codec::PatchInfo& info) {
 }  // namespace
 
 StatusOr<std::string> VersionHistory::EncodeStreamed(const Weights& head, const NewVersion& next,
-                                                     const codec::EncodeOptions& eo,
+                                                     const codec::EncodeOptions& eo, uint64_t dense_bytes,
                                                      const std::shared_ptr<PatchStream>& live) {
   return codec::EncodeSegmented(
       buffers::Views(head), next.host, eo, options_.segment_bytes, head_sums_,
@@ -116,7 +116,7 @@ StatusOr<std::string> VersionHistory::EncodeStreamed(const Weights& head, const 
           PublishedVersion early;
           early.version = eo.target_version;
           early.base_version = eo.base_version;
-          for (const auto& t : next.layout) early.dense_bytes += t.NumBytes();
+          early.dense_bytes = dense_bytes;
           options_.on_stream(early);
         }
         if (options_.after_segment) options_.after_segment(k);
@@ -184,7 +184,7 @@ StatusOr<PublishedVersion> VersionHistory::Publish(uint64_t version, const NewVe
       std::lock_guard<std::mutex> lock(mu_);
       live_ = Live{head_version, version, live};
     }
-    encoded = EncodeStreamed(*head, next, eo, live);
+    encoded = EncodeStreamed(*head, next, eo, out.dense_bytes, live);
     if (encoded.ok()) {
       if (Status finished = live->Finish(); !finished.ok()) encoded = finished;
     }

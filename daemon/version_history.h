@@ -168,7 +168,7 @@ class VersionHistory : public PatchProvider {
   // of about options_.segment_bytes), each appended to `live` as it is
   // encoded; returns them joined into one container. Outside mu_.
   StatusOr<std::string> EncodeStreamed(const Weights& head, const NewVersion& next, const codec::EncodeOptions& eo,
-                                       const std::shared_ptr<PatchStream>& live);
+                                       uint64_t dense_bytes, const std::shared_ptr<PatchStream>& live);
 
   Options options_;
   std::mutex publish_mu_;  // serializes Publish and Retain; never held by pulls

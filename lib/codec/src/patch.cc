@@ -669,24 +669,35 @@ struct PartApply {
 
 // Reads a part whose tensors are destination tensors of their names.
 // REQUIRES: *p stays where it is (holds_base refers to p->c).
-Status ReadWholePart(std::string_view patch, std::span<const MutableTensorView> tensors, bool allow_extra,
-                     const ApplyOptions& options, PartApply* p) {
-  WSYNC_ASSIGN_OR_RETURN(p->c, internal::ReadContainer(patch, options.verify_patch_checksum));
+// Plans a part whose container p->c is read: into destination tensors of
+// its tensors' names. REQUIRES: *p stays where it is.
+Status PlanWholePart(std::span<const MutableTensorView> tensors, bool allow_extra, ThreadPool* pool, PartApply* p) {
   WSYNC_ASSIGN_OR_RETURN(auto dst, MatchTensors(p->c, tensors, allow_extra));
   p->plan = WholePlan(p->c, dst);
   WSYNC_RETURN_IF_ERROR(CheckPresent(p->c, p->plan));
   const Container* held = &p->c;
-  ThreadPool* pool = options.pool;
   p->holds_base = [held, dst, pool] { return HoldsBase(*held, dst, pool); };
   return Status::Ok();
+}
+
+// Plans a part whose container p->c is read into pieces (other_parts: see
+// PiecesPlan).
+Status PlanPiecesPart(std::span<const RuntimeTensor> runtime, bool other_parts, PartApply* p) {
+  WSYNC_ASSIGN_OR_RETURN(p->plan, PiecesPlan(p->c, runtime, /*need_data=*/true, other_parts));
+  return CheckPresent(p->c, p->plan);
+}
+
+Status ReadWholePart(std::string_view patch, std::span<const MutableTensorView> tensors, bool allow_extra,
+                     const ApplyOptions& options, PartApply* p) {
+  WSYNC_ASSIGN_OR_RETURN(p->c, internal::ReadContainer(patch, options.verify_patch_checksum));
+  return PlanWholePart(tensors, allow_extra, options.pool, p);
 }
 
 // Reads a part applied into pieces (other_parts: see PiecesPlan).
 Status ReadPiecesPart(std::string_view patch, std::span<const RuntimeTensor> runtime, bool other_parts,
                       const ApplyOptions& options, PartApply* p) {
   WSYNC_ASSIGN_OR_RETURN(p->c, internal::ReadContainer(patch, options.verify_patch_checksum));
-  WSYNC_ASSIGN_OR_RETURN(p->plan, PiecesPlan(p->c, runtime, /*need_data=*/true, other_parts));
-  return CheckPresent(p->c, p->plan);
+  return PlanPiecesPart(runtime, other_parts, p);
 }
 
 Status ApplyAll(std::span<PartApply* const> parts, ThreadPool* pool) {
@@ -1215,19 +1226,9 @@ struct ApplyAhead::Impl {
     StatusOr<Container> c = internal::ReadContainer(rest, /*verify_checksum=*/false, /*head_only=*/true);
     if (!c.ok()) return Stop();
     p.c = std::move(*c);
-    if (pieces) {
-      StatusOr<Plan> plan = PiecesPlan(p.c, runtime, /*need_data=*/true, /*other_parts=*/true);
-      if (!plan.ok()) return Stop();
-      p.plan = std::move(*plan);
-    } else {
-      StatusOr<std::vector<const MutableTensorView*>> dst = MatchTensors(p.c, tensors, /*allow_extra=*/true);
-      if (!dst.ok()) return Stop();
-      p.plan = WholePlan(p.c, *dst);
-      const Container* held = &p.c;
-      ThreadPool* pool = options.pool;
-      p.holds_base = [held, dst = *dst, pool] { return HoldsBase(*held, dst, pool); };
-    }
-    if (!CheckPresent(p.c, p.plan).ok()) return Stop();
+    const Status planned = pieces ? PlanPiecesPart(runtime, /*other_parts=*/true, &p)
+                                  : PlanWholePart(tensors, /*allow_extra=*/true, options.pool, &p);
+    if (!planned.ok()) return Stop();
     if (p.c.kind == PatchKind::kPatch) {
       p.delta = std::make_unique<DeltaApply>(p.c, p.plan, options.pool);
       seg->order.resize(p.plan.works.size());
@@ -1308,20 +1309,14 @@ Status ApplyAhead::Apply(std::string_view stream) {
     same = segments[i].data() == stream.data() + seg.begin && segments[i].size() == seg.total &&
            segments[i].substr(0, seg.header) == seg.head;
   }
-  if (!same) m.segments.clear();
-  std::vector<PartApply> fresh(same ? 0 : segments.size());
+  if (!same) {
+    // Another stream than the one read ahead: applied as given.
+    m.segments.clear();
+    return m.pieces ? ApplyPartsToPieces(segments, m.runtime, m.options)
+                    : ApplyParts(segments, m.tensors, m.options);
+  }
   std::vector<PartApply*> parts;
   for (size_t i = 0; i < segments.size(); ++i) {
-    if (!same) {
-      PartApply* p = &fresh[i];
-      if (m.pieces) {
-        WSYNC_RETURN_IF_ERROR(ReadPiecesPart(segments[i], m.runtime, /*other_parts=*/true, m.options, p));
-      } else {
-        WSYNC_RETURN_IF_ERROR(ReadWholePart(segments[i], m.tensors, /*allow_extra=*/true, m.options, p));
-      }
-      parts.push_back(p);
-      continue;
-    }
     PartApply& p = m.segments[i]->part;
     // The directory read ahead is this one; the whole segment is checked
     // (its checksum) before a byte is written.

@@ -14,6 +14,11 @@ constexpr auto kServeTimeout = std::chrono::minutes(10);  // longest wait for a 
 constexpr auto kLinger = std::chrono::seconds(30);        // refetch window after the last chunk
 constexpr int kMaxRefetchesPerMessage = 4;                  // then the pull fails with DataLoss
 
+// The size of chunk i of a stream of `total` bytes. REQUIRES: i < its chunk count.
+uint64_t ChunkSize(uint64_t total, uint32_t chunk_bytes, size_t i) {
+  return std::min<uint64_t>(chunk_bytes, total - i * uint64_t{chunk_bytes});
+}
+
 // The message a seq names, for errors.
 std::string What(uint64_t seq) {
   if (seq == 0) return "the header";
@@ -97,7 +102,7 @@ Status PatchStream::Put(size_t i, std::string bytes) {
   std::lock_guard<std::mutex> lock(mu_);
   if (sized_) {
     if (i >= chunks_) return InvalidArgumentError("chunk " + std::to_string(i) + " of " + std::to_string(chunks_));
-    const uint64_t want = std::min<uint64_t>(chunk_bytes_, total_ - i * chunk_bytes_);
+    const uint64_t want = ChunkSize(total_, chunk_bytes_, i);
     if (bytes.size() != want) {
       return InvalidArgumentError("chunk " + std::to_string(i) + " has " + std::to_string(bytes.size()) +
                                   " bytes, expected " + std::to_string(want));
@@ -168,7 +173,7 @@ Status PatchStream::SetTotal(uint64_t total) {
   const size_t chunks = static_cast<size_t>((total + chunk_bytes_ - 1) / chunk_bytes_);
   for (size_t i = 0; i < data_.size(); ++i) {
     if (!present_[i]) continue;
-    const uint64_t want = i < chunks ? std::min<uint64_t>(chunk_bytes_, total - i * chunk_bytes_) : 0;
+    const uint64_t want = i < chunks ? ChunkSize(total, chunk_bytes_, i) : 0;
     if (data_[i].size() != want) {
       return DataLossError("END: a total of " + std::to_string(total) + " bytes, but chunk " + std::to_string(i) +
                            " has " + std::to_string(data_[i].size()));
