@@ -12,7 +12,7 @@ packages=(
   libucx-dev ucx-utils prometheus-cpp-dev openssl
   python3-grpcio python3-protobuf
   clang libclang-rt-14-dev
-  python3 python3-numpy python3-torch
+  python3 python3-numpy python3-torch python3-venv
 )
 
 SUDO=""

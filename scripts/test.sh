@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The test command (README; .ci/run calls exactly this):
-#   1. installs dependencies (apt, Debian 12),
-#   2. builds with gcc and runs every test (unit, real data, CLI),
+#   1. installs dependencies (apt, Debian 12; a virtual environment with
+#      vLLM's CPU build from the package index, reused when present),
+#   2. builds with gcc and runs every test (unit, real data, CLI, real vLLM),
 #   3. builds with ASan + UBSan and the portable (non-AVX2) kernels and runs
 #      the unit tests again,
 #   4. fuzzes the patch decoder and the pull protocol for a bounded time
@@ -17,6 +18,10 @@ if [ -x /usr/local/cuda/bin/nvcc ] && ! command -v nvcc > /dev/null; then export
 echo "== build (gcc, RelWithDebInfo)"
 cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DWSYNC_BUILD_TESTS=ON > /dev/null
 ninja -C build -j "$jobs"
+
+echo "== the vLLM environment (a real vLLM on the CPU, for python.vllm)"
+vllm_python="$(bash scripts/install-vllm.sh build | tail -n 1)"
+cmake -S . -B build -DWSYNC_VLLM_PYTHON="$vllm_python" > /dev/null
 
 echo "== sanitizers (ASan + UBSan, portable kernels)"
 cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=Debug -DWSYNC_SANITIZE=address,undefined \

@@ -1,10 +1,10 @@
 #!/usr/bin/python3
-"""wsync.engines without the engines: the vLLM worker extension and the
-SGLang custom loader read the rank, the TP degree, the model's config and
-its parameters through the engines' documented interfaces (stand-in modules
-here, a real torch model laid out as vLLM lays it), and hand them to
-RankSync; RankSync refuses a model its layout does not describe before
-registering anything. RankSync against real sinks: client_test.py
+"""wsync.engines without an engine: the SGLang custom loader reads the rank,
+the TP degree, the model's config and its parameters through SGLang's
+parallel state (a stand-in module here: SGLang does not run on this CPU) and
+hands them to RankSync; RankSync refuses a model its layout does not
+describe before registering anything. The vLLM integration runs against a
+real vLLM: vllm_test.py. RankSync against real sinks: client_test.py
 tensor_parallel.
 
     engines_test.py BUILD
@@ -62,17 +62,16 @@ class Recorder:
         return version or 0
 
 
-def parallel_state(tp, rank, pp=1):
+def parallel_state(tp, rank):
     m = types.ModuleType("parallel_state")
     m.get_tensor_model_parallel_rank = lambda: rank
     m.get_tensor_model_parallel_world_size = lambda: tp
-    m.get_pipeline_model_parallel_world_size = lambda: pp
     return m
 
 
 def install(root, state):
-    """sys.modules[root + '.distributed.parallel_state'] (and parents) = state."""
-    names = {"vllm": ["vllm", "vllm.distributed"], "sglang": ["sglang", "sglang.srt", "sglang.srt.distributed"]}[root]
+    """sys.modules['sglang.srt.distributed.parallel_state'] (and parents) = state."""
+    names = {"sglang": ["sglang", "sglang.srt", "sglang.srt.distributed"]}[root]
     for n in names:
         sys.modules[n] = types.ModuleType(n)
     parent = sys.modules[names[-1]]
@@ -83,28 +82,6 @@ def install(root, state):
 def main():
     engines.RankSync, real = Recorder, engines.RankSync
     try:
-        print("== vLLM worker extension")
-        install("vllm", parallel_state(4, 2))
-        worker = engines.VllmWorkerExtension()
-        model = Engine(4, 2)
-        hf = types.SimpleNamespace(to_dict=lambda: dict(CONFIG))
-        worker.model_runner = types.SimpleNamespace(model=model, model_config=types.SimpleNamespace(hf_config=hf))
-        worker.wsync_register("unix:/tmp/x/sink-{rank}.sock")
-        got = Recorder.made[-1].args
-        check(got["tp_size"] == 4 and got["tp_rank"] == 2, "the TP degree and rank come from vLLM's parallel state")
-        check(got["address"] == "unix:/tmp/x/sink-2.sock", "the sink address names the rank: " + got["address"])
-        check(got["config"] == CONFIG, "the layout is built from the model's hf_config")
-        check(set(got["params"]) == {n for n, _ in model.named_parameters()}, "every parameter of the model")
-        check(all(got["params"][n] is p for n, p in model.named_parameters()), "the parameters themselves (in place)")
-        worker.wsync_sync(7)
-        check(Recorder.made[-1].synced == [7], "wsync_sync(7) syncs to version 7")
-        install("vllm", parallel_state(2, 0, pp=2))
-        try:
-            worker.wsync_register()
-            check(False, "pipeline parallelism is refused")
-        except ValueError as e:
-            check("pipeline" in str(e), f"pipeline parallelism is refused: {e}")
-
         print("== SGLang custom loader")
         install("sglang", parallel_state(2, 1))
         os.environ["WSYNC_SINK_ADDRESS"] = "unix:/tmp/y/sink-{rank}.sock"

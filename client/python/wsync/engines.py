@@ -109,25 +109,72 @@ class RankSync:
         self._sink.close()
 
 
-def _address(template: str, rank: int) -> str:
-    return template.format(rank=rank)
+def _address(template: str, **ranks: int) -> str:
+    """A rank's sink address: `template` with {rank} (the TP rank), {tp_rank},
+    {tp_size} and {dp_rank} filled in."""
+    ranks.setdefault("rank", ranks.get("tp_rank", 0))
+    try:
+        return template.format(**ranks)
+    except (KeyError, IndexError) as e:
+        raise ValueError(f"sink address template {template!r}: unknown field {e} "
+                         f"(fields: {', '.join('{%s}' % k for k in sorted(ranks))})") from None
+
+
+def vllm_rank_sync(model: torch.nn.Module, vllm_config, address: str = DEFAULT_ADDRESS,
+                   timeout: float = 60.0) -> RankSync:
+    """The RankSync of one vLLM worker: its model's parameters registered in
+    place with the sink at `address` (a template, see _address). Refuses,
+    naming the setting, an engine whose weights wsync could not keep current:
+    pipeline parallelism, sleep mode, CUDA expandable segments, inductor
+    freezing, and on CPU parameters vLLM repacked for its GEMM kernels."""
+    from vllm.distributed import parallel_state as ps
+    if ps.get_pp_group().world_size != 1:
+        raise ValueError("wsync's vLLM integration supports tensor and data parallelism, not pipeline parallelism "
+                         f"(pipeline_parallel_size={ps.get_pp_group().world_size})")
+    check_vllm_memory(model, vllm_config)
+    tp = ps.get_tp_group()
+    dp_rank = int(getattr(vllm_config.parallel_config, "data_parallel_rank", 0) or 0)
+    target = _address(address, tp_rank=tp.rank_in_group, tp_size=tp.world_size, dp_rank=dp_rank)
+    config = vllm_config.model_config.hf_config.to_dict()
+    return RankSync(dict(model.named_parameters()), config, tp.world_size, tp.rank_in_group, target, timeout)
+
+
+def check_vllm_memory(model: torch.nn.Module, vllm_config) -> None:
+    """Raises ValueError naming the vLLM setting that puts the weights where
+    wsync cannot write them in place (or makes the forward pass read a copy)."""
+    if getattr(vllm_config.model_config, "enable_sleep_mode", False):
+        raise ValueError("vLLM's sleep mode (enable_sleep_mode=True) keeps the weights in its own CuMem pool, "
+                         "which it releases and re-creates on sleep/wake_up: wsync cannot map it. Start the engine "
+                         "without enable_sleep_mode (wsync replaces the reload that sleep mode saves)")
+    alloc = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + "," + os.environ.get("PYTORCH_ALLOC_CONF", "")
+    if "expandable_segments:true" in alloc.replace(" ", "").lower():
+        raise ValueError("PYTORCH_CUDA_ALLOC_CONF has expandable_segments:True: such memory has no CUDA IPC handle "
+                         "the sink can open. Start the engine with expandable_segments:False")
+    inductor = getattr(vllm_config.compilation_config, "inductor_compile_config", None) or {}
+    if inductor.get("freezing") or inductor.get("max_autotune"):
+        raise ValueError("inductor freezing (compilation_config inductor_compile_config freezing/max_autotune) "
+                         "compiles the weights in as constants: an update would never reach the forward pass. "
+                         "Turn it off")
+    empty = [n for n, p in model.named_parameters() if p.numel() == 0]
+    if empty:
+        raise ValueError(f"vLLM left {len(empty)} parameters empty after loading (e.g. {empty[0]!r}): its CPU "
+                         "backend repacks linear weights for oneDNN and frees them, so the forward pass reads a "
+                         "copy wsync cannot update. Load the wsync plugin (pip install the wsync package; it keeps "
+                         "them as parameters when weight_transfer_config backend is 'wsync' or the worker "
+                         "extension is wsync's)")
 
 
 class VllmWorkerExtension:
     """Mixed into each vLLM worker (``worker_extension_cls``); its methods are
-    called on every worker with ``LLM.collective_rpc``."""
+    called on every worker with ``LLM.collective_rpc``. For vLLM versions
+    without the weight-transfer API; newer ones use the ``wsync`` backend
+    (wsync.vllm)."""
 
     def wsync_register(self, address: str = DEFAULT_ADDRESS, timeout: float = 60.0) -> int:
         """Registers this worker's parameters with the sink at `address`
-        (``{rank}``: the tensor-parallel rank). Returns the version held."""
-        from vllm.distributed import parallel_state as ps
-        if ps.get_pipeline_model_parallel_world_size() != 1:
-            raise ValueError("wsync's vLLM adapter supports tensor parallelism only (pipeline parallel size 1)")
-        rank, size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
-        runner = self.model_runner
-        config = runner.model_config.hf_config.to_dict()
-        self.wsync = RankSync(dict(runner.model.named_parameters()), config, size, rank, _address(address, rank),
-                              timeout)
+        (a template: {rank}/{tp_rank}, {tp_size}, {dp_rank}). Returns the
+        version held."""
+        self.wsync = vllm_rank_sync(self.model_runner.get_model(), self.vllm_config, address, timeout)
         return self.wsync.version
 
     def wsync_sync(self, version: Optional[int] = None, timeout: float = 60.0) -> int:
@@ -163,6 +210,7 @@ def sglang_load(model: torch.nn.Module, named_tensors) -> None:
     if _sglang is None:
         from sglang.srt.distributed import parallel_state as ps
         rank, size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
-        address = _address(os.environ.get("WSYNC_SINK_ADDRESS", DEFAULT_ADDRESS), rank)
+        address = _address(os.environ.get("WSYNC_SINK_ADDRESS", DEFAULT_ADDRESS), tp_rank=rank, tp_size=size,
+                           dp_rank=0)
         _sglang = RankSync(dict(model.named_parameters()), model.config.to_dict(), size, rank, address)
     _sglang.sync(None if version < 0 else version)

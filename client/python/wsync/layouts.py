@@ -11,8 +11,9 @@ vocabulary padded. A :class:`RuntimeTensor` says what one rank holds as
 dimension) placed at an offset of the runtime tensor. Runtime elements that
 no piece covers (vocabulary padding) belong to the engine alone.
 
-:func:`tp_layout` builds them from a model's ``config.json`` for the Llama,
-Qwen2 and Qwen3 dense families, laid out as vLLM and SGLang lay them out
+:func:`tp_layout` builds them from a model's ``config.json`` for the Llama
+(with or without ``attention_bias`` and ``mlp_bias``), Qwen2 (q/k/v biases)
+and Qwen3 (q/k norms) dense families, tied or untied, laid out as vLLM and SGLang lay them out
 (``QKVParallelLinear``, ``MergedColumnParallelLinear``,
 ``RowParallelLinear``, ``VocabParallelEmbedding`` with padding to a multiple
 of 64), for any TP degree the model allows (1, 2, 4, 8 are tested).
@@ -89,6 +90,8 @@ def _dims(config: Mapping) -> dict:
     except KeyError as e:
         raise ValueError(f"config.json lacks {e.args[0]!r}") from None
     d["qkv_bias"] = d["family"] == "qwen2" or bool(config.get("attention_bias", False))
+    d["o_bias"] = d["family"] == "llama" and bool(config.get("attention_bias", False))
+    d["mlp_bias"] = d["family"] == "llama" and bool(config.get("mlp_bias", False))
     d["qk_norm"] = d["family"] == "qwen3"
     return d
 
@@ -112,10 +115,16 @@ def canonical_shapes(config: Mapping) -> dict[str, tuple[int, ...]]:
             out[p + "self_attn.q_norm.weight"] = (hd,)
             out[p + "self_attn.k_norm.weight"] = (hd,)
         out[p + "self_attn.o_proj.weight"] = (h, q)
+        if d["o_bias"]:
+            out[p + "self_attn.o_proj.bias"] = (h,)
         out[p + "post_attention_layernorm.weight"] = (h,)
         out[p + "mlp.gate_proj.weight"] = (d["inter"], h)
         out[p + "mlp.up_proj.weight"] = (d["inter"], h)
         out[p + "mlp.down_proj.weight"] = (h, d["inter"])
+        if d["mlp_bias"]:
+            out[p + "mlp.gate_proj.bias"] = (d["inter"],)
+            out[p + "mlp.up_proj.bias"] = (d["inter"],)
+            out[p + "mlp.down_proj.bias"] = (h,)
     out["model.norm.weight"] = (h,)
     if not d["tied"]:
         out["lm_head.weight"] = (d["vocab"], h)
@@ -183,13 +192,21 @@ def tp_layout(config: Mapping, tp_size: int, tp_rank: int) -> list[RuntimeTensor
             out.append(whole(a + "k_norm.weight", (hd,)))
         out.append(RuntimeTensor(a + "o_proj.weight", (h, q_rows),
                                  (Piece(a + "o_proj.weight", (0, tp_rank * q_rows), (h, q_rows), (0, 0)),)))
+        if d["o_bias"]:  # RowParallelLinear: every rank holds the whole bias (rank 0 adds it)
+            out.append(whole(a + "o_proj.bias", (h,)))
         out.append(whole(p + "post_attention_layernorm.weight", (h,)))
         m = p + "mlp."
         gate_up = (_rows(m + "gate_proj.weight", tp_rank * inter, inter, 0, (h,)),
                    _rows(m + "up_proj.weight", tp_rank * inter, inter, inter, (h,)))
         out.append(RuntimeTensor(m + "gate_up_proj.weight", (2 * inter, h), gate_up))
+        if d["mlp_bias"]:
+            out.append(RuntimeTensor(m + "gate_up_proj.bias", (2 * inter,),
+                                     (_rows(m + "gate_proj.bias", tp_rank * inter, inter, 0, ()),
+                                      _rows(m + "up_proj.bias", tp_rank * inter, inter, inter, ()))))
         out.append(RuntimeTensor(m + "down_proj.weight", (h, inter),
                                  (Piece(m + "down_proj.weight", (0, tp_rank * inter), (h, inter), (0, 0)),)))
+        if d["mlp_bias"]:
+            out.append(whole(m + "down_proj.bias", (h,)))
     out.append(whole("model.norm.weight", (h,)))
     if not d["tied"]:
         out.append(vocab("lm_head.weight", "lm_head.weight"))
