@@ -14,6 +14,7 @@
 #include "wsync/buffers/region.h"
 #include "wsync/buffers/safetensors.h"
 #include "wsync/cuda/device_codec.h"
+#include "wsync/control/rpc_status.h"
 #include "wsync/cuda/ipc.h"
 #include "wsync/v1/local.grpc.pb.h"
 
@@ -22,10 +23,7 @@ namespace {
 
 namespace v1 = wsync::v1;
 
-Status FromGrpc(const grpc::Status& s, const std::string& what) {
-  if (s.ok()) return Status::Ok();
-  return Status(static_cast<StatusCode>(s.error_code()), what + ": " + s.error_message());
-}
+using control::FromGrpc;
 
 std::unique_ptr<v1::Local::Stub> Connect(std::string local) {
   if (local.rfind("unix:", 0) != 0) local = "unix:" + local;

@@ -20,6 +20,7 @@
 #include "wsync/buffers/device_region.h"
 #include "wsync/buffers/region.h"
 #include "wsync/buffers/safetensors.h"
+#include "wsync/control/rpc_status.h"
 #include "wsync/util/text.h"
 #include "wsync/util/thread_pool.h"
 #include "wsync/v1/local.grpc.pb.h"
@@ -33,9 +34,7 @@ using exchange::PatchFetcher;
 using exchange::PatchServer;
 using Clock = std::chrono::steady_clock;
 
-grpc::Status ToGrpc(const Status& s) {
-  return s.ok() ? grpc::Status::OK : grpc::Status(static_cast<grpc::StatusCode>(s.code()), s.message());
-}
+using control::ToGrpc;
 
 double MillisecondsSince(Clock::time_point t0) {
   return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
@@ -338,7 +337,7 @@ class Sink : public Node, public v1::Local::Service {
   grpc::Status WaitForVersion(grpc::ServerContext*, const v1::WaitForVersionRequest* req,
                               v1::WaitForVersionResponse* resp) override {
     auto w = core_->weights();
-    if (!w) return ToGrpc(FailedPreconditionError("no tensors registered"));
+    if (!w) return ToGrpc(NotRegisteredError());
     wsync::Status s = w->WaitForVersion(req->version(), Clock::now() + std::chrono::milliseconds(req->timeout_ms()));
     resp->set_applied_version(w->applied());
     return ToGrpc(s);
@@ -369,7 +368,7 @@ class Sink : public Node, public v1::Local::Service {
 
   grpc::Status Dump(grpc::ServerContext*, const v1::DumpRequest* req, v1::DumpResponse* resp) override {
     auto w = core_->weights();
-    if (!w) return ToGrpc(FailedPreconditionError("no tensors registered"));
+    if (!w) return ToGrpc(NotRegisteredError());
     if (req->version() > 0) {
       wsync::Status s = w->WaitForVersion(req->version(), Clock::now() + std::chrono::milliseconds(req->timeout_ms()));
       if (!s.ok()) return ToGrpc(s);

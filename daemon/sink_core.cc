@@ -120,7 +120,7 @@ Status SinkCore::Unregister() {
     std::lock_guard<std::mutex> lock(state_mu_);
     old = std::exchange(weights_, nullptr);
   }
-  if (!old) return FailedPreconditionError("no tensors registered");
+  if (!old) return NotRegisteredError();
   Retire(old, "the tensors were unregistered");
   ReportApplied(0);
   spdlog::info("sink {}: tensors unregistered", config_.name);
@@ -131,7 +131,7 @@ Status SinkCore::Unregister() {
 
 StatusOr<SinkCore::HoldGrant> SinkCore::BeginHold(const std::string& holder, int64_t ttl_ms) {
   auto w = weights();
-  if (!w) return FailedPreconditionError("no tensors registered");
+  if (!w) return NotRegisteredError();
   if (ttl_ms <= 0) ttl_ms = static_cast<int64_t>(config_.hold_ttl_ms);
   if (ttl_ms > 600'000) return InvalidArgumentError("hold TTL above 600000 ms");
   const uint64_t version = w->Hold();  // waits for an apply in progress

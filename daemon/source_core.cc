@@ -168,7 +168,7 @@ Status SourceCore::Unregister() {
   std::lock_guard<std::mutex> publishing(publish_mu_);
   WaitBackground();
   std::lock_guard<std::mutex> lock(state_mu_);
-  if (!tensors_) return FailedPreconditionError("no tensors registered");
+  if (!tensors_) return NotRegisteredError();
   if (device_) {
     WSYNC_RETURN_IF_ERROR(history_.MaterializeHead());
     device_.reset();
@@ -189,7 +189,7 @@ StatusOr<PublishResult> SourceCore::Publish(const PublishRequest& req) {
   v1::Layout layout;
   {
     std::lock_guard<std::mutex> lock(state_mu_);
-    if (!tensors_) return FailedPreconditionError("no tensors registered");
+    if (!tensors_) return NotRegisteredError();
     layout = layout_;
   }
   if (head_pub_.version != 0 && req.version == head_pub_.version && !head_announced_) {
@@ -201,7 +201,9 @@ StatusOr<PublishResult> SourceCore::Publish(const PublishRequest& req) {
       return FailedPreconditionError("version " + std::to_string(req.version) +
                                      " was encoded from other weights and its announce failed; "
                                      "it cannot be published again with these: the next valid version is " +
-                                     std::to_string(req.version + 1));
+                                     std::to_string(req.version + 1))
+          .WithReason(reasons::kVersionTaken, {{"version", std::to_string(req.version)},
+                                               {"next_version", std::to_string(req.version + 1)}});
     }
     WSYNC_RETURN_IF_ERROR(Announce(head_pub_, 0));
     head_announced_ = true;
@@ -329,8 +331,7 @@ Status SourceCore::CheckVersion(uint64_t version) {
   coordinator_head_ = std::max(coordinator_head_.load(), versions->head_version());
   const uint64_t head = std::max(history_.head(), coordinator_head_.load());
   if (version > head) return wsync::Status::Ok();
-  return FailedPreconditionError("version " + std::to_string(version) + " is not above the head version " +
-                                 std::to_string(head) + "; the next valid version is " + std::to_string(head + 1));
+  return StaleVersionError(version, head);
 }
 
 // "rollout-1 at version 3 of 9: 1 hold active for 42.0 s, ..." for the

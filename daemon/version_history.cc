@@ -78,8 +78,7 @@ std::string LayoutDifference(const std::vector<buffers::OwnedTensor>& head, std:
 
 Status VersionHistory::AcceptsLocked(uint64_t version, std::span<const codec::TensorView> layout) const {
   if (version <= head_) {
-    return FailedPreconditionError("version " + std::to_string(version) + " is not above the head " +
-                                   std::to_string(head_));
+    return StaleVersionError(version, head_);
   }
   if (head_ != 0 && !buffers::SameLayout(*head_weights_, layout)) {
     return InvalidArgumentError("version " + std::to_string(version) + ": " + LayoutDifference(*head_weights_, layout) +

@@ -19,6 +19,8 @@
 #include <thread>
 
 #include "wsync/control/client.h"
+#include "wsync/control/rpc_status.h"
+#include "wsync/v1/errors.pb.h"
 #include "wsync/util/file.h"
 
 namespace wsync::control {
@@ -87,13 +89,17 @@ TEST(CoordinatorServer, ServesOnPortZeroAndUnixSocket) {
   EXPECT_EQ(status->head_version(), 1u);
   ASSERT_EQ(status->nodes_size(), 1);
   EXPECT_EQ(status->nodes(0).data_address(), std::string("\x00\x01opaque", 8));  // opaque bytes survive
-  // Errors keep their code across the wire (another summary of version 1;
-  // the same one again would be a retry, answered with success).
+  // Errors keep their code and their reason across the wire (another
+  // summary of version 1; the same one again would be a retry, answered
+  // with success).
   auto other = V(1);
   other.set_set_checksum(42);
   auto again = tcp->Publish(other);
   EXPECT_EQ(again.status().code(), StatusCode::kFailedPrecondition);
   EXPECT_NE(again.status().message().find("versions only grow"), std::string::npos);
+  ASSERT_TRUE(again.status().HasReason(reasons::kStaleVersion)) << again.status().ToString();
+  EXPECT_EQ(again.status().reason()->metadata.at("next_version"), "2");
+  EXPECT_EQ(again.status().reason()->metadata.at("head_version"), "1");
   r.server->Shutdown();
 }
 
@@ -306,6 +312,40 @@ TEST(CoordinatorServer, MetricsAreBehindTheToken) {
             std::string::npos);
   const std::string body = HttpGet(r.server->metrics_port(), "/metrics", "Basic d3N5bmM6czNjcmV0");
   EXPECT_NE(body.find("sink-secret-name"), std::string::npos) << body;
+}
+
+}  // namespace
+}  // namespace wsync::control
+
+namespace wsync::control {
+namespace {
+
+namespace v1 = wsync::v1;
+
+TEST(RpcStatus, AReasonSurvivesTheGrpcEdgeAndForeignDetailsAreIgnored) {
+  const Status s = StaleVersionError(3, 5).WithContext("publish");
+  const grpc::Status g = control::ToGrpc(s);
+  EXPECT_EQ(g.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  const Status back = control::FromGrpc(g, "call");
+  EXPECT_EQ(back.code(), StatusCode::kFailedPrecondition);
+  EXPECT_EQ(back.message(), "call: " + s.message());
+  ASSERT_TRUE(back.HasReason(reasons::kStaleVersion));
+  EXPECT_EQ(back.reason()->metadata.at("next_version"), "6");
+  // No reason, garbage details, another domain's ErrorInfo: a plain status.
+  EXPECT_EQ(control::FromGrpc(control::ToGrpc(DataLossError("x")), "c").reason(), nullptr);
+  EXPECT_EQ(control::FromGrpc(grpc::Status(grpc::StatusCode::ABORTED, "m", "\xff\x01garbage"), "c").reason(),
+            nullptr);
+  v1::ErrorInfo info;
+  info.set_reason("STALE_VERSION");
+  info.set_domain("someone.else");
+  v1::RpcStatus st;
+  auto* any = st.add_details();
+  any->set_type_url("type.googleapis.com/google.rpc.ErrorInfo");
+  any->set_value(info.SerializeAsString());
+  EXPECT_EQ(control::FromGrpc(grpc::Status(grpc::StatusCode::ABORTED, "m", st.SerializeAsString()), "c").reason(),
+            nullptr);
+  // OK stays OK, with no reason.
+  EXPECT_TRUE(control::ToGrpc(Status::Ok().WithReason("X")).ok());
 }
 
 }  // namespace

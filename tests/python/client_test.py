@@ -182,11 +182,13 @@ def train(build, lr):
                 "sys.path.insert(0, 'examples')\n"
                 "from tiny_llama import LlamaForCausalLM\n"
                 "src.register(LlamaForCausalLM())\n"
-                "try:\n    src.publish(5)\nexcept wsync.StaleVersionError as e:\n    print(e.next_version)\n")
+                "try:\n    src.publish(5)\nexcept wsync.StaleVersionError as e:\n"
+                "    print(e.next_version, e.reason, e.metadata['head_version'])\n")
         p = subprocess.run(["/usr/bin/python3", "-c", code], capture_output=True, text=True,
                            env=dict(s.env, PYTHONPATH=os.path.join(build, "python")),
                            cwd=os.path.join(HERE, "..", ".."))
-        check(p.stdout.strip() == "10", f"publish(5) after version 9 raises StaleVersionError(next_version=10): "
+        check(p.stdout.strip() == "10 STALE_VERSION 9", "publish(5) after version 9 raises StaleVersionError "
+                                                        f"(next_version=10, reason STALE_VERSION, head 9): "
                                         f"{p.stdout.strip()} {p.stderr.strip()[-300:]}")
     finally:
         s.stop()
@@ -623,7 +625,7 @@ try:
     src.publish(3)
     raise SystemExit("version 3 was published with the old weights")
 except wsync.StaleVersionError as e:
-    print("version 3 again with new weights refused; next", e.next_version)
+    print("version 3 again with new weights refused:", e.reason, "next", e.next_version)
 v = src.publish().version
 snk.wait(v, timeout=60)
 with snk.hold() as held:
@@ -632,7 +634,7 @@ print("unconfirmed ok")
 """
     try:
         p = run_client(s, build, code)
-        check(p.returncode == 0 and "unconfirmed ok" in p.stdout and "next 4" in p.stdout,
+        check(p.returncode == 0 and "unconfirmed ok" in p.stdout and "VERSION_TAKEN next 4" in p.stdout,
               "an unconfirmed version is never published with other weights: " + (p.stdout + p.stderr)[-700:])
     finally:
         s.stop()

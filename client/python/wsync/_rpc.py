@@ -6,11 +6,11 @@ from typing import Any, Callable
 
 import grpc
 
-from .errors import from_rpc_error
+from .errors import NOT_REGISTERED, WsyncError, from_rpc_error
 from .v1 import local_pb2 as pb
 from .v1 import local_pb2_grpc as pb_grpc
 
-__all__ = ["Local", "pb"]
+__all__ = ["Local", "pb", "again_if_forgotten"]
 
 
 def _target(address: str) -> str:
@@ -39,3 +39,16 @@ class Local:
 
     def close(self) -> None:
         self.channel.close()
+
+
+def again_if_forgotten(call: Callable[[], Any], reregister: Callable[[], None] | None) -> Any:
+    """`call()`; when the daemon answers NOT_REGISTERED (it restarted and
+    holds no tensors), `reregister()` (the same memory again) and `call()`
+    once more. The one restart recovery of sources and sinks."""
+    try:
+        return call()
+    except WsyncError as e:
+        if e.reason != NOT_REGISTERED or reregister is None:
+            raise
+        reregister()
+        return call()

@@ -1,10 +1,19 @@
 """Exceptions of the wsync client: one class per family of gRPC status codes,
-each carrying the daemon's message."""
+each carrying the daemon's message and, where the daemon gave one, its
+machine-readable reason (gRPC's rich error model: google.rpc.ErrorInfo in the
+call's trailer). The client decides on reasons, never on message text."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import Dict, Optional
 
 import grpc
+
+from .v1 import errors_pb2
+
+# The reasons the client acts on (docs/local-api.md, "Errors").
+STALE_VERSION = "STALE_VERSION"    # metadata: version, head_version, next_version
+VERSION_TAKEN = "VERSION_TAKEN"    # metadata: version, next_version
+NOT_REGISTERED = "NOT_REGISTERED"  # the daemon (restarted?) holds no tensors
 
 
 class WsyncError(Exception):
@@ -13,12 +22,17 @@ class WsyncError(Exception):
     Attributes:
         code: the gRPC status code name ("FAILED_PRECONDITION", ...).
         message: the daemon's message.
+        reason: the daemon's machine-readable reason ("STALE_VERSION", ...), or "".
+        metadata: the reason's details by name (strings).
     """
 
-    def __init__(self, message: str, code: str = "UNKNOWN"):
+    def __init__(self, message: str, code: str = "UNKNOWN", reason: str = "",
+                 metadata: Optional[Dict[str, str]] = None):
         super().__init__(message)
         self.code = code
         self.message = message
+        self.reason = reason
+        self.metadata = dict(metadata or {})
 
 
 class InvalidArgumentError(WsyncError):
@@ -35,11 +49,13 @@ class FailedPreconditionError(WsyncError):
 
 
 class StaleVersionError(FailedPreconditionError):
-    """A version at or below the head was published; `next_version` is the
-    lowest one that would be accepted now."""
+    """A version at or below the head was published (reason STALE_VERSION),
+    or one whose number a failed publish of other weights took
+    (VERSION_TAKEN); `next_version` is the lowest one accepted now."""
 
-    def __init__(self, message: str, next_version: int):
-        super().__init__(message, "FAILED_PRECONDITION")
+    def __init__(self, message: str, next_version: int, reason: str = STALE_VERSION,
+                 metadata: Optional[Dict[str, str]] = None):
+        super().__init__(message, "FAILED_PRECONDITION", reason, metadata)
         self.next_version = next_version
 
 
@@ -75,10 +91,31 @@ _BY_CODE = {
 }
 
 
+_ERROR_INFO = "type.googleapis.com/google.rpc.ErrorInfo"
+
+
+def _reason(err: grpc.RpcError) -> tuple:
+    """(reason, metadata) from the call's grpc-status-details-bin trailer."""
+    trailer = err.trailing_metadata() if hasattr(err, "trailing_metadata") else None
+    for key, value in trailer or ():
+        if key != "grpc-status-details-bin":
+            continue
+        status = errors_pb2.RpcStatus.FromString(value)
+        for any_ in status.details:
+            if any_.type_url == _ERROR_INFO:
+                info = errors_pb2.ErrorInfo.FromString(any_.value)
+                if info.domain == "wsync":
+                    return info.reason, dict(info.metadata)
+    return "", {}
+
+
 def from_rpc_error(err: grpc.RpcError, what: Optional[str] = None) -> WsyncError:
     """The WsyncError for a failed call (`what`: prefix naming the call)."""
     code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
     details = err.details() if hasattr(err, "details") else str(err)
     message = f"{what}: {details}" if what else (details or "")
+    reason, metadata = _reason(err)
+    if reason in (STALE_VERSION, VERSION_TAKEN) and "next_version" in metadata:
+        return StaleVersionError(message, int(metadata["next_version"]), reason, metadata)
     cls = _BY_CODE.get(code, WsyncError)
-    return cls(message, code.name if code is not None else "UNKNOWN")
+    return cls(message, code.name if code is not None else "UNKNOWN", reason, metadata)

@@ -10,7 +10,7 @@ from typing import Dict, Iterator, Optional, Sequence
 
 import grpc
 
-from ._rpc import Local, pb
+from ._rpc import Local, again_if_forgotten, pb
 from ._tensors import Registration, TensorsLike, attach_layout, share
 from .errors import FailedPreconditionError, UnavailableError, from_rpc_error
 
@@ -80,16 +80,13 @@ class Sink:
 
     def _again(self, call):
         """`call()`, after registering the same memory again if the daemon
-        restarted and forgot it (saying which version it holds: the sink
-        checks that against the version's checksum)."""
-        try:
-            return call()
-        except FailedPreconditionError as e:
-            if "no tensors registered" not in e.message or self._registration is None:
-                raise
-            self._registration.request.applied_version = self._held
-            self._local.call("RegisterTensors", self._registration.request, wait_for_ready=True)
-            return call()
+        restarted and forgot it."""
+        return again_if_forgotten(call, self._reregister if self._registration is not None else None)
+
+    def _reregister(self) -> None:
+        # Saying which version the tensors hold: the sink checks that against the version's checksum.
+        self._registration.request.applied_version = self._held
+        self._local.call("RegisterTensors", self._registration.request, wait_for_ready=True)
 
     def _through_restart(self, call, deadline: float):
         """`call()`, again while the daemon is unreachable (restarting: its

@@ -1,14 +1,13 @@
 """The trainer side: register the model once, publish after every step."""
 from __future__ import annotations
 
-import re
 import time
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
-from ._rpc import Local, pb
+from ._rpc import Local, again_if_forgotten, pb
 from ._tensors import Registration, TensorsLike, share, served_layout
-from .errors import FailedPreconditionError, StaleVersionError, UnavailableError
+from .errors import STALE_VERSION, FailedPreconditionError, StaleVersionError, UnavailableError
 
 
 @dataclass
@@ -54,10 +53,6 @@ class PublishStats:
     copy_ms: float
     pending: bool
     server_ms: float
-
-
-_NEXT = re.compile(r"next valid version is (\d+)")
-_NOT_REGISTERED = "no tensors registered"
 
 
 class Source:
@@ -156,27 +151,16 @@ class Source:
                         raise
                     retried = True
                     time.sleep(delay)
-                except FailedPreconditionError as e:
-                    # "not above the head" after an Unavailable: our version
-                    # was stored (its answer was lost), not someone else's.
-                    m = _NEXT.search(e.message)
-                    if retried and m and int(m.group(1)) == v + 1 and "is not above the head" in e.message:
+                except StaleVersionError as e:
+                    # Our version is the head after an Unavailable: it was
+                    # stored (its answer was lost), not someone else's.
+                    if retried and e.reason == STALE_VERSION and e.metadata.get("head_version") == str(v):
                         return pb.LocalPublishResponse(version=v)
                     raise
         try:
-            try:
-                resp = call()
-            except FailedPreconditionError as e:
-                if _NOT_REGISTERED not in e.message:
-                    raise
-                # The daemon restarted and forgot the tensors: the same memory again, once.
-                self._local.call("RegisterTensors", self._registration.request, wait_for_ready=True)
-                resp = call()
-        except FailedPreconditionError as e:
-            m = _NEXT.search(e.message)
-            if m:
-                self._next_version = int(m.group(1))
-                raise StaleVersionError(e.message, self._next_version) from None
+            resp = again_if_forgotten(call, self._reregister)
+        except StaleVersionError as e:
+            self._next_version = e.next_version
             raise
         self._next_version = max(self._next_version, resp.version + 1)
         return PublishStats(
@@ -184,6 +168,9 @@ class Source:
             dense_bytes=resp.dense_bytes,
             ratio=resp.dense_bytes / resp.patch_bytes if resp.patch_bytes else 0.0,
             encode_ms=resp.encode_ms, copy_ms=resp.copy_ms, pending=resp.pending, server_ms=resp.server_ms)
+
+    def _reregister(self) -> None:
+        self._local.call("RegisterTensors", self._registration.request, wait_for_ready=True)
 
     def status(self) -> pb.LocalStatusResponse:
         """The daemon's view: head version, tensors, bytes and pulls served."""

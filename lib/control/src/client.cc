@@ -6,7 +6,7 @@
 #include <mutex>
 #include <set>
 
-#include "grpc_util.h"
+#include "wsync/control/rpc_status.h"
 #include "wsync/util/file.h"
 #include "wsync/v1/coordinator.grpc.pb.h"
 

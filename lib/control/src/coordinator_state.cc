@@ -312,9 +312,7 @@ StatusOr<uint64_t> CoordinatorState::Publish(const VersionSummary& version) {
     }
   }
   if (version.version() <= head) {
-    return FailedPreconditionError("version " + std::to_string(version.version()) +
-                                   " is not above the head version " + std::to_string(head) +
-                                   "; versions only grow");
+    return StaleVersionError(version.version(), head).WithContext("versions only grow");
   }
   if (!version.keyframe() && version.base_version() >= version.version()) {
     return InvalidArgumentError("base version " + std::to_string(version.base_version()) +
@@ -360,8 +358,7 @@ StatusOr<uint64_t> CoordinatorState::PublishPartLocked(const VersionSummary& par
   }
   const uint64_t head = AcknowledgedHeadLocked();
   if (v <= head) {
-    return FailedPreconditionError("version " + std::to_string(v) + " is not above the head version " +
-                                   std::to_string(head) + "; versions only grow");
+    return StaleVersionError(v, head).WithContext("versions only grow");
   }
   if (!part.keyframe() && part.base_version() >= v) {
     return InvalidArgumentError("base version " + std::to_string(part.base_version()) +
@@ -603,8 +600,7 @@ StatusOr<wsync::v1::MayPublishResponse> CoordinatorState::MayPublish(uint64_t ve
   ExpireLocked();
   const uint64_t head = versions_.empty() ? 0 : versions_.rbegin()->first;
   if (version <= head) {
-    return FailedPreconditionError("version " + std::to_string(version) + " is not above the head version " +
-                                   std::to_string(head));
+    return StaleVersionError(version, head);
   }
   wsync::v1::MayPublishResponse resp;
   resp.set_allowed(true);

@@ -16,7 +16,7 @@
 #include <chrono>
 #include <thread>
 
-#include "grpc_util.h"
+#include "wsync/control/rpc_status.h"
 #include "wsync/util/file.h"
 #include "wsync/v1/coordinator.grpc.pb.h"
 

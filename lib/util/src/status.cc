@@ -40,7 +40,28 @@ Status Status::WithContext(std::string_view context) const {
   std::string msg(context);
   msg += ": ";
   msg += message_;
-  return Status(code_, std::move(msg));
+  Status out(code_, std::move(msg));
+  out.reason_ = reason_;
+  return out;
+}
+
+Status Status::WithReason(std::string reason, std::map<std::string, std::string> metadata) const {
+  if (ok()) return *this;
+  Status out = *this;
+  out.reason_ = std::make_shared<const ErrorReason>(ErrorReason{std::move(reason), std::move(metadata)});
+  return out;
+}
+
+Status StaleVersionError(uint64_t version, uint64_t head) {
+  return FailedPreconditionError("version " + std::to_string(version) + " is not above the head version " +
+                                 std::to_string(head) + "; the next valid version is " + std::to_string(head + 1))
+      .WithReason(reasons::kStaleVersion, {{"version", std::to_string(version)},
+                                           {"head_version", std::to_string(head)},
+                                           {"next_version", std::to_string(head + 1)}});
+}
+
+Status NotRegisteredError() {
+  return FailedPreconditionError("no tensors registered").WithReason(reasons::kNotRegistered);
 }
 
 Status InvalidArgumentError(std::string m) { return Status(StatusCode::kInvalidArgument, std::move(m)); }

@@ -2,12 +2,17 @@
 //
 // Codes follow gRPC's canonical codes one to one so the gRPC adapter maps them
 // without a table of special cases. A Status is cheap to copy when OK (no
-// allocation); an error carries a message naming what was wrong.
+// allocation); an error carries a message naming what was wrong, and may carry
+// a machine-readable reason with details (ErrorReason; on the wire, gRPC's
+// google.rpc.ErrorInfo), on which callers decide instead of on the message.
 //
 // Thread safety: values; no shared state.
 #pragma once
 
 #include <cassert>
+#include <cstdint>
+#include <map>
+#include <memory>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -38,6 +43,20 @@ enum class StatusCode : int {
 
 std::string_view StatusCodeName(StatusCode code);
 
+// A machine-readable cause of an error: a reason in UPPER_SNAKE_CASE, stable
+// across releases (docs/local-api.md lists them), and details by name.
+struct ErrorReason {
+  std::string reason;
+  std::map<std::string, std::string> metadata;
+};
+
+// The reasons callers act on.
+namespace reasons {
+inline constexpr char kStaleVersion[] = "STALE_VERSION";    // version, head_version, next_version
+inline constexpr char kVersionTaken[] = "VERSION_TAKEN";    // version, next_version
+inline constexpr char kNotRegistered[] = "NOT_REGISTERED";  // a daemon (restarted) holds no tensors
+}  // namespace reasons
+
 class [[nodiscard]] Status {
  public:
   Status() = default;
@@ -59,6 +78,12 @@ class [[nodiscard]] Status {
   // Marks an intentionally ignored status.
   void IgnoreError() const {}
 
+  // A copy carrying `reason` (no-op when OK); WithContext keeps it.
+  Status WithReason(std::string reason, std::map<std::string, std::string> metadata = {}) const;
+  // The reason, or nullptr.
+  const ErrorReason* reason() const { return reason_.get(); }
+  bool HasReason(std::string_view reason) const { return reason_ && reason_->reason == reason; }
+
   friend bool operator==(const Status& a, const Status& b) {
     return a.code_ == b.code_ && a.message_ == b.message_;
   }
@@ -66,6 +91,7 @@ class [[nodiscard]] Status {
  private:
   StatusCode code_ = StatusCode::kOk;
   std::string message_;
+  std::shared_ptr<const ErrorReason> reason_;
 };
 
 Status InvalidArgumentError(std::string message);
@@ -83,6 +109,12 @@ Status DeadlineExceededError(std::string message);
 Status UnauthenticatedError(std::string message);
 Status PermissionDeniedError(std::string message);
 Status CancelledError(std::string message);
+
+// "version 3 is not above the head version 5; the next valid version is 6"
+// (FailedPrecondition, STALE_VERSION).
+Status StaleVersionError(uint64_t version, uint64_t head);
+// FailedPrecondition, NOT_REGISTERED.
+Status NotRegisteredError();
 
 // Converts an errno value at the edge: "open /x: No such file or directory".
 Status ErrnoToStatus(int err, std::string_view what);

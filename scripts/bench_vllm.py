@@ -1,0 +1,132 @@
+"""How long a real vLLM engine stops generating per version: wsync against
+vLLM's own dense path, in one run on this machine's CPU.
+
+A Llama-style model (about 150 M parameters by default) is trained for real
+(AdamW, FP32 masters, RL-like learning rate 1e-5) by a trainer that publishes
+each step through vLLM's trainer-side API with the `wsync` backend; two vLLM
+engines (TP 1, torch.compile on, as vLLM runs by default) hold the weights:
+  - wsync:  the `wsync` weight-transfer backend; its pause is the
+            start_weight_update / update_weights / finish_weight_update
+            round trip (the sink applies the patch in place meanwhile);
+  - dense:  vLLM's own dense path, `reload_weights` of the step's full
+            tensors (read in the worker from the step's safetensors file,
+            in the page cache): what RL frameworks call after shipping
+            every tensor;
+and after each step both must generate the same greedy tokens and logprobs.
+Printed: the pause of each per version, medians, and the bytes each moves
+(wsync's patch against the full BF16 tensors).
+
+    <vLLM python> scripts/bench_vllm.py --build build [--hidden 1024 --layers 8 --steps 5]
+"""
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(HERE, "..", "tests", "python"))
+
+from vllm_env import prepare_cpu  # noqa: E402
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--build", default="build")
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--lr", type=float, default=1e-5)
+    ap.add_argument("--eager", action="store_true", help="enforce_eager (no torch.compile)")
+    args = ap.parse_args()
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    prepare_cpu()
+
+    import torch
+    import transformers
+    import vllm_test as T
+    from system_demo import System
+    from vllm import LLM
+    from vllm.distributed.weight_transfer.base import ModuleSource
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+    from wsync.vllm import LLMClient, WsyncTrainerInitInfo
+
+    build = os.path.abspath(args.build)
+    tmp = tempfile.mkdtemp(prefix="wsync_bench_vllm_")
+    s = System(build, 0, 4, tmp)
+    s.start_sink("sink-tp1-0")
+    s.wait_for(lambda: os.path.exists(f"{tmp}/sink-tp1-0.sock"), "the sink's local API")
+    h = args.hidden
+    config = transformers.LlamaConfig(vocab_size=args.vocab, hidden_size=h, intermediate_size=h * 11 // 4,
+                                      num_hidden_layers=args.layers, num_attention_heads=h // 64,
+                                      num_key_value_heads=max(1, h // 256), max_position_embeddings=512,
+                                      tie_word_embeddings=False)
+    torch.manual_seed(1)
+    model = transformers.LlamaForCausalLM(config).float()
+    params = sum(p.numel() for p in model.parameters())
+    ckpt = os.path.join(tmp, "step-0")
+    T.save_checkpoint(model, ckpt)
+    print(f"model: {params / 1e6:.0f} M parameters, {params * 2 / 1e6:.0f} MB in BF16; "
+          f"{'eager' if args.eager else 'torch.compile'}", flush=True)
+
+    def engine(wsync):
+        extra = {"weight_transfer_config": {"backend": "wsync"}} if wsync else {}
+        return LLM(model=ckpt, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=128, seed=0,
+                   max_num_seqs=len(T.PROMPTS), max_num_batched_tokens=128, enforce_eager=args.eager, **extra)
+
+    t = time.time()
+    ws, dense = engine(True), engine(False)
+    print(f"engines up in {time.time() - t:.0f} s", flush=True)
+    trainer = WeightTransferTrainerFactory.trainer_init(
+        WsyncTrainerInitInfo(rank=0, source_address=f"unix:{tmp}/source.sock",
+                             sink_address=f"unix:{tmp}/sink-tp{{tp_size}}-{{tp_rank}}.sock"),
+        client=LLMClient(ws), source=ModuleSource(model))
+    trainer.send_weights()  # version 1: the loaded weights (a keyframe)
+    T.generate(ws), T.generate(dense)  # compiled graphs warm
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    gen = torch.Generator().manual_seed(2)
+    rows = []
+    try:
+        for step in range(1, args.steps + 1):
+            batch = torch.randint(0, args.vocab, (2, 64), generator=gen)
+            model(input_ids=batch, labels=batch).loss.backward()
+            opt.step()
+            opt.zero_grad()
+            path = os.path.join(tmp, f"step-{step}")
+            tensors = T.save_checkpoint(model, path)
+            dense_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+            # wsync: the publish (encode) runs while the engine may generate; the pause is the update.
+            stats = trainer.wsync.publish()
+            t0 = time.perf_counter()
+            trainer.client.start_weight_update()
+            trainer.client.update_weights({"version": stats.version, "timeout": 60.0})
+            trainer.client.finish_weight_update(str(stats.version))
+            t1 = time.perf_counter()
+            dense.collective_rpc("reload_weights", kwargs={"weights_path": path})
+            dense.reset_prefix_cache()
+            t2 = time.perf_counter()
+            same = T.generate(ws) == T.generate(dense)
+            rows.append((t1 - t0, t2 - t1, stats.patch_bytes, dense_bytes))
+            print(f"  version {stats.version}: wsync pause {1e3 * (t1 - t0):7.1f} ms, {stats.patch_bytes:>11,} bytes "
+                  f"(encode {stats.encode_ms:.0f} ms, off the pause) | dense pause {1e3 * (t2 - t1):7.1f} ms, "
+                  f"{dense_bytes:>11,} bytes | same tokens and logprobs: {same}", flush=True)
+            if not same:
+                raise SystemExit("the two engines disagree: the weights are not the same")
+    finally:
+        trainer.shutdown()
+        T.shutdown(ws)
+        T.shutdown(dense)
+        s.stop()
+    w = statistics.median(r[0] for r in rows)
+    d = statistics.median(r[1] for r in rows)
+    pb = statistics.median(r[2] for r in rows)
+    db = statistics.median(r[3] for r in rows)
+    print(f"medians over {len(rows)} versions: pause {1e3 * w:.0f} ms with wsync, {1e3 * d:.0f} ms dense "
+          f"({d / w:.1f}x); bytes {pb:,.0f} with wsync, {db:,.0f} dense ({db / pb:.0f}x fewer)")
+
+
+if __name__ == "__main__":
+    main()
