@@ -73,6 +73,9 @@ sys.path.insert(0, os.path.join(HERE, "..", "..", "scripts"))
 from system_demo import System  # noqa: E402
 
 WORKERS = os.path.join(HERE, "client_workers.py")
+# The trainers and inference servers run with this test's Python: Debian's
+# (torch 1.13) or the vLLM environment's (torch 2.x).
+PY = sys.executable
 
 
 def check(cond, what):
@@ -89,7 +92,7 @@ class Worker:
         self.log_path = os.path.join(system.tmp, name + ".out")
         env = dict(system.env, PYTHONPATH=os.pathsep.join(
             [os.path.join(system.build, "python"), os.environ.get("PYTHONPATH", "")]))
-        self.proc = subprocess.Popen(["/usr/bin/python3", WORKERS, *args], env=env,
+        self.proc = subprocess.Popen([PY, WORKERS, *args], env=env,
                                      stdout=open(self.log_path, "w"), stderr=subprocess.STDOUT)
         system.procs["worker-" + name] = (None, self.proc)  # stopped with the system
 
@@ -121,7 +124,7 @@ class Worker:
 
 def run_client(s, build, code, *args):
     """Runs `code` with the built `wsync` package, given the source's and sink-0's local addresses (and args)."""
-    return subprocess.run(["/usr/bin/python3", "-c", code, local(s, "source"), local(s, "sink-0"), *args],
+    return subprocess.run([PY, "-c", code, local(s, "source"), local(s, "sink-0"), *args],
                           env=dict(s.env, PYTHONPATH=os.path.join(build, "python")), capture_output=True, text=True,
                           cwd=os.path.join(HERE, "..", ".."), timeout=300)
 
@@ -173,7 +176,7 @@ def train(build, lr):
         code = ("import wsync, torch\n"
                 f"src = wsync.Source('{local(s, 'source')}')\n"
                 "src.register({'model.embed_tokens.weight': torch.zeros(512, 128)})\n")
-        p = subprocess.run(["/usr/bin/python3", "-c", code], env=dict(s.env, PYTHONPATH=os.path.join(build, "python")),
+        p = subprocess.run([PY, "-c", code], env=dict(s.env, PYTHONPATH=os.path.join(build, "python")),
                            capture_output=True, text=True)
         check(p.returncode != 0 and "FailedPreconditionError" in p.stderr and "lm_head.weight" in p.stderr,
               "a trainer registering another layout is refused, naming a tensor: " + p.stderr.strip().splitlines()[-1])
@@ -184,7 +187,7 @@ def train(build, lr):
                 "src.register(LlamaForCausalLM())\n"
                 "try:\n    src.publish(5)\nexcept wsync.StaleVersionError as e:\n"
                 "    print(e.next_version, e.reason, e.metadata['head_version'])\n")
-        p = subprocess.run(["/usr/bin/python3", "-c", code], capture_output=True, text=True,
+        p = subprocess.run([PY, "-c", code], capture_output=True, text=True,
                            env=dict(s.env, PYTHONPATH=os.path.join(build, "python")),
                            cwd=os.path.join(HERE, "..", ".."))
         check(p.stdout.strip() == "10 STALE_VERSION 9", "publish(5) after version 9 raises StaleVersionError "
@@ -571,7 +574,7 @@ assert waited.get("v") == versions[-1], (waited, versions)
 print("daemon restart ok", versions)
 """
     try:
-        p = subprocess.Popen(["/usr/bin/python3", "-c", code, local(s, "source"), local(s, "sink-0"), s.tmp],
+        p = subprocess.Popen([PY, "-c", code, local(s, "source"), local(s, "sink-0"), s.tmp],
                              env=dict(s.env, PYTHONPATH=os.path.join(build, "python")), stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True, cwd=os.path.join(HERE, "..", ".."))
         s.procs["worker-restart"] = (None, p)
@@ -669,7 +672,7 @@ def sigterm(build):
 
 
 def gpu(build):
-    probe = subprocess.run(["/usr/bin/python3", "-c", "import torch; print(torch.cuda.is_available())"],
+    probe = subprocess.run([PY, "-c", "import torch; print(torch.cuda.is_available())"],
                            capture_output=True, text=True)
     if probe.stdout.strip() != "True":
         print("SKIP: gpu: no CUDA device visible to torch (Debian's torch is CPU-only; run on a GPU machine with a "

@@ -9,16 +9,17 @@ The engines hold fused and sharded parameters (``qkv_proj``,
 each rank holds, and the sink applies exactly those, verified. The trainer's
 source must serve these layouts (``Source.register(model, serve=[...])``).
 
-vLLM (worker extension, vLLM >= 0.8, V0 and V1 workers)::
+vLLM 0.22 and later: wsync is a weight-transfer backend (wsync.vllm).
+Older vLLM (worker extension)::
 
     llm = LLM(model=path, tensor_parallel_size=4,
               worker_extension_cls="wsync.engines.VllmWorkerExtension")
-    llm.collective_rpc("wsync_register", args=("unix:/run/wsync/sink-{rank}.sock",))
+    llm.collective_rpc("wsync_register", args=("unix:/run/wsync/sink-{tp_rank}.sock",))
     ...                                        # generate
     llm.collective_rpc("wsync_sync", args=(step,))   # between steps: version `step` or newer
     llm.reset_prefix_cache()                   # cached KV of the old weights is stale
 
-SGLang (custom weight loader, SGLang >= 0.4.6)::
+SGLang (custom weight loader, SGLang >= 0.4.8)::
 
     engine = sglang.Engine(model_path=path, tp_size=4,
                            custom_weight_loader=["wsync.engines.sglang_load"])
@@ -27,10 +28,8 @@ SGLang (custom weight loader, SGLang >= 0.4.6)::
     engine.update_weights_from_tensor(wsync.engines.sglang_request(step),
                                       load_format="wsync.engines.sglang_load")
 
-Neither engine is installed where wsync is built and tested: the adapters
-are written against their documented interfaces and kept thin over
-:class:`RankSync`, which the system tests run with real torch modules and
-real sinks.
+vLLM runs against this module in tests/python/vllm_test.py; SGLang does not
+run where wsync is tested (docs/vllm.md says what was checked).
 """
 from __future__ import annotations
 
