@@ -232,6 +232,10 @@ void SinkCore::AfterRegister(const v1::Node& node) {
 }
 
 void SinkCore::FillHeartbeat(v1::HeartbeatRequest* h) {
+  {
+    std::lock_guard<std::mutex> lock(state_mu_);
+    h->set_unreachable_parent(std::exchange(unreachable_parent_, std::string()));
+  }
   if (auto w = weights(); w && !w->sync_error().ok()) h->set_sync_error(w->sync_error().ToString());
   const auto [holds, oldest_ms] = HoldSummary();
   h->set_active_holds(holds);
@@ -532,11 +536,21 @@ void SinkCore::SyncLoop() {
       Kick();  // a version may have come meanwhile
       continue;
     }
-    if (s.code() == StatusCode::kUnavailable || s.code() == StatusCode::kDeadlineExceeded) {
-      for (const auto& p : pulls) DropPeer(p.node);
-    }
     const auto delay = RetryDelay(++failures_);
     next_attempt = Clock::now() + delay;
+    if (s.code() == StatusCode::kUnavailable || s.code() == StatusCode::kDeadlineExceeded) {
+      // The peer is gone or unreachable: not the same parent again. The
+      // coordinator assigns another holder of the version at once; a new
+      // parent ends the backoff (OnHeartbeat).
+      for (const auto& p : pulls) DropPeer(p.node);
+      if (env_.membership != nullptr) {
+        {
+          std::lock_guard<std::mutex> lock(state_mu_);
+          unreachable_parent_ = parent;
+        }
+        env_.membership->HeartbeatNow(std::chrono::seconds(1));
+      }
+    }
     if (s.code() == StatusCode::kNotFound) {
       std::lock_guard<std::mutex> lock(sync_mu_);
       retry_on_new_head_ = head;

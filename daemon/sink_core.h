@@ -155,6 +155,8 @@ class SinkCore : public exchange::PatchProvider {
   std::mutex state_mu_;
   std::shared_ptr<SinkWeights> weights_;
   std::string parent_;
+  // A parent the last pull could not reach, said in the next heartbeat.
+  std::string unreachable_parent_;
   bool resync_ = false;
   // What this sink can serve its children: streams it received or is
   // receiving, and keyframes it built; the least recently used go first

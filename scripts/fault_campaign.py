@@ -33,6 +33,7 @@ import json
 import os
 import random
 import signal
+import statistics
 import struct
 import subprocess
 import sys
@@ -67,7 +68,7 @@ def differing_bits(a, b):
 
 
 class Campaign:
-    def __init__(self, build, seed, tmp, token=None, data_security=None, source_args=()):
+    def __init__(self, build, seed, tmp, token=None, data_security=None, source_args=(), kinds=None):
         import torch
         import wsync
         self.torch, self.wsync = torch, wsync
@@ -79,7 +80,7 @@ class Campaign:
         if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m,mode=0700", "tmpfs", f"{tmp}/store"],
                           capture_output=True).returncode == 0:
             self.tmpfs = True
-        self.kinds = [k for k in KINDS if k != "disk_full" or self.tmpfs]
+        self.kinds = [k for k in (kinds or KINDS) if k != "disk_full" or self.tmpfs]
         self.model = {f"layers.{i}.weight": (torch.randn(256, 1024, generator=self.gen) * 0.02).to(torch.bfloat16)
                       for i in range(8)}
         self.like = f"{tmp}/like.safetensors"
@@ -255,6 +256,14 @@ class Campaign:
         print(f"  round {i}: {kind}{' (mid-sync)' if mid_sync else ''}: every sink bit-exact at version {head} "
               f"{took:.1f} s after the fault", flush=True)
 
+    def by_kind(self):
+        """{fault kind: {"median": s, "worst": s, "n": rounds}} of the time to converge."""
+        out = {}
+        for kind in sorted({k for _, k in self.converge}):
+            took = sorted(c for c, k in self.converge if k == kind)
+            out[kind] = {"median": round(statistics.median(took), 2), "worst": round(took[-1], 2), "n": len(took)}
+        return out
+
     def report(self, seed, elapsed):
         worst = max(self.converge) if self.converge else (0, "-")
         growth = {n: (self.peak[n][1] - self.baseline_rss.get(n, 0)) // 1024 for n in self.peak}
@@ -266,6 +275,7 @@ class Campaign:
             "worst_converge_s": round(worst[0], 1), "worst_converge_fault": worst[1],
             "median_converge_s": round(sorted(c for c, _ in self.converge)[len(self.converge) // 2], 1)
             if self.converge else 0,
+            "converge_s_by_fault": self.by_kind(),
             "max_fds": {n: p[0] for n, p in self.peak.items()},
             "max_rss_mb": {n: p[1] // 1024 for n, p in self.peak.items()},
             "rss_growth_mb": growth, "disk_full_tested": self.tmpfs,
@@ -303,6 +313,7 @@ def main():
     p.add_argument("--json", default=None)
     p.add_argument("--token", default=None, help="cluster token (coordinator and data plane)")
     p.add_argument("--data-security", choices=["none", "auth", "encrypt"], default=None)
+    p.add_argument("--kinds", default=None, help=f"comma-separated fault kinds (default: all of {','.join(KINDS)})")
     p.add_argument("--segment-mib", default=None,
                    help="the source's --segment-mib (1: the 4 MB model's versions are streamed in segments)")
     a = p.parse_args()
@@ -315,7 +326,8 @@ def main():
           f"{a.minutes} min", flush=True)
     tmp = tempfile.mkdtemp(prefix=f"wsync_campaign_{seed}_")
     c = Campaign(a.build, seed, tmp, token=a.token, data_security=a.data_security,
-                 source_args=["--segment-mib", a.segment_mib] if a.segment_mib else [])
+                 source_args=["--segment-mib", a.segment_mib] if a.segment_mib else [],
+                 kinds=a.kinds.split(",") if a.kinds else None)
     t0 = time.time()
     try:
         first = c.publish()
@@ -339,6 +351,8 @@ def main():
     print(f"PASS: {r['rounds']} faults, {r['versions_acknowledged']} versions, {r['sink_versions_verified']} sink "
           f"versions verified bit-exact, divergent bits {r['divergent_bits']}, lost versions 0, worst convergence "
           f"{r['worst_converge_s']} s ({r['worst_converge_fault']})")
+    for kind, c in r["converge_s_by_fault"].items():
+        print(f"  {kind:17s} {c['n']:4d} faults: converged in {c['median']:.2f} s median, {c['worst']:.2f} s worst")
 
 
 if __name__ == "__main__":

@@ -463,6 +463,66 @@ TEST_F(SinkCoreTest, ARelayLostMidStreamIsReplacedByItsParent) {
   EXPECT_GT(child.core->status().pulls_made, 1u);
 }
 
+// The same, without the coordinator being told: the relay's process dies
+// (its connections close) and the coordinator still counts it alive (its
+// TTL has not passed: the fake clock never moves). The child's pull fails
+// with the peer gone; it says so in a heartbeat at once, the coordinator
+// gives it another holder of the version, and it reaches the head.
+TEST_F(SinkCoreTest, AChildLeavesARelayItCannotReachWithoutWaitingForItsTtl) {
+  auto v = Versions(2, 2'500'000);
+  TestSource source(state_.get(), fabric_);
+  source.Publish(1, v[0]);
+  transport::TransportOptions slow;
+  slow.rate_limit_bytes_per_s = 2 << 20;
+  auto relay = std::make_unique<TestSink>("sink-a", state_.get(), fabric_, slow);
+  ASSERT_TRUE(relay->RegisterMemory(Zeros(v[0])).ok());
+  relay->ExpectReaches(1, v[0]);
+  WaitReported("sink-a", 1);
+  TestSink child("sink-b", state_.get(), fabric_);
+  ASSERT_EQ(ParentOf("sink-b"), "sink-a");
+  ASSERT_TRUE(child.RegisterMemory(Zeros(v[0])).ok());
+  const auto until = std::chrono::steady_clock::now() + 10s;
+  while (relay->plane.server->pulls_served() == 0 && std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(10ms);
+  }
+  ASSERT_GT(relay->plane.server->pulls_served(), 0u) << "the child's pull never started";
+  const int64_t t0 = clock_.NowMs();
+  relay.reset();  // the relay process dies mid-stream; nobody tells the coordinator
+  child.ExpectReaches(1, v[0]);
+  EXPECT_EQ(ParentOf("sink-b"), "source");
+  source.Publish(2, v[1]);
+  child.ExpectReaches(2, v[1]);
+  EXPECT_LT(clock_.NowMs() - t0, static_cast<int64_t>(kTtlMs)) << "reassigned by the TTL, not by the report";
+  const v1::StatusResponse status = state_->GetStatus();
+  for (const auto& n : status.nodes()) {
+    if (n.name() == "sink-a") EXPECT_EQ(n.state(), v1::NODE_ALIVE) << "the relay was not declared dead meanwhile";
+  }
+}
+
+// A relay's process restarts (a new incarnation registers under its name,
+// holding nothing): its children go to another holder of their version at
+// once, and everyone reaches the next version, the restarted relay too.
+TEST_F(SinkCoreTest, ARestartedRelaysChildrenGoToAnotherHolder) {
+  auto v = Versions(2);
+  TestSource source(state_.get(), fabric_);
+  source.Publish(1, v[0]);
+  auto relay = std::make_unique<TestSink>("sink-a", state_.get(), fabric_);
+  ASSERT_TRUE(relay->RegisterMemory(Zeros(v[0])).ok());
+  relay->ExpectReaches(1, v[0]);
+  WaitReported("sink-a", 1);
+  TestSink child("sink-b", state_.get(), fabric_);
+  ASSERT_EQ(ParentOf("sink-b"), "sink-a");
+  ASSERT_TRUE(child.RegisterMemory(Zeros(v[0])).ok());
+  child.ExpectReaches(1, v[0]);
+  relay.reset();
+  relay = std::make_unique<TestSink>("sink-a", state_.get(), fabric_);  // back at once, empty
+  EXPECT_NE(ParentOf("sink-b"), "sink-a") << "a restarted relay kept its child";
+  source.Publish(2, v[1]);
+  child.ExpectReaches(2, v[1]);
+  ASSERT_TRUE(relay->RegisterMemory(Zeros(v[0])).ok());
+  relay->ExpectReaches(2, v[1]);
+}
+
 // The coordinator unreachable from the sink: no versions learned, no pulls;
 // reachable again, it catches up.
 TEST_F(SinkCoreTest, AnUnreachableCoordinatorDelaysButLosesNothing) {

@@ -223,6 +223,15 @@ StatusOr<wsync::v1::RegisterResponse> CoordinatorState::Register(const wsync::v1
   WSYNC_RETURN_IF_ERROR(Log(r));
   Node& stored = nodes_[req.name()];
   source_heads_.erase(req.name());  // what a (re)registered source holds: its next heartbeat says
+  // A new process of this name serves nothing yet: its children go to
+  // another holder of their version now, and sinks may take it as a parent
+  // again (once it holds the head).
+  for (auto& [child, n] : nodes_) {
+    if (n.parent() == req.name()) n.set_parent("");
+  }
+  for (auto it2 = avoid_.begin(); it2 != avoid_.end();) {
+    it2 = it2->second.first == req.name() ? avoid_.erase(it2) : std::next(it2);
+  }
   stored.set_state(wsync::v1::NODE_ALIVE);
   stored.set_last_heartbeat_unix_ms(clock_->NowMs());
   stored.set_parent("");
@@ -255,6 +264,17 @@ StatusOr<wsync::v1::HeartbeatResponse> CoordinatorState::Heartbeat(const wsync::
     NotifyLocked();
   }
   it->second.set_last_heartbeat_unix_ms(clock_->NowMs());
+  if (!req.unreachable_parent().empty() && req.unreachable_parent() == it->second.parent()) {
+    // The sink cannot reach its parent: another holder of its version now,
+    // not at the parent's TTL.
+    spdlog::warn("sink {} cannot reach its parent {}: assigning another", Quoted(req.name()),
+                 Quoted(req.unreachable_parent()));
+    avoid_[req.name()] = {req.unreachable_parent(),
+                          clock_->NowMs() + static_cast<int64_t>(options_.parent_avoid_ms)};
+    it->second.set_parent("");
+    AssignParentsLocked();
+    NotifyLocked();
+  }
   it->second.set_sync_error(req.sync_error().substr(0, 1024));
   it->second.set_active_holds(req.active_holds());
   if (it->second.holds_pieces() != req.holds_pieces()) {
@@ -737,6 +757,11 @@ bool CoordinatorState::IsDescendantLocked(const std::string& node, const std::st
   return true;  // a cycle: treat as descendant, never attach
 }
 
+bool CoordinatorState::AvoidsLocked(const std::string& child, const std::string& parent) const {
+  auto it = avoid_.find(child);
+  return it != avoid_.end() && it->second.first == parent && clock_->NowMs() < it->second.second;
+}
+
 void CoordinatorState::AssignParentsLocked() {
   const uint64_t head = versions_.empty() ? 0 : versions_.rbegin()->first;
   std::string source;
@@ -755,7 +780,7 @@ void CoordinatorState::AssignParentsLocked() {
     if (n.role() != wsync::v1::ROLE_SINK) continue;
     auto p = nodes_.find(n.parent());
     if (!is_live_sink(n) || p == nodes_.end() || p->second.state() != wsync::v1::NODE_ALIVE ||
-        p->second.holds_pieces()) {
+        p->second.holds_pieces() || AvoidsLocked(name, n.parent())) {
       if (is_live_sink(n) && !n.parent().empty()) spdlog::info("sink {} lost its parent {}", name, n.parent());
       n.set_parent("");
     } else {
@@ -799,10 +824,14 @@ void CoordinatorState::AssignParentsLocked() {
   const auto cands = candidates();
   for (auto& [name, n] : nodes_) {
     if (!is_live_sink(n) || !n.parent().empty()) continue;
-    std::string chosen, least_loaded;
+    std::string chosen, least_loaded, avoided;
     size_t least = std::numeric_limits<size_t>::max();
     for (const auto& c : cands) {
       if (c == name || IsDescendantLocked(c, name)) continue;
+      if (AvoidsLocked(name, c)) {
+        avoided = c;  // only if nothing else holds the version
+        continue;
+      }
       const size_t load = children[c].size();
       if (load < options_.fanout) {
         chosen = c;
@@ -814,6 +843,7 @@ void CoordinatorState::AssignParentsLocked() {
       }
     }
     if (chosen.empty()) chosen = least_loaded;
+    if (chosen.empty()) chosen = avoided;
     if (chosen.empty()) continue;
     n.set_parent(chosen);
     children[chosen].push_back(name);

@@ -33,6 +33,9 @@ struct CoordinatorOptions {
   uint64_t max_staleness = 0;        // 0: no bound
   wsync::v1::StalenessPolicy policy = wsync::v1::STALENESS_BLOCK;
   uint32_t fanout = 4;               // children per parent in the sync tree
+  // A parent a sink reported unreachable is not its parent again for this
+  // long, unless the parent restarts (or no other holder exists).
+  uint64_t parent_avoid_ms = 30'000;
   size_t compact_every = 10'000;     // log records between snapshots
 };
 
@@ -111,6 +114,8 @@ class CoordinatorState {
   void ExpireLocked();
   void AssignParentsLocked();
   bool IsDescendantLocked(const std::string& node, const std::string& ancestor) const;
+  // Whether `child` avoids `parent` now (it reported it unreachable). REQUIRES: mu_ held.
+  bool AvoidsLocked(const std::string& child, const std::string& parent) const;
   uint64_t OldestLeasedLocked() const;
   // The highest version ever acknowledged: the head, or the store's floor
   // after a salvage that lost versions. REQUIRES: mu_ held.
@@ -140,6 +145,9 @@ class CoordinatorState {
   // Versions published by several sources, not yet whole: version -> part -> summary.
   std::map<uint64_t, std::map<uint32_t, wsync::v1::VersionSummary>> parts_;
   std::map<uint64_t, wsync::v1::Lease> leases_;
+  // Sinks -> (a parent their pulls could not reach, until when it is
+  // avoided for them, unix ms). Soft state: not durable.
+  std::map<std::string, std::pair<std::string, int64_t>> avoid_;
   std::optional<wsync::v1::Layout> layout_;
   uint64_t version_floor_ = 0;  // no version at or below it is published (Recovered::version_floor)
   uint64_t next_lease_id_ = 1;
