@@ -532,11 +532,17 @@ void SinkCore::SyncLoop() {
     if (stopping_) return;
     if (s.ok()) {
       failures_ = 0;
+      not_yet_ = 0;
       w->SetSyncError(wsync::Status::Ok(), false);
       Kick();  // a version may have come meanwhile
       continue;
     }
-    const auto delay = RetryDelay(++failures_);
+    auto delay = RetryDelay(++failures_);
+    // A parent that lacks the version yet (a relay still receiving it) has
+    // it soon: asked again after at most kNotYetMs, kNotYetTries times in a
+    // row, before the backoff applies.
+    not_yet_ = s.code() == StatusCode::kNotFound ? not_yet_ + 1 : 0;
+    if (not_yet_ > 0 && not_yet_ <= kNotYetTries) delay = std::min(delay, std::chrono::milliseconds(kNotYetMs));
     next_attempt = Clock::now() + delay;
     if (s.code() == StatusCode::kUnavailable || s.code() == StatusCode::kDeadlineExceeded) {
       // The peer is gone or unreachable: not the same parent again. The

@@ -177,6 +177,11 @@ class SinkCore : public exchange::PatchProvider {
   std::atomic<uint64_t> bytes_received_{0};
   std::atomic<uint64_t> decoded_ahead_{0};
   std::atomic<uint64_t> failures_{0};  // consecutive failed sync attempts
+  // Consecutive attempts the parent answered NotFound (it lacks the version
+  // yet); the first kNotYetTries are retried within kNotYetMs.
+  uint64_t not_yet_ = 0;
+  static constexpr uint64_t kNotYetTries = 10;
+  static constexpr int64_t kNotYetMs = 200;
   std::mt19937_64 rng_;                 // sync thread only
   std::mutex sync_mu_;
   std::condition_variable sync_cv_;
