@@ -49,9 +49,16 @@ class StopSignals {
   sigset_t set_;
 };
 
-int RunCoordinator(daemon::CoordinatorConfig config) {
+// --check-config: the options (and files) were accepted; nothing started.
+int ConfigOk(const char* role) {
+  std::printf("wsyncd %s: configuration ok\n", role);
+  return 0;
+}
+
+int RunCoordinator(daemon::CoordinatorConfig config, bool check_only) {
   Status s = daemon::FinishCoordinatorConfig(&config);
   if (!s.ok()) return Fail(s);
+  if (check_only) return ConfigOk("coordinator");
   control::Recovered recovered;
   std::unique_ptr<control::Store> store;
   if (config.store_dir.empty()) {
@@ -95,7 +102,7 @@ int RunCoordinator(daemon::CoordinatorConfig config) {
 }
 
 int RunData(bool source, daemon::DataDaemonConfig config, const std::string& token_file,
-            const std::string& security) {
+            const std::string& security, bool check_only) {
   if (config.coordinator.address.empty()) {
     if (const char* env = std::getenv("WSYNC_COORDINATOR")) config.coordinator.address = env;
   }
@@ -119,6 +126,10 @@ int RunData(bool source, daemon::DataDaemonConfig config, const std::string& tok
   if (config.local_socket.rfind("unix:", 0) == 0) config.local_socket = config.local_socket.substr(5);
   if (config.local_socket.empty()) return Fail(InvalidArgumentError("--local unix:PATH is required"));
   if (config.name.empty()) return Fail(InvalidArgumentError("--name is required"));
+  if (config.coordinator.address.empty()) {
+    return Fail(InvalidArgumentError("no coordinator: --coordinator or env WSYNC_COORDINATOR"));
+  }
+  if (check_only) return ConfigOk(source ? "source" : "sink");
   StopSignals signals;  // before any thread starts
   auto d = source ? daemon::StartSource(config) : daemon::StartSink(config);
   if (!d.ok()) return Fail(d.status());
@@ -136,6 +147,9 @@ int main(int argc, char** argv) {
   app.require_subcommand(1);
   std::string log_level = "info";
   app.add_option("--log-level", log_level, "trace, debug, info, warn, error")->capture_default_str();
+  bool check_only = false;
+  app.add_flag("--check-config", check_only,
+               "check the options, the config and token files, and exit (0: the daemon would start with them)");
 
   auto* coord = app.add_subcommand("coordinator", "run the coordinator (versions, leases, staleness)");
   daemon::CoordinatorConfig config;
@@ -239,8 +253,10 @@ int main(int argc, char** argv) {
       if (!p.ok()) return Fail(p.status());
       merged.state.policy = *p;
     }
-    return RunCoordinator(merged);
+    return RunCoordinator(merged, check_only);
   }
-  if (source->parsed() || sink->parsed()) return RunData(source->parsed(), data, data_token_file, data_security);
+  if (source->parsed() || sink->parsed()) {
+    return RunData(source->parsed(), data, data_token_file, data_security, check_only);
+  }
   return 0;
 }

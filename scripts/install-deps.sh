@@ -12,7 +12,8 @@ packages=(
   libucx-dev ucx-utils prometheus-cpp-dev openssl
   python3-grpcio python3-protobuf
   clang libclang-rt-14-dev
-  python3 python3-numpy python3-torch python3-venv
+  python3 python3-numpy python3-torch python3-venv python3-yaml
+  debootstrap systemd iproute2
 )
 
 SUDO=""
