@@ -253,6 +253,24 @@ class SinkCoreTest : public ::testing::Test {
     r.sink->ExpectReaches(1, v[0]);
     return r;
   }
+  // A relay "sink-a" holding version 1 of `v`, known to the coordinator as
+  // a holder of the head (a parent for the next sink: fan-out 1).
+  std::unique_ptr<TestSink> RelayAtFirstVersion(const std::vector<std::vector<OwnedTensor>>& v,
+                                                transport::TransportOptions o = {}) {
+    auto relay = std::make_unique<TestSink>("sink-a", state_.get(), fabric_, o);
+    EXPECT_TRUE(relay->RegisterMemory(Zeros(v[0])).ok());
+    relay->ExpectReaches(1, v[0]);
+    WaitReported("sink-a", 1);
+    return relay;
+  }
+  // Waits until `relay` serves its first pull.
+  static void WaitForAPullFrom(const TestSink& relay) {
+    const auto until = std::chrono::steady_clock::now() + 10s;
+    while (relay.plane.server->pulls_served() == 0 && std::chrono::steady_clock::now() < until) {
+      std::this_thread::sleep_for(10ms);
+    }
+    ASSERT_GT(relay.plane.server->pulls_served(), 0u) << "the child's pull never started";
+  }
   control::FakeClock clock_;
   std::unique_ptr<control::CoordinatorState> state_;
   transport::LoopbackFabric fabric_;
@@ -441,18 +459,11 @@ TEST_F(SinkCoreTest, ARelayLostMidStreamIsReplacedByItsParent) {
   source.Publish(1, v[0]);
   transport::TransportOptions slow;
   slow.rate_limit_bytes_per_s = 2 << 20;  // the relay's keyframe (4 chunks of 1 MiB) takes ~2 s
-  auto relay = std::make_unique<TestSink>("sink-a", state_.get(), fabric_, slow);
-  ASSERT_TRUE(relay->RegisterMemory(Zeros(v[0])).ok());
-  relay->ExpectReaches(1, v[0]);
-  WaitReported("sink-a", 1);  // a parent only once the coordinator knows it holds the head
+  auto relay = RelayAtFirstVersion(v, slow);
   TestSink child("sink-b", state_.get(), fabric_);
   ASSERT_EQ(ParentOf("sink-b"), "sink-a");  // fan-out 1: the source has its one child
   ASSERT_TRUE(child.RegisterMemory(Zeros(v[0])).ok());
-  const auto until = std::chrono::steady_clock::now() + 10s;
-  while (relay->plane.server->pulls_served() == 0 && std::chrono::steady_clock::now() < until) {
-    std::this_thread::sleep_for(10ms);
-  }
-  ASSERT_GT(relay->plane.server->pulls_served(), 0u) << "the child's pull never started";
+  WaitForAPullFrom(*relay);
   std::this_thread::sleep_for(300ms);  // the keyframe is on its way
   EXPECT_EQ(child.core->weights()->applied(), 0u);
   relay.reset();  // the relay process dies mid-stream
@@ -474,18 +485,11 @@ TEST_F(SinkCoreTest, AChildLeavesARelayItCannotReachWithoutWaitingForItsTtl) {
   source.Publish(1, v[0]);
   transport::TransportOptions slow;
   slow.rate_limit_bytes_per_s = 2 << 20;
-  auto relay = std::make_unique<TestSink>("sink-a", state_.get(), fabric_, slow);
-  ASSERT_TRUE(relay->RegisterMemory(Zeros(v[0])).ok());
-  relay->ExpectReaches(1, v[0]);
-  WaitReported("sink-a", 1);
+  auto relay = RelayAtFirstVersion(v, slow);
   TestSink child("sink-b", state_.get(), fabric_);
   ASSERT_EQ(ParentOf("sink-b"), "sink-a");
   ASSERT_TRUE(child.RegisterMemory(Zeros(v[0])).ok());
-  const auto until = std::chrono::steady_clock::now() + 10s;
-  while (relay->plane.server->pulls_served() == 0 && std::chrono::steady_clock::now() < until) {
-    std::this_thread::sleep_for(10ms);
-  }
-  ASSERT_GT(relay->plane.server->pulls_served(), 0u) << "the child's pull never started";
+  WaitForAPullFrom(*relay);
   const int64_t t0 = clock_.NowMs();
   relay.reset();  // the relay process dies mid-stream; nobody tells the coordinator
   child.ExpectReaches(1, v[0]);
@@ -506,10 +510,7 @@ TEST_F(SinkCoreTest, ARestartedRelaysChildrenGoToAnotherHolder) {
   auto v = Versions(2);
   TestSource source(state_.get(), fabric_);
   source.Publish(1, v[0]);
-  auto relay = std::make_unique<TestSink>("sink-a", state_.get(), fabric_);
-  ASSERT_TRUE(relay->RegisterMemory(Zeros(v[0])).ok());
-  relay->ExpectReaches(1, v[0]);
-  WaitReported("sink-a", 1);
+  auto relay = RelayAtFirstVersion(v);
   TestSink child("sink-b", state_.get(), fabric_);
   ASSERT_EQ(ParentOf("sink-b"), "sink-a");
   ASSERT_TRUE(child.RegisterMemory(Zeros(v[0])).ok());
