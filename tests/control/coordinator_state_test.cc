@@ -355,6 +355,67 @@ TEST(CoordinatorState, ParentsFormATreeOfBoundedFanoutAndHeal) {
   }
 }
 
+// A relay whose watch stream breaks loses its children at once (not at its
+// TTL); when it heartbeats again within its TTL, holding the head, the
+// child that went to the source comes back to it.
+TEST(CoordinatorState, ARelaysChildrenMoveWhenItsWatchBreaksAndComeBack) {
+  FakeClock clock;
+  CoordinatorOptions o;
+  o.fanout = 1;  // a chain: src -> relay -> leaf
+  auto s = Make(&clock, o);
+  ASSERT_TRUE(s->Register(Reg("src", wsync::v1::ROLE_SOURCE, 1000)).ok());
+  ASSERT_TRUE(s->Publish(V(1)).ok());
+  auto relay = s->Register(Reg("relay", wsync::v1::ROLE_SINK, 1000));
+  ASSERT_TRUE(relay.ok());
+  ASSERT_TRUE(s->ReportApplied("relay", 1).ok());
+  ASSERT_TRUE(s->Register(Reg("leaf", wsync::v1::ROLE_SINK, 1000)).ok());
+  ASSERT_EQ(FindNode(s->GetStatus(), "leaf")->parent(), "relay");
+  s->WatchBroken("relay", relay->node().incarnation());
+  auto st = s->GetStatus();
+  EXPECT_EQ(FindNode(st, "relay")->state(), wsync::v1::NODE_DISCONNECTED);
+  EXPECT_EQ(FindNode(st, "leaf")->parent(), "src") << "moved at once, not at the relay's TTL";
+  clock.Advance(500);  // within the TTL
+  wsync::v1::HeartbeatRequest h;
+  h.set_name("relay");
+  ASSERT_TRUE(s->Heartbeat(h).ok());
+  st = s->GetStatus();
+  EXPECT_EQ(FindNode(st, "relay")->state(), wsync::v1::NODE_ALIVE);
+  EXPECT_EQ(FindNode(st, "relay")->parent(), "src");
+  EXPECT_EQ(FindNode(st, "leaf")->parent(), "relay") << "given back";
+}
+
+// A sink that reports its parent unreachable gets another holder of the
+// version, and not that parent again while another holds the head.
+TEST(CoordinatorState, AnUnreachableParentIsReplacedAndAvoided) {
+  FakeClock clock;
+  CoordinatorOptions o;
+  o.fanout = 2;
+  auto s = Make(&clock, o);
+  ASSERT_TRUE(s->Register(Reg("src", wsync::v1::ROLE_SOURCE, 1000)).ok());
+  ASSERT_TRUE(s->Publish(V(1)).ok());
+  for (const char* r : {"r0", "r1"}) {
+    ASSERT_TRUE(s->Register(Reg(r, wsync::v1::ROLE_SINK, 1000)).ok());
+    ASSERT_TRUE(s->ReportApplied(r, 1).ok());
+  }
+  ASSERT_TRUE(s->Register(Reg("leaf", wsync::v1::ROLE_SINK, 1000)).ok());
+  const std::string first = FindNode(s->GetStatus(), "leaf")->parent();
+  ASSERT_TRUE(first == "r0" || first == "r1") << first;
+  wsync::v1::HeartbeatRequest h;
+  h.set_name("leaf");
+  h.set_unreachable_parent("src");  // not its parent: ignored
+  auto resp = s->Heartbeat(h);
+  ASSERT_TRUE(resp.ok());
+  EXPECT_EQ(resp->node().parent(), first);
+  h.set_unreachable_parent(first);
+  resp = s->Heartbeat(h);
+  ASSERT_TRUE(resp.ok());
+  const std::string second = resp->node().parent();
+  EXPECT_FALSE(second.empty());
+  EXPECT_NE(second, first) << "the same unreachable parent again";
+  // The avoided parent restarts (registers again): it may be a parent again.
+  ASSERT_TRUE(s->Register(Reg(first, wsync::v1::ROLE_SINK, 1000)).ok());
+}
+
 TEST(CoordinatorState, WaitForChangeWakesOnPublish) {
   FakeClock clock;
   auto s = Make(&clock);

@@ -232,6 +232,9 @@ StatusOr<wsync::v1::RegisterResponse> CoordinatorState::Register(const wsync::v1
   for (auto it2 = avoid_.begin(); it2 != avoid_.end();) {
     it2 = it2->second.first == req.name() ? avoid_.erase(it2) : std::next(it2);
   }
+  for (auto it2 = former_parent_.begin(); it2 != former_parent_.end();) {
+    it2 = it2->second == req.name() ? former_parent_.erase(it2) : std::next(it2);
+  }
   stored.set_state(wsync::v1::NODE_ALIVE);
   stored.set_last_heartbeat_unix_ms(clock_->NowMs());
   stored.set_parent("");
@@ -258,9 +261,11 @@ StatusOr<wsync::v1::HeartbeatResponse> CoordinatorState::Heartbeat(const wsync::
                         std::to_string(it->second.incarnation()));
   }
   if (it->second.state() == wsync::v1::NODE_DISCONNECTED) {
-    // Its watch broke but the process lives: alive again.
+    // Its watch broke but the process lives: alive again, and the children
+    // it lost come back while they are on the source and it has room.
     it->second.set_state(wsync::v1::NODE_ALIVE);
-    AssignParentsLocked();
+    AssignParentsLocked();  // its own parent first: a relay is one only when rooted
+    GiveBackChildrenLocked(req.name());
     NotifyLocked();
   }
   it->second.set_last_heartbeat_unix_ms(clock_->NowMs());
@@ -710,6 +715,9 @@ void CoordinatorState::WatchBroken(const std::string& name, uint64_t incarnation
   }
   it->second.set_state(wsync::v1::NODE_DISCONNECTED);
   spdlog::warn("node {}: its watch stream broke: disconnected (dead at its TTL unless it heartbeats)", Quoted(name));
+  for (const auto& [child, n] : nodes_) {
+    if (n.parent() == name) former_parent_[child] = name;
+  }
   AssignParentsLocked();
   NotifyLocked();
 }
@@ -721,6 +729,9 @@ void CoordinatorState::ExpireLocked() {
     if (n.state() != wsync::v1::NODE_DEAD && now - n.last_heartbeat_unix_ms() > static_cast<int64_t>(n.ttl_ms())) {
       n.set_state(wsync::v1::NODE_DEAD);
       changed = true;
+      for (auto it = former_parent_.begin(); it != former_parent_.end();) {
+        it = it->second == name ? former_parent_.erase(it) : std::next(it);
+      }
       spdlog::warn("node {} missed its TTL of {} ms: marked dead, its leases end", name, n.ttl_ms());
     }
   }
@@ -755,6 +766,33 @@ bool CoordinatorState::IsDescendantLocked(const std::string& node, const std::st
     cur = it->second.parent();
   }
   return true;  // a cycle: treat as descendant, never attach
+}
+
+void CoordinatorState::GiveBackChildrenLocked(const std::string& parent) {
+  const Node& p = nodes_[parent];
+  const uint64_t head = versions_.empty() ? 0 : versions_.rbegin()->first;
+  size_t kids = 0;
+  for (const auto& [name, n] : nodes_) kids += n.parent() == parent;
+  for (auto it = former_parent_.begin(); it != former_parent_.end();) {
+    if (it->second != parent) {
+      ++it;
+      continue;
+    }
+    auto child = nodes_.find(it->first);
+    const bool back = child != nodes_.end() && child->second.state() == wsync::v1::NODE_ALIVE && kids < options_.fanout &&
+                      p.role() == wsync::v1::ROLE_SINK && p.applied_version() == head && !p.holds_pieces() &&
+                      !p.parent().empty() && !AvoidsLocked(it->first, parent) &&
+                      !IsDescendantLocked(parent, it->first) && [&] {
+                        auto now = nodes_.find(child->second.parent());
+                        return now != nodes_.end() && now->second.role() == wsync::v1::ROLE_SOURCE;
+                      }();
+    if (back) {
+      child->second.set_parent(parent);
+      ++kids;
+      spdlog::info("sink {} given back to {}", Quoted(it->first), Quoted(parent));
+    }
+    it = former_parent_.erase(it);
+  }
 }
 
 bool CoordinatorState::AvoidsLocked(const std::string& child, const std::string& parent) const {

@@ -81,7 +81,9 @@ class CoordinatorState {
 
   // The node's Watch stream broke: the node (of that incarnation) is marked
   // disconnected now (NODE_DISCONNECTED: not a parent, not blocking
-  // publishes; its applied version still kept for it until its TTL).
+  // publishes; its applied version still kept for it until its TTL). Its
+  // children get another parent now, and are given back if it heartbeats
+  // again within its TTL, holding the head, while they are on the source.
   void WatchBroken(const std::string& name, uint64_t incarnation);
 
   uint64_t head() const;
@@ -114,6 +116,8 @@ class CoordinatorState {
   void ExpireLocked();
   void AssignParentsLocked();
   bool IsDescendantLocked(const std::string& node, const std::string& ancestor) const;
+  // The children `parent` lost when its watch broke, back to it (see WatchBroken). REQUIRES: mu_ held.
+  void GiveBackChildrenLocked(const std::string& parent);
   // Whether `child` avoids `parent` now (it reported it unreachable). REQUIRES: mu_ held.
   bool AvoidsLocked(const std::string& child, const std::string& parent) const;
   uint64_t OldestLeasedLocked() const;
@@ -148,6 +152,9 @@ class CoordinatorState {
   // Sinks -> (a parent their pulls could not reach, until when it is
   // avoided for them, unix ms). Soft state: not durable.
   std::map<std::string, std::pair<std::string, int64_t>> avoid_;
+  // Sinks -> the parent they lost when its watch stream broke; given back
+  // if it heartbeats again within its TTL (soft state).
+  std::map<std::string, std::string> former_parent_;
   std::optional<wsync::v1::Layout> layout_;
   uint64_t version_floor_ = 0;  // no version at or below it is published (Recovered::version_floor)
   uint64_t next_lease_id_ = 1;
