@@ -36,6 +36,16 @@ wsync::v1::VersionSummary V(uint64_t v) {
   return s;
 }
 
+// A coordinator of fan-out `fanout` whose source "src" (TTL 1 s) published version 1.
+std::unique_ptr<CoordinatorState> WithSourceAtVersion1(const Clock* clock, uint32_t fanout) {
+  CoordinatorOptions o;
+  o.fanout = fanout;
+  auto s = Make(clock, o);
+  EXPECT_TRUE(s->Register(Reg("src", wsync::v1::ROLE_SOURCE, 1000)).ok());
+  EXPECT_TRUE(s->Publish(V(1)).ok());
+  return s;
+}
+
 const wsync::v1::Node* FindNode(const wsync::v1::StatusResponse& s, const std::string& name) {
   for (const auto& n : s.nodes()) {
     if (n.name() == name) return &n;
@@ -312,11 +322,7 @@ TEST(CoordinatorState, EvictPolicyTellsLaggardsToResync) {
 
 TEST(CoordinatorState, ParentsFormATreeOfBoundedFanoutAndHeal) {
   FakeClock clock;
-  CoordinatorOptions o;
-  o.fanout = 2;
-  auto s = Make(&clock, o);
-  ASSERT_TRUE(s->Register(Reg("src", wsync::v1::ROLE_SOURCE, 1000)).ok());
-  ASSERT_TRUE(s->Publish(V(1)).ok());
+  auto s = WithSourceAtVersion1(&clock, 2);
   for (int i = 0; i < 2; ++i) {
     std::string name = "s" + std::to_string(i);
     ASSERT_TRUE(s->Register(Reg(name, wsync::v1::ROLE_SINK, 1000)).ok());
@@ -360,11 +366,7 @@ TEST(CoordinatorState, ParentsFormATreeOfBoundedFanoutAndHeal) {
 // child that went to the source comes back to it.
 TEST(CoordinatorState, ARelaysChildrenMoveWhenItsWatchBreaksAndComeBack) {
   FakeClock clock;
-  CoordinatorOptions o;
-  o.fanout = 1;  // a chain: src -> relay -> leaf
-  auto s = Make(&clock, o);
-  ASSERT_TRUE(s->Register(Reg("src", wsync::v1::ROLE_SOURCE, 1000)).ok());
-  ASSERT_TRUE(s->Publish(V(1)).ok());
+  auto s = WithSourceAtVersion1(&clock, 1);  // a chain: src -> relay -> leaf
   auto relay = s->Register(Reg("relay", wsync::v1::ROLE_SINK, 1000));
   ASSERT_TRUE(relay.ok());
   ASSERT_TRUE(s->ReportApplied("relay", 1).ok());
@@ -388,11 +390,7 @@ TEST(CoordinatorState, ARelaysChildrenMoveWhenItsWatchBreaksAndComeBack) {
 // version, and not that parent again while another holds the head.
 TEST(CoordinatorState, AnUnreachableParentIsReplacedAndAvoided) {
   FakeClock clock;
-  CoordinatorOptions o;
-  o.fanout = 2;
-  auto s = Make(&clock, o);
-  ASSERT_TRUE(s->Register(Reg("src", wsync::v1::ROLE_SOURCE, 1000)).ok());
-  ASSERT_TRUE(s->Publish(V(1)).ok());
+  auto s = WithSourceAtVersion1(&clock, 2);
   for (const char* r : {"r0", "r1"}) {
     ASSERT_TRUE(s->Register(Reg(r, wsync::v1::ROLE_SINK, 1000)).ok());
     ASSERT_TRUE(s->ReportApplied(r, 1).ok());
