@@ -34,7 +34,6 @@ Run it with the Python of the environment scripts/install-vllm.sh makes.
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time

@@ -229,12 +229,8 @@ StatusOr<wsync::v1::RegisterResponse> CoordinatorState::Register(const wsync::v1
   for (auto& [child, n] : nodes_) {
     if (n.parent() == req.name()) n.set_parent("");
   }
-  for (auto it2 = avoid_.begin(); it2 != avoid_.end();) {
-    it2 = it2->second.first == req.name() ? avoid_.erase(it2) : std::next(it2);
-  }
-  for (auto it2 = former_parent_.begin(); it2 != former_parent_.end();) {
-    it2 = it2->second == req.name() ? former_parent_.erase(it2) : std::next(it2);
-  }
+  std::erase_if(avoid_, [&](const auto& e) { return e.second.first == req.name(); });
+  std::erase_if(former_parent_, [&](const auto& e) { return e.second == req.name(); });
   stored.set_state(wsync::v1::NODE_ALIVE);
   stored.set_last_heartbeat_unix_ms(clock_->NowMs());
   stored.set_parent("");
@@ -729,9 +725,7 @@ void CoordinatorState::ExpireLocked() {
     if (n.state() != wsync::v1::NODE_DEAD && now - n.last_heartbeat_unix_ms() > static_cast<int64_t>(n.ttl_ms())) {
       n.set_state(wsync::v1::NODE_DEAD);
       changed = true;
-      for (auto it = former_parent_.begin(); it != former_parent_.end();) {
-        it = it->second == name ? former_parent_.erase(it) : std::next(it);
-      }
+      std::erase_if(former_parent_, [&](const auto& e) { return e.second == name; });
       spdlog::warn("node {} missed its TTL of {} ms: marked dead, its leases end", name, n.ttl_ms());
     }
   }
@@ -769,7 +763,7 @@ bool CoordinatorState::IsDescendantLocked(const std::string& node, const std::st
 }
 
 void CoordinatorState::GiveBackChildrenLocked(const std::string& parent) {
-  const Node& p = nodes_[parent];
+  const Node& p = nodes_.at(parent);
   const uint64_t head = versions_.empty() ? 0 : versions_.rbegin()->first;
   size_t kids = 0;
   for (const auto& [name, n] : nodes_) kids += n.parent() == parent;
