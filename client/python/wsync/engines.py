@@ -33,12 +33,13 @@ run where wsync is tested (docs/vllm.md says what was checked).
 """
 from __future__ import annotations
 
+import functools
 import os
 from typing import Mapping, Optional
 
 import torch
 
-from .layouts import tp_layout
+from .layouts import runtime_tensor, tp_layout
 from .sink import Sink
 
 __all__ = ["RankSync", "VllmWorkerExtension", "sglang_load", "sglang_request"]
@@ -51,31 +52,45 @@ class RankSync:
     place with their layout, and held (no apply) except inside :meth:`sync`.
 
     ``params``: the engine's parameters by name (``model.named_parameters()``);
-    ``config``: the model's ``config.json`` as a dict. Raises ValueError naming
-    a parameter the layout lacks or has, or a shape that differs (a model
+    ``config``: the model's ``config.json`` as a dict; ``layout_args``: the
+    MoE group of :func:`wsync.layouts.tp_layout`. ``unpacked``: parameters
+    whose forward pass reads a repacked copy (a CPU MoE kernel's blocked
+    layout), by name: ``(tensor, repack)``, the tensor in the checkpoint's
+    layout that the sink writes instead and ``repack()`` that rebuilds the
+    parameter from it after every version. Raises ValueError naming a
+    parameter the layout lacks or has, or a shape that differs (a model
     family or TP split wsync.layouts does not describe), before anything is
     registered.
     """
 
     def __init__(self, params: Mapping[str, torch.Tensor], config: Mapping, tp_size: int, tp_rank: int,
-                 address: str, timeout: float = 60.0):
-        layout = tp_layout(config, tp_size, tp_rank)
-        names = {rt.name for rt in layout}
+                 address: str, timeout: float = 60.0, layout_args: Optional[dict] = None,
+                 unpacked: Optional[Mapping[str, tuple]] = None):
+        layout = tp_layout(config, tp_size, tp_rank, **(layout_args or {}))
+        unpacked = dict(unpacked or {})
+        targets = {**params, **{n: t for n, (t, _) in unpacked.items()}}
+        names = {rt.name.partition("[")[0] for rt in layout}
         unknown = sorted(n for n in params if n not in names)
         if unknown:
             raise ValueError(f"parameters the layout does not describe (they would never be updated): {unknown[:5]}")
+        tensors = {}
         for rt in layout:
-            if rt.name not in params:
-                raise ValueError(f"the layout's {rt.name!r} is not a parameter of the model")
-            if tuple(params[rt.name].shape) != tuple(rt.shape):
-                raise ValueError(f"parameter {rt.name!r} is {tuple(params[rt.name].shape)}, "
+            try:
+                tensors[rt.name] = runtime_tensor(targets, rt.name)
+            except KeyError:
+                raise ValueError(f"the layout's {rt.name!r} is not a parameter of the model") from None
+            if tuple(tensors[rt.name].shape) != tuple(rt.shape):
+                raise ValueError(f"parameter {rt.name!r} is {tuple(tensors[rt.name].shape)}, "
                                  f"the layout of rank {tp_rank} of {tp_size} says {tuple(rt.shape)}")
         self.tp_size, self.tp_rank = tp_size, tp_rank
+        self._repack = [repack for _, repack in unpacked.values()]
         self._sink = Sink(address, timeout=timeout)
-        self._sink.register({rt.name: params[rt.name] for rt in layout}, layout=layout)
+        self._sink.register(tensors, layout=layout)
         self._hold = None
         self.version = 0
         self._acquire()
+        if self.version:  # applied between registering and holding
+            self._repacked()
 
     def _acquire(self) -> None:
         hold = self._sink.hold()
@@ -94,6 +109,7 @@ class RankSync:
         generate. Raises DeadlineExceededError (the sink's last sync error
         with it) when the version does not arrive in time: the parameters
         then hold a whole older version, never part of one."""
+        before = self.version
         self._release()
         try:
             target = self._sink.status().head_version if version is None else version
@@ -101,7 +117,13 @@ class RankSync:
                 self._sink.wait(target, timeout=timeout)
         finally:
             self._acquire()
+            if self.version != before:
+                self._repacked()
         return self.version
+
+    def _repacked(self) -> None:
+        for repack in self._repack:  # the parameters the forward pass reads, from what the sink wrote
+            repack()
 
     def close(self) -> None:
         self._release()
@@ -132,10 +154,43 @@ def vllm_rank_sync(model: torch.nn.Module, vllm_config, address: str = DEFAULT_A
                          f"(pipeline_parallel_size={ps.get_pp_group().world_size})")
     check_vllm_memory(model, vllm_config)
     tp = ps.get_tp_group()
-    dp_rank = int(getattr(vllm_config.parallel_config, "data_parallel_rank", 0) or 0)
+    # A dense model's replicas run as independent engines (data_parallel_rank 0 in each);
+    # data_parallel_index keeps the replica's rank (vLLM 0.11 and later).
+    pc = vllm_config.parallel_config
+    dp_rank = int(getattr(pc, "data_parallel_index", None) or getattr(pc, "data_parallel_rank", 0) or 0)
     target = _address(address, tp_rank=tp.rank_in_group, tp_size=tp.world_size, dp_rank=dp_rank)
     config = vllm_config.model_config.hf_config.to_dict()
-    return RankSync(dict(model.named_parameters()), config, tp.world_size, tp.rank_in_group, target, timeout)
+    # vLLM 0.30 and later name a MoE layer's experts "<block>.experts.routed_experts.w13_weight".
+    params = {n.replace(".experts.routed_experts.", ".experts."): p for n, p in model.named_parameters()}
+    unpacked = {n: (p.wsync_unpacked[0], functools.partial(_repack_cpu_moe, p))
+                for n, p in params.items() if hasattr(p, "wsync_unpacked")}
+    return RankSync(params, config, tp.world_size, tp.rank_in_group, target, timeout,
+                    layout_args=_vllm_moe_group(model), unpacked=unpacked)
+
+
+def _repack_cpu_moe(param: torch.Tensor) -> None:
+    from .vllm import repack_cpu_moe
+    repack_cpu_moe(param)
+
+
+def _vllm_moe_group(model: torch.nn.Module) -> dict:
+    """The MoE group of tp_layout, as vLLM's fused MoE layers were built
+    (TP ranks of every DP replica flattened; expert parallel or not)."""
+    for module in model.modules():
+        manager = getattr(module, "expert_map_manager", None)
+        if manager is None:
+            continue
+        pc = manager.moe_parallel_config
+        if getattr(pc, "enable_eplb", False):
+            raise ValueError("expert-parallel load balancing (enable_eplb) moves experts between ranks at run time: "
+                             "wsync's layouts place them statically. Start the engine without enable_eplb")
+        if not pc.use_ep:
+            return {"moe_size": pc.tp_size, "moe_rank": pc.tp_rank}
+        if getattr(manager, "placement_strategy", "linear") != "linear":
+            raise ValueError(f"expert placement {manager.placement_strategy!r}: wsync's layouts place experts "
+                             "linearly (expert_placement_strategy='linear')")
+        return {"moe_size": pc.ep_size, "moe_rank": pc.ep_rank, "expert_parallel": True}
+    return {}
 
 
 def check_vllm_memory(model: torch.nn.Module, vllm_config) -> None:

@@ -42,6 +42,11 @@ frees the parameters, so its forward pass reads a copy nothing can update in
 place. When the ``wsync`` backend (or wsync's worker extension) is
 configured, the plugin keeps those layers on vLLM's plain
 ``torch.nn.functional.linear`` path, which reads the parameters themselves.
+Its MoE kernels have no such path: they read the experts repacked into a
+blocked layout; the plugin keeps the experts in the checkpoint's layout
+beside them (the experts' size again, on CPU only), the sink writes those,
+and every version repacks the parameters from them before the next forward
+pass.
 """
 from __future__ import annotations
 
@@ -52,7 +57,7 @@ from typing import Any, ClassVar, Optional
 import torch
 
 from .engines import DEFAULT_ADDRESS, RankSync, vllm_rank_sync
-from .layouts import tp_layout
+from .layouts import canonical_tensors, tp_layout
 from .source import PublishStats, Source
 
 BACKEND = "wsync"
@@ -72,7 +77,15 @@ except ImportError:  # vLLM before the weight-transfer API: wsync.engines.VllmWo
 def register() -> None:
     """The ``vllm.general_plugins`` entry point, run in every vLLM process:
     registers the ``wsync`` backend (worker and trainer side) and, on CPU,
-    keeps linear weights in place for it. Safe to call more than once."""
+    keeps linear weights in place for it. Safe to call more than once.
+    Importing this module registers the backend too (a trainer process that
+    starts no engine)."""
+    _register_engines()
+    _keep_cpu_linear_weights()
+    _keep_cpu_moe_weights()
+
+
+def _register_engines() -> None:
     if HAS_WEIGHT_TRANSFER:
         from vllm.distributed.weight_transfer.factory import (WeightTransferEngineFactory,
                                                               WeightTransferTrainerFactory)
@@ -80,7 +93,6 @@ def register() -> None:
                              (WeightTransferTrainerFactory, "WsyncTrainerWeightTransferEngine")):
             if BACKEND not in factory._registry:
                 factory.register_engine(BACKEND, __name__, cls)
-    _keep_cpu_linear_weights()
 
 
 def _wsync_configured() -> bool:
@@ -110,6 +122,57 @@ def _keep_cpu_linear_weights() -> None:
 
     dispatch.wsync = True
     utils.dispatch_cpu_unquantized_gemm = dispatch
+
+
+def _keep_cpu_moe_weights() -> None:
+    """vLLM's CPU MoE kernels read the experts repacked into a blocked
+    layout (a permutation, the same size), written over the parameter after
+    loading. When wsync is configured, the tensor in the checkpoint's layout
+    is kept beside it (``param.wsync_unpacked``: the tensor and the kernel's
+    ISA): the sink writes that one, and the parameter is repacked from it
+    after every version (wsync.engines.RankSync)."""
+    import sys
+    from vllm.platforms import current_platform
+    if not current_platform.is_cpu():
+        return
+    from vllm import _custom_ops as ops
+    original = getattr(ops, "cpu_prepack_moe_weight", None)
+    if original is None or getattr(original, "wsync", False):
+        return
+
+    def prepack(weight: torch.Tensor, isa: str) -> torch.Tensor:
+        packed = original(weight, isa)
+        if _wsync_configured():
+            packed.wsync_unpacked = (weight, isa)  # vLLM's replace_parameter carries it to the new parameter
+        return packed
+
+    prepack.wsync = True
+    ops.cpu_prepack_moe_weight = prepack
+    module = sys.modules.get("vllm.model_executor.layers.fused_moe.experts.cpu_moe")
+    if module is not None:
+        module.cpu_prepack_moe_weight = prepack
+
+
+def repack_cpu_moe(param: torch.Tensor) -> None:
+    """Rebuilds a repacked CPU MoE parameter from the tensor the sink writes."""
+    unpacked, isa = param.wsync_unpacked
+    torch.ops._C.prepack_moe_weight(unpacked, param.data, isa)
+
+
+def served_layouts(config: dict, engines, dp_size: int = 1) -> list:
+    """The layouts of every rank of engines at these TP degrees (or ``(tp,
+    expert_parallel)``), `dp_size` replicas each (vLLM splits MoE layers
+    over all of their ranks), each layout once."""
+    out = []
+    for spec in engines:
+        tp, expert_parallel = (spec, False) if isinstance(spec, int) else spec
+        for dp_rank in range(dp_size):
+            for r in range(tp):
+                layout = tp_layout(config, tp, r, moe_size=tp * dp_size, moe_rank=dp_rank * tp + r,
+                                   expert_parallel=expert_parallel)
+                if layout not in out:
+                    out.append(layout)
+    return out
 
 
 class LLMClient:
@@ -194,12 +257,15 @@ if HAS_WEIGHT_TRANSFER:
         """Trainer side. `source_address`: this trainer's wsyncd source;
         `sink_address`: the workers' template (WsyncInitInfo); `serve_tp`:
         the tensor-parallel degrees of the engines (their layouts are served
-        to their sinks); `config`: the model's config.json as a dict (default:
-        the module's ``config``)."""
+        to their sinks), ``(tp, True)`` for an engine with expert
+        parallelism; `serve_dp`: the engines' data-parallel size (vLLM splits
+        MoE layers over every replica's ranks); `config`: the model's
+        config.json as a dict (default: the module's ``config``)."""
         backend: ClassVar[str] = BACKEND
         source_address: str = "unix:/run/wsync/source.sock"
         sink_address: str = DEFAULT_ADDRESS
         serve_tp: list = field(default_factory=lambda: [1])
+        serve_dp: int = 1
         config: Optional[dict] = None
         timeout: float = 60.0
 
@@ -240,10 +306,10 @@ if HAS_WEIGHT_TRANSFER:
                     raise ValueError("WsyncTrainerInitInfo.config: the model's config.json as a dict is needed "
                                      "to serve the engines' tensor-parallel layouts")
                 config = hf.to_dict()
-            tensors = dict(module.named_parameters()) if in_place else engine._buffers
+            # The checkpoint's tensors (one per expert), as views of the module's or the buffers.
+            tensors = canonical_tensors(dict(module.named_parameters()) if in_place else engine._buffers, config)
             engine.wsync = Source(init_info.source_address, timeout=init_info.timeout)
-            serve = [tp_layout(config, tp, r) for tp in init_info.serve_tp for r in range(tp)]
-            engine.wsync.register(tensors, serve=serve)
+            engine.wsync.register(tensors, serve=served_layouts(config, init_info.serve_tp, init_info.serve_dp))
             client.init_weight_transfer_engine(dataclasses.asdict(
                 WsyncInitInfo(sink_address=init_info.sink_address, timeout=init_info.timeout)))
             return engine
@@ -273,3 +339,6 @@ if HAS_WEIGHT_TRANSFER:
             if self.wsync is not None:
                 self.wsync.close()
                 self.wsync = None
+
+
+_register_engines()
