@@ -12,7 +12,10 @@
 #include <mutex>
 #include <thread>
 
+#include <unistd.h>
+
 #include "wsync/control/client.h"
+#include "wsync/control/replica.h"
 #include "wsync/control/server.h"
 
 namespace wsync::bench {
@@ -27,51 +30,37 @@ double Percentile(std::vector<double>& v, double p) {
   return v[std::min(v.size() - 1, static_cast<size_t>(p * (v.size() - 1) + 0.5))];
 }
 
-}  // namespace
-
-int RunControlBench(const ControlBenchOptions& o) {
-  spdlog::set_level(spdlog::level::warn);
-  std::unique_ptr<control::CoordinatorState> state;
-  std::unique_ptr<control::CoordinatorServer> server;
-  std::string address = o.address;
-  if (address.empty()) {
-    control::CoordinatorOptions so;
-    so.default_ttl_ms = 60'000;
-    control::Recovered recovered;
-    std::unique_ptr<control::Store> store = control::NewNullStore();
-    if (!o.store_dir.empty()) {
-      auto opened = control::OpenLogStore(o.store_dir, &recovered);
-      if (!opened.ok()) {
-        spdlog::error("{}", opened.status().ToString());
-        return 1;
-      }
-      store = std::move(*opened);
-    }
-    auto s = control::CoordinatorState::Create(so, control::SystemClock(), std::move(store), recovered);
-    if (!s.ok()) return 1;
-    state = std::move(*s);
-    control::ServerOptions opts;
-    opts.listen = {"127.0.0.1:0"};
-    auto srv = control::CoordinatorServer::Start(opts, state.get());
-    if (!srv.ok()) {
-      spdlog::error("{}", srv.status().ToString());
-      return 1;
-    }
-    server = std::move(*srv);
-    address = "127.0.0.1:" + std::to_string(server->ports()[0]);
+// A server's state holder set once the replica exists.
+class Deferred : public control::StateHolder {
+ public:
+  void Set(control::Replica* r) { replica_.store(r); }
+  StatusOr<std::shared_ptr<control::CoordinatorState>> Current() override {
+    control::Replica* r = replica_.load();
+    if (r == nullptr) return NotLeaderError("");
+    return r->Current();
   }
+
+ private:
+  std::atomic<control::Replica*> replica_{nullptr};
+};
+
+struct Load {
+  double register_per_s = 0, steady_s = 0, rps = 0;
+  uint64_t versions = 0, errors = 0;
+  std::vector<double> reg, hb, rep;  // microseconds
+};
+
+// Simulated sinks against `address` (one coordinator, or replicas): they
+// register, then heart-beat and report while a trainer publishes.
+Load Drive(const std::string& address, const ControlBenchOptions& o) {
   control::ClientOptions co;
   co.address = address;
   co.timeout_ms = 30'000;
   co.wait_for_ready = true;
-
-  std::mutex mu;
-  std::map<std::string, std::vector<double>> latency_us;  // per method
   std::atomic<uint64_t> errors{0}, head{0};
-  auto record = [&](const char* method, std::vector<double>& local, Clock::time_point t0, bool ok) {
+  auto record = [&](std::vector<double>& local, Clock::time_point t0, bool ok) {
     local.push_back(std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
     if (!ok) ++errors;
-    (void)method;
   };
 
   // Phase 1: registration.
@@ -88,7 +77,7 @@ int RunControlBench(const ControlBenchOptions& o) {
         r.set_role(v1::ROLE_SINK);
         r.set_data_address(std::string(64, 'x'));
         auto t0 = Clock::now();
-        record("Register", reg_lat[w], t0, (*c)->Register(r).ok());
+        record(reg_lat[w], t0, (*c)->Register(r).ok());
       }
     });
   }
@@ -121,9 +110,9 @@ int RunControlBench(const ControlBenchOptions& o) {
           v1::HeartbeatRequest h;
           h.set_name("sink-" + std::to_string(i));
           auto t0 = Clock::now();
-          record("Heartbeat", hb_lat[w], t0, (*c)->Heartbeat(h).ok());
+          record(hb_lat[w], t0, (*c)->Heartbeat(h).ok());
           t0 = Clock::now();
-          record("ReportApplied", rep_lat[w], t0, (*c)->ReportApplied(h.name(), head.load()).ok());
+          record(rep_lat[w], t0, (*c)->ReportApplied(h.name(), head.load()).ok());
         }
       }
     });
@@ -132,44 +121,182 @@ int RunControlBench(const ControlBenchOptions& o) {
   stop = true;
   for (auto& t : threads) t.join();
   publisher.join();
-  const double steady_s = std::chrono::duration<double>(Clock::now() - steady_start).count();
 
   auto merge = [](std::vector<std::vector<double>>& parts) {
     std::vector<double> all;
     for (auto& p : parts) all.insert(all.end(), p.begin(), p.end());
     return all;
   };
-  std::vector<double> reg = merge(reg_lat), hb = merge(hb_lat), rep = merge(rep_lat);
-  std::vector<double> steady = hb;
-  steady.insert(steady.end(), rep.begin(), rep.end());
-  const double rps = steady.size() / steady_s;
-  if (server) server->Shutdown();
-  if (o.json) {
-    nlohmann::ordered_json j;
-    j["sinks"] = o.sinks;
-    j["client_threads"] = o.workers;
-    j["register_per_s"] = reg.size() / register_s;
-    j["steady_rpcs_per_s"] = rps;
-    j["versions_published"] = head.load();
-    j["errors"] = errors.load();
-    for (auto [name, v] : {std::pair<const char*, std::vector<double>*>{"register", &reg}, {"heartbeat", &hb},
-                           {"report_applied", &rep}}) {
-      j[name] = {{"count", v->size()}, {"p50_us", Percentile(*v, 0.5)}, {"p99_us", Percentile(*v, 0.99)}};
-    }
-    std::printf("%s\n", j.dump(2).c_str());
-    return errors.load() == 0 ? 0 : 2;
+  Load l;
+  l.steady_s = std::chrono::duration<double>(Clock::now() - steady_start).count();
+  l.reg = merge(reg_lat);
+  l.hb = merge(hb_lat);
+  l.rep = merge(rep_lat);
+  l.register_per_s = l.reg.size() / register_s;
+  l.rps = (l.hb.size() + l.rep.size()) / l.steady_s;
+  l.versions = head.load();
+  l.errors = errors.load();
+  return l;
+}
+
+// The in-process coordinator the bench measures when given no address: in
+// memory, or with its durable store.
+struct Embedded {
+  std::unique_ptr<control::CoordinatorState> state;
+  std::unique_ptr<control::CoordinatorServer> server;
+  std::string address;
+};
+
+StatusOr<Embedded> StartEmbedded(const ControlBenchOptions& o) {
+  Embedded e;
+  control::CoordinatorOptions so;
+  so.default_ttl_ms = 60'000;
+  control::Recovered recovered;
+  std::unique_ptr<control::Store> store = control::NewNullStore();
+  if (!o.store_dir.empty()) {
+    WSYNC_ASSIGN_OR_RETURN(store, control::OpenLogStore(o.store_dir, &recovered));
   }
-  std::printf("== coordinator load: %d sinks over %d client threads, real gRPC on loopback, store: %s\n", o.sinks,
-              o.workers, o.store_dir.empty() ? "none" : o.store_dir.c_str());
-  std::printf("registration: %zu RPCs in %.2f s (%.0f/s)\n", reg.size(), register_s, reg.size() / register_s);
+  WSYNC_ASSIGN_OR_RETURN(e.state, control::CoordinatorState::Create(so, control::SystemClock(), std::move(store),
+                                                                    recovered));
+  control::ServerOptions opts;
+  opts.listen = {"127.0.0.1:0"};
+  WSYNC_ASSIGN_OR_RETURN(e.server, control::CoordinatorServer::Start(opts, e.state.get()));
+  e.address = "127.0.0.1:" + std::to_string(e.server->ports()[0]);
+  return e;
+}
+
+// Three replicas over the etcd cluster at o.etcd, each serving on
+// 127.0.0.1:0; the address list every client gets, once one leads.
+struct Replicas {
+  std::vector<std::unique_ptr<control::Replica>> replicas;
+  std::vector<std::unique_ptr<control::CoordinatorServer>> servers;
+  std::vector<std::unique_ptr<Deferred>> holders;
+  std::string addresses;
+  uint64_t EtcdWrites() const {
+    uint64_t n = 0;
+    for (const auto& r : replicas) n += r->etcd_writes();
+    return n;
+  }
+};
+
+StatusOr<Replicas> StartReplicas(const ControlBenchOptions& o) {
+  Replicas out;
+  std::vector<std::string> endpoints;
+  for (size_t at = 0; at <= o.etcd.size();) {
+    const size_t comma = std::min(o.etcd.find(',', at), o.etcd.size());
+    if (comma > at) endpoints.push_back(o.etcd.substr(at, comma - at));
+    at = comma + 1;
+  }
+  // Port 0 cannot be advertised: the ports are taken first, then served.
+  for (int i = 0; i < 3; ++i) {
+    control::ServerOptions opts;
+    opts.listen = {"127.0.0.1:0"};
+    control::ReplicaOptions ro;
+    ro.etcd_endpoints = endpoints;
+    ro.prefix = "/wsync-bench-" + std::to_string(::getpid());
+    ro.coordinator.default_ttl_ms = 60'000;
+    // The holder is filled in below: a server needs its port before the replica can advertise it.
+    auto holder = std::make_unique<Deferred>();
+    WSYNC_ASSIGN_OR_RETURN(auto server, control::CoordinatorServer::Start(opts, holder.get()));
+    ro.advertise = "127.0.0.1:" + std::to_string(server->ports()[0]);
+    WSYNC_ASSIGN_OR_RETURN(auto replica, control::Replica::Start(ro, control::SystemClock()));
+    holder->Set(replica.get());
+    out.addresses += (out.addresses.empty() ? "" : ",") + ro.advertise;
+    out.replicas.push_back(std::move(replica));
+    out.servers.push_back(std::move(server));
+    out.holders.push_back(std::move(holder));
+  }
+  const auto end = Clock::now() + std::chrono::seconds(30);
+  while (std::none_of(out.replicas.begin(), out.replicas.end(), [](const auto& r) { return r->leading(); })) {
+    if (Clock::now() > end) return UnavailableError("no replica was elected within 30 s (is etcd at " + o.etcd + "?)");
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return out;
+}
+
+void PrintLoad(const char* what, const Load& l) {
+  std::printf("-- %s\n", what);
+  std::printf("registration: %zu RPCs (%.0f/s)\n", l.reg.size(), l.register_per_s);
   std::printf("steady state: %.1f s, %zu RPCs (%.0f/s), %" PRIu64 " versions published, %" PRIu64 " errors\n",
-              steady_s, steady.size(), rps, head.load(), errors.load());
+              l.steady_s, l.hb.size() + l.rep.size(), l.rps, l.versions, l.errors);
   std::printf("%-14s %10s %10s %10s\n", "method", "count", "p50 us", "p99 us");
-  for (auto [name, v] : {std::pair<const char*, std::vector<double>*>{"Register", &reg}, {"Heartbeat", &hb},
-                         {"ReportApplied", &rep}}) {
-    std::printf("%-14s %10zu %10.0f %10.0f\n", name, v->size(), Percentile(*v, 0.5), Percentile(*v, 0.99));
+  for (auto [name, v] : {std::pair<const char*, const std::vector<double>*>{"Register", &l.reg},
+                         {"Heartbeat", &l.hb}, {"ReportApplied", &l.rep}}) {
+    std::vector<double> copy = *v;
+    std::printf("%-14s %10zu %10.0f %10.0f\n", name, v->size(), Percentile(copy, 0.5), Percentile(copy, 0.99));
   }
-  return errors.load() == 0 ? 0 : 2;
+}
+
+nlohmann::ordered_json LoadJson(const Load& l) {
+  nlohmann::ordered_json j;
+  j["register_per_s"] = l.register_per_s;
+  j["steady_rpcs_per_s"] = l.rps;
+  j["versions_published"] = l.versions;
+  j["errors"] = l.errors;
+  for (auto [name, v] : {std::pair<const char*, const std::vector<double>*>{"register", &l.reg},
+                         {"heartbeat", &l.hb}, {"report_applied", &l.rep}}) {
+    std::vector<double> copy = *v;
+    j[name] = {{"count", v->size()}, {"p50_us", Percentile(copy, 0.5)}, {"p99_us", Percentile(copy, 0.99)}};
+  }
+  return j;
+}
+
+}  // namespace
+
+int RunControlBench(const ControlBenchOptions& o) {
+  spdlog::set_level(spdlog::level::warn);
+  nlohmann::ordered_json j;
+  j["sinks"] = o.sinks;
+  j["client_threads"] = o.workers;
+  uint64_t errors = 0;
+  if (!o.json) {
+    std::printf("== coordinator load: %d sinks over %d client threads, real gRPC on loopback\n", o.sinks, o.workers);
+  }
+  if (!o.address.empty()) {
+    Load l = Drive(o.address, o);
+    errors += l.errors;
+    if (o.json) j["external"] = LoadJson(l);
+    else PrintLoad(("coordinator at " + o.address).c_str(), l);
+  } else {
+    auto embedded = StartEmbedded(o);
+    if (!embedded.ok()) {
+      spdlog::error("{}", embedded.status().ToString());
+      return 1;
+    }
+    Load l = Drive(embedded->address, o);
+    embedded->server->Shutdown();
+    errors += l.errors;
+    const std::string what = "one coordinator, store: " + (o.store_dir.empty() ? std::string("none") : o.store_dir);
+    if (o.json) j["embedded"] = LoadJson(l);
+    else PrintLoad(what.c_str(), l);
+  }
+  if (!o.etcd.empty()) {
+    auto replicas = StartReplicas(o);
+    if (!replicas.ok()) {
+      spdlog::error("{}", replicas.status().ToString());
+      return 1;
+    }
+    const uint64_t writes_before = replicas->EtcdWrites();
+    Load l = Drive(replicas->addresses, o);
+    const uint64_t writes = replicas->EtcdWrites() - writes_before;
+    for (auto& s : replicas->servers) s->Shutdown();
+    errors += l.errors;
+    const double per_version = l.versions ? static_cast<double>(writes) / l.versions : 0;
+    if (o.json) {
+      j["replicas"] = LoadJson(l);
+      j["replicas"]["etcd_writes"] = writes;
+      j["replicas"]["etcd_writes_per_version"] = per_version;
+    } else {
+      PrintLoad(("three replicas over etcd " + o.etcd).c_str(), l);
+      std::printf("etcd writes: %" PRIu64 " (%.1f per published version: the registrations, the versions, and "
+                  "each sink's first report of each)\n", writes, per_version);
+    }
+  }
+  if (o.json) {
+    j["errors"] = errors;
+    std::printf("%s\n", j.dump(2).c_str());
+  }
+  return errors == 0 ? 0 : 2;
 }
 
 }  // namespace wsync::bench

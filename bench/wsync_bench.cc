@@ -312,6 +312,7 @@ int main(int argc, char** argv) {
   control->add_option("--seconds", cb.seconds, "steady-state duration")->capture_default_str();
   control->add_option("--coordinator", cb.address, "an external coordinator (default: in-process)");
   control->add_option("--store-dir", cb.store_dir, "durable store of the in-process coordinator (fresh directory)");
+  control->add_option("--etcd", cb.etcd, "also three coordinator replicas over this etcd cluster (host:port,...)");
   control->callback([&] {
     cb.json = c.json;
     rc = RunControlBench(cb);

@@ -27,7 +27,7 @@ struct Connection {
 };
 
 void AddConnectionFlags(CLI::App* cmd, Connection* c) {
-  cmd->add_option("--coordinator", c->coordinator, "host:port or unix:PATH (env WSYNC_COORDINATOR)");
+  cmd->add_option("--coordinator", c->coordinator, "host:port or unix:PATH, or replicas: a comma-separated list (env WSYNC_COORDINATOR)");
   cmd->add_option("--token-file", c->token_file, "bearer token file (or env WSYNC_TOKEN)");
   cmd->add_option("--tls-ca", c->tls_ca, "CA certificate: connect with TLS");
   cmd->add_option("--tls-cert", c->tls_cert, "client certificate (mTLS)");

@@ -43,6 +43,20 @@ Status GetBool(const toml::table& t, const std::string& path, const char* key, b
 
 }  // namespace
 
+std::vector<std::string> SplitList(const std::string& list) {
+  std::vector<std::string> out;
+  size_t at = 0;
+  while (at <= list.size()) {
+    const size_t comma = std::min(list.find(',', at), list.size());
+    std::string item = list.substr(at, comma - at);
+    item.erase(0, item.find_first_not_of(" \t"));
+    item.erase(item.find_last_not_of(" \t") + 1);
+    if (!item.empty()) out.push_back(item);
+    at = comma + 1;
+  }
+  return out;
+}
+
 StatusOr<wsync::v1::StalenessPolicy> ParsePolicy(const std::string& name) {
   if (name == "block") return wsync::v1::STALENESS_BLOCK;
   if (name == "evict") return wsync::v1::STALENESS_EVICT;
@@ -66,7 +80,7 @@ Status LoadCoordinatorToml(const std::string& path, CoordinatorConfig* config) {
   if (t == nullptr) return Status::Ok();
   static const std::set<std::string> kKeys = {"listen", "store_dir", "token_file", "max_staleness",
                                               "staleness_policy", "fanout", "node_ttl_ms", "max_ttl_ms",
-                                              "metrics_listen", "metrics_auth", "reflection", "tls"};
+                                              "metrics_listen", "metrics_auth", "reflection", "tls", "etcd"};
   for (const auto& [key, node] : *t) {
     if (!kKeys.count(std::string(key.str()))) return Bad(path, std::string(key.str()), "unknown key");
   }
@@ -107,6 +121,33 @@ Status LoadCoordinatorToml(const std::string& path, CoordinatorConfig* config) {
     WSYNC_RETURN_IF_ERROR(GetString(*tls, path, "key", &config->server.tls.key_file));
     WSYNC_RETURN_IF_ERROR(GetString(*tls, path, "client_ca", &config->server.tls.client_ca_file));
   }
+  if (const toml::node* n = t->get("etcd")) {
+    const toml::table* etcd = n->as_table();
+    if (etcd == nullptr) return Bad(path, "etcd", "must be a table");
+    static const std::set<std::string> kEtcdKeys = {"endpoints", "prefix", "advertise", "lease_ttl_s", "ca",
+                                                    "cert", "key", "user", "password_file"};
+    for (const auto& [key, node] : *etcd) {
+      if (!kEtcdKeys.count(std::string(key.str()))) return Bad(path, "etcd." + std::string(key.str()), "unknown key");
+    }
+    auto& r = config->replica;
+    if (const toml::node* e = etcd->get("endpoints")) {
+      const toml::array* a = e->as_array();
+      if (a == nullptr) return Bad(path, "etcd.endpoints", "must be an array of strings");
+      r.etcd_endpoints.clear();
+      for (const auto& x : *a) {
+        if (!x.is_string()) return Bad(path, "etcd.endpoints", "must be an array of strings");
+        r.etcd_endpoints.push_back(*x.value<std::string>());
+      }
+    }
+    WSYNC_RETURN_IF_ERROR(GetString(*etcd, path, "prefix", &r.prefix));
+    WSYNC_RETURN_IF_ERROR(GetString(*etcd, path, "advertise", &r.advertise));
+    WSYNC_RETURN_IF_ERROR(GetInt(*etcd, path, "lease_ttl_s", &r.lease_ttl_s, 1, 3600));
+    WSYNC_RETURN_IF_ERROR(GetString(*etcd, path, "ca", &r.etcd_ca_file));
+    WSYNC_RETURN_IF_ERROR(GetString(*etcd, path, "cert", &r.etcd_cert_file));
+    WSYNC_RETURN_IF_ERROR(GetString(*etcd, path, "key", &r.etcd_key_file));
+    WSYNC_RETURN_IF_ERROR(GetString(*etcd, path, "user", &r.etcd_user));
+    WSYNC_RETURN_IF_ERROR(GetString(*etcd, path, "password_file", &config->etcd_password_file));
+  }
   return Status::Ok();
 }
 
@@ -130,6 +171,24 @@ Status FinishCoordinatorConfig(CoordinatorConfig* config) {
   }
   if (!config->token_file.empty()) {
     WSYNC_ASSIGN_OR_RETURN(config->server.token, control::ReadTokenFile(config->token_file));
+  }
+  auto& r = config->replica;
+  if (!r.etcd_endpoints.empty()) {
+    if (!config->store_dir.empty()) {
+      return InvalidArgumentError("--store-dir and --etcd exclude each other: the replicas' state is etcd's");
+    }
+    if (r.advertise.empty()) {
+      return InvalidArgumentError("a coordinator replica (--etcd) needs --advertise host:port: the address the "
+                                  "other replicas send clients to");
+    }
+    if (r.etcd_cert_file.empty() != r.etcd_key_file.empty()) {
+      return InvalidArgumentError("etcd TLS: --etcd-cert and --etcd-key go together");
+    }
+    if (!config->etcd_password_file.empty()) {
+      if (r.etcd_user.empty()) return InvalidArgumentError("--etcd-password-file needs --etcd-user");
+      WSYNC_ASSIGN_OR_RETURN(r.etcd_password, control::ReadTokenFile(config->etcd_password_file));
+    }
+    r.coordinator = config->state;
   }
   return Status::Ok();
 }

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "wsync/control/coordinator_state.h"
+#include "wsync/control/replica.h"
 #include "wsync/control/server.h"
 #include "wsync/util/status.h"
 
@@ -18,7 +19,14 @@ struct CoordinatorConfig {
   std::string store_dir;   // empty: in memory only
   bool salvage_store = false;  // start from what verifies (control::StoreOptions::salvage)
   std::string token_file;  // read into server.token
+  // Replicas over etcd: set by --etcd (replica.etcd_endpoints non-empty);
+  // store_dir then unused.
+  control::ReplicaOptions replica;
+  std::string etcd_password_file;  // read into replica.etcd_password
 };
+
+// "a:1,b:2" as {"a:1", "b:2"} (empty items dropped).
+std::vector<std::string> SplitList(const std::string& list);
 
 // Merges the [coordinator] table of a TOML file into *config. Unknown keys,
 // wrong types and invalid values are InvalidArgument naming file and key.

@@ -11,8 +11,8 @@
 
 #include "coordinator_config.h"
 #include "data_daemon.h"
-#include "wsync/control/server.h"
 #include "wsync/control/coordinator_state.h"
+#include "wsync/control/replica.h"
 #include "wsync/control/server.h"
 #include "wsync/control/store.h"
 #include "wsync/util/memory.h"
@@ -55,10 +55,46 @@ int ConfigOk(const char* role) {
   return 0;
 }
 
+// Where the server answers from, and what it says of itself at start.
+std::string Serving(const daemon::CoordinatorConfig& config, const control::CoordinatorServer& server) {
+  std::string where;
+  size_t tcp = 0;
+  for (const auto& a : config.server.listen) {
+    std::string shown = a;
+    if (a.rfind("unix:", 0) != 0) shown = a.substr(0, a.rfind(':') + 1) + std::to_string(server.ports()[tcp++]);
+    where += (where.empty() ? "" : ", ") + shown;
+  }
+  return where + " (token " + (config.server.token.empty() ? "off" : "on") + ", TLS " +
+         (config.server.tls.cert_file.empty() ? "off" : (config.server.tls.client_ca_file.empty() ? "on" : "mTLS")) +
+         ", metrics " +
+         (config.server.metrics_listen.empty() ? "off" : "127.0.0.1:" + std::to_string(server.metrics_port())) + ")";
+}
+
+// A replica over etcd: serves always, answers from the state only while it leads.
+int RunReplica(const daemon::CoordinatorConfig& config) {
+  StopSignals signals;  // before any thread starts
+  auto replica = control::Replica::Start(config.replica, control::SystemClock());
+  if (!replica.ok()) return Fail(replica.status());
+  auto server = control::CoordinatorServer::Start(config.server, replica->get());
+  if (!server.ok()) return Fail(server.status());
+  std::string etcd;
+  for (const auto& e : config.replica.etcd_endpoints) etcd += (etcd.empty() ? "" : ",") + e;
+  spdlog::info("coordinator replica {} serving on {}; etcd {} (prefix {}, leader lease {} s)",
+               config.replica.advertise, Serving(config, **server), etcd, config.replica.prefix,
+               config.replica.lease_ttl_s);
+  std::thread waiter = signals.Waiter([&] { (*server)->Shutdown(); });
+  (*server)->Wait();
+  waiter.join();
+  server->reset();
+  replica->reset();  // resigns: another replica leads at once
+  return 0;
+}
+
 int RunCoordinator(daemon::CoordinatorConfig config, bool check_only) {
   Status s = daemon::FinishCoordinatorConfig(&config);
   if (!s.ok()) return Fail(s);
   if (check_only) return ConfigOk("coordinator");
+  if (!config.replica.etcd_endpoints.empty()) return RunReplica(config);
   control::Recovered recovered;
   std::unique_ptr<control::Store> store;
   if (config.store_dir.empty()) {
@@ -82,19 +118,7 @@ int RunCoordinator(daemon::CoordinatorConfig config, bool check_only) {
 
   auto server = control::CoordinatorServer::Start(config.server, state->get());
   if (!server.ok()) return Fail(server.status());
-  std::string where;
-  size_t tcp = 0;
-  for (const auto& a : config.server.listen) {
-    std::string shown = a;
-    if (a.rfind("unix:", 0) != 0) {
-      shown = a.substr(0, a.rfind(':') + 1) + std::to_string((*server)->ports()[tcp++]);
-    }
-    where += (where.empty() ? "" : ", ") + shown;
-  }
-  spdlog::info("coordinator serving on {} (head version {}, token {}, TLS {}, metrics {})", where,
-               (*state)->head(), config.server.token.empty() ? "off" : "on",
-               config.server.tls.cert_file.empty() ? "off" : (config.server.tls.client_ca_file.empty() ? "on" : "mTLS"),
-               config.server.metrics_listen.empty() ? "off" : "127.0.0.1:" + std::to_string((*server)->metrics_port()));
+  spdlog::info("coordinator serving on {}, head version {}", Serving(config, **server), (*state)->head());
   std::thread waiter = signals.Waiter([&] { (*server)->Shutdown(); });
   (*server)->Wait();
   waiter.join();
@@ -178,10 +202,28 @@ int main(int argc, char** argv) {
   coord->add_option("--tls-cert", config.server.tls.cert_file, "server certificate (PEM)");
   coord->add_option("--tls-key", config.server.tls.key_file, "server key (PEM)");
   coord->add_option("--tls-client-ca", config.server.tls.client_ca_file, "CA of client certificates: require mTLS");
+  std::string etcd_endpoints;
+  std::optional<int> lease_ttl;
+  auto& replica = config.replica;
+  coord->add_option("--etcd", etcd_endpoints,
+                    "run as one of several replicas over this etcd cluster (host:port,...): one leads, the others "
+                    "send clients to it; replaces --store-dir")->group("Replicas over etcd");
+  coord->add_option("--advertise", replica.advertise, "host:port clients reach this replica at")
+      ->group("Replicas over etcd");
+  coord->add_option("--etcd-prefix", replica.prefix, "the keys of this coordinator in etcd")
+      ->capture_default_str()->group("Replicas over etcd");
+  coord->add_option("--lease-ttl-s", lease_ttl, "the leader's etcd lease: a dead leader is replaced after about this "
+                                                "(default 2)")->group("Replicas over etcd");
+  coord->add_option("--etcd-ca", replica.etcd_ca_file, "CA of the etcd members: TLS")->group("Replicas over etcd");
+  coord->add_option("--etcd-cert", replica.etcd_cert_file, "client certificate for etcd")->group("Replicas over etcd");
+  coord->add_option("--etcd-key", replica.etcd_key_file, "its key")->group("Replicas over etcd");
+  coord->add_option("--etcd-user", replica.etcd_user, "etcd user (etcd authentication)")->group("Replicas over etcd");
+  coord->add_option("--etcd-password-file", config.etcd_password_file, "file holding its password")
+      ->group("Replicas over etcd");
   daemon::DataDaemonConfig data;
   std::string data_token_file, data_security = "auto";
   auto add_data_flags = [&](CLI::App* cmd) {
-    cmd->add_option("--coordinator", data.coordinator.address, "host:port or unix:PATH (env WSYNC_COORDINATOR)");
+    cmd->add_option("--coordinator", data.coordinator.address, "host:port or unix:PATH, or replicas: a comma-separated list (env WSYNC_COORDINATOR)");
     cmd->add_option("--token-file", data_token_file, "bearer token file (or env WSYNC_TOKEN)");
     cmd->add_option("--tls-ca", data.coordinator.tls_ca_file, "CA certificate: TLS to the coordinator");
     cmd->add_option("--data-security", data_security,
@@ -252,6 +294,17 @@ int main(int argc, char** argv) {
       auto p = daemon::ParsePolicy(policy);
       if (!p.ok()) return Fail(p.status());
       merged.state.policy = *p;
+    }
+    if (!etcd_endpoints.empty()) merged.replica.etcd_endpoints = daemon::SplitList(etcd_endpoints);
+    if (!replica.advertise.empty()) merged.replica.advertise = replica.advertise;
+    if (replica.prefix != control::ReplicaOptions{}.prefix) merged.replica.prefix = replica.prefix;
+    if (lease_ttl) merged.replica.lease_ttl_s = *lease_ttl;
+    for (auto [from, to] : {std::pair{&replica.etcd_ca_file, &merged.replica.etcd_ca_file},
+                            {&replica.etcd_cert_file, &merged.replica.etcd_cert_file},
+                            {&replica.etcd_key_file, &merged.replica.etcd_key_file},
+                            {&replica.etcd_user, &merged.replica.etcd_user},
+                            {&config.etcd_password_file, &merged.etcd_password_file}}) {
+      if (!from->empty()) *to = *from;
     }
     return RunCoordinator(merged, check_only);
   }

@@ -19,6 +19,16 @@ published, or while the sinks are syncing it):
                     acknowledged), then space comes back
   slow_link         the source restarted with a rate limit of 4 MB/s per link
 
+With --replicas, three coordinator replicas over a three-member etcd cluster
+take the coordinator's place (kill_coordinator and disk_full do not apply),
+and four more kinds join:
+
+  kill_leader       SIGKILL of the leading replica, restarted as a follower
+  pause_leader      SIGSTOP of the leading replica past its lease, then SIGCONT
+  kill_etcd_member  SIGKILL of an etcd member while a version is published, then
+                    its restart
+  kill_replicas     SIGKILL and restart of every replica
+
 After every round every sink must reach the head and hold the trainer's bits
 exactly (dumped and compared bit for bit), every acknowledged version must
 still be listed by the coordinator and no version number handed out twice,
@@ -42,10 +52,13 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from system_demo import System, write_safetensors  # noqa: E402
+from system_demo import EtcdCluster, System, write_safetensors  # noqa: E402
 
 KINDS = ["kill_coordinator", "kill_source", "kill_sink", "kill_relay", "corrupt_chunks", "swap_buffers",
          "disk_full", "slow_link"]
+REPLICA_KINDS = ["kill_leader", "pause_leader", "kill_etcd_member", "kill_replicas", "kill_source", "kill_sink",
+                 "kill_relay", "corrupt_chunks", "swap_buffers", "slow_link"]
+LEASE_S = 2  # the replicas' default leader lease
 CONVERGE_S = 120
 MAX_FDS = 256
 MAX_RSS_MB = 512  # per daemon, for a 4 MiB model: growth without bound would cross it in a long run
@@ -68,7 +81,7 @@ def differing_bits(a, b):
 
 
 class Campaign:
-    def __init__(self, build, seed, tmp, token=None, data_security=None, source_args=(), kinds=None):
+    def __init__(self, build, seed, tmp, token=None, data_security=None, source_args=(), kinds=None, replicas=False):
         import torch
         import wsync
         self.torch, self.wsync = torch, wsync
@@ -80,7 +93,12 @@ class Campaign:
         if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m,mode=0700", "tmpfs", f"{tmp}/store"],
                           capture_output=True).returncode == 0:
             self.tmpfs = True
-        self.kinds = [k for k in (kinds or KINDS) if k != "disk_full" or self.tmpfs]
+        every = REPLICA_KINDS if replicas else KINDS
+        unknown = [k for k in (kinds or []) if k not in every]
+        if unknown:
+            raise SystemExit(f"fault kinds {unknown} do not apply (here: {','.join(every)})")
+        self.kinds = [k for k in (kinds or every) if k != "disk_full" or self.tmpfs]
+        self.etcd = EtcdCluster(tmp) if replicas else None
         self.model = {f"layers.{i}.weight": (torch.randn(256, 1024, generator=self.gen) * 0.02).to(torch.bfloat16)
                       for i in range(8)}
         self.like = f"{tmp}/like.safetensors"
@@ -88,7 +106,7 @@ class Campaign:
         self.mismatched = f"{tmp}/mismatched.safetensors"
         write_safetensors(self.mismatched, {**self.model, "layers.0.weight": torch.zeros(128, 1024, dtype=torch.bfloat16)})
         self.s = System(build, 3, 2, tmp, coordinator_args=["--node-ttl-ms", "3000"], token=token,
-                        data_security=data_security, source_args=source_args)
+                        data_security=data_security, source_args=source_args, etcd=self.etcd)
         self.source_argv = list(self.s.procs["source"][0])
         for n in self.s.sinks:
             self.s.wait_for(lambda: os.path.exists(f"{tmp}/{n}.sock"), f"{n}'s local API")
@@ -98,7 +116,7 @@ class Campaign:
         self.src.register(self.model)
         self.acknowledged = []  # versions publish() returned
         self.refused = 0        # publishes refused (nothing acknowledged)
-        self.faults = {k: 0 for k in KINDS}
+        self.faults = {k: 0 for k in every}
         self.converge = []      # seconds from each fault to every sink verified at the head
         self.divergent_bits = 0
         self.verified = 0
@@ -118,7 +136,7 @@ class Campaign:
             self.s.procs[name] = (argv, self.s.procs[name][1])
         self.s.kill(name, signal.SIGKILL)
         self.s.restart(name)
-        if name == "coordinator":
+        if name.startswith("coordinator"):
             self.s.wait_for(lambda: self.s.status() is not None, "the coordinator", 60)
         else:
             self.wait_local(name)
@@ -190,10 +208,37 @@ class Campaign:
             raise AssertionError(f"acknowledged versions lost by the coordinator: {lost}")
 
     # ---- faults
+    def leader(self):
+        """The leading replica's name (waiting for one)."""
+        def find():
+            address = self.etcd.get("/wsync/leader") or ""
+            return next((r for r in self.s.replicas if address.endswith(f"/{r}.sock")), None)
+        self.s.wait_for(lambda: find() is not None, "a leading replica", 60)
+        return find()
+
     def inject(self, kind):
         s = self.s
         if kind == "kill_coordinator":
             self.restart("coordinator")
+        elif kind == "kill_leader":
+            self.restart(self.leader())
+        elif kind == "pause_leader":
+            name = self.leader()
+            s.kill(name, signal.SIGSTOP)
+            time.sleep(LEASE_S + 1)
+            s.kill(name, signal.SIGCONT)
+        elif kind == "kill_etcd_member":
+            member = self.rng.randrange(len(self.etcd.names))
+            self.etcd.kill(member)
+            self.publish()  # goes on with two members of three
+            self.etcd.start(member)
+            self.etcd.wait_healthy()
+        elif kind == "kill_replicas":
+            for r in s.replicas:
+                s.kill(r, signal.SIGKILL)
+            for r in s.replicas:
+                s.restart(r)
+            s.wait_for(lambda: s.status() is not None, "the replicas", 60)
         elif kind == "kill_source":
             self.restart("source", self.source_argv)
         elif kind in ("kill_sink", "kill_relay"):
@@ -278,7 +323,7 @@ class Campaign:
             "converge_s_by_fault": self.by_kind(),
             "max_fds": {n: p[0] for n, p in self.peak.items()},
             "max_rss_mb": {n: p[1] // 1024 for n, p in self.peak.items()},
-            "rss_growth_mb": growth, "disk_full_tested": self.tmpfs,
+            "rss_growth_mb": growth, "disk_full_tested": self.tmpfs and "disk_full" in self.kinds,
         }
         for n, (nfd, rss) in self.peak.items():
             if nfd > MAX_FDS:
@@ -299,6 +344,8 @@ class Campaign:
     def close(self):
         try:
             self.s.stop()
+            if self.etcd is not None:
+                self.etcd.stop()
         finally:
             if self.tmpfs:
                 subprocess.run(["umount", "-l", f"{self.tmp}/store"], capture_output=True)
@@ -313,7 +360,10 @@ def main():
     p.add_argument("--json", default=None)
     p.add_argument("--token", default=None, help="cluster token (coordinator and data plane)")
     p.add_argument("--data-security", choices=["none", "auth", "encrypt"], default=None)
-    p.add_argument("--kinds", default=None, help=f"comma-separated fault kinds (default: all of {','.join(KINDS)})")
+    p.add_argument("--kinds", default=None, help=f"comma-separated fault kinds (default: all of {','.join(KINDS)}, "
+                                                 f"with --replicas {','.join(REPLICA_KINDS)})")
+    p.add_argument("--replicas", action="store_true",
+                   help="three coordinator replicas over a three-member etcd cluster (Debian's etcd-server)")
     p.add_argument("--segment-mib", default=None,
                    help="the source's --segment-mib (1: the 4 MB model's versions are streamed in segments)")
     a = p.parse_args()
@@ -322,12 +372,14 @@ def main():
     security = f" --token TOKEN --data-security {a.data_security}" if a.data_security else ""
     if a.segment_mib:
         security += f" --segment-mib {a.segment_mib}"
+    if a.replicas:
+        security += " --replicas"
     print(f"fault campaign: seed {seed} (replay: fault_campaign.py --build {a.build} --seed {seed}{security}), "
           f"{a.minutes} min", flush=True)
     tmp = tempfile.mkdtemp(prefix=f"wsync_campaign_{seed}_")
     c = Campaign(a.build, seed, tmp, token=a.token, data_security=a.data_security,
                  source_args=["--segment-mib", a.segment_mib] if a.segment_mib else [],
-                 kinds=a.kinds.split(",") if a.kinds else None)
+                 kinds=a.kinds.split(",") if a.kinds else None, replicas=a.replicas)
     t0 = time.time()
     try:
         first = c.publish()

@@ -14,6 +14,7 @@ packages=(
   clang libclang-rt-14-dev
   python3 python3-numpy python3-torch python3-venv python3-yaml
   debootstrap systemd iproute2
+  etcd-server etcd-client
 )
 
 SUDO=""

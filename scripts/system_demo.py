@@ -51,27 +51,110 @@ def write_safetensors(path, tensors):
             f.write(t.contiguous().view(torch.uint8).numpy().tobytes())
 
 
+def free_ports(n):
+    import socket
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+class EtcdCluster:
+    """An etcd cluster of `members` on loopback (Debian's etcd-server), in
+    `tmp`; with `also_on` (an address of this host), clients reach the
+    members there too, on the same ports."""
+
+    def __init__(self, tmp, members=3, also_on=None):
+        self.tmp = tmp
+        self.also_on = also_on
+        ports = free_ports(2 * members)
+        self.names = [f"etcd-{i}" for i in range(members)]
+        self.clients = [f"127.0.0.1:{ports[2 * i]}" for i in range(members)]
+        self.peers = [f"http://127.0.0.1:{ports[2 * i + 1]}" for i in range(members)]
+        self.procs = {}
+        for i in range(members):
+            self.start(i, new=True)
+        self.wait_healthy()
+
+    def argv(self, i, new):
+        cluster = ",".join(f"{n}={p}" for n, p in zip(self.names, self.peers))
+        listen = "http://" + self.clients[i]
+        if self.also_on:
+            listen += f",http://{self.also_on}:{self.clients[i].rsplit(':', 1)[1]}"
+        return ["etcd", "--name", self.names[i], "--data-dir", f"{self.tmp}/{self.names[i]}.data",
+                "--listen-client-urls", listen, "--advertise-client-urls", "http://" + self.clients[i],
+                "--listen-peer-urls", self.peers[i], "--initial-advertise-peer-urls", self.peers[i],
+                "--initial-cluster", cluster, "--initial-cluster-state", "new" if new else "existing",
+                "--initial-cluster-token", "wsync-test", "--logger", "zap", "--log-outputs", "stderr"]
+
+    def start(self, i, new=False):
+        log = open(f"{self.tmp}/{self.names[i]}.log", "a")
+        self.procs[i] = subprocess.Popen(self.argv(i, new), stdout=log, stderr=subprocess.STDOUT,
+                                         env=dict(os.environ, ETCD_UNSUPPORTED_ARCH=os.environ.get("ETCD_UNSUPPORTED_ARCH", "")))
+
+    def kill(self, i):
+        p = self.procs[i]
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+    def endpoints(self, host=None):
+        """The members' client addresses (on `host` instead of 127.0.0.1)."""
+        return ",".join(c if host is None else f"{host}:{c.rsplit(':', 1)[1]}" for c in self.clients)
+
+    def ctl(self, *args):
+        return subprocess.run(["etcdctl", "--endpoints", self.endpoints(), *args], capture_output=True, text=True,
+                              env=dict(os.environ, ETCDCTL_API="3"))
+
+    def get(self, key):
+        p = self.ctl("get", key, "--print-value-only")
+        return p.stdout.strip() if p.returncode == 0 else None
+
+    def wait_healthy(self, timeout=60):
+        end = time.time() + timeout
+        while time.time() < end:
+            if self.ctl("endpoint", "health").returncode == 0:
+                return
+            time.sleep(0.2)
+        raise RuntimeError(f"etcd did not become healthy; logs in {self.tmp}")
+
+    def stop(self):
+        for i in list(self.procs):
+            self.kill(i)
+
+
 class System:
-    """The processes of a wsync deployment on loopback, by name."""
+    """The processes of a wsync deployment on loopback, by name. With `etcd`
+    (an EtcdCluster), `replicas` coordinator replicas over it instead of one
+    coordinator, named coordinator-0.. (every client given all of them)."""
 
     def __init__(self, build, sinks, fanout, tmp, coordinator_args=(), source_args=(), device=-1, sink_args=(),
-                 token=None, data_security=None):
+                 token=None, data_security=None, etcd=None, replicas=3):
         self.wsync = os.path.join(build, "client", "wsync")
         self.wsyncd = os.path.join(build, "daemon", "wsyncd")
         self.tmp = tmp
         # device >= 0: the stand-in trainer and inference servers keep their
         # weights in that GPU's memory and share it over CUDA IPC.
         self.device_args = ["--device", str(device)] if device >= 0 else []
-        self.env = dict(os.environ, UCX_TLS=os.environ.get("UCX_TLS", "tcp"),
-                        WSYNC_COORDINATOR=f"unix:{tmp}/coordinator.sock")
+        self.replicas = [f"coordinator-{i}" for i in range(replicas)] if etcd else []
+        coordinators = [f"unix:{tmp}/{r}.sock" for r in self.replicas] or [f"unix:{tmp}/coordinator.sock"]
+        self.env = dict(os.environ, UCX_TLS=os.environ.get("UCX_TLS", "tcp"), WSYNC_COORDINATOR=",".join(coordinators))
         if token:  # the cluster token: the coordinator's bearer token and the data plane's credential
             self.env["WSYNC_TOKEN"] = token
         security = ["--data-security", data_security] if data_security else []
         self.procs = {}  # name -> (argv, Popen)
         self.sinks = []
         self.sink_args = list(sink_args) + (["--data-security", data_security] if data_security else [])
-        self.spawn("coordinator", [self.wsyncd, "coordinator", "--listen", f"unix:{tmp}/coordinator.sock",
-                                   "--fanout", str(fanout), "--store-dir", f"{tmp}/store", *coordinator_args])
+        if etcd:
+            for r, address in zip(self.replicas, coordinators):
+                self.spawn(r, [self.wsyncd, "coordinator", "--listen", address, "--advertise", address,
+                               "--etcd", etcd.endpoints(), "--fanout", str(fanout), *coordinator_args])
+        else:
+            self.spawn("coordinator", [self.wsyncd, "coordinator", "--listen", f"unix:{tmp}/coordinator.sock",
+                                       "--fanout", str(fanout), "--store-dir", f"{tmp}/store", *coordinator_args])
         self.wait_for(lambda: self.status() is not None, "coordinator")
         self.spawn("source", [self.wsyncd, "source", "--name", "source", "--local", f"unix:{tmp}/source.sock",
                               "--node-ttl-ms", "3000", *security, *source_args])

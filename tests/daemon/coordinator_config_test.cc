@@ -57,5 +57,32 @@ TEST(CoordinatorConfig, FinishChecksTheMergedResult) {
   EXPECT_EQ(c.server.token, "abc");
 }
 
+TEST(CoordinatorConfig, ReplicasOverEtcd) {
+  CoordinatorConfig c;
+  Status s = LoadCoordinatorToml(Write("r.toml", "[coordinator]\nlisten = [\"0.0.0.0:7600\"]\n"
+                                                 "[coordinator.etcd]\nendpoints = [\"e1:2379\", \"e2:2379\"]\n"
+                                                 "advertise = \"c1:7600\"\nlease_ttl_s = 3\n"),
+                                 &c);
+  ASSERT_TRUE(s.ok()) << s.ToString();
+  EXPECT_EQ(c.replica.etcd_endpoints, (std::vector<std::string>{"e1:2379", "e2:2379"}));
+  EXPECT_EQ(c.replica.lease_ttl_s, 3);
+  c.state.fanout = 7;
+  ASSERT_TRUE(FinishCoordinatorConfig(&c).ok());
+  EXPECT_EQ(c.replica.coordinator.fanout, 7u) << "the replicas run with the coordinator's options";
+
+  s = LoadCoordinatorToml(Write("r2.toml", "[coordinator.etcd]\nendpoint = \"e1\"\n"), &c);
+  EXPECT_NE(s.message().find("coordinator.etcd.endpoint: unknown key"), std::string::npos) << s.message();
+  CoordinatorConfig both;
+  both.server.listen = {"127.0.0.1:0"};
+  both.store_dir = "/var/lib/wsync";
+  both.replica.etcd_endpoints = {"e1:2379"};
+  both.replica.advertise = "c1:7600";
+  EXPECT_NE(FinishCoordinatorConfig(&both).message().find("exclude each other"), std::string::npos);
+  both.store_dir.clear();
+  both.replica.advertise.clear();
+  EXPECT_NE(FinishCoordinatorConfig(&both).message().find("--advertise"), std::string::npos);
+  EXPECT_EQ(SplitList(" a:1, b:2,,c:3 "), (std::vector<std::string>{"a:1", "b:2", "c:3"}));
+}
+
 }  // namespace
 }  // namespace wsync::daemon

@@ -3,8 +3,10 @@
 #include <grpcpp/grpcpp.h>
 
 #include <chrono>
+#include <deque>
 #include <mutex>
 #include <set>
+#include <thread>
 
 #include "wsync/control/rpc_status.h"
 #include "wsync/util/file.h"
@@ -15,33 +17,39 @@ namespace {
 
 namespace v1 = wsync::v1;
 
+// A client of one coordinator, or of replicas: calls go to the one that
+// led last; NOT_LEADER (naming the leader) or an unreachable replica moves
+// them on, until the call's deadline.
 class GrpcClient : public CoordinatorClient {
  public:
-  GrpcClient(std::shared_ptr<grpc::Channel> channel, ClientOptions options)
-      : stub_(v1::Coordinator::NewStub(channel)), options_(std::move(options)) {}
+  using ChannelFactory = std::function<std::shared_ptr<grpc::Channel>(const std::string&)>;
+  GrpcClient(std::vector<std::string> addresses, ChannelFactory channels, ClientOptions options)
+      : channels_(std::move(channels)), options_(std::move(options)), several_(addresses.size() > 1) {
+    for (auto& a : addresses) Add(a);
+  }
 
   StatusOr<v1::RegisterResponse> Register(const v1::RegisterRequest& req) override {
-    return Call<v1::RegisterResponse>("Register", [&](grpc::ClientContext* c, v1::RegisterResponse* r) {
-      return stub_->Register(c, req, r);
+    return Call<v1::RegisterResponse>("Register", [&](v1::Coordinator::Stub* stub, grpc::ClientContext* c, v1::RegisterResponse* r) {
+      return stub->Register(c, req, r);
     });
   }
   StatusOr<v1::HeartbeatResponse> Heartbeat(const v1::HeartbeatRequest& req) override {
-    return Call<v1::HeartbeatResponse>("Heartbeat", [&](grpc::ClientContext* c, v1::HeartbeatResponse* r) {
-      return stub_->Heartbeat(c, req, r);
+    return Call<v1::HeartbeatResponse>("Heartbeat", [&](v1::Coordinator::Stub* stub, grpc::ClientContext* c, v1::HeartbeatResponse* r) {
+      return stub->Heartbeat(c, req, r);
     });
   }
   Status Deregister(const std::string& name) override {
     v1::DeregisterRequest req;
     req.set_name(name);
-    return Call<v1::DeregisterResponse>("Deregister", [&](grpc::ClientContext* c, v1::DeregisterResponse* r) {
-             return stub_->Deregister(c, req, r);
+    return Call<v1::DeregisterResponse>("Deregister", [&](v1::Coordinator::Stub* stub, grpc::ClientContext* c, v1::DeregisterResponse* r) {
+             return stub->Deregister(c, req, r);
            }).status();
   }
   StatusOr<uint64_t> Publish(const v1::VersionSummary& version) override {
     v1::PublishRequest req;
     *req.mutable_version() = version;
-    auto r = Call<v1::PublishResponse>("Publish", [&](grpc::ClientContext* c, v1::PublishResponse* resp) {
-      return stub_->Publish(c, req, resp);
+    auto r = Call<v1::PublishResponse>("Publish", [&](v1::Coordinator::Stub* stub, grpc::ClientContext* c, v1::PublishResponse* resp) {
+      return stub->Publish(c, req, resp);
     });
     if (!r.ok()) return r.status();
     return r->head_version();
@@ -49,15 +57,16 @@ class GrpcClient : public CoordinatorClient {
   StatusOr<v1::ListVersionsResponse> ListVersions(uint64_t after) override {
     v1::ListVersionsRequest req;
     req.set_after(after);
-    return Call<v1::ListVersionsResponse>("ListVersions", [&](grpc::ClientContext* c, v1::ListVersionsResponse* r) {
-      return stub_->ListVersions(c, req, r);
+    return Call<v1::ListVersionsResponse>("ListVersions", [&](v1::Coordinator::Stub* stub, grpc::ClientContext* c, v1::ListVersionsResponse* r) {
+      return stub->ListVersions(c, req, r);
     });
   }
   Status Watch(const v1::WatchRequest& req, const std::function<bool(const v1::VersionSummary&)>& on_version) override {
     grpc::ClientContext ctx;
     Prepare(&ctx, /*deadline=*/false);
     if (!Track(&ctx)) return Status::Ok();  // cancelled before it began
-    auto reader = stub_->Watch(&ctx, req);
+    const size_t at = Current();
+    auto reader = Stub(at)->Watch(&ctx, req);
     v1::VersionSummary v;
     bool stopped = false;
     while (reader->Read(&v)) {
@@ -71,14 +80,16 @@ class GrpcClient : public CoordinatorClient {
     Untrack(&ctx);
     if (stopped || s.error_code() == grpc::StatusCode::CANCELLED) return Status::Ok();
     if (s.ok()) return UnavailableError("watch stream ended by the coordinator");
-    return FromGrpc(s, "Watch " + options_.address);
+    Status failed = FromGrpc(s, "Watch " + Address(at));
+    (void)MoveOn(at, failed);  // the caller's next Watch goes to the leader
+    return failed;
   }
   StatusOr<v1::Node> ReportApplied(const std::string& name, uint64_t version) override {
     v1::ReportAppliedRequest req;
     req.set_name(name);
     req.set_version(version);
-    auto r = Call<v1::ReportAppliedResponse>("ReportApplied", [&](grpc::ClientContext* c, v1::ReportAppliedResponse* resp) {
-      return stub_->ReportApplied(c, req, resp);
+    auto r = Call<v1::ReportAppliedResponse>("ReportApplied", [&](v1::Coordinator::Stub* stub, grpc::ClientContext* c, v1::ReportAppliedResponse* resp) {
+      return stub->ReportApplied(c, req, resp);
     });
     if (!r.ok()) return r.status();
     return r->node();
@@ -88,8 +99,8 @@ class GrpcClient : public CoordinatorClient {
     req.set_node(node);
     req.set_version(version);
     req.set_ttl_ms(ttl_ms);
-    auto r = Call<v1::AcquireLeaseResponse>("AcquireLease", [&](grpc::ClientContext* c, v1::AcquireLeaseResponse* resp) {
-      return stub_->AcquireLease(c, req, resp);
+    auto r = Call<v1::AcquireLeaseResponse>("AcquireLease", [&](v1::Coordinator::Stub* stub, grpc::ClientContext* c, v1::AcquireLeaseResponse* resp) {
+      return stub->AcquireLease(c, req, resp);
     });
     if (!r.ok()) return r.status();
     return r->lease();
@@ -98,8 +109,8 @@ class GrpcClient : public CoordinatorClient {
     v1::RenewLeaseRequest req;
     req.set_id(id);
     req.set_ttl_ms(ttl_ms);
-    auto r = Call<v1::RenewLeaseResponse>("RenewLease", [&](grpc::ClientContext* c, v1::RenewLeaseResponse* resp) {
-      return stub_->RenewLease(c, req, resp);
+    auto r = Call<v1::RenewLeaseResponse>("RenewLease", [&](v1::Coordinator::Stub* stub, grpc::ClientContext* c, v1::RenewLeaseResponse* resp) {
+      return stub->RenewLease(c, req, resp);
     });
     if (!r.ok()) return r.status();
     return r->lease();
@@ -107,14 +118,14 @@ class GrpcClient : public CoordinatorClient {
   Status ReleaseLease(uint64_t id) override {
     v1::ReleaseLeaseRequest req;
     req.set_id(id);
-    return Call<v1::ReleaseLeaseResponse>("ReleaseLease", [&](grpc::ClientContext* c, v1::ReleaseLeaseResponse* r) {
-             return stub_->ReleaseLease(c, req, r);
+    return Call<v1::ReleaseLeaseResponse>("ReleaseLease", [&](v1::Coordinator::Stub* stub, grpc::ClientContext* c, v1::ReleaseLeaseResponse* r) {
+             return stub->ReleaseLease(c, req, r);
            }).status();
   }
   StatusOr<v1::ListLeasesResponse> ListLeases() override {
     v1::ListLeasesRequest req;
-    return Call<v1::ListLeasesResponse>("ListLeases", [&](grpc::ClientContext* c, v1::ListLeasesResponse* r) {
-      return stub_->ListLeases(c, req, r);
+    return Call<v1::ListLeasesResponse>("ListLeases", [&](v1::Coordinator::Stub* stub, grpc::ClientContext* c, v1::ListLeasesResponse* r) {
+      return stub->ListLeases(c, req, r);
     });
   }
   StatusOr<v1::MayPublishResponse> MayPublish(uint64_t version, int64_t wait_ms) override {
@@ -123,26 +134,26 @@ class GrpcClient : public CoordinatorClient {
     req.set_wait_ms(wait_ms);
     return Call<v1::MayPublishResponse>(
         "MayPublish",
-        [&](grpc::ClientContext* c, v1::MayPublishResponse* r) { return stub_->MayPublish(c, req, r); },
+        [&](v1::Coordinator::Stub* stub, grpc::ClientContext* c, v1::MayPublishResponse* r) { return stub->MayPublish(c, req, r); },
         wait_ms);
   }
   StatusOr<v1::StatusResponse> GetStatus() override {
     v1::StatusRequest req;
-    return Call<v1::StatusResponse>("Status", [&](grpc::ClientContext* c, v1::StatusResponse* r) {
-      return stub_->Status(c, req, r);
+    return Call<v1::StatusResponse>("Status", [&](v1::Coordinator::Stub* stub, grpc::ClientContext* c, v1::StatusResponse* r) {
+      return stub->Status(c, req, r);
     });
   }
   StatusOr<v1::GetLayoutResponse> GetLayout() override {
     v1::GetLayoutRequest req;
-    return Call<v1::GetLayoutResponse>("GetLayout", [&](grpc::ClientContext* c, v1::GetLayoutResponse* r) {
-      return stub_->GetLayout(c, req, r);
+    return Call<v1::GetLayoutResponse>("GetLayout", [&](v1::Coordinator::Stub* stub, grpc::ClientContext* c, v1::GetLayoutResponse* r) {
+      return stub->GetLayout(c, req, r);
     });
   }
   Status SetLayout(const v1::Layout& layout) override {
     v1::SetLayoutRequest req;
     *req.mutable_layout() = layout;
-    return Call<v1::SetLayoutResponse>("SetLayout", [&](grpc::ClientContext* c, v1::SetLayoutResponse* r) {
-             return stub_->SetLayout(c, req, r);
+    return Call<v1::SetLayoutResponse>("SetLayout", [&](v1::Coordinator::Stub* stub, grpc::ClientContext* c, v1::SetLayoutResponse* r) {
+             return stub->SetLayout(c, req, r);
            }).status();
   }
   void Cancel() override {
@@ -156,22 +167,59 @@ class GrpcClient : public CoordinatorClient {
     if (!options_.token.empty()) ctx->AddMetadata("authorization", "Bearer " + options_.token);
     ctx->set_wait_for_ready(options_.wait_for_ready);
     if (deadline) {
-      ctx->set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(options_.timeout_ms + extra_ms));
+      // Among replicas, one that is stopped (not dead) must not hold a call for all of its time.
+      const int64_t ms = several_ ? std::min<int64_t>(options_.timeout_ms, kReplicaAttemptMs) : options_.timeout_ms;
+      ctx->set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(ms + extra_ms));
     }
   }
 
   template <typename R, typename F>
   StatusOr<R> Call(const char* method, F&& f, int64_t extra_ms = 0) {
-    grpc::ClientContext ctx;
-    Prepare(&ctx, true, extra_ms);
-    // After Cancel, calls still run (Deregister on the way out) but no
-    // longer wait for a coordinator that is not there.
-    if (!Track(&ctx)) ctx.set_wait_for_ready(false);
-    R resp;
-    grpc::Status s = f(&ctx, &resp);
-    Untrack(&ctx);
-    if (!s.ok()) return FromGrpc(s, std::string(method) + " " + options_.address);
-    return resp;
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(options_.timeout_ms + extra_ms);
+    for (;;) {
+      const size_t at = Current();
+      grpc::ClientContext ctx;
+      Prepare(&ctx, true, extra_ms);
+      // After Cancel, calls still run (Deregister on the way out) but no
+      // longer wait for a coordinator that is not there.
+      if (!Track(&ctx)) ctx.set_wait_for_ready(false);
+      R resp;
+      grpc::Status s = f(Stub(at), &ctx, &resp);
+      Untrack(&ctx);
+      if (s.ok()) return resp;
+      Status failed = FromGrpc(s, std::string(method) + " " + Address(at));
+      if (!MoveOn(at, failed) || std::chrono::steady_clock::now() >= deadline || cancelled()) return failed;
+    }
+  }
+
+  // After a failure at replica `at`: points the client at the leader it
+  // named, or at the next replica; false when there is no other to try
+  // (one address, or a failure that is not about who leads). Waits a moment
+  // when no leader is known (an election in progress).
+  bool MoveOn(size_t at, const Status& failed) {
+    const bool not_leader = failed.HasReason(reasons::kNotLeader);
+    if (!not_leader && failed.code() != StatusCode::kUnavailable && failed.code() != StatusCode::kDeadlineExceeded) {
+      return false;
+    }
+    std::string leader;
+    if (not_leader) {
+      if (auto it = failed.reason()->metadata.find("leader"); it != failed.reason()->metadata.end()) leader = it->second;
+    }
+    bool pause = false;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (endpoints_.size() == 1 && leader.empty()) return false;
+      if (!leader.empty()) {
+        current_ = AddLocked(leader);
+        return true;
+      }
+      if (current_ == at) current_ = (at + 1) % endpoints_.size();
+      pause = current_ == 0 || not_leader;
+    }
+    // A round of every replica, or a replica that knows no leader: an
+    // election is under way; give it a moment.
+    if (pause) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    return true;
   }
 
   // Registers a call for Cancel; false (not registered) once cancelled.
@@ -186,9 +234,47 @@ class GrpcClient : public CoordinatorClient {
     in_flight_.erase(ctx);
   }
 
-  std::unique_ptr<v1::Coordinator::Stub> stub_;
+  struct Endpoint {
+    std::string address;
+    std::unique_ptr<v1::Coordinator::Stub> stub;
+  };
+
+  size_t Add(const std::string& address) {
+    std::lock_guard<std::mutex> lock(mu_);
+    return AddLocked(address);
+  }
+  size_t AddLocked(const std::string& address) {
+    for (size_t i = 0; i < endpoints_.size(); ++i) {
+      if (endpoints_[i].address == address) return i;
+    }
+    endpoints_.push_back({address, v1::Coordinator::NewStub(channels_(address))});
+    return endpoints_.size() - 1;
+  }
+  size_t Current() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return current_;
+  }
+  v1::Coordinator::Stub* Stub(size_t i) {
+    std::lock_guard<std::mutex> lock(mu_);
+    return endpoints_[i].stub.get();  // endpoints_ only grows (a deque keeps it in place)
+  }
+  std::string Address(size_t i) {
+    std::lock_guard<std::mutex> lock(mu_);
+    return endpoints_[i].address;
+  }
+  bool cancelled() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return cancelled_;
+  }
+
+  static constexpr int64_t kReplicaAttemptMs = 1500;
+
+  ChannelFactory channels_;
   ClientOptions options_;
+  const bool several_;
   std::mutex mu_;
+  std::deque<Endpoint> endpoints_;
+  size_t current_ = 0;
   bool cancelled_ = false;
   std::set<grpc::ClientContext*> in_flight_;
 };
@@ -196,10 +282,20 @@ class GrpcClient : public CoordinatorClient {
 }  // namespace
 
 StatusOr<std::unique_ptr<CoordinatorClient>> NewCoordinatorClient(const ClientOptions& options) {
-  if (options.address.empty()) return InvalidArgumentError("no coordinator address (--coordinator or WSYNC_COORDINATOR)");
-  const bool unix_socket = options.address.rfind("unix:", 0) == 0;
-  if (!unix_socket && options.address.find(':') == std::string::npos) {
-    return InvalidArgumentError("coordinator address '" + options.address + "' is not host:port or unix:PATH");
+  std::vector<std::string> addresses;
+  for (size_t at = 0; at <= options.address.size();) {
+    const size_t comma = std::min(options.address.find(',', at), options.address.size());
+    std::string a = options.address.substr(at, comma - at);
+    a.erase(0, a.find_first_not_of(" \t"));
+    a.erase(a.find_last_not_of(" \t") + 1);
+    if (!a.empty()) addresses.push_back(a);
+    at = comma + 1;
+  }
+  if (addresses.empty()) return InvalidArgumentError("no coordinator address (--coordinator or WSYNC_COORDINATOR)");
+  for (const auto& a : addresses) {
+    if (a.rfind("unix:", 0) != 0 && a.find(':') == std::string::npos) {
+      return InvalidArgumentError("coordinator address '" + a + "' is not host:port or unix:PATH");
+    }
   }
   std::shared_ptr<grpc::ChannelCredentials> creds = grpc::InsecureChannelCredentials();
   grpc::ChannelArguments args;
@@ -207,7 +303,7 @@ StatusOr<std::unique_ptr<CoordinatorClient>> NewCoordinatorClient(const ClientOp
   args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
   args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 2000);
-  if (!options.tls_ca_file.empty() && !unix_socket) {
+  if (!options.tls_ca_file.empty()) {
     grpc::SslCredentialsOptions ssl;
     WSYNC_ASSIGN_OR_RETURN(ssl.pem_root_certs, ReadFile(options.tls_ca_file));
     if (!options.tls_cert_file.empty()) {
@@ -217,8 +313,15 @@ StatusOr<std::unique_ptr<CoordinatorClient>> NewCoordinatorClient(const ClientOp
     creds = grpc::SslCredentials(ssl);
     if (!options.tls_server_name.empty()) args.SetSslTargetNameOverride(options.tls_server_name);
   }
-  auto channel = grpc::CreateCustomChannel(options.address, creds, args);
-  return std::unique_ptr<CoordinatorClient>(new GrpcClient(channel, options));
+  ClientOptions opts = options;
+  // Several replicas: a call moves on from one that does not answer instead of waiting for it.
+  if (addresses.size() > 1) opts.wait_for_ready = false;
+  auto channels = [creds, args](const std::string& address) {
+    // Unix sockets never use TLS (local, protected by file permissions).
+    const bool unix_socket = address.rfind("unix:", 0) == 0;
+    return grpc::CreateCustomChannel(address, unix_socket ? grpc::InsecureChannelCredentials() : creds, args);
+  };
+  return std::unique_ptr<CoordinatorClient>(new GrpcClient(std::move(addresses), channels, std::move(opts)));
 }
 
 }  // namespace wsync::control

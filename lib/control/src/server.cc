@@ -93,98 +93,98 @@ class Metrics {
 
 class Service final : public v1::Coordinator::Service {
  public:
-  Service(CoordinatorState* state, std::string token, Metrics* metrics)
-      : state_(state), token_(std::move(token)), metrics_(metrics) {}
+  Service(StateHolder* holder, std::string token, Metrics* metrics)
+      : holder_(holder), token_(std::move(token)), metrics_(metrics) {}
 
   void Stop() { stopping_ = true; }
 
   grpc::Status Register(ServerContext* ctx, const v1::RegisterRequest* req, v1::RegisterResponse* resp) override {
-    return Handle("Register", ctx, [&] { return Fill(state_->Register(*req), resp); });
+    return Handle("Register", ctx, [&](CoordinatorState* state) { return Fill(state->Register(*req), resp); });
   }
   grpc::Status Heartbeat(ServerContext* ctx, const v1::HeartbeatRequest* req, v1::HeartbeatResponse* resp) override {
-    return Handle("Heartbeat", ctx, [&] { return Fill(state_->Heartbeat(*req), resp); });
+    return Handle("Heartbeat", ctx, [&](CoordinatorState* state) { return Fill(state->Heartbeat(*req), resp); });
   }
   grpc::Status Deregister(ServerContext* ctx, const v1::DeregisterRequest* req, v1::DeregisterResponse*) override {
-    return Handle("Deregister", ctx, [&] { return state_->Deregister(req->name()); });
+    return Handle("Deregister", ctx, [&](CoordinatorState* state) { return state->Deregister(req->name()); });
   }
   grpc::Status Publish(ServerContext* ctx, const v1::PublishRequest* req, v1::PublishResponse* resp) override {
-    return Handle("Publish", ctx, [&] {
-      auto head = state_->Publish(req->version());
+    return Handle("Publish", ctx, [&](CoordinatorState* state) {
+      auto head = state->Publish(req->version());
       if (head.ok()) resp->set_head_version(*head);
       return head.status();
     });
   }
   grpc::Status ListVersions(ServerContext* ctx, const v1::ListVersionsRequest* req,
                             v1::ListVersionsResponse* resp) override {
-    return Handle("ListVersions", ctx, [&] {
-      *resp = state_->ListVersions(req->after());
+    return Handle("ListVersions", ctx, [&](CoordinatorState* state) {
+      *resp = state->ListVersions(req->after());
       return wsync::Status::Ok();
     });
   }
   grpc::Status Watch(ServerContext* ctx, const v1::WatchRequest* req,
                      grpc::ServerWriter<v1::VersionSummary>* writer) override {
-    return Handle("Watch", ctx, [&] {
-      const bool broken = state_->WatchVersions(
+    return Handle("Watch", ctx, [&](CoordinatorState* state) {
+      const bool broken = state->WatchVersions(
           req->after(), [&](const v1::VersionSummary& v) { return writer->Write(v) && !ctx->IsCancelled(); },
-          [&] { return stopping_.load() || ctx->IsCancelled(); });
+          [&] { return stopping_.load() || ctx->IsCancelled() || !Holds(state); });
       if ((broken || ctx->IsCancelled()) && !stopping_ && !req->node().empty()) {
-        state_->WatchBroken(req->node(), req->incarnation());
+        state->WatchBroken(req->node(), req->incarnation());
       }
       return wsync::Status::Ok();
     });
   }
   grpc::Status ReportApplied(ServerContext* ctx, const v1::ReportAppliedRequest* req,
                              v1::ReportAppliedResponse* resp) override {
-    return Handle("ReportApplied", ctx, [&] {
-      auto n = state_->ReportApplied(req->name(), req->version());
+    return Handle("ReportApplied", ctx, [&](CoordinatorState* state) {
+      auto n = state->ReportApplied(req->name(), req->version());
       if (n.ok()) *resp->mutable_node() = *n;
       return n.status();
     });
   }
   grpc::Status AcquireLease(ServerContext* ctx, const v1::AcquireLeaseRequest* req,
                             v1::AcquireLeaseResponse* resp) override {
-    return Handle("AcquireLease", ctx, [&] {
-      auto l = state_->AcquireLease(req->node(), req->version(), req->ttl_ms());
+    return Handle("AcquireLease", ctx, [&](CoordinatorState* state) {
+      auto l = state->AcquireLease(req->node(), req->version(), req->ttl_ms());
       if (l.ok()) *resp->mutable_lease() = *l;
       return l.status();
     });
   }
   grpc::Status RenewLease(ServerContext* ctx, const v1::RenewLeaseRequest* req, v1::RenewLeaseResponse* resp) override {
-    return Handle("RenewLease", ctx, [&] {
-      auto l = state_->RenewLease(req->id(), req->ttl_ms());
+    return Handle("RenewLease", ctx, [&](CoordinatorState* state) {
+      auto l = state->RenewLease(req->id(), req->ttl_ms());
       if (l.ok()) *resp->mutable_lease() = *l;
       return l.status();
     });
   }
   grpc::Status ReleaseLease(ServerContext* ctx, const v1::ReleaseLeaseRequest* req, v1::ReleaseLeaseResponse*) override {
-    return Handle("ReleaseLease", ctx, [&] { return state_->ReleaseLease(req->id()); });
+    return Handle("ReleaseLease", ctx, [&](CoordinatorState* state) { return state->ReleaseLease(req->id()); });
   }
   grpc::Status ListLeases(ServerContext* ctx, const v1::ListLeasesRequest*, v1::ListLeasesResponse* resp) override {
-    return Handle("ListLeases", ctx, [&] {
-      *resp = state_->ListLeases();
+    return Handle("ListLeases", ctx, [&](CoordinatorState* state) {
+      *resp = state->ListLeases();
       return wsync::Status::Ok();
     });
   }
   grpc::Status MayPublish(ServerContext* ctx, const v1::MayPublishRequest* req, v1::MayPublishResponse* resp) override {
-    return Handle("MayPublish", ctx, [&] {
+    return Handle("MayPublish", ctx, [&](CoordinatorState* state) {
       const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(std::max<int64_t>(0, req->wait_ms()));
-      WSYNC_ASSIGN_OR_RETURN(*resp, state_->MayPublishWaiting(req->version(), deadline,
-                                                               [&] { return ctx->IsCancelled() || stopping_.load(); }));
+      WSYNC_ASSIGN_OR_RETURN(*resp, state->MayPublishWaiting(req->version(), deadline,
+                                                               [&] { return ctx->IsCancelled() || stopping_.load() || !Holds(state); }));
       return wsync::Status::Ok();
     });
   }
   grpc::Status SetLayout(ServerContext* ctx, const v1::SetLayoutRequest* req, v1::SetLayoutResponse*) override {
-    return Handle("SetLayout", ctx, [&] { return state_->SetLayout(req->layout()); });
+    return Handle("SetLayout", ctx, [&](CoordinatorState* state) { return state->SetLayout(req->layout()); });
   }
   grpc::Status GetLayout(ServerContext* ctx, const v1::GetLayoutRequest*, v1::GetLayoutResponse* resp) override {
-    return Handle("GetLayout", ctx, [&] {
-      *resp = state_->GetLayout();
+    return Handle("GetLayout", ctx, [&](CoordinatorState* state) {
+      *resp = state->GetLayout();
       return wsync::Status::Ok();
     });
   }
   grpc::Status Status(ServerContext* ctx, const v1::StatusRequest*, v1::StatusResponse* resp) override {
-    return Handle("Status", ctx, [&] {
-      *resp = state_->GetStatus();
+    return Handle("Status", ctx, [&](CoordinatorState* state) {
+      *resp = state->GetStatus();
       return wsync::Status::Ok();
     });
   }
@@ -214,8 +214,10 @@ class Service final : public v1::Coordinator::Service {
     wsync::Status s = Authenticate(ctx);
     if (!s.ok()) {
       spdlog::warn("{} from {} rejected: {}", method, ctx->peer(), s.message());
+    } else if (auto state = holder_->Current(); !state.ok()) {
+      s = state.status();
     } else {
-      s = body();
+      s = body(state->get());  // the pointer keeps a state a replica gave up alive until the call ends
     }
     grpc::Status g = ToGrpc(s);
     if (metrics_ != nullptr) {
@@ -225,10 +227,27 @@ class Service final : public v1::Coordinator::Service {
     return g;
   }
 
-  CoordinatorState* state_;
+  // Whether `state` is still the one this server answers with (a replica
+  // that stopped leading ends its watches).
+  bool Holds(const CoordinatorState* state) const {
+    auto now = holder_->Current();
+    return now.ok() && now->get() == state;
+  }
+
+  StateHolder* holder_;
   std::string token_;
   Metrics* metrics_;
   std::atomic<bool> stopping_{false};
+};
+
+// The embedded coordinator's state: always here.
+class FixedHolder : public StateHolder {
+ public:
+  explicit FixedHolder(CoordinatorState* state) : state_(state, [](CoordinatorState*) {}) {}
+  StatusOr<std::shared_ptr<CoordinatorState>> Current() override { return state_; }
+
+ private:
+  std::shared_ptr<CoordinatorState> state_;
 };
 
 class ServerImpl : public CoordinatorServer {
@@ -247,7 +266,8 @@ class ServerImpl : public CoordinatorServer {
   }
   void Wait() override { server_->Wait(); }
 
-  CoordinatorState* state_ = nullptr;
+  std::unique_ptr<FixedHolder> fixed_;
+  StateHolder* holder_ = nullptr;
   std::unique_ptr<Metrics> metrics_;
   std::unique_ptr<Service> service_;
   std::unique_ptr<grpc::Server> server_;
@@ -269,9 +289,18 @@ StatusOr<std::string> ReadTokenFile(const std::string& path) {
 
 StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(const ServerOptions& options,
                                                                       CoordinatorState* state) {
+  auto fixed = std::make_unique<FixedHolder>(state);
+  StateHolder* holder = fixed.get();
+  WSYNC_ASSIGN_OR_RETURN(auto server, Start(options, holder));
+  static_cast<ServerImpl*>(server.get())->fixed_ = std::move(fixed);
+  return server;
+}
+
+StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(const ServerOptions& options,
+                                                                      StateHolder* holder) {
   if (options.listen.empty()) return InvalidArgumentError("no listen address");
   auto impl = std::make_unique<ServerImpl>();
-  impl->state_ = state;
+  impl->holder_ = holder;
   if (!options.metrics_listen.empty()) {
     try {
       impl->metrics_ = std::make_unique<Metrics>(options.metrics_listen, options.metrics_auth ? options.token : "");
@@ -279,7 +308,7 @@ StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(const Serv
       return UnavailableError("metrics listener " + options.metrics_listen + ": " + e.what());
     }
   }
-  impl->service_ = std::make_unique<Service>(state, options.token, impl->metrics_.get());
+  impl->service_ = std::make_unique<Service>(holder, options.token, impl->metrics_.get());
 
   std::shared_ptr<grpc::ServerCredentials> creds = grpc::InsecureServerCredentials();
   if (!options.tls.cert_file.empty()) {
@@ -326,8 +355,10 @@ StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(const Serv
   ServerImpl* raw = impl.get();
   impl->ticker_ = std::thread([raw, tick = options.tick_ms] {
     while (!raw->ticker_stop_) {
-      raw->state_->Tick();
-      if (raw->metrics_) raw->metrics_->Update(raw->state_->GetStatus());
+      if (auto state = raw->holder_->Current(); state.ok()) {
+        (*state)->Tick();
+        if (raw->metrics_) raw->metrics_->Update((*state)->GetStatus());
+      }
       std::this_thread::sleep_for(std::chrono::milliseconds(tick));
     }
   });

@@ -64,6 +64,12 @@ Status NotRegisteredError() {
   return FailedPreconditionError("no tensors registered").WithReason(reasons::kNotRegistered);
 }
 
+Status NotLeaderError(const std::string& leader) {
+  return UnavailableError(leader.empty() ? "this coordinator replica is not the leader, and no leader is known yet"
+                                         : "this coordinator replica is not the leader; the leader is at " + leader)
+      .WithReason(reasons::kNotLeader, {{"leader", leader}});
+}
+
 Status InvalidArgumentError(std::string m) { return Status(StatusCode::kInvalidArgument, std::move(m)); }
 Status NotFoundError(std::string m) { return Status(StatusCode::kNotFound, std::move(m)); }
 Status AlreadyExistsError(std::string m) { return Status(StatusCode::kAlreadyExists, std::move(m)); }

@@ -14,7 +14,9 @@
 namespace wsync::control {
 
 struct ClientOptions {
-  std::string address;         // "host:port" or "unix:PATH"
+  // "host:port" or "unix:PATH"; replicas (wsyncd coordinator --etcd): a
+  // comma-separated list of them, calls follow the leader.
+  std::string address;
   std::string token;           // sent as "authorization: Bearer <token>"
   std::string tls_ca_file;     // set: TLS, verifying the server against this CA
   std::string tls_cert_file;   // client certificate for mTLS

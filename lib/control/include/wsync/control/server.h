@@ -37,10 +37,22 @@ struct ServerOptions {
   int tick_ms = 200;                // how often TTLs are checked
 };
 
+// Where the state a server answers with lives: in the process, for the
+// embedded coordinator; in a replica, only while it leads (replica.h).
+class StateHolder {
+ public:
+  virtual ~StateHolder() = default;
+  // The state to answer one call with (the pointer keeps it alive while the
+  // call runs), or Unavailable with reason NOT_LEADER naming the leader.
+  virtual StatusOr<std::shared_ptr<CoordinatorState>> Current() = 0;
+};
+
 class CoordinatorServer {
  public:
   // REQUIRES: state outlives the server.
   static StatusOr<std::unique_ptr<CoordinatorServer>> Start(const ServerOptions& options, CoordinatorState* state);
+  // A replica's server: every call asks `holder` (REQUIRES: outlives the server).
+  static StatusOr<std::unique_ptr<CoordinatorServer>> Start(const ServerOptions& options, StateHolder* holder);
   virtual ~CoordinatorServer() = default;
 
   // Ports actually bound for the TCP listen addresses, in order (port 0 resolved).

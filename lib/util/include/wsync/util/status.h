@@ -55,6 +55,7 @@ namespace reasons {
 inline constexpr char kStaleVersion[] = "STALE_VERSION";    // version, head_version, next_version
 inline constexpr char kVersionTaken[] = "VERSION_TAKEN";    // version, next_version
 inline constexpr char kNotRegistered[] = "NOT_REGISTERED";  // a daemon (restarted) holds no tensors
+inline constexpr char kNotLeader[] = "NOT_LEADER";          // leader: the address to ask instead ("" unknown)
 }  // namespace reasons
 
 class [[nodiscard]] Status {
@@ -115,6 +116,9 @@ Status CancelledError(std::string message);
 Status StaleVersionError(uint64_t version, uint64_t head);
 // FailedPrecondition, NOT_REGISTERED.
 Status NotRegisteredError();
+// "this coordinator replica is not the leader; the leader is at ADDRESS"
+// (Unavailable, NOT_LEADER; `leader` empty while none is known).
+Status NotLeaderError(const std::string& leader);
 
 // Converts an errno value at the edge: "open /x: No such file or directory".
 Status ErrnoToStatus(int err, std::string_view what);
