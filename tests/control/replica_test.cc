@@ -128,20 +128,27 @@ TEST(ReplicaClient, WithoutALeaderACallFailsAtItsDeadlineNamingWhy) {
   EXPECT_LT(took, 5s);
 }
 
-// One etcd member on loopback, in a directory of its own.
+// One etcd member on loopback, in a directory of its own; with `tls_dir`,
+// serving TLS with that directory's server certificate and requiring client
+// certificates of its CA.
 class Etcd {
  public:
-  Etcd() {
+  explicit Etcd(const std::string& tls_dir = "") : tls_dir_(tls_dir) {
     dir_ = std::filesystem::path(::testing::TempDir()) / ("wsync_etcd_" + std::to_string(::getpid()));
     std::filesystem::remove_all(dir_);
     endpoint_ = "127.0.0.1:" + std::to_string(FreePort());
+    const std::string scheme = tls_dir.empty() ? "http://" : "https://";
     const std::string peer = "http://127.0.0.1:" + std::to_string(FreePort());
     std::vector<std::string> args = {"etcd", "--name", "test", "--data-dir", dir_.string(),
-                                     "--listen-client-urls", "http://" + endpoint_,
-                                     "--advertise-client-urls", "http://" + endpoint_,
+                                     "--listen-client-urls", scheme + endpoint_,
+                                     "--advertise-client-urls", scheme + endpoint_,
                                      "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
                                      "--initial-cluster", "test=" + peer, "--log-outputs", "stderr",
                                      "--logger", "zap", "--log-level", "error"};
+    if (!tls_dir.empty()) {
+      args.insert(args.end(), {"--cert-file", tls_dir + "/server.pem", "--key-file", tls_dir + "/server.key",
+                               "--trusted-ca-file", tls_dir + "/ca.pem", "--client-cert-auth"});
+    }
     std::vector<char*> argv;
     for (auto& a : args) argv.push_back(a.data());
     argv.push_back(nullptr);
@@ -158,10 +165,16 @@ class Etcd {
   const std::string& endpoint() const { return endpoint_; }
   // etcdctl's exit status.
   int Ctl(const std::string& args) const {
-    return std::system(("ETCDCTL_API=3 etcdctl --endpoints " + endpoint_ + " " + args + " >/dev/null 2>&1").c_str());
+    std::string tls;
+    if (!tls_dir_.empty()) {
+      tls = " --cacert " + tls_dir_ + "/ca.pem --cert " + tls_dir_ + "/client.pem --key " + tls_dir_ + "/client.key";
+    }
+    return std::system(
+        ("ETCDCTL_API=3 etcdctl --endpoints " + endpoint_ + tls + " " + args + " >/dev/null 2>&1").c_str());
   }
 
  private:
+  std::string tls_dir_;
   std::filesystem::path dir_;
   std::string endpoint_;
   pid_t pid_ = -1;
@@ -240,6 +253,72 @@ TEST(ReplicaOverEtcd, ALeaderThatResignsIsReplacedAtOnceWithItsState) {
   auto state = (*b)->Current();
   ASSERT_TRUE(state.ok());
   EXPECT_EQ((*state)->head(), 5u);
+}
+
+TEST(ReplicaOverEtcd, AuthenticatesAsItsUserAndSaysNothingWorksWithAWrongPassword) {
+  Etcd etcd;
+  ASSERT_TRUE(etcd.started()) << "etcd is not installed (scripts/install-deps.sh installs etcd-server)";
+  ASSERT_TRUE(Eventually([&] { return etcd.Ctl("endpoint health") == 0; })) << "etcd did not come up";
+  for (const char* cmd : {"user add root:rootpw", "user add wsync:secret", "role add wsync",
+                          "role grant-permission wsync --prefix=true readwrite /wsync-test",
+                          "user grant-role wsync wsync", "auth enable"}) {
+    ASSERT_EQ(etcd.Ctl(cmd), 0) << cmd;
+  }
+  ReplicaOptions wrong = Options(etcd, "replica-x:1");
+  wrong.etcd_user = "wsync";
+  wrong.etcd_password = "not-the-password";
+  auto x = Replica::Start(wrong, SystemClock());
+  ASSERT_TRUE(x.ok());
+  std::this_thread::sleep_for(1s);
+  EXPECT_FALSE((*x)->leading());
+  EXPECT_TRUE((*x)->Current().status().HasReason(reasons::kNotLeader));
+
+  ReplicaOptions right = Options(etcd, "replica-a:1");
+  right.etcd_user = "wsync";
+  right.etcd_password = "secret";
+  auto a = Replica::Start(right, SystemClock());
+  ASSERT_TRUE(a.ok());
+  ASSERT_TRUE(Eventually([&] { return (*a)->leading(); }));
+  auto state = (*a)->Current();
+  ASSERT_TRUE(state.ok());
+  ASSERT_TRUE((*state)->Publish(V(1)).ok());
+  EXPECT_FALSE((*x)->leading());
+}
+
+TEST(ReplicaOverEtcd, TalksTlsWithAClientCertificate) {
+  if (std::system("command -v openssl > /dev/null") != 0) GTEST_FAIL() << "the openssl CLI is not installed";
+  const std::string dir = ::testing::TempDir() + "/wsync_etcd_tls_" + std::to_string(::getpid());
+  std::filesystem::create_directories(dir);
+  const std::string script =
+      "set -e; cd '" + dir + "';"
+      "openssl req -x509 -newkey rsa:2048 -nodes -keyout ca.key -out ca.pem -days 1 -subj /CN=wsync-test-ca 2>/dev/null;"
+      "printf 'subjectAltName=DNS:localhost,IP:127.0.0.1' > san.ext;"
+      "openssl req -newkey rsa:2048 -nodes -keyout server.key -out server.csr -subj /CN=localhost 2>/dev/null;"
+      "openssl x509 -req -in server.csr -CA ca.pem -CAkey ca.key -CAcreateserial -out server.pem -days 1 -extfile san.ext 2>/dev/null;"
+      "printf 'extendedKeyUsage=clientAuth' > client.ext;"
+      "openssl req -newkey rsa:2048 -nodes -keyout client.key -out client.csr -subj /CN=wsync 2>/dev/null;"
+      "openssl x509 -req -in client.csr -CA ca.pem -CAkey ca.key -CAcreateserial -out client.pem -days 1 -extfile client.ext 2>/dev/null";
+  ASSERT_EQ(std::system(("bash -c \"" + script + "\"").c_str()), 0);
+  {
+    Etcd etcd(dir);
+    ASSERT_TRUE(etcd.started()) << "etcd is not installed (scripts/install-deps.sh installs etcd-server)";
+    ASSERT_TRUE(Eventually([&] { return etcd.Ctl("endpoint health") == 0; })) << "etcd did not come up with TLS";
+    ReplicaOptions o = Options(etcd, "replica-a:1");
+    auto plain = Replica::Start(o, SystemClock());  // no TLS: etcd does not answer it
+    ASSERT_TRUE(plain.ok());
+    o.etcd_ca_file = dir + "/ca.pem";
+    o.etcd_cert_file = dir + "/client.pem";
+    o.etcd_key_file = dir + "/client.key";
+    o.advertise = "replica-b:1";
+    auto tls = Replica::Start(o, SystemClock());
+    ASSERT_TRUE(tls.ok());
+    ASSERT_TRUE(Eventually([&] { return (*tls)->leading(); }));
+    auto state = (*tls)->Current();
+    ASSERT_TRUE(state.ok());
+    ASSERT_TRUE((*state)->Publish(V(1)).ok());
+    EXPECT_FALSE((*plain)->leading());
+  }
+  std::filesystem::remove_all(dir);
 }
 
 }  // namespace

@@ -226,7 +226,10 @@ struct Replica::Impl {
     }
     const auto sent = Steady::now();
     auto id = etcd->Grant(options.lease_ttl_s);
-    if (!id.ok()) return false;
+    if (!id.ok()) {
+      Follow("", id.status().message());
+      return false;
+    }
     pb::TxnRequest txn;
     pb::Compare* vacant = txn.add_compare();
     vacant->set_result(pb::Compare::EQUAL);
@@ -305,12 +308,16 @@ struct Replica::Impl {
 
   void Follow(const std::string& now, const std::string& error) {
     std::lock_guard<std::mutex> lock(mu);
-    if (now != leader) {
-      if (!now.empty()) spdlog::info("coordinator replica {}: following the leader at {}", options.advertise, now);
-      if (!error.empty()) spdlog::warn("coordinator replica {}: etcd: {}", options.advertise, error);
+    if (now != leader && !now.empty()) {
+      spdlog::info("coordinator replica {}: following the leader at {}", options.advertise, now);
     }
+    if (error != last_error && !error.empty()) {
+      spdlog::error("coordinator replica {}: cannot read the leadership from etcd: {}", options.advertise, error);
+    }
+    last_error = error;
     leader = now;
   }
+  std::string last_error;  // the last etcd error a follower met (logged once)
 };
 
 Replica::Replica(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
