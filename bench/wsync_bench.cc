@@ -19,8 +19,8 @@
 #include "measure.h"
 #include "gpu_bench.h"
 #include "synth.h"
+#include "wsync/codec/codec.h"
 #include "wsync/buffers/safetensors.h"
-#include "wsync/codec/staged.h"
 #include "wsync/util/memory.h"
 
 namespace wsync::bench {
@@ -173,7 +173,7 @@ SegmentCost MeasureSegments(std::span<const codec::TensorView> base, std::span<c
   o.pool = pool;
   auto sums = codec::TensorChecksums(base, {}, pool);
   if (!sums.ok()) return out;
-  o.base_set_checksum = codec::staged::SetChecksumOf(*sums);
+  o.base_set_checksum = codec::SetChecksumOf(*sums);
   std::vector<double> whole, segmented;
   for (int r = 0; r < repeat; ++r) {
     auto t0 = std::chrono::steady_clock::now();

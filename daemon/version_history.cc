@@ -1,5 +1,6 @@
 #include "version_history.h"
-#include "wsync/codec/staged.h"
+
+#include "wsync/codec/codec.h"
 #include "wsync/util/text.h"
 
 #include <algorithm>
@@ -307,7 +308,7 @@ Status VersionHistory::SetGrids(std::vector<codec::TileGrid> grids) {
   // on the new grids, against the head's checksum on them.
   WSYNC_ASSIGN_OR_RETURN(std::vector<uint64_t> sums,
                          codec::TensorChecksums(buffers::Views(*head), grids, options_.encode.pool));
-  const uint64_t head_checksum = codec::staged::SetChecksumOf(sums);
+  const uint64_t head_checksum = codec::SetChecksumOf(sums);
   std::lock_guard<std::mutex> lock(mu_);
   spdlog::info("tile grids changed at version {}: versions {}..{} are no longer kept", head_, oldest_, head_ - 1);
   grids_ = std::move(grids);

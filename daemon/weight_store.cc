@@ -5,9 +5,9 @@
 #include <string_view>
 #include <unordered_map>
 
+#include "wsync/codec/codec.h"
 #include "wsync/util/text.h"
 
-#include "wsync/codec/staged.h"
 #include "wsync/cuda/device_codec.h"
 
 namespace wsync::daemon {
@@ -182,7 +182,7 @@ StatusOr<uint64_t> DeviceSetChecksum(cuda::DeviceCodec& device, std::span<const 
     return InvalidArgumentError("tile grid for tensor " + Quoted(by_name.begin()->second->tensor) +
                                 ", which the set lacks");
   }
-  return codec::staged::SetChecksumOf(sums);
+  return codec::SetChecksumOf(sums);
 }
 
 StatusOr<std::unique_ptr<WeightStore>> WeightStore::Open(buffers::MappedTensors tensors) {

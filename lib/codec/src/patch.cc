@@ -792,6 +792,10 @@ StatusOr<std::vector<TensorEntry>> EntriesFor(std::span<const TensorView> set, c
 
 }  // namespace
 
+uint64_t SetChecksumOf(std::span<const uint64_t> tensor_checksums) {
+  return internal::SetChecksumOf(std::vector<uint64_t>(tensor_checksums.begin(), tensor_checksums.end()));
+}
+
 StatusOr<uint64_t> TensorChecksumOf(const TensorView& t, const TileGrid* grid, ThreadPool* pool) {
   EncodeOptions o;
   if (grid != nullptr) o.grids.push_back(*grid);

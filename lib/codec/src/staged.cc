@@ -66,10 +66,6 @@ size_t HistogramBins(DType dtype) {
 
 size_t SampledElements(size_t n) { return internal::SampledElements(n); }
 
-uint64_t SetChecksumOf(std::span<const uint64_t> tensor_checksums) {
-  return internal::SetChecksumOf(std::vector<uint64_t>(tensor_checksums.begin(), tensor_checksums.end()));
-}
-
 // ------------------------------------------------------------------ writer
 
 struct PatchWriter::Impl {

@@ -336,6 +336,11 @@ StatusOr<PatchInfo> InspectPatch(std::string_view patch, bool verify_patch_check
 // tensors: Hash64 over the tensors' checksums (checksum.h) in order.
 uint64_t SetChecksum(std::span<const TensorView> tensors, ThreadPool* pool = nullptr);
 
+// The set checksum of tensors with these tensor checksums, in order:
+// SetChecksum without the data (what a daemon computes from checksums it
+// keeps, or a device computed).
+uint64_t SetChecksumOf(std::span<const uint64_t> tensor_checksums);
+
 // The tensor checksums SetChecksum(tensors, grids) takes the set's of, in
 // order (InvalidArgument as SetChecksum's).
 StatusOr<std::vector<uint64_t>> TensorChecksums(std::span<const TensorView> tensors, std::span<const TileGrid> grids,

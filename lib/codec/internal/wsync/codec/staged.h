@@ -46,10 +46,6 @@ size_t HistogramBins(DType dtype);
 // full blocks b = 0, kSampleStride, 2 kSampleStride, ...
 size_t SampledElements(size_t n);
 
-// The set checksum of tensors with these tensor checksums (codec.h's
-// SetChecksum without the data).
-uint64_t SetChecksumOf(std::span<const uint64_t> tensor_checksums);
-
 // One chunk's change, in host memory.
 struct ChunkChange {
   size_t count = 0;

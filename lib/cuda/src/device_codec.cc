@@ -434,7 +434,7 @@ StatusOr<bool> DeviceCodec::Impl::HoldsBase(const codec::staged::PatchReader& r,
     WSYNC_ASSIGN_OR_RETURN(uint64_t sum, Checksum(v.data, v.NumBytes()));
     sums.push_back(sum);
   }
-  return codec::staged::SetChecksumOf(sums) == r.base_set_checksum();
+  return codec::SetChecksumOf(sums) == r.base_set_checksum();
 }
 
 namespace {
