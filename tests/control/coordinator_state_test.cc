@@ -219,6 +219,22 @@ TEST(CoordinatorState, LeasesExpireRenewAndEndWithTheirNode) {
   EXPECT_EQ(s->ListLeases().oldest_leased_version(), 0u);
 }
 
+TEST(CoordinatorState, ASinkReachingTheHeadTakesOverChildrenAtTheNextTickNotAtItsReport) {
+  FakeClock clock;
+  auto s = WithSourceAtVersion1(&clock, /*fanout=*/1);
+  ASSERT_TRUE(s->Register(Reg("a", wsync::v1::ROLE_SINK)).ok());
+  ASSERT_TRUE(s->Register(Reg("b", wsync::v1::ROLE_SINK)).ok());
+  // No sink holds version 1 yet: both hang off the source, above its fan-out.
+  ASSERT_EQ(FindNode(s->GetStatus(), "b")->parent(), "src");
+  ASSERT_TRUE(s->ReportApplied("a", 1).ok());
+  // Thousands of sinks report each version: the tree is not redone per report...
+  EXPECT_EQ(FindNode(s->GetStatus(), "b")->parent(), "src");
+  s->Tick();
+  // ...but at the next tick (the server ticks every 200 ms).
+  EXPECT_EQ(FindNode(s->GetStatus(), "b")->parent(), "a");
+  EXPECT_EQ(FindNode(s->GetStatus(), "a")->parent(), "src");
+}
+
 TEST(CoordinatorState, StalenessIsHeadMinusApplied) {
   FakeClock clock;
   auto s = Make(&clock);

@@ -548,7 +548,10 @@ StatusOr<Node> CoordinatorState::ReportApplied(const std::string& name, uint64_t
     Record r;
     *r.mutable_node_registered() = ToRecord(n);
     WSYNC_RETURN_IF_ERROR(Log(r));
-    AssignParentsLocked();
+    // A sink reaching the head may parent orphans or relieve a parent above
+    // the fan-out: the tree is redone at the next Tick (within tick_ms), not
+    // at each of the thousands of reports a version brings.
+    tree_dirty_ = true;
   }
   Node out = nodes_[name];
   FillDerivedLocked(&out);
@@ -697,6 +700,10 @@ bool CoordinatorState::HeadReachableLocked(const Node& sink, uint64_t head) cons
 void CoordinatorState::Tick() {
   std::lock_guard<std::mutex> lock(mu_);
   ExpireLocked();
+  if (tree_dirty_) {
+    AssignParentsLocked();
+    NotifyLocked();
+  }
 }
 
 uint64_t CoordinatorState::AcknowledgedHeadLocked() const {
@@ -795,6 +802,7 @@ bool CoordinatorState::AvoidsLocked(const std::string& child, const std::string&
 }
 
 void CoordinatorState::AssignParentsLocked() {
+  tree_dirty_ = false;
   const uint64_t head = versions_.empty() ? 0 : versions_.rbegin()->first;
   std::string source;
   for (const auto& [name, n] : nodes_) {

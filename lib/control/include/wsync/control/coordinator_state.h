@@ -159,6 +159,7 @@ class CoordinatorState {
   uint64_t version_floor_ = 0;  // no version at or below it is published (Recovered::version_floor)
   uint64_t next_lease_id_ = 1;
   uint64_t next_incarnation_ = 1;
+  bool tree_dirty_ = false;  // a report may change the relay tree: AssignParentsLocked at the next Tick
 };
 
 }  // namespace wsync::control
