@@ -17,6 +17,7 @@
 #include "wsync/control/client.h"
 #include "wsync/control/replica.h"
 #include "wsync/control/server.h"
+#include "wsync/util/text.h"
 
 namespace wsync::bench {
 namespace {
@@ -181,12 +182,7 @@ struct Replicas {
 
 StatusOr<Replicas> StartReplicas(const ControlBenchOptions& o) {
   Replicas out;
-  std::vector<std::string> endpoints;
-  for (size_t at = 0; at <= o.etcd.size();) {
-    const size_t comma = std::min(o.etcd.find(',', at), o.etcd.size());
-    if (comma > at) endpoints.push_back(o.etcd.substr(at, comma - at));
-    at = comma + 1;
-  }
+  const std::vector<std::string> endpoints = SplitList(o.etcd);
   // Port 0 cannot be advertised: the ports are taken first, then served.
   for (int i = 0; i < 3; ++i) {
     control::ServerOptions opts;

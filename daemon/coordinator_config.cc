@@ -43,20 +43,6 @@ Status GetBool(const toml::table& t, const std::string& path, const char* key, b
 
 }  // namespace
 
-std::vector<std::string> SplitList(const std::string& list) {
-  std::vector<std::string> out;
-  size_t at = 0;
-  while (at <= list.size()) {
-    const size_t comma = std::min(list.find(',', at), list.size());
-    std::string item = list.substr(at, comma - at);
-    item.erase(0, item.find_first_not_of(" \t"));
-    item.erase(item.find_last_not_of(" \t") + 1);
-    if (!item.empty()) out.push_back(item);
-    at = comma + 1;
-  }
-  return out;
-}
-
 StatusOr<wsync::v1::StalenessPolicy> ParsePolicy(const std::string& name) {
   if (name == "block") return wsync::v1::STALENESS_BLOCK;
   if (name == "evict") return wsync::v1::STALENESS_EVICT;

@@ -25,8 +25,6 @@ struct CoordinatorConfig {
   std::string etcd_password_file;  // read into replica.etcd_password
 };
 
-// "a:1,b:2" as {"a:1", "b:2"} (empty items dropped).
-std::vector<std::string> SplitList(const std::string& list);
 
 // Merges the [coordinator] table of a TOML file into *config. Unknown keys,
 // wrong types and invalid values are InvalidArgument naming file and key.

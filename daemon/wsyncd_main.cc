@@ -16,6 +16,7 @@
 #include "wsync/control/server.h"
 #include "wsync/control/store.h"
 #include "wsync/util/memory.h"
+#include "wsync/util/text.h"
 
 namespace {
 
@@ -295,7 +296,7 @@ int main(int argc, char** argv) {
       if (!p.ok()) return Fail(p.status());
       merged.state.policy = *p;
     }
-    if (!etcd_endpoints.empty()) merged.replica.etcd_endpoints = daemon::SplitList(etcd_endpoints);
+    if (!etcd_endpoints.empty()) merged.replica.etcd_endpoints = SplitList(etcd_endpoints);
     if (!replica.advertise.empty()) merged.replica.advertise = replica.advertise;
     if (replica.prefix != control::ReplicaOptions{}.prefix) merged.replica.prefix = replica.prefix;
     if (lease_ttl) merged.replica.lease_ttl_s = *lease_ttl;

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include "wsync/util/file.h"
+#include "wsync/util/text.h"
 
 namespace wsync::daemon {
 namespace {
@@ -82,6 +83,7 @@ TEST(CoordinatorConfig, ReplicasOverEtcd) {
   both.replica.advertise.clear();
   EXPECT_NE(FinishCoordinatorConfig(&both).message().find("--advertise"), std::string::npos);
   EXPECT_EQ(SplitList(" a:1, b:2,,c:3 "), (std::vector<std::string>{"a:1", "b:2", "c:3"}));
+  EXPECT_TRUE(SplitList(" , ").empty());
 }
 
 }  // namespace

@@ -8,8 +8,9 @@
 #include <set>
 #include <thread>
 
+#include "channel.h"
 #include "wsync/control/rpc_status.h"
-#include "wsync/util/file.h"
+#include "wsync/util/text.h"
 #include "wsync/v1/coordinator.grpc.pb.h"
 
 namespace wsync::control {
@@ -282,36 +283,19 @@ class GrpcClient : public CoordinatorClient {
 }  // namespace
 
 StatusOr<std::unique_ptr<CoordinatorClient>> NewCoordinatorClient(const ClientOptions& options) {
-  std::vector<std::string> addresses;
-  for (size_t at = 0; at <= options.address.size();) {
-    const size_t comma = std::min(options.address.find(',', at), options.address.size());
-    std::string a = options.address.substr(at, comma - at);
-    a.erase(0, a.find_first_not_of(" \t"));
-    a.erase(a.find_last_not_of(" \t") + 1);
-    if (!a.empty()) addresses.push_back(a);
-    at = comma + 1;
-  }
+  const std::vector<std::string> addresses = SplitList(options.address);
   if (addresses.empty()) return InvalidArgumentError("no coordinator address (--coordinator or WSYNC_COORDINATOR)");
   for (const auto& a : addresses) {
     if (a.rfind("unix:", 0) != 0 && a.find(':') == std::string::npos) {
       return InvalidArgumentError("coordinator address '" + a + "' is not host:port or unix:PATH");
     }
   }
-  std::shared_ptr<grpc::ChannelCredentials> creds = grpc::InsecureChannelCredentials();
+  WSYNC_ASSIGN_OR_RETURN(auto creds, ClientCredentials(options.tls_ca_file, options.tls_cert_file,
+                                                       options.tls_key_file));
   grpc::ChannelArguments args;
-  // Reconnect quickly after a coordinator restart (gRPC's default starts at 1 s).
-  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
-  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
-  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 2000);
-  if (!options.tls_ca_file.empty()) {
-    grpc::SslCredentialsOptions ssl;
-    WSYNC_ASSIGN_OR_RETURN(ssl.pem_root_certs, ReadFile(options.tls_ca_file));
-    if (!options.tls_cert_file.empty()) {
-      WSYNC_ASSIGN_OR_RETURN(ssl.pem_cert_chain, ReadFile(options.tls_cert_file));
-      WSYNC_ASSIGN_OR_RETURN(ssl.pem_private_key, ReadFile(options.tls_key_file));
-    }
-    creds = grpc::SslCredentials(ssl);
-    if (!options.tls_server_name.empty()) args.SetSslTargetNameOverride(options.tls_server_name);
+  ReconnectQuickly(&args, 2000);
+  if (!options.tls_ca_file.empty() && !options.tls_server_name.empty()) {
+    args.SetSslTargetNameOverride(options.tls_server_name);
   }
   ClientOptions opts = options;
   // Several replicas: a call moves on from one that does not answer instead of waiting for it.
@@ -321,7 +305,7 @@ StatusOr<std::unique_ptr<CoordinatorClient>> NewCoordinatorClient(const ClientOp
     const bool unix_socket = address.rfind("unix:", 0) == 0;
     return grpc::CreateCustomChannel(address, unix_socket ? grpc::InsecureChannelCredentials() : creds, args);
   };
-  return std::unique_ptr<CoordinatorClient>(new GrpcClient(std::move(addresses), channels, std::move(opts)));
+  return std::unique_ptr<CoordinatorClient>(new GrpcClient(addresses, channels, std::move(opts)));
 }
 
 }  // namespace wsync::control

@@ -6,9 +6,9 @@
 #include <chrono>
 #include <mutex>
 
+#include "channel.h"
 #include "etcd/rpc.grpc.pb.h"
 #include "wsync/control/rpc_status.h"
-#include "wsync/util/file.h"
 
 namespace wsync::control {
 namespace {
@@ -175,20 +175,9 @@ std::string PrefixEnd(const std::string& prefix) {
 
 StatusOr<std::unique_ptr<Etcd>> Etcd::Connect(const EtcdOptions& options) {
   if (options.endpoints.empty()) return InvalidArgumentError("no etcd endpoints (--etcd host:port,...)");
-  std::shared_ptr<grpc::ChannelCredentials> creds = grpc::InsecureChannelCredentials();
-  if (!options.ca_file.empty()) {
-    grpc::SslCredentialsOptions ssl;
-    WSYNC_ASSIGN_OR_RETURN(ssl.pem_root_certs, ReadFile(options.ca_file));
-    if (!options.cert_file.empty()) {
-      WSYNC_ASSIGN_OR_RETURN(ssl.pem_cert_chain, ReadFile(options.cert_file));
-      WSYNC_ASSIGN_OR_RETURN(ssl.pem_private_key, ReadFile(options.key_file));
-    }
-    creds = grpc::SslCredentials(ssl);
-  }
+  WSYNC_ASSIGN_OR_RETURN(auto creds, ClientCredentials(options.ca_file, options.cert_file, options.key_file));
   grpc::ChannelArguments args;
-  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
-  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
-  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
+  ReconnectQuickly(&args, 1000);
   std::vector<std::shared_ptr<grpc::Channel>> channels;
   for (const auto& e : options.endpoints) {
     const std::string target = StripScheme(e);

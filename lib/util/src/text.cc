@@ -1,5 +1,7 @@
 #include "wsync/util/text.h"
 
+#include <algorithm>
+
 namespace wsync {
 
 std::string Quoted(std::string_view s, size_t max_bytes) {
@@ -18,6 +20,22 @@ std::string Quoted(std::string_view s, size_t max_bytes) {
   }
   if (n < s.size()) out += "...";
   out += "'";
+  return out;
+}
+
+std::vector<std::string> SplitList(std::string_view list) {
+  std::vector<std::string> out;
+  size_t at = 0;
+  while (at <= list.size()) {
+    const size_t comma = std::min(list.find(',', at), list.size());
+    std::string_view item = list.substr(at, comma - at);
+    const size_t first = item.find_first_not_of(" \t");
+    if (first != std::string_view::npos) {
+      item = item.substr(first, item.find_last_not_of(" \t") - first + 1);
+      out.emplace_back(item);
+    }
+    at = comma + 1;
+  }
   return out;
 }
 

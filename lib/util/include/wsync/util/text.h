@@ -4,11 +4,16 @@
 
 #include <string>
 #include <string_view>
+#include <vector>
 
 namespace wsync {
 
 // `s` in single quotes, with bytes outside printable ASCII, quotes and
 // backslashes written as \xNN, and cut after `max_bytes` of input ("...").
 std::string Quoted(std::string_view s, size_t max_bytes = 200);
+
+// The items of a comma-separated list ("a:1, b:2"), spaces around each
+// trimmed, empty ones dropped.
+std::vector<std::string> SplitList(std::string_view list);
 
 }  // namespace wsync
