@@ -226,4 +226,11 @@ StatusOr<std::vector<const MutableTensorView*>> MatchTensors(const Container& c,
 
 std::string ChunkWhere(const TensorEntry& t, size_t c);
 
+// The entries of a set with the options' grids (InvalidArgument for two
+// grids of a tensor, or one of a tensor the set lacks).
+StatusOr<std::vector<TensorEntry>> EntriesFor(std::span<const TensorView> set, const EncodeOptions& options);
+
+// FailedPrecondition: chunk `chunk` of t is not in this patch (a selection for other pieces).
+Status AbsentChunk(const TensorEntry& t, size_t chunk);
+
 }  // namespace wsync::codec::internal
