@@ -125,22 +125,25 @@ def _spec(name: str, t: torch.Tensor, region: int, offset: int) -> pb.TensorSpec
     return pb.TensorSpec(name=name, dtype=DTYPE_NAMES[t.dtype], shape=list(t.shape), offset=offset, region=region)
 
 
-def _root(t: torch.Tensor) -> torch.Tensor:
-    while t._base is not None:
-        t = t._base
-    return t
+def _owner(t: torch.Tensor) -> torch.Tensor:
+    """What moves for `t`: the Parameter `t` is a slice of (one expert of a
+    fused MoE parameter: the module reads the Parameter, which is rebound),
+    else `t` itself (a view of anything else, a file's buffer say, is what
+    its holder reads: it moves on its own)."""
+    base = t._base
+    return base if isinstance(base, torch.nn.Parameter) else t
 
 
 def share_host(tensors: List[Tuple[str, torch.Tensor]], role: str, pack: bool) -> Registration:
     """Moves CPU tensors into shared memory (one segment, or one per tensor
-    with pack=False) and rebinds each to its view there. A tensor that is a
-    contiguous view of another (one expert of a fused MoE parameter, say)
-    lives where its base does: the base moves, once, and is rebound."""
+    with pack=False) and rebinds each to its view there. A contiguous slice
+    of a Parameter (one expert of a fused MoE parameter) lives where the
+    Parameter does: the Parameter moves, once, and is rebound."""
     reg = Registration(pb.RegisterTensorsRequest(), [n for n, _ in tensors])
     # Units of memory to move: a tensor alone, or a base with the views of it that are registered.
     units: Dict[int, Tuple[torch.Tensor, List[Tuple[str, torch.Tensor]]]] = {}
     for name, t in tensors:
-        base = _root(t)
+        base = _owner(t)
         if base is not t and not t.is_contiguous():
             raise ValueError(f"tensor {name!r} is a view that is not contiguous: the daemon writes it as a dense array")
         units.setdefault(id(base), (base, []))[1].append((name, t))
