@@ -249,6 +249,12 @@ def main():
     if os.geteuid() != 0:
         print("FAIL: the test makes a network namespace: run it as root")
         sys.exit(1)
+    if os.environ.get("WSYNC_REPLICAS_OWN_NETNS") != "1":
+        # All of it in a network namespace of its own: the veth pair it makes must not appear in the
+        # addresses other tests' UCX workers advertise (their peers would dial it while it is down).
+        os.environ["WSYNC_REPLICAS_OWN_NETNS"] = "1"
+        os.execvp("unshare", ["unshare", "--net", "--", sys.executable, os.path.abspath(__file__), *sys.argv[1:]])
+    subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
     snaps = sorted(glob.glob(os.path.join(args.data, "*.safetensors")))
     tmp = tempfile.mkdtemp(prefix="wsync_replicas_")
     link = Link()

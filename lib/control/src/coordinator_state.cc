@@ -701,7 +701,10 @@ void CoordinatorState::Tick() {
   std::lock_guard<std::mutex> lock(mu_);
   ExpireLocked();
   if (tree_dirty_) {
-    AssignParentsLocked();
+    // Each pass gives the sinks that reached the head up to `fanout`
+    // children each: a tree grows by that factor per pass.
+    for (int pass = 0; pass < 16 && AssignParentsLocked(); ++pass) {
+    }
     NotifyLocked();
   }
 }
@@ -801,8 +804,9 @@ bool CoordinatorState::AvoidsLocked(const std::string& child, const std::string&
   return it != avoid_.end() && it->second.first == parent && clock_->NowMs() < it->second.second;
 }
 
-void CoordinatorState::AssignParentsLocked() {
+bool CoordinatorState::AssignParentsLocked() {
   tree_dirty_ = false;
+  bool moved = false;
   const uint64_t head = versions_.empty() ? 0 : versions_.rbegin()->first;
   std::string source;
   for (const auto& [name, n] : nodes_) {
@@ -855,6 +859,7 @@ void CoordinatorState::AssignParentsLocked() {
                        [&](const std::string& a, const std::string& b) { return children[a].size() < children[b].size(); });
       while (excess > 0 && kids.size() > options_.fanout) {
         nodes_[kids.back()].set_parent("");
+        moved = true;
         kids.pop_back();
         --excess;
       }
@@ -886,9 +891,11 @@ void CoordinatorState::AssignParentsLocked() {
     if (chosen.empty()) chosen = avoided;
     if (chosen.empty()) continue;
     n.set_parent(chosen);
+    moved = true;
     children[chosen].push_back(name);
     spdlog::debug("sink {} assigned parent {}", name, chosen);
   }
+  return moved;
 }
 
 // ---------------------------------------------------------------- status

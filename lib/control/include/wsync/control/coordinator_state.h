@@ -114,7 +114,8 @@ class CoordinatorState {
   wsync::store::v1::NodeRecord ToRecord(const wsync::v1::Node& n) const;
   wsync::store::v1::Snapshot MakeSnapshot() const;
   void ExpireLocked();
-  void AssignParentsLocked();
+  // Whether any sink's parent changed.
+  bool AssignParentsLocked();
   bool IsDescendantLocked(const std::string& node, const std::string& ancestor) const;
   // The children `parent` lost when its watch broke, back to it (see WatchBroken). REQUIRES: mu_ held.
   void GiveBackChildrenLocked(const std::string& parent);
