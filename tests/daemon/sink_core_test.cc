@@ -789,6 +789,7 @@ TEST_F(SinkCoreTest, AVersionOfTwoSourcesIsAppliedWholeOnly) {
   TestSink sink("sink-0", state_.get(), fabric_);
   ASSERT_TRUE(sink.RegisterMemory(Zeros(v[0])).ok());
   sink.ExpectReaches(1, v[0]);
+  WaitReported("sink-0", 1);  // a parent candidate once the coordinator has it at the head
   TestSink relayed("sink-1", state_.get(), fabric_);
   ASSERT_TRUE(relayed.RegisterMemory(Zeros(v[0])).ok());
   relayed.ExpectReaches(1, v[0]);
