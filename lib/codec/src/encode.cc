@@ -21,28 +21,7 @@
 namespace wsync::codec {
 namespace {
 
-using internal::ChunkEntry;
-using internal::ChunkMode;
-using internal::Container;
-using internal::SparseDelta;
-using internal::TensorEntry;
-using internal::ChunkWhere;
-using internal::EntriesFor;
-using internal::AbsentChunk;
-using internal::Digests;
-using internal::EntryFor;
-using internal::SaturatingBytes;
-using internal::SaturatingProduct;
-using internal::ValidateOptions;
-using internal::ValidateSet;
-using internal::FirstError;
-using internal::MatchTensors;
-using internal::Finish;
-using internal::ForEachChunk;
-using internal::Task;
-using internal::TasksOf;
-using internal::WithWidth;
-using internal::Placement;
+using namespace set_level;  // patch_common.h
 
 }  // namespace
 

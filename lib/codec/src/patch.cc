@@ -24,26 +24,7 @@
 namespace wsync::codec {
 namespace {
 
-using internal::ChunkEntry;
-using internal::ChunkMode;
-using internal::Container;
-using internal::SparseDelta;
-using internal::TensorEntry;
-using internal::ChunkWhere;
-using internal::Digests;
-using internal::EntryFor;
-using internal::SaturatingBytes;
-using internal::SaturatingProduct;
-using internal::ValidateOptions;
-using internal::ValidateSet;
-using internal::FirstError;
-using internal::MatchTensors;
-using internal::Finish;
-using internal::ForEachChunk;
-using internal::Task;
-using internal::TasksOf;
-using internal::WithWidth;
-using internal::Placement;
+using namespace set_level;  // patch_common.h
 
 }  // namespace
 
@@ -252,7 +233,6 @@ Status AbsentChunk(const TensorEntry& t, size_t chunk) {
 
 }  // namespace internal
 
-using internal::EntriesFor;
 
 uint64_t TensorView::NumElements() const { return SaturatingProduct(shape); }
 uint64_t TensorView::NumBytes() const { return SaturatingBytes(NumElements(), dtype); }

@@ -234,3 +234,30 @@ StatusOr<std::vector<TensorEntry>> EntriesFor(std::span<const TensorView> set, c
 Status AbsentChunk(const TensorEntry& t, size_t chunk);
 
 }  // namespace wsync::codec::internal
+
+// The internals the set-level files (patch.cc, encode.cc, apply.cc,
+// merge.cc) name unqualified: each says `using namespace set_level;`.
+namespace wsync::codec::set_level {
+using internal::ChunkEntry;
+using internal::ChunkMode;
+using internal::Container;
+using internal::SparseDelta;
+using internal::TensorEntry;
+using internal::ChunkWhere;
+using internal::EntriesFor;
+using internal::AbsentChunk;
+using internal::Digests;
+using internal::EntryFor;
+using internal::SaturatingBytes;
+using internal::SaturatingProduct;
+using internal::ValidateOptions;
+using internal::ValidateSet;
+using internal::FirstError;
+using internal::MatchTensors;
+using internal::Finish;
+using internal::ForEachChunk;
+using internal::Task;
+using internal::TasksOf;
+using internal::WithWidth;
+using internal::Placement;
+}  // namespace wsync::codec::set_level
