@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# The checks only a GPU can run, in one go: the device codec's tests, CUDA IPC
+# between processes, the Python client with CUDA tensors, the whole system and
+# its fault scenarios with every weight in GPU memory, and `wsync-bench gpu`.
+# Logs go to LOGS (default $OUT or /tmp/wsync-gpu); a table of results is
+# printed last.
+#
+#   scripts/gpu_check.sh BUILD SNAPSHOT_DIR [LOGS]
+# BUILD is a CUDA build (ninja -C build) or an unpacked scripts/gpu_bundle.sh.
+set -uo pipefail
+build=$(realpath "${1:?usage: gpu_check.sh BUILD SNAPSHOT_DIR [LOGS]}")
+data=$(realpath "${2:?usage: gpu_check.sh BUILD SNAPSHOT_DIR [LOGS]}")
+logs=${3:-${OUT:-/tmp/wsync-gpu}}
+src=$(dirname "$(dirname "$(realpath "$0")")")
+py=${PYTHON:-python3}
+mkdir -p "$logs"
+rm -f "$logs/results.txt"
+export UCX_TLS=${UCX_TLS:-tcp} PYTHONUNBUFFERED=1
+results=()
+
+step() {  # step NAME TIMEOUT_S COMMAND...
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS rc
+  echo "== $name" >&2
+  timeout -k 10 "$limit" "$@" > "$logs/$name.log" 2>&1
+  rc=$?
+  tail -n 5 "$logs/$name.log" >&2
+  results+=("$(printf '%-22s %-6s %4ds' "$name" "$([ $rc -eq 0 ] && echo ok || echo "rc=$rc")" $((SECONDS - t0)))")
+  echo "${results[-1]}" >> "$logs/results.txt"
+}
+
+nvidia-smi -L > "$logs/device.txt" 2>&1
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv >> "$logs/device.txt" 2>&1
+cat "$logs/device.txt" >&2
+step device_codec 150 env WSYNC_DATA_DIR="$data" "$build/tests/cuda_device_test"
+step cuda_ipc 60 env WSYNC_IPC_PEER="$build/tests/cuda_ipc_peer" "$build/tests/cuda_ipc_test"
+step bench_gpu_2 120 "$build/bench/wsync-bench" gpu --params 536870912 --steps 2 --host-threads 2
+step python_cuda_ipc 150 bash -c "cd '$src' && $py tests/python/client_test.py '$build' gpu"
+step system_gpu 150 "$py" "$src/scripts/system_demo.py" --build "$build" --data "$data" --sinks 3 --fanout 2 --device 0
+step bench_gpu_16 90 "$build/bench/wsync-bench" gpu --params 536870912 --steps 2 --host-threads 16
+step faults_gpu 300 env WSYNC_TEST_DEVICE=0 "$py" "$src/tests/python/system_faults_test.py" "$build" "$data"
+
+echo "== wsync-bench gpu" >&2
+grep -h -A14 "^device codec" "$logs"/bench_gpu_*.log >&2
+echo "== results ($(head -1 "$logs/device.txt"))" >&2
+printf '%s\n' "${results[@]}" >&2
