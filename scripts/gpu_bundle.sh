@@ -14,7 +14,8 @@ data=${3:-}
 stage=$(mktemp -d)
 trap 'rm -rf "$stage"' EXIT
 
-bins=(daemon/wsyncd client/wsync bench/wsync-bench tests/cuda_device_test tests/cuda_ipc_test tests/cuda_ipc_peer)
+bins=(daemon/wsyncd client/wsync bench/wsync-bench tests/cuda_device_test tests/cuda_ipc_test tests/cuda_ipc_peer
+      tests/exchange_attacker)
 mkdir -p "$stage/bin" "$stage/lib/ucx"
 for b in "${bins[@]}"; do
   [ -x "$build/$b" ] || { echo "gpu_bundle: $build/$b is missing (build with nvcc and tests on)" >&2; exit 1; }

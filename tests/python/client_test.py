@@ -671,6 +671,25 @@ def sigterm(build):
         s.stop()
 
 
+def cuda_handle_forms(build):
+    """The forms of CUDA IPC handle torch's `_share_cuda_` returns, without a GPU."""
+    sys.path.insert(0, os.path.join(build, "python"))
+    from wsync._tensors import cuda_mem_handle
+    raw = bytes(range(64))
+    check(cuda_mem_handle("t", raw) == raw, "torch 1.x: the bare cudaIpcMemHandle_t")
+    for version in (1, 2, 3):
+        check(cuda_mem_handle("t", bytes([version]) + b"c" + raw) == raw,
+              f"torch 2.x, handle format {version}: a cudaMalloc block's handle after its two-byte header")
+    for bad, what in ((bytes([2]) + b"e" + bytes(40), "expandable segment"),
+                      (bytes([2]) + b"x" + raw, "unknown kind"), (raw[:10], "short")):
+        try:
+            cuda_mem_handle("model.w", bad)
+            check(False, f"{what}: refused")
+        except ValueError as e:
+            check("model.w" in str(e) and ("expandable_segments:False" in str(e) or "does not know" in str(e)),
+                  f"{what}: refused naming the tensor and the cause ({e})")
+
+
 def gpu(build):
     probe = subprocess.run([PY, "-c", "import torch; print(torch.cuda.is_available())"],
                            capture_output=True, text=True)
@@ -721,6 +740,7 @@ SCENARIOS = {
     "resized_fleet": resized_fleet,
     "two_sources": two_sources,
     "gpu": gpu,
+    "cuda_handle_forms": cuda_handle_forms,
 }
 
 if __name__ == "__main__":

@@ -167,6 +167,25 @@ def share_host(tensors: List[Tuple[str, torch.Tensor]], role: str, pack: bool) -
     return reg
 
 
+CUDA_IPC_HANDLE_BYTES = 64
+
+
+def cuda_mem_handle(name: str, handle: bytes) -> bytes:
+    """The cudaIpcMemHandle_t in what torch's `_share_cuda_` returns: the bare
+    64 bytes (torch 1.x), or [format version][kind][payload] (torch 2.x), where
+    kind 'c' (a cudaMalloc block) carries the 64 bytes and 'e' (an expandable
+    segment, which the legacy IPC API cannot open) carries something else."""
+    if len(handle) == CUDA_IPC_HANDLE_BYTES:
+        return handle
+    if len(handle) == CUDA_IPC_HANDLE_BYTES + 2 and handle[1:2] == b"c":
+        return handle[2:]
+    if len(handle) >= 2 and handle[1:2] == b"e":
+        raise ValueError(f"tensor {name!r} lives in one of torch's expandable segments, which CUDA IPC handles "
+                         "cannot share; set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False in the trainer")
+    raise ValueError(f"tensor {name!r}: torch returned a CUDA IPC handle of {len(handle)} bytes in a form wsync does "
+                     f"not know (starting {handle[:2].hex()})")
+
+
 def share_cuda(tensors: List[Tuple[str, torch.Tensor]]) -> Registration:
     """Exports the CUDA IPC handles of the storages holding the tensors (no
     copy, no move): one region per storage."""
@@ -179,10 +198,7 @@ def share_cuda(tensors: List[Tuple[str, torch.Tensor]]) -> Registration:
         key = (t.device.index, storage.data_ptr())
         if key not in regions:
             device, handle, size, offset = storage._share_cuda_()[:4]
-            if isinstance(handle, bytes) and len(handle) != 64:
-                raise ValueError(f"tensor {name!r}: torch returned a {len(handle)}-byte CUDA IPC handle (expandable "
-                                 "segments?); set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False")
-            text = f"wsync-ipc-v1:{device}:{offset}:{size}:{handle.hex()}"
+            text = f"wsync-ipc-v1:{device}:{offset}:{size}:{cuda_mem_handle(name, handle).hex()}"
             regions[key] = len(reg.request.regions)
             reg.request.regions.append(pb.MemoryRegion(cuda_ipc_handle=text))
         offset = t.storage_offset() * t.element_size()
