@@ -2,6 +2,7 @@
 
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 
@@ -16,6 +17,23 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 double Since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+// Seconds per phase (cuda::DeviceCodec::last_phases), over calls.
+struct PhaseTimes {
+  std::vector<std::pair<std::string, std::vector<double>>> phases;
+  void Add(const std::vector<cuda::DeviceCodec::Phase>& last) {
+    for (const auto& p : last) {
+      auto it = std::find_if(phases.begin(), phases.end(), [&](const auto& q) { return q.first == p.name; });
+      if (it == phases.end()) it = phases.insert(phases.end(), {p.name, {}});
+      it->second.push_back(p.seconds);
+    }
+  }
+  void Print(const char* what) const {
+    std::printf("  %s phases (median ms):", what);
+    for (const auto& [name, s] : phases) std::printf(" %s %.1f", name.c_str(), Median(s) * 1e3);
+    std::printf("\n");
+  }
+};
 
 struct DeviceSet {
   std::vector<cuda::DeviceBuffer> buffers;
@@ -69,6 +87,7 @@ int RunGpuBench(const GpuBenchOptions& o) {
   // weights copied device to host (into memory touched beforehand).
   std::vector<std::vector<uint8_t>> host_copy;
   for (const auto& t : cur) host_copy.emplace_back(t.bytes.size(), uint8_t{1});
+  PhaseTimes enc_phases, app_phases;
   bool identical = true;
   for (int s = 1; s <= o.steps; ++s) {
     model.Step();
@@ -87,6 +106,7 @@ int RunGpuBench(const GpuBenchOptions& o) {
       auto t0 = Clock::now();
       auto p = (*dc)->EncodePatch(base->Const(), target->Const(), eo);
       enc.push_back(Since(t0));
+      enc_phases.Add((*dc)->last_phases());
       if (!p.ok()) {
         spdlog::error("{}", p.status().ToString());
         return 1;
@@ -103,6 +123,7 @@ int RunGpuBench(const GpuBenchOptions& o) {
       t0 = Clock::now();
       const Status a = (*dc)->ApplyPatch(patch, work->views, ao);
       app.push_back(Since(t0));
+      app_phases.Add((*dc)->last_phases());
       if (!a.ok()) {
         spdlog::error("{}", a.ToString());
         return 1;
@@ -127,6 +148,8 @@ int RunGpuBench(const GpuBenchOptions& o) {
   std::printf("  apply / D2D memcpy          %10.3fx\n", Median(copy) / Median(app));
   std::printf("  version (encode + apply)    %10.3f s vs %.3f s D2H copy of the dense weights (%.2fx)\n",
               Median(enc) + Median(app), Median(d2h), Median(d2h) / (Median(enc) + Median(app)));
+  enc_phases.Print("encode");
+  app_phases.Print("apply");
   std::printf("  host encode                 %10.2f GB/s\n", dense / Median(host_enc) / 1e9);
   std::printf("  device / host encode        %10.2fx\n", Median(host_enc) / Median(enc));
   std::printf("  patch bytes identical to the host codec: %s\n", identical ? "yes" : "NO");

@@ -36,7 +36,7 @@ class RMSNorm(nn.Module):
 
 def rotate(x, pos, theta):
     d = x.shape[-1]
-    inv = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+    inv = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=x.device) / d))
     ang = pos[:, None].float() * inv[None, :]
     cos, sin = ang.cos().to(x.dtype), ang.sin().to(x.dtype)
     x1, x2 = x[..., : d // 2], x[..., d // 2:]
@@ -55,14 +55,14 @@ class Attention(nn.Module):
 
     def forward(self, x):
         b, t, _ = x.shape
-        pos = torch.arange(t)
+        pos = torch.arange(t, device=x.device)
         q = rotate(self.q_proj(x).view(b, t, self.h, self.d).transpose(1, 2), pos, self.theta)
         k = rotate(self.k_proj(x).view(b, t, self.kv, self.d).transpose(1, 2), pos, self.theta)
         v = self.v_proj(x).view(b, t, self.kv, self.d).transpose(1, 2)
         k = k.repeat_interleave(self.h // self.kv, dim=1)
         v = v.repeat_interleave(self.h // self.kv, dim=1)
         att = (q @ k.transpose(-1, -2)) / math.sqrt(self.d)
-        att = att.masked_fill(torch.triu(torch.ones(t, t, dtype=torch.bool), 1), float("-inf"))
+        att = att.masked_fill(torch.triu(torch.ones(t, t, dtype=torch.bool, device=x.device), 1), float("-inf"))
         y = att.softmax(-1).to(v.dtype) @ v
         return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
 

@@ -34,13 +34,23 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --f
 cat "$logs/device.txt" >&2
 step device_codec 150 env WSYNC_DATA_DIR="$data" "$build/tests/cuda_device_test"
 step cuda_ipc 60 env WSYNC_IPC_PEER="$build/tests/cuda_ipc_peer" "$build/tests/cuda_ipc_test"
+# WSYNC_BENCH_BEFORE: another build's wsync-bench, run beside this one's on the same device.
+if [ -n "${WSYNC_BENCH_BEFORE:-}" ]; then
+  step bench_before_2 120 "$WSYNC_BENCH_BEFORE" gpu --params 536870912 --steps 2 --host-threads 2
+fi
 step bench_gpu_2 120 "$build/bench/wsync-bench" gpu --params 536870912 --steps 2 --host-threads 2
 step python_cuda_ipc 150 bash -c "cd '$src' && $py tests/python/client_test.py '$build' gpu"
 step system_gpu 150 "$py" "$src/scripts/system_demo.py" --build "$build" --data "$data" --sinks 3 --fanout 2 --device 0
+if [ -n "${WSYNC_BENCH_BEFORE:-}" ]; then
+  step bench_before_16 90 "$WSYNC_BENCH_BEFORE" gpu --params 536870912 --steps 2 --host-threads 16
+fi
 step bench_gpu_16 90 "$build/bench/wsync-bench" gpu --params 536870912 --steps 2 --host-threads 16
 step faults_gpu 300 env WSYNC_TEST_DEVICE=0 "$py" "$src/tests/python/system_faults_test.py" "$build" "$data"
 
 echo "== wsync-bench gpu" >&2
-grep -h -A14 "^device codec" "$logs"/bench_gpu_*.log >&2
+for f in "$logs"/bench_*.log; do
+  echo "-- $(basename "$f" .log)" >&2
+  grep -A16 "^device codec" "$f" | grep -v "^device codec" >&2
+done
 echo "== results ($(head -1 "$logs/device.txt"))" >&2
 printf '%s\n' "${results[@]}" >&2

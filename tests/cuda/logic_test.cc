@@ -60,6 +60,17 @@ TEST(Xxh3Logic, BlockSumsAndScrambleChainGiveTheLanes) {
   }
 }
 
+TEST(Xxh3Logic, TheWarpsBlockSumsAreTheLanesBlockSums) {
+  std::mt19937_64 rng(7);
+  std::vector<uint8_t> data(kHashBlockBytes * 8 + 8);
+  for (auto& b : data) b = static_cast<uint8_t>(rng());
+  for (size_t at : {size_t{0}, size_t{1}, size_t{3}, size_t{kHashBlockBytes * 3 + 5}}) {
+    uint64_t sums[8];
+    Xxh3WarpBlockSums(data.data() + at, sums);
+    for (int lane = 0; lane < 8; ++lane) EXPECT_EQ(sums[lane], Xxh3BlockSum(data.data() + at, lane)) << at << " " << lane;
+  }
+}
+
 TEST(BlockLogic, ClassCountsRanksAndSelectAgree) {
   std::mt19937 rng(4);
   codec::ClassSpec spec;

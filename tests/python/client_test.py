@@ -710,7 +710,7 @@ infer = LlamaForCausalLM().to(torch.bfloat16).cuda()
 snk = wsync.Sink(sys.argv[2]); snk.register(infer)
 opt = torch.optim.AdamW(trainer.parameters(), lr=1e-5)
 for step in range(4):
-    trainer(torch.randint(0, 512, (2, 16))).float().mean().backward(); opt.step(); opt.zero_grad()
+    trainer(torch.randint(0, 512, (2, 16), device="cuda")).float().mean().backward(); opt.step(); opt.zero_grad()
     v = src.publish().version
     snk.wait(v, timeout=60)
     with snk.hold():

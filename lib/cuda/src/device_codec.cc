@@ -1,12 +1,13 @@
 // DeviceCodec over the kernels (kernels.h) and the staged host codec
-// (codec/staged.h). Per tensor: launches, one copy back of the compact
-// streams, host entropy coding. See device_codec.h for the contract and
+// (codec/staged.h). Per batch of tensors: launches, one copy back of the
+// compact streams into page-locked memory, host entropy coding. See device_codec.h for the contract and
 // docs/gpu.md for the data flow.
 #include "wsync/cuda/device_codec.h"
 
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <mutex>
 #include <unordered_map>
@@ -98,6 +99,63 @@ logic::Layout LayoutOf(uint64_t n, size_t width, uint32_t chunk_bytes) {
   return logic::Layout{.n = n, .chunk_elems = chunk_bytes / width};
 }
 
+
+// Page-locked host memory the device copies into, so that copies run at DMA
+// speed and truly asynchronously: blocks kept between calls, handed out
+// first-fit, all free again after Reset(). In steady state nothing is
+// allocated.
+class PinnedArena {
+ public:
+  PinnedArena() = default;
+  PinnedArena(const PinnedArena&) = delete;
+  PinnedArena& operator=(const PinnedArena&) = delete;
+  ~PinnedArena() {
+    for (const Block& b : blocks_) cudaFreeHost(b.ptr);
+  }
+  void Reset() {
+    for (Block& b : blocks_) b.used = 0;
+  }
+  template <typename T>
+  StatusOr<T*> Alloc(size_t count) {
+    const size_t n = std::max<size_t>(256, (count * sizeof(T) + 255) / 256 * 256);
+    for (Block& b : blocks_) {
+      if (b.size - b.used >= n) {
+        void* p = b.ptr + b.used;
+        b.used += n;
+        return static_cast<T*>(p);
+      }
+    }
+    const size_t size = std::max(n, kMinBlock);
+    void* p = nullptr;
+    WSYNC_RETURN_IF_ERROR(Check(cudaMallocHost(&p, size), "allocating page-locked host memory"));
+    blocks_.push_back({static_cast<uint8_t*>(p), size, n});
+    return static_cast<T*>(p);
+  }
+
+ private:
+  static constexpr size_t kMinBlock = size_t{16} << 20;
+  struct Block {
+    uint8_t* ptr;
+    size_t size;
+    size_t used;
+  };
+  std::vector<Block> blocks_;
+};
+
+template <typename T>
+Status CopyToPinned(PinnedArena& pinned, const T** out, const T* src, size_t count, cudaStream_t s) {
+  WSYNC_ASSIGN_OR_RETURN(T* dst, pinned.Alloc<T>(count));
+  *out = dst;
+  if (count == 0) return Status::Ok();
+  return Check(cudaMemcpyAsync(dst, src, count * sizeof(T), cudaMemcpyDeviceToHost, s), "copy to host");
+}
+
+// Tensors are encoded in batches whose first-pass scratch (block counts and
+// offsets, 8 bytes per 32 elements) stays under this, or one tensor alone:
+// a batch costs three synchronizations, and its compact changes are
+// entropy-coded before the next batch reuses the page-locked memory.
+constexpr size_t kBatchScratchBytes = size_t{64} << 20;
+
 }  // namespace
 
 Status DeviceAvailable() {
@@ -108,34 +166,72 @@ Status DeviceAvailable() {
   return Status::Ok();
 }
 
-// A tensor's compact change on the host, ready for the entropy stage.
+// One tensor of an encode: where its device scratch lies, and its compact
+// change once copied to page-locked host memory.
 struct TensorChange {
-  std::vector<size_t> chunk_ids;   // the writer's chunk indices
-  std::vector<uint32_t> chunk_off; // changes of chunk c: [chunk_off[c], chunk_off[c + 1])
-  std::vector<uint32_t> pos, rank;
-  std::vector<uint8_t> delta, old;
-  std::vector<ClassSpec> specs;
+  std::vector<size_t> chunk_ids;  // the writer's chunk indices
+  logic::Layout layout;
   size_t width = 0;
+  size_t bins = 0;
   bool conditioned = false;
+  bool need_ranks = false;
+  // Device scratch of the batch (offsets into it).
+  size_t o_counts = 0, o_offsets = 0, o_chunks = 0, o_hist = 0, o_temp = 0, scan_bytes = 0, o_bdig = 0, o_tdig = 0;
+  size_t ndigests = 0;
+  size_t o_pos = 0, o_delta = 0, o_old = 0, o_rank = 0;  // in the compact scratch
+  // Host (page-locked).
+  const uint32_t* chunk_off = nullptr;  // changes of chunk c: [chunk_off[c], chunk_off[c + 1])
+  const uint32_t* hist = nullptr;       // bins per chunk, when conditioned
+  const uint64_t* base_digests = nullptr;
+  const uint64_t* target_digests = nullptr;
+  const uint32_t* pos = nullptr;
+  const uint32_t* rank = nullptr;
+  const uint8_t* delta = nullptr;
+  const uint8_t* old = nullptr;
+  std::vector<ClassSpec> specs;
 
+  bool empty() const { return layout.n == 0; }
+  uint64_t changes() const { return empty() ? 0 : chunk_off[layout.Chunks()]; }
   ChunkChange Change(size_t c) const {
     ChunkChange ch;
     ch.count = chunk_off[c + 1] - chunk_off[c];
-    ch.pos = pos.data() + chunk_off[c];
-    ch.delta = delta.data() + size_t{chunk_off[c]} * width;
-    ch.old = conditioned ? old.data() + size_t{chunk_off[c]} * width : nullptr;
+    ch.pos = pos + chunk_off[c];
+    ch.delta = delta + size_t{chunk_off[c]} * width;
+    ch.old = conditioned ? old + size_t{chunk_off[c]} * width : nullptr;
     return ch;
   }
-  const uint32_t* Ranks(size_t c) const { return rank.empty() ? nullptr : rank.data() + chunk_off[c]; }
+  const uint32_t* Ranks(size_t c) const { return rank == nullptr ? nullptr : rank + chunk_off[c]; }
 };
+
+// Enqueues the digests of many regions in one launch: the job list goes
+// through page-locked memory to `jobs_dev` (room for every region).
+Status EnqueueDigests(PinnedArena& pinned, std::span<const DigestJob> regions, DigestJob* jobs_dev, cudaStream_t s) {
+  WSYNC_ASSIGN_OR_RETURN(DigestJob* jobs, pinned.Alloc<DigestJob>(regions.size()));
+  size_t n = 0;
+  uint64_t blocks = 0;
+  for (const DigestJob& r : regions) {
+    if (r.nbytes == 0) continue;
+    jobs[n] = r;
+    jobs[n++].first_block = blocks;
+    blocks += codec::ChecksumBlockCount(r.nbytes);
+  }
+  if (n == 0) return Status::Ok();
+  WSYNC_RETURN_IF_ERROR(Check(cudaMemcpyAsync(jobs_dev, jobs, n * sizeof(DigestJob), cudaMemcpyHostToDevice, s),
+                              "copy to device"));
+  return LaunchBlockDigests(jobs_dev, n, blocks, s);
+}
 
 struct DeviceCodec::Impl {
   int device = 0;
   cudaStream_t compute = nullptr;
   cudaStream_t copy = nullptr;
-  Scratch scratch;       // per-tensor working memory
-  Scratch changes;       // compact change streams of a tensor
+  Scratch scratch;       // a batch's first pass; apply: entries and scatter lists
+  Scratch changes;       // a batch's compact change streams
+  Scratch rank_mem;      // class counts and their scan, one tensor at a time
   Scratch digest_mem;    // digests
+  PinnedArena pinned;    // what the device copies back
+  std::vector<Phase> phases;
+  std::chrono::steady_clock::time_point mark;
 
   ~Impl() {
     if (compute != nullptr) cudaStreamDestroy(compute);
@@ -144,30 +240,88 @@ struct DeviceCodec::Impl {
 
   Status Activate() const { return Check(cudaSetDevice(device), "select device"); }
 
-  // Block digests of device memory, to the host.
-  Status Digests(const void* data, size_t nbytes, std::vector<uint64_t>* out) {
-    const size_t count = codec::ChecksumBlockCount(nbytes);
-    out->resize(count);
-    if (count == 0) return Status::Ok();
-    WSYNC_ASSIGN_OR_RETURN(void* mem, digest_mem.Get(count * sizeof(uint64_t)));
-    WSYNC_RETURN_IF_ERROR(LaunchBlockDigests(data, nbytes, static_cast<uint64_t*>(mem), compute));
-    WSYNC_RETURN_IF_ERROR(CopyDown(out, static_cast<const uint64_t*>(mem), count, compute));
-    return Check(cudaStreamSynchronize(compute), "digests");
+  void StartPhases() {
+    phases.clear();
+    mark = std::chrono::steady_clock::now();
+  }
+  // Ends the phase running since the last mark.
+  void EndPhase(const char* name) {
+    const auto now = std::chrono::steady_clock::now();
+    const double s = std::chrono::duration<double>(now - mark).count();
+    mark = now;
+    for (Phase& p : phases) {
+      if (std::strcmp(p.name, name) == 0) {
+        p.seconds += s;
+        return;
+      }
+    }
+    phases.push_back({name, s});
+  }
+
+  // codec::TensorChecksum of each region, with one launch and one
+  // synchronization.
+  StatusOr<std::vector<uint64_t>> Checksums(std::span<const std::pair<const void*, size_t>> regions) {
+    std::vector<size_t> first(regions.size() + 1, 0);
+    for (size_t i = 0; i < regions.size(); ++i) first[i + 1] = first[i] + codec::ChecksumBlockCount(regions[i].second);
+    std::vector<uint64_t> out(regions.size(), 0);
+    if (first.back() == 0) {
+      for (size_t i = 0; i < regions.size(); ++i) out[i] = codec::CombineBlockDigests({});
+      return out;
+    }
+    Carver carve;
+    const size_t o_digests = carve.Add<uint64_t>(first.back());
+    const size_t o_jobs = carve.Add<DigestJob>(regions.size());
+    WSYNC_ASSIGN_OR_RETURN(void* mem, digest_mem.Get(carve.bytes()));
+    auto* dev = At<uint64_t>(mem, o_digests);
+    std::vector<DigestJob> jobs;
+    for (size_t i = 0; i < regions.size(); ++i) jobs.push_back({regions[i].first, regions[i].second, dev + first[i], 0});
+    WSYNC_RETURN_IF_ERROR(EnqueueDigests(pinned, jobs, At<DigestJob>(mem, o_jobs), compute));
+    WSYNC_ASSIGN_OR_RETURN(uint64_t* host, pinned.Alloc<uint64_t>(first.back()));
+    WSYNC_RETURN_IF_ERROR(
+        Check(cudaMemcpyAsync(host, dev, first.back() * sizeof(uint64_t), cudaMemcpyDeviceToHost, compute), "copy"));
+    WSYNC_RETURN_IF_ERROR(Check(cudaStreamSynchronize(compute), "digests"));
+    for (size_t i = 0; i < regions.size(); ++i) {
+      out[i] = codec::CombineBlockDigests(std::span<const uint64_t>(host + first[i], first[i + 1] - first[i]));
+    }
+    return out;
   }
 
   StatusOr<uint64_t> Checksum(const void* data, size_t nbytes) {
-    std::vector<uint64_t> d;
-    WSYNC_RETURN_IF_ERROR(Digests(data, nbytes, &d));
-    return codec::CombineBlockDigests(d);
+    const std::pair<const void*, size_t> one{data, nbytes};
+    WSYNC_ASSIGN_OR_RETURN(auto sums, Checksums(std::span(&one, 1)));
+    return sums[0];
+  }
+
+  // Scratch of RankPrefix for a tensor of this layout.
+  struct RankScratch {
+    size_t o_specs = 0, o_counts = 0, o_prefix = 0, o_temp = 0, scan_bytes = 0, bytes = 0;
+  };
+  RankScratch RankScratchOf(logic::Layout l) {
+    RankScratch r;
+    const size_t scan_n = kMaxClasses * l.Blocks() + 1;
+    r.scan_bytes = ScanBytes(scan_n);
+    Carver carve;
+    r.o_specs = carve.Add<ClassSpec>(l.Chunks());
+    r.o_counts = carve.Add<uint32_t>(scan_n);
+    r.o_prefix = carve.Add<uint32_t>(scan_n);
+    r.o_temp = carve.Add<uint8_t>(r.scan_bytes);
+    r.bytes = carve.bytes();
+    return r;
   }
 
   // Per-class rank prefix (exclusive scan of class counts) of a tensor under
-  // per-chunk specs. Enqueued on `compute`.
+  // per-chunk specs, into rank_mem (laid out by RankScratchOf, already
+  // large enough). Enqueued on `compute`; rank_mem is reused by the next
+  // tensor in stream order.
   Status RankPrefix(const void* base, size_t width, logic::Layout l, const std::vector<ClassSpec>& specs,
-                    ClassSpec* specs_dev, uint32_t* counts, uint32_t* prefix, void* scan_temp, size_t scan_bytes) {
+                    void* mem, const RankScratch& r) {
+    auto* specs_dev = At<ClassSpec>(mem, r.o_specs);
+    auto* counts = At<uint32_t>(mem, r.o_counts);
     WSYNC_RETURN_IF_ERROR(CopyUp(specs_dev, specs.data(), specs.size() * sizeof(ClassSpec), compute));
     WSYNC_RETURN_IF_ERROR(LaunchClassCounts(base, static_cast<int>(width), l, specs_dev, counts, compute));
-    return ExclusiveScan(scan_temp, &scan_bytes, counts, prefix, kMaxClasses * l.Blocks() + 1, compute);
+    size_t tb = r.scan_bytes;
+    return ExclusiveScan(At<void>(mem, r.o_temp), &tb, counts, At<uint32_t>(mem, r.o_prefix),
+                         kMaxClasses * l.Blocks() + 1, compute);
   }
 
   size_t ScanBytes(size_t n) {
@@ -176,12 +330,12 @@ struct DeviceCodec::Impl {
     return bytes;
   }
 
-  // The device part of encoding one tensor: digests, compact change, class
-  // choice (host, small) and ranks. The entropy stage runs later over all
-  // chunks of the set at once.
-  Status CompactTensor(const codec::staged::PatchWriter& writer, const TensorView& base, const TensorView& target,
-                       uint32_t chunk_bytes, bool condition, ThreadPool* pool, TensorChange* out,
-                       std::vector<uint64_t>* base_digests, std::vector<uint64_t>* target_digests);
+  // The device part of encoding tensors [t0, t0 + batch.size()): digests,
+  // compact changes, class choice (host, small) and ranks, with one
+  // synchronization per step for the whole batch.
+  Status CompactBatch(const codec::staged::PatchWriter& writer, std::span<const TensorView> base,
+                      std::span<const TensorView> target, size_t t0, std::span<TensorChange> batch,
+                      const codec::EncodeOptions& options, std::span<cudaEvent_t> landed);
 
   Status ApplyDelta(const codec::staged::PatchReader& r, std::span<const MutableTensorView> dst,
                     const std::vector<size_t>& match, const codec::ApplyOptions& options);
@@ -191,101 +345,147 @@ struct DeviceCodec::Impl {
                            const std::vector<size_t>& match);
 };
 
-Status DeviceCodec::Impl::CompactTensor(const codec::staged::PatchWriter& writer, const TensorView& base,
-                                        const TensorView& target, uint32_t chunk_bytes, bool condition,
-                                        ThreadPool* pool, TensorChange* out, std::vector<uint64_t>* base_digests,
-                                        std::vector<uint64_t>* target_digests) {
-  const std::vector<size_t>& chunk_ids = out->chunk_ids;
-  const size_t width = codec::DTypeWidth(target.dtype);
-  const size_t nbytes = target.NumBytes();
-  const logic::Layout l = LayoutOf(target.NumElements(), width, chunk_bytes);
-  if (nbytes == 0) {
-    base_digests->clear();
-    target_digests->clear();
-    return Status::Ok();
-  }
-  const uint64_t blocks = l.Blocks();
-  const uint64_t chunks = l.Chunks();
-  const size_t bins = codec::staged::HistogramBins(target.dtype);
-  const bool conditioned = condition && bins > 0;
-  const size_t scan_n = std::max<size_t>(blocks + 1, kMaxClasses * blocks + 1);
-  const size_t scan_bytes = ScanBytes(scan_n);
-
+Status DeviceCodec::Impl::CompactBatch(const codec::staged::PatchWriter& writer, std::span<const TensorView> base,
+                                       std::span<const TensorView> target, size_t t0, std::span<TensorChange> batch,
+                                       const codec::EncodeOptions& options, std::span<cudaEvent_t> landed) {
+  // First pass: digests, block counts, their scan, chunk offsets, histograms.
   Carver carve;
-  const size_t o_counts = carve.Add<uint32_t>(scan_n);
-  const size_t o_offsets = carve.Add<uint32_t>(scan_n);
-  const size_t o_chunks = carve.Add<uint32_t>(chunks + 1);
-  const size_t o_hist = carve.Add<uint32_t>(conditioned ? chunks * bins : 1);
-  const size_t o_specs = carve.Add<ClassSpec>(chunks);
-  const size_t o_temp = carve.Add<uint8_t>(scan_bytes);
-  const size_t ndigests = codec::ChecksumBlockCount(nbytes);
-  const size_t o_bdig = carve.Add<uint64_t>(ndigests);
-  const size_t o_tdig = carve.Add<uint64_t>(ndigests);
+  for (size_t i = 0; i < batch.size(); ++i) {
+    TensorChange& tc = batch[i];
+    const TensorView& t = target[t0 + i];
+    tc.width = codec::DTypeWidth(t.dtype);
+    tc.layout = LayoutOf(t.NumElements(), tc.width, options.chunk_bytes);
+    if (tc.empty()) continue;
+    tc.bins = codec::staged::HistogramBins(t.dtype);
+    tc.conditioned = options.condition_on_base && tc.bins > 0;
+    const uint64_t blocks = tc.layout.Blocks(), chunks = tc.layout.Chunks();
+    tc.scan_bytes = ScanBytes(blocks + 1);
+    tc.ndigests = codec::ChecksumBlockCount(t.NumBytes());
+    tc.o_counts = carve.Add<uint32_t>(blocks + 1);
+    tc.o_offsets = carve.Add<uint32_t>(blocks + 1);
+    tc.o_chunks = carve.Add<uint32_t>(chunks + 1);
+    tc.o_hist = carve.Add<uint32_t>(tc.conditioned ? chunks * tc.bins : 1);
+    tc.o_temp = carve.Add<uint8_t>(tc.scan_bytes);
+    tc.o_bdig = carve.Add<uint64_t>(tc.ndigests);
+    tc.o_tdig = carve.Add<uint64_t>(tc.ndigests);
+  }
+  const size_t o_jobs = carve.Add<DigestJob>(2 * batch.size());
   WSYNC_ASSIGN_OR_RETURN(void* mem, scratch.Get(carve.bytes()));
-  WSYNC_RETURN_IF_ERROR(LaunchBlockDigests(base.data, nbytes, At<uint64_t>(mem, o_bdig), compute));
-  WSYNC_RETURN_IF_ERROR(LaunchBlockDigests(target.data, nbytes, At<uint64_t>(mem, o_tdig), compute));
-  auto* counts = At<uint32_t>(mem, o_counts);
-  auto* offsets = At<uint32_t>(mem, o_offsets);
-  auto* chunk_offsets = At<uint32_t>(mem, o_chunks);
-  auto* hist = At<uint32_t>(mem, o_hist);
-  void* temp = At<uint8_t>(mem, o_temp);
-  const int w = static_cast<int>(width);
-
-  WSYNC_RETURN_IF_ERROR(LaunchDiffCounts(base.data, target.data, w, l, counts, compute));
-  size_t tb = scan_bytes;
-  WSYNC_RETURN_IF_ERROR(ExclusiveScan(temp, &tb, counts, offsets, blocks + 1, compute));
-  WSYNC_RETURN_IF_ERROR(LaunchChunkOffsets(offsets, l, chunk_offsets, compute));
-  if (conditioned) {
-    const codec::ExponentField ef = codec::ExponentFieldOf(target.dtype);
-    WSYNC_RETURN_IF_ERROR(LaunchSampleHistogram(base.data, w, l, ef.shift, ef.mask, static_cast<uint32_t>(bins),
-                                                hist, compute));
+  // Each step synchronizes once for the batch, so that the phases time apart.
+  std::vector<DigestJob> jobs;
+  for (size_t i = 0; i < batch.size(); ++i) {
+    TensorChange& tc = batch[i];
+    if (tc.empty()) continue;
+    const size_t nbytes = target[t0 + i].NumBytes();
+    if (!landed.empty()) {
+      WSYNC_RETURN_IF_ERROR(Check(cudaStreamWaitEvent(compute, landed[t0 + i], 0), "wait for snapshot"));
+    }
+    jobs.push_back({base[t0 + i].data, nbytes, At<uint64_t>(mem, tc.o_bdig), 0});
+    jobs.push_back({target[t0 + i].data, nbytes, At<uint64_t>(mem, tc.o_tdig), 0});
   }
-  std::vector<uint32_t>& chunk_off = out->chunk_off;
-  std::vector<uint32_t> hist_host;
-  WSYNC_RETURN_IF_ERROR(CopyDown(&chunk_off, chunk_offsets, chunks + 1, compute));
-  if (conditioned) WSYNC_RETURN_IF_ERROR(CopyDown(&hist_host, hist, chunks * bins, compute));
-  WSYNC_RETURN_IF_ERROR(CopyDown(base_digests, At<uint64_t>(mem, o_bdig), ndigests, compute));
-  WSYNC_RETURN_IF_ERROR(CopyDown(target_digests, At<uint64_t>(mem, o_tdig), ndigests, compute));
+  WSYNC_RETURN_IF_ERROR(EnqueueDigests(pinned, jobs, At<DigestJob>(mem, o_jobs), compute));
+  for (TensorChange& tc : batch) {
+    if (tc.empty()) continue;
+    WSYNC_RETURN_IF_ERROR(CopyToPinned(pinned, &tc.base_digests, At<uint64_t>(mem, tc.o_bdig), tc.ndigests, compute));
+    WSYNC_RETURN_IF_ERROR(CopyToPinned(pinned, &tc.target_digests, At<uint64_t>(mem, tc.o_tdig), tc.ndigests, compute));
+  }
+  WSYNC_RETURN_IF_ERROR(Check(cudaStreamSynchronize(compute), "digests"));
+  EndPhase("digests");
+  for (size_t i = 0; i < batch.size(); ++i) {
+    TensorChange& tc = batch[i];
+    if (tc.empty()) continue;
+    const logic::Layout& l = tc.layout;
+    WSYNC_RETURN_IF_ERROR(LaunchDiffCounts(base[t0 + i].data, target[t0 + i].data, static_cast<int>(tc.width), l,
+                                           At<uint32_t>(mem, tc.o_counts), compute));
+    size_t tb = tc.scan_bytes;
+    WSYNC_RETURN_IF_ERROR(ExclusiveScan(At<void>(mem, tc.o_temp), &tb, At<uint32_t>(mem, tc.o_counts),
+                                        At<uint32_t>(mem, tc.o_offsets), l.Blocks() + 1, compute));
+    WSYNC_RETURN_IF_ERROR(LaunchChunkOffsets(At<uint32_t>(mem, tc.o_offsets), l, At<uint32_t>(mem, tc.o_chunks),
+                                             compute));
+    WSYNC_RETURN_IF_ERROR(CopyToPinned(pinned, &tc.chunk_off, At<uint32_t>(mem, tc.o_chunks), l.Chunks() + 1, compute));
+  }
   WSYNC_RETURN_IF_ERROR(Check(cudaStreamSynchronize(compute), "diff"));
-  const size_t m = chunk_off[chunks];
-  out->width = width;
-  out->conditioned = conditioned;
+  EndPhase("diff");
+  for (size_t i = 0; i < batch.size(); ++i) {
+    TensorChange& tc = batch[i];
+    if (tc.empty() || !tc.conditioned) continue;
+    const TensorView& t = target[t0 + i];
+    const codec::ExponentField ef = codec::ExponentFieldOf(t.dtype);
+    WSYNC_RETURN_IF_ERROR(LaunchSampleHistogram(base[t0 + i].data, static_cast<int>(tc.width), tc.layout, ef.shift,
+                                                ef.mask, static_cast<uint32_t>(tc.bins), At<uint32_t>(mem, tc.o_hist),
+                                                compute));
+    WSYNC_RETURN_IF_ERROR(
+        CopyToPinned(pinned, &tc.hist, At<uint32_t>(mem, tc.o_hist), tc.layout.Chunks() * tc.bins, compute));
+  }
+  WSYNC_RETURN_IF_ERROR(Check(cudaStreamSynchronize(compute), "histograms"));
+  EndPhase("histograms");
 
-  // The compact change: positions, deltas, old values.
+  // The compact changes: positions, deltas, old values (and ranks, later).
   Carver cc;
-  const size_t o_pos = cc.Add<uint32_t>(m);
-  const size_t o_delta = cc.Add<uint8_t>(m * width);
-  const size_t o_old = cc.Add<uint8_t>(m * width);
-  const size_t o_rank = cc.Add<uint32_t>(m);
+  for (TensorChange& tc : batch) {
+    if (tc.empty()) continue;
+    const size_t m = tc.changes();
+    tc.o_pos = cc.Add<uint32_t>(m);
+    tc.o_delta = cc.Add<uint8_t>(m * tc.width);
+    tc.o_old = cc.Add<uint8_t>(m * tc.width);
+    tc.o_rank = cc.Add<uint32_t>(m);
+  }
   WSYNC_ASSIGN_OR_RETURN(void* cmem, changes.Get(cc.bytes()));
-  WSYNC_RETURN_IF_ERROR(LaunchDiffScatter(base.data, target.data, w, l, offsets, At<uint32_t>(cmem, o_pos),
-                                          At<uint8_t>(cmem, o_delta), At<uint8_t>(cmem, o_old), compute));
-  WSYNC_RETURN_IF_ERROR(CopyDown(&out->pos, At<uint32_t>(cmem, o_pos), m, compute));
-  WSYNC_RETURN_IF_ERROR(CopyDown(&out->delta, At<uint8_t>(cmem, o_delta), m * width, compute));
-  WSYNC_RETURN_IF_ERROR(CopyDown(&out->old, At<uint8_t>(cmem, o_old), m * width, compute));
+  for (size_t i = 0; i < batch.size(); ++i) {
+    TensorChange& tc = batch[i];
+    if (tc.empty()) continue;
+    const size_t m = tc.changes();
+    WSYNC_RETURN_IF_ERROR(LaunchDiffScatter(base[t0 + i].data, target[t0 + i].data, static_cast<int>(tc.width),
+                                            tc.layout, At<uint32_t>(mem, tc.o_offsets), At<uint32_t>(cmem, tc.o_pos),
+                                            At<uint8_t>(cmem, tc.o_delta), At<uint8_t>(cmem, tc.o_old), compute));
+    WSYNC_RETURN_IF_ERROR(CopyToPinned(pinned, &tc.pos, At<uint32_t>(cmem, tc.o_pos), m, compute));
+    WSYNC_RETURN_IF_ERROR(CopyToPinned(pinned, &tc.delta, At<uint8_t>(cmem, tc.o_delta), m * tc.width, compute));
+    WSYNC_RETURN_IF_ERROR(CopyToPinned(pinned, &tc.old, At<uint8_t>(cmem, tc.o_old), m * tc.width, compute));
+  }
   WSYNC_RETURN_IF_ERROR(Check(cudaStreamSynchronize(compute), "compaction"));
+  EndPhase("compact");
 
-  // Classes on the host (small), ranks on the device when any chunk needs them.
-  std::vector<ClassSpec>& specs = out->specs;
-  specs.resize(chunks);
-  ParallelFor(pool, chunks, [&](size_t c) {
-    if (codec::ClassSourceChunk(c) != c) return;  // takes its run's classes, below
-    specs[c] = writer.ChooseClasses(chunk_ids[c], conditioned ? hist_host.data() + c * bins : nullptr, out->Change(c));
+  // Classes on the host (small): the first chunk of every run chooses.
+  std::vector<std::pair<size_t, size_t>> sources;  // (tensor in batch, chunk)
+  for (size_t i = 0; i < batch.size(); ++i) {
+    TensorChange& tc = batch[i];
+    if (tc.empty()) continue;
+    tc.specs.assign(tc.layout.Chunks(), ClassSpec{});
+    for (uint64_t c = 0; c < tc.layout.Chunks(); c += codec::kClassRunChunks) sources.emplace_back(i, c);
+  }
+  ParallelFor(options.pool, sources.size(), [&](size_t s) {
+    TensorChange& tc = batch[sources[s].first];
+    const size_t c = sources[s].second;
+    tc.specs[c] = writer.ChooseClasses(tc.chunk_ids[c], tc.conditioned ? tc.hist + c * tc.bins : nullptr, tc.Change(c));
   });
-  for (uint64_t c = 0; c < chunks; ++c) specs[c] = specs[codec::ClassSourceChunk(c)];
-  bool need_ranks = false;
-  for (uint64_t c = 0; c < chunks; ++c) {
-    need_ranks = need_ranks || writer.NeedsRanks(chunk_ids[c], out->Change(c).count, specs[c]);
+  size_t rank_bytes = 0;
+  for (TensorChange& tc : batch) {
+    if (tc.empty()) continue;
+    for (uint64_t c = 0; c < tc.layout.Chunks(); ++c) {
+      tc.specs[c] = tc.specs[codec::ClassSourceChunk(c)];
+      tc.need_ranks = tc.need_ranks || writer.NeedsRanks(tc.chunk_ids[c], tc.Change(c).count, tc.specs[c]);
+    }
+    if (tc.need_ranks) rank_bytes = std::max(rank_bytes, RankScratchOf(tc.layout).bytes);
   }
-  if (need_ranks) {
-    WSYNC_RETURN_IF_ERROR(RankPrefix(base.data, width, l, specs, At<ClassSpec>(mem, o_specs), counts, offsets, temp,
-                                     scan_bytes));
-    WSYNC_RETURN_IF_ERROR(LaunchRanks(base.data, w, l, At<ClassSpec>(mem, o_specs), offsets, chunk_offsets,
-                                      At<uint32_t>(cmem, o_pos), At<uint8_t>(cmem, o_old), m,
-                                      At<uint32_t>(cmem, o_rank), compute));
-    WSYNC_RETURN_IF_ERROR(CopyDown(&out->rank, At<uint32_t>(cmem, o_rank), m, compute));
-    WSYNC_RETURN_IF_ERROR(Check(cudaStreamSynchronize(compute), "ranks"));
+  EndPhase("classes");
+  if (rank_bytes == 0) return Status::Ok();
+
+  // Ranks on the device, one tensor after another in rank_mem.
+  WSYNC_ASSIGN_OR_RETURN(void* rmem, rank_mem.Get(rank_bytes));
+  for (size_t i = 0; i < batch.size(); ++i) {
+    TensorChange& tc = batch[i];
+    if (!tc.need_ranks) continue;
+    const void* b = base[t0 + i].data;
+    const RankScratch rs = RankScratchOf(tc.layout);
+    WSYNC_RETURN_IF_ERROR(RankPrefix(b, tc.width, tc.layout, tc.specs, rmem, rs));
+    WSYNC_RETURN_IF_ERROR(LaunchRanks(b, static_cast<int>(tc.width), tc.layout, At<ClassSpec>(rmem, rs.o_specs),
+                                      At<uint32_t>(rmem, rs.o_prefix), At<uint32_t>(mem, tc.o_chunks),
+                                      At<uint32_t>(cmem, tc.o_pos), At<uint8_t>(cmem, tc.o_old), tc.changes(),
+                                      At<uint32_t>(cmem, tc.o_rank), compute));
+    WSYNC_RETURN_IF_ERROR(CopyToPinned(pinned, &tc.rank, At<uint32_t>(cmem, tc.o_rank), tc.changes(), compute));
   }
+  WSYNC_RETURN_IF_ERROR(Check(cudaStreamSynchronize(compute), "ranks"));
+  EndPhase("ranks");
   return Status::Ok();
 }
 
@@ -351,6 +551,7 @@ StatusOr<std::string> DeviceCodec::Encode(std::span<const TensorView> live,
                                           const std::function<void()>& on_snapshot,
                                           std::span<const TensorView> target) {
   Impl& d = *impl_;
+  d.StartPhases();
   WSYNC_RETURN_IF_ERROR(d.Activate());
   WSYNC_RETURN_IF_ERROR(CheckPairs(previous, target, "base and target"));
   WSYNC_ASSIGN_OR_RETURN(auto writer, codec::staged::PatchWriter::Create(target, options));
@@ -386,54 +587,57 @@ StatusOr<std::string> DeviceCodec::Encode(std::span<const TensorView> live,
     return Status::Ok();
   };
 
+  // Batch after batch: the device compacts, the host entropy-codes.
   std::vector<uint64_t> target_sums(target.size()), base_sums(target.size());
   std::vector<TensorChange> changes(target.size());
   Status status;
-  for (size_t t = 0; t < target.size() && status.ok(); ++t) {
-    if (snapshotting) status = Check(cudaStreamWaitEvent(d.compute, landed[t], 0), "wait for snapshot");
-    std::vector<uint64_t> bd, td;
-    changes[t].chunk_ids = by_tensor[t];
-    if (status.ok()) {
-      status = d.CompactTensor(writer, previous[t], target[t], options.chunk_bytes, options.condition_on_base,
-                               options.pool, &changes[t], &bd, &td);
+  for (size_t t0 = 0; t0 < target.size() && status.ok();) {
+    size_t t1 = t0, bytes = 0;
+    while (t1 < target.size() && (t1 == t0 || bytes + target[t1].NumElements() / 4 <= kBatchScratchBytes)) {
+      bytes += target[t1].NumElements() / 4;
+      changes[t1].chunk_ids = by_tensor[t1];
+      ++t1;
     }
-    if (status.ok()) {
-      base_sums[t] = codec::CombineBlockDigests(bd);
-      target_sums[t] = codec::CombineBlockDigests(td);
-    }
+    const std::span<TensorChange> batch(changes.data() + t0, t1 - t0);
+    d.pinned.Reset();
+    status = d.CompactBatch(writer, previous, target, t0, batch, options, landed);
     // Once the copy stream is idle the trainer may go on; check as we go.
     if (status.ok() && !snapshot_reported && cudaStreamQuery(d.copy) == cudaSuccess) status = report_snapshot();
+    if (!status.ok()) break;
+    std::vector<std::pair<size_t, size_t>> all;  // (tensor, chunk in tensor)
+    for (size_t t = t0; t < t1; ++t) {
+      base_sums[t] = codec::CombineBlockDigests(std::span(changes[t].base_digests, changes[t].ndigests));
+      target_sums[t] = codec::CombineBlockDigests(std::span(changes[t].target_digests, changes[t].ndigests));
+      if (changes[t].empty()) continue;
+      for (size_t c = 0; c < changes[t].chunk_ids.size(); ++c) all.emplace_back(t, c);
+    }
+    FirstError error;
+    ParallelFor(options.pool, all.size(), [&](size_t i) {
+      const TensorChange& tc = changes[all[i].first];
+      const size_t c = all[i].second;
+      error.Record(i, writer.SetChunk(tc.chunk_ids[c], tc.Change(c), tc.specs[c], tc.Ranks(c)));
+    });
+    status = error.status();
+    for (size_t t = t0; t < t1; ++t) changes[t] = TensorChange{};  // its host memory is the next batch's
+    d.EndPhase("entropy");
+    t0 = t1;
   }
   if (status.ok()) status = report_snapshot();
   cudaStreamSynchronize(d.copy);
   destroy();
   WSYNC_RETURN_IF_ERROR(status);
-  // The entropy stage over every chunk of the set at once.
-  std::vector<std::pair<size_t, size_t>> all;  // (tensor, chunk in tensor)
-  for (size_t t = 0; t < changes.size(); ++t) {
-    for (size_t c = 0; c < changes[t].chunk_ids.size(); ++c) all.emplace_back(t, c);
-  }
-  FirstError error;
-  ParallelFor(options.pool, all.size(), [&](size_t i) {
-    const TensorChange& tc = changes[all[i].first];
-    const size_t c = all[i].second;
-    error.Record(i, tc.chunk_off.empty() ? Status::Ok()
-                                         : writer.SetChunk(tc.chunk_ids[c], tc.Change(c), tc.specs[c], tc.Ranks(c)));
-  });
-  WSYNC_RETURN_IF_ERROR(error.status());
   WSYNC_RETURN_IF_ERROR(writer.SetChecksums(target_sums, base_sums));
-  return writer.Finish();
+  auto out = writer.Finish();
+  d.EndPhase("finish");
+  return out;
 }
 
 StatusOr<bool> DeviceCodec::Impl::HoldsBase(const codec::staged::PatchReader& r,
                                             std::span<const MutableTensorView> dst,
                                             const std::vector<size_t>& match) {
-  std::vector<uint64_t> sums;
-  for (size_t t = 0; t < match.size(); ++t) {
-    const MutableTensorView& v = dst[match[t]];
-    WSYNC_ASSIGN_OR_RETURN(uint64_t sum, Checksum(v.data, v.NumBytes()));
-    sums.push_back(sum);
-  }
+  std::vector<std::pair<const void*, size_t>> regions;
+  for (size_t t = 0; t < match.size(); ++t) regions.emplace_back(dst[match[t]].data, dst[match[t]].NumBytes());
+  WSYNC_ASSIGN_OR_RETURN(auto sums, Checksums(regions));
   return codec::SetChecksumOf(sums) == r.base_set_checksum();
 }
 
@@ -477,153 +681,236 @@ Status DeviceCodec::Impl::ApplyDelta(const codec::staged::PatchReader& r, std::s
   const auto by_tensor = ChunksByTensor(chunks, match.size());
   std::vector<DecodedChunk> decoded(chunks.size());
   FirstError error;
+  pinned.Reset();
   // Stage 1 on the host: positions (or ranks) of every chunk.
   ParallelFor(options.pool, chunks.size(), [&](size_t i) { error.Record(i, r.DecodePositions(i, &decoded[i])); });
+  EndPhase("positions");
 
-  // Stage 2 on the device: positions from ranks and old values, where the
-  // coding is conditioned on the base.
-  std::vector<std::vector<uint8_t>> old(chunks.size());
-  for (size_t t = 0; t < match.size() && error.status().ok(); ++t) {
+  // Stage 2 on the device, every tensor in one go: positions from ranks and
+  // old values, where the coding is conditioned on the base.
+  struct Entries {
+    size_t me = 0, mg = 0;        // ranked entries, gathered elements
+    uint32_t* chunk = nullptr;    // page-locked: ranked entries' chunk in tensor, class and rank
+    uint8_t* cls = nullptr;
+    uint32_t* rank = nullptr;
+    uint64_t* gather = nullptr;   // page-locked: element indices whose old values are gathered
+    std::vector<ClassSpec> specs;
+    size_t o_chunk = 0, o_cls = 0, o_rank = 0, o_pos = 0, o_eold = 0, o_err = 0, o_gidx = 0, o_gold = 0;
+    const uint32_t* pos = nullptr;  // page-locked, once copied back
+    const uint8_t* old = nullptr;
+    const uint8_t* gathered = nullptr;
+    const uint32_t* err = nullptr;
+  };
+  std::vector<Entries> entries(match.size());
+  // Where each chunk's entries start in its tensor's lists.
+  std::vector<size_t> e_start(chunks.size()), g_start(chunks.size()), tensor_of(chunks.size()), in_tensor(chunks.size());
+  Carver carve;
+  size_t rank_bytes = 0;
+  bool any = false;
+  for (size_t t = 0; t < match.size() && !error.failed(); ++t) {
     const MutableTensorView& v = dst[match[t]];
     const size_t width = codec::DTypeWidth(v.dtype);
-    const int w = static_cast<int>(width);
-    const logic::Layout l = LayoutOf(v.NumElements(), width, r.chunk_bytes());
-    std::vector<uint32_t> e_chunk, e_rank;
-    std::vector<uint8_t> e_cls;
-    std::vector<uint64_t> g_index;
-    std::vector<ClassSpec> specs(by_tensor[t].size());
+    Entries& e = entries[t];
+    e.specs.resize(by_tensor[t].size());
     for (size_t c = 0; c < by_tensor[t].size(); ++c) {
-      const DecodedChunk& dc = decoded[by_tensor[t][c]];
-      specs[c] = dc.spec;
+      const size_t i = by_tensor[t][c];
+      const DecodedChunk& dc = decoded[i];
+      e.specs[c] = dc.spec;
+      tensor_of[i] = t;
+      in_tensor[i] = c;
+      e_start[i] = e.me;
+      g_start[i] = e.mg;
       if (!dc.values_pending || dc.spec.k == 1) continue;
       if (dc.ranked) {
-        size_t at = 0;
+        uint64_t listed = 0;
+        for (int k = 0; k < dc.spec.k; ++k) listed += dc.class_counts[k];
+        if (listed != dc.ranks.size()) {
+          error.Record(i, DataLossError("tensor " + Quoted(r.tensor_name(t)) + " chunk " +
+                                        std::to_string(chunks[i].index) + ": class counts do not sum to its ranks"));
+        }
+        e.me += dc.ranks.size();
+      } else {
+        e.mg += dc.pos.size();
+      }
+    }
+    if (e.me == 0 && e.mg == 0) continue;
+    any = true;
+    WSYNC_ASSIGN_OR_RETURN(e.chunk, pinned.Alloc<uint32_t>(e.me));
+    WSYNC_ASSIGN_OR_RETURN(e.cls, pinned.Alloc<uint8_t>(e.me));
+    WSYNC_ASSIGN_OR_RETURN(e.rank, pinned.Alloc<uint32_t>(e.me));
+    WSYNC_ASSIGN_OR_RETURN(e.gather, pinned.Alloc<uint64_t>(e.mg));
+    e.o_chunk = carve.Add<uint32_t>(e.me);
+    e.o_cls = carve.Add<uint8_t>(e.me);
+    e.o_rank = carve.Add<uint32_t>(e.me);
+    e.o_pos = carve.Add<uint32_t>(e.me);
+    e.o_eold = carve.Add<uint8_t>(e.me * width);
+    e.o_err = carve.Add<uint32_t>(1);
+    e.o_gidx = carve.Add<uint64_t>(e.mg);
+    e.o_gold = carve.Add<uint8_t>(e.mg * width);
+    if (e.me > 0) {
+      rank_bytes = std::max(rank_bytes, RankScratchOf(LayoutOf(v.NumElements(), width, r.chunk_bytes())).bytes);
+    }
+  }
+  if (any && !error.failed()) {
+    ParallelFor(options.pool, chunks.size(), [&](size_t i) {
+      const DecodedChunk& dc = decoded[i];
+      if (!dc.values_pending || dc.spec.k == 1) return;
+      Entries& e = entries[tensor_of[i]];
+      if (dc.ranked) {
+        size_t at = e_start[i];
         for (int k = 0; k < dc.spec.k; ++k) {
           for (uint64_t j = 0; j < dc.class_counts[k]; ++j, ++at) {
-            e_chunk.push_back(static_cast<uint32_t>(c));
-            e_cls.push_back(static_cast<uint8_t>(k));
-            e_rank.push_back(dc.ranks[at]);
+            e.chunk[at] = static_cast<uint32_t>(in_tensor[i]);
+            e.cls[at] = static_cast<uint8_t>(k);
+            e.rank[at] = dc.ranks[at - e_start[i]];
           }
         }
       } else {
-        for (uint32_t p : dc.pos) g_index.push_back(chunks[by_tensor[t][c]].first_element + p);
+        for (size_t j = 0; j < dc.pos.size(); ++j) e.gather[g_start[i] + j] = chunks[i].first_element + dc.pos[j];
+      }
+    });
+  }
+  if (any && !error.failed()) {
+    WSYNC_ASSIGN_OR_RETURN(void* mem, scratch.Get(carve.bytes()));
+    void* rmem = nullptr;
+    if (rank_bytes > 0) {
+      WSYNC_ASSIGN_OR_RETURN(rmem, rank_mem.Get(rank_bytes));
+    }
+    for (size_t t = 0; t < match.size(); ++t) {
+      Entries& e = entries[t];
+      const size_t me = e.me, mg = e.mg;
+      if (me == 0 && mg == 0) continue;
+      const MutableTensorView& v = dst[match[t]];
+      const size_t width = codec::DTypeWidth(v.dtype);
+      const int w = static_cast<int>(width);
+      const logic::Layout l = LayoutOf(v.NumElements(), width, r.chunk_bytes());
+      if (me > 0) {
+        const RankScratch rs = RankScratchOf(l);
+        WSYNC_RETURN_IF_ERROR(RankPrefix(v.data, width, l, e.specs, rmem, rs));
+        WSYNC_RETURN_IF_ERROR(CopyUp(At<void>(mem, e.o_chunk), e.chunk, me * 4, compute));
+        WSYNC_RETURN_IF_ERROR(CopyUp(At<void>(mem, e.o_cls), e.cls, me, compute));
+        WSYNC_RETURN_IF_ERROR(CopyUp(At<void>(mem, e.o_rank), e.rank, me * 4, compute));
+        WSYNC_RETURN_IF_ERROR(Check(cudaMemsetAsync(At<void>(mem, e.o_err), 0, 4, compute), "memset"));
+        WSYNC_RETURN_IF_ERROR(LaunchRankPositions(v.data, w, l, At<ClassSpec>(rmem, rs.o_specs),
+                                                  At<uint32_t>(rmem, rs.o_prefix), At<uint32_t>(mem, e.o_chunk),
+                                                  At<uint8_t>(mem, e.o_cls), At<uint32_t>(mem, e.o_rank), me,
+                                                  At<uint32_t>(mem, e.o_pos), At<uint8_t>(mem, e.o_eold),
+                                                  At<uint32_t>(mem, e.o_err), compute));
+        WSYNC_RETURN_IF_ERROR(CopyToPinned(pinned, &e.pos, At<uint32_t>(mem, e.o_pos), me, compute));
+        WSYNC_RETURN_IF_ERROR(CopyToPinned(pinned, &e.old, At<uint8_t>(mem, e.o_eold), me * width, compute));
+        WSYNC_RETURN_IF_ERROR(CopyToPinned(pinned, &e.err, At<uint32_t>(mem, e.o_err), 1, compute));
+      }
+      if (mg > 0) {
+        WSYNC_RETURN_IF_ERROR(CopyUp(At<void>(mem, e.o_gidx), e.gather, mg * 8, compute));
+        WSYNC_RETURN_IF_ERROR(
+            LaunchGather(v.data, w, At<uint64_t>(mem, e.o_gidx), mg, At<uint8_t>(mem, e.o_gold), compute));
+        WSYNC_RETURN_IF_ERROR(CopyToPinned(pinned, &e.gathered, At<uint8_t>(mem, e.o_gold), mg * width, compute));
       }
     }
-    if (e_chunk.empty() && g_index.empty()) continue;
-    const size_t me = e_chunk.size(), mg = g_index.size();
-    const uint64_t blocks = l.Blocks();
-    const size_t scan_n = kMaxClasses * blocks + 1;
-    const size_t scan_bytes = ScanBytes(scan_n);
-    Carver carve;
-    const size_t o_specs = carve.Add<ClassSpec>(specs.size());
-    const size_t o_counts = carve.Add<uint32_t>(scan_n);
-    const size_t o_prefix = carve.Add<uint32_t>(scan_n);
-    const size_t o_temp = carve.Add<uint8_t>(scan_bytes);
-    const size_t o_chunk = carve.Add<uint32_t>(me);
-    const size_t o_cls = carve.Add<uint8_t>(me);
-    const size_t o_rank = carve.Add<uint32_t>(me);
-    const size_t o_pos = carve.Add<uint32_t>(me);
-    const size_t o_eold = carve.Add<uint8_t>(me * width);
-    const size_t o_err = carve.Add<uint32_t>(1);
-    const size_t o_gidx = carve.Add<uint64_t>(mg);
-    const size_t o_gold = carve.Add<uint8_t>(mg * width);
-    WSYNC_ASSIGN_OR_RETURN(void* mem, scratch.Get(carve.bytes()));
-    std::vector<uint32_t> e_pos, err(1, 0);
-    std::vector<uint8_t> e_old, g_old;
-    if (me > 0) {
-      WSYNC_RETURN_IF_ERROR(RankPrefix(v.data, width, l, specs, At<ClassSpec>(mem, o_specs),
-                                       At<uint32_t>(mem, o_counts), At<uint32_t>(mem, o_prefix),
-                                       At<uint8_t>(mem, o_temp), scan_bytes));
-      WSYNC_RETURN_IF_ERROR(CopyUp(At<void>(mem, o_chunk), e_chunk.data(), me * 4, compute));
-      WSYNC_RETURN_IF_ERROR(CopyUp(At<void>(mem, o_cls), e_cls.data(), me, compute));
-      WSYNC_RETURN_IF_ERROR(CopyUp(At<void>(mem, o_rank), e_rank.data(), me * 4, compute));
-      WSYNC_RETURN_IF_ERROR(Check(cudaMemsetAsync(At<void>(mem, o_err), 0, 4, compute), "memset"));
-      WSYNC_RETURN_IF_ERROR(LaunchRankPositions(v.data, w, l, At<ClassSpec>(mem, o_specs), At<uint32_t>(mem, o_prefix),
-                                                At<uint32_t>(mem, o_chunk), At<uint8_t>(mem, o_cls),
-                                                At<uint32_t>(mem, o_rank), me, At<uint32_t>(mem, o_pos),
-                                                At<uint8_t>(mem, o_eold), At<uint32_t>(mem, o_err), compute));
-      WSYNC_RETURN_IF_ERROR(CopyDown(&e_pos, At<uint32_t>(mem, o_pos), me, compute));
-      WSYNC_RETURN_IF_ERROR(CopyDown(&e_old, At<uint8_t>(mem, o_eold), me * width, compute));
-      WSYNC_RETURN_IF_ERROR(CopyDown(&err, At<uint32_t>(mem, o_err), 1, compute));
-    }
-    if (mg > 0) {
-      WSYNC_RETURN_IF_ERROR(CopyUp(At<void>(mem, o_gidx), g_index.data(), mg * 8, compute));
-      WSYNC_RETURN_IF_ERROR(LaunchGather(v.data, w, At<uint64_t>(mem, o_gidx), mg, At<uint8_t>(mem, o_gold), compute));
-      WSYNC_RETURN_IF_ERROR(CopyDown(&g_old, At<uint8_t>(mem, o_gold), mg * width, compute));
-    }
     WSYNC_RETURN_IF_ERROR(Check(cudaStreamSynchronize(compute), "positions"));
-    if (err[0] != 0) {
-      const size_t e = err[0] - 1;
-      const Chunk& ch = chunks[by_tensor[t][e_chunk[e]]];
-      error.Record(by_tensor[t][e_chunk[e]],
-                   DataLossError("tensor " + Quoted(r.tensor_name(t)) + " chunk " + std::to_string(ch.index) +
-                                 ": position stream: class " + std::to_string(e_cls[e]) + " rank " +
-                                 std::to_string(e_rank[e]) + " beyond its elements"));
-      break;
+    for (size_t t = 0; t < match.size(); ++t) {
+      const Entries& e = entries[t];
+      if (e.err == nullptr || e.err[0] == 0) continue;
+      const size_t k = e.err[0] - 1;
+      const size_t i = by_tensor[t][e.chunk[k]];
+      error.Record(i, DataLossError("tensor " + Quoted(r.tensor_name(t)) + " chunk " +
+                                    std::to_string(chunks[i].index) + ": position stream: class " +
+                                    std::to_string(e.cls[k]) + " rank " + std::to_string(e.rank[k]) +
+                                    " beyond its elements"));
     }
-    // Where each chunk's entries start, then the merges in parallel.
-    std::vector<size_t> e_start(by_tensor[t].size()), g_start(by_tensor[t].size());
-    for (size_t c = 0, e_at = 0, g_at = 0; c < by_tensor[t].size(); ++c) {
-      const DecodedChunk& dc = decoded[by_tensor[t][c]];
-      e_start[c] = e_at;
-      g_start[c] = g_at;
-      if (!dc.values_pending || dc.spec.k == 1) continue;
-      (dc.ranked ? e_at : g_at) += dc.ranked ? dc.ranks.size() : dc.pos.size();
-    }
-    ParallelFor(options.pool, by_tensor[t].size(), [&](size_t c) {
-      const size_t i = by_tensor[t][c];
+  }
+  EndPhase("ranks");
+  // Old values of every chunk: ranked entries merged by position, gathered
+  // ones as they come.
+  std::vector<std::vector<uint8_t>> old(chunks.size());
+  if (any && !error.failed()) {
+    ParallelFor(options.pool, chunks.size(), [&](size_t i) {
       DecodedChunk& dc = decoded[i];
       if (!dc.values_pending || dc.spec.k == 1) return;
+      const Entries& e = entries[tensor_of[i]];
+      const size_t width = chunks[i].width;
       if (dc.ranked) {
-        error.Record(i, codec::staged::MergeRankedPositions(e_pos.data() + e_start[c],
-                                                             e_old.data() + e_start[c] * width, width, &dc, &old[i]));
+        error.Record(i, codec::staged::MergeRankedPositions(e.pos + e_start[i], e.old + e_start[i] * width, width,
+                                                             &dc, &old[i]));
       } else {
-        old[i].assign(g_old.begin() + g_start[c] * width, g_old.begin() + (g_start[c] + dc.pos.size()) * width);
+        old[i].assign(e.gathered + g_start[i] * width, e.gathered + (g_start[i] + dc.pos.size()) * width);
       }
     });
   }
   // Stage 3 on the host: the values.
-  if (error.status().ok()) {
+  if (!error.failed()) {
     ParallelFor(options.pool, chunks.size(), [&](size_t i) {
       error.Record(i, r.DecodeValues(i, old[i].empty() ? nullptr : old[i].data(), &decoded[i]));
     });
   }
-  if (!error.status().ok()) {
+  EndPhase("values");
+  if (error.failed()) {
     WSYNC_ASSIGN_OR_RETURN(bool holds, HoldsBase(r, dst, match));
     if (!holds) return WrongBase(r);
     return error.status();
   }
 
   // Scatter every tensor, then verify every tensor; undo all on a mismatch.
-  std::vector<std::vector<uint64_t>> index(match.size());
-  std::vector<std::vector<uint8_t>> deltas(match.size());
+  struct List {
+    uint64_t* index = nullptr;  // page-locked
+    uint8_t* delta = nullptr;
+    size_t m = 0, o_idx = 0, o_delta = 0;
+  };
+  std::vector<List> lists(match.size());
+  Carver sc;
+  for (size_t t = 0; t < match.size(); ++t) {
+    List& li = lists[t];
+    for (size_t i : by_tensor[t]) li.m += decoded[i].pos.size();
+    const size_t width = codec::DTypeWidth(dst[match[t]].dtype);
+    WSYNC_ASSIGN_OR_RETURN(li.index, pinned.Alloc<uint64_t>(li.m));
+    WSYNC_ASSIGN_OR_RETURN(li.delta, pinned.Alloc<uint8_t>(li.m * width));
+    li.o_idx = sc.Add<uint64_t>(li.m);
+    li.o_delta = sc.Add<uint8_t>(li.m * width);
+  }
   ParallelFor(options.pool, match.size(), [&](size_t t) {
+    List& li = lists[t];
+    size_t at = 0, bytes = 0;
     for (size_t i : by_tensor[t]) {
       const DecodedChunk& dc = decoded[i];
-      for (uint32_t p : dc.pos) index[t].push_back(chunks[i].first_element + p);
-      deltas[t].insert(deltas[t].end(), dc.delta.begin(), dc.delta.end());
+      for (uint32_t p : dc.pos) li.index[at++] = chunks[i].first_element + p;
+      if (dc.delta.empty()) continue;
+      std::memcpy(li.delta + bytes, dc.delta.data(), dc.delta.size());
+      bytes += dc.delta.size();
     }
   });
-  auto scatter = [&](size_t t, bool undo) -> Status {
-    const MutableTensorView& v = dst[match[t]];
-    const size_t m = index[t].size();
-    if (m == 0) return Status::Ok();
-    Carver carve;
-    const size_t o_idx = carve.Add<uint64_t>(m);
-    const size_t o_delta = carve.Add<uint8_t>(deltas[t].size());
-    WSYNC_ASSIGN_OR_RETURN(void* mem, changes.Get(carve.bytes()));
-    WSYNC_RETURN_IF_ERROR(CopyUp(At<void>(mem, o_idx), index[t].data(), m * 8, compute));
-    WSYNC_RETURN_IF_ERROR(CopyUp(At<void>(mem, o_delta), deltas[t].data(), deltas[t].size(), compute));
-    WSYNC_RETURN_IF_ERROR(LaunchScatterAdd(v.data, static_cast<int>(codec::DTypeWidth(v.dtype)),
-                                           At<uint64_t>(mem, o_idx), At<uint8_t>(mem, o_delta), m, undo, compute));
-    return Check(cudaStreamSynchronize(compute), "scatter");
+  WSYNC_ASSIGN_OR_RETURN(void* smem, changes.Get(sc.bytes()));
+  auto scatter = [&](bool undo) -> Status {
+    for (size_t t = 0; t < match.size(); ++t) {
+      const List& li = lists[t];
+      if (li.m == 0) continue;
+      const MutableTensorView& v = dst[match[t]];
+      const int w = static_cast<int>(codec::DTypeWidth(v.dtype));
+      if (!undo) {
+        WSYNC_RETURN_IF_ERROR(CopyUp(At<void>(smem, li.o_idx), li.index, li.m * 8, compute));
+        WSYNC_RETURN_IF_ERROR(CopyUp(At<void>(smem, li.o_delta), li.delta, li.m * w, compute));
+      }
+      WSYNC_RETURN_IF_ERROR(LaunchScatterAdd(v.data, w, At<uint64_t>(smem, li.o_idx), At<uint8_t>(smem, li.o_delta),
+                                             li.m, undo, compute));
+    }
+    return Status::Ok();
   };
-  for (size_t t = 0; t < match.size(); ++t) WSYNC_RETURN_IF_ERROR(scatter(t, false));
+  WSYNC_RETURN_IF_ERROR(scatter(false));
+  std::vector<std::pair<const void*, size_t>> regions;
+  for (size_t t = 0; t < match.size(); ++t) regions.emplace_back(dst[match[t]].data, dst[match[t]].NumBytes());
+  Status scattered = Check(cudaStreamSynchronize(compute), "scatter");
+  EndPhase("scatter");
+  auto sums = scattered.ok() ? Checksums(regions) : StatusOr<std::vector<uint64_t>>(scattered);
+  EndPhase("verify");
+  if (!sums.ok()) {
+    // The scatter may or may not have run: put the tensors back either way.
+    const Status undone = scatter(true);
+    cudaStreamSynchronize(compute);
+    return undone.ok() ? sums.status() : undone;
+  }
   for (size_t t = 0; t < match.size(); ++t) {
-    const MutableTensorView& v = dst[match[t]];
-    WSYNC_ASSIGN_OR_RETURN(uint64_t sum, Checksum(v.data, v.NumBytes()));
-    if (sum == r.target_checksum(t)) continue;
-    for (size_t u = 0; u < match.size(); ++u) WSYNC_RETURN_IF_ERROR(scatter(u, true));
+    if ((*sums)[t] == r.target_checksum(t)) continue;
+    WSYNC_RETURN_IF_ERROR(scatter(true));
+    WSYNC_RETURN_IF_ERROR(Check(cudaStreamSynchronize(compute), "undo"));
     WSYNC_ASSIGN_OR_RETURN(bool holds, HoldsBase(r, dst, match));
     if (!holds) return WrongBase(r);
     return DataLossError("tensor " + Quoted(r.tensor_name(t)) +
@@ -635,6 +922,7 @@ Status DeviceCodec::Impl::ApplyDelta(const codec::staged::PatchReader& r, std::s
 
 Status DeviceCodec::ApplyPatch(std::string_view patch, std::span<const MutableTensorView> tensors,
                                const codec::ApplyOptions& options) {
+  impl_->StartPhases();
   WSYNC_RETURN_IF_ERROR(impl_->Activate());
   WSYNC_ASSIGN_OR_RETURN(auto reader, codec::staged::PatchReader::Open(patch, options.verify_patch_checksum));
   WSYNC_ASSIGN_OR_RETURN(auto match, reader.Match(tensors, options.allow_extra_tensors));
@@ -642,8 +930,11 @@ Status DeviceCodec::ApplyPatch(std::string_view patch, std::span<const MutableTe
   return impl_->ApplyDelta(reader, tensors, match, options);
 }
 
+const std::vector<DeviceCodec::Phase>& DeviceCodec::last_phases() const { return impl_->phases; }
+
 StatusOr<uint64_t> DeviceCodec::TensorChecksum(const void* data, size_t nbytes) {
   WSYNC_RETURN_IF_ERROR(impl_->Activate());
+  impl_->pinned.Reset();
   return impl_->Checksum(data, nbytes);
 }
 

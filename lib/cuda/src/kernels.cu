@@ -92,40 +92,54 @@ __global__ void SampleHistogramKernel(const T* base, Layout l, int shift, uint32
   const uint64_t t = blockIdx.x * static_cast<uint64_t>(blockDim.x) + threadIdx.x;
   const uint64_t b = t / kBlock;
   if (b >= l.Blocks() || !l.Sampled(b)) return;
+  // A sampled block is a whole warp (full, 32-aligned): lanes with the same
+  // bin add once, through their lowest lane.
   const uint32_t e = static_cast<uint32_t>((static_cast<uint64_t>(base[t]) >> shift) & mask);
-  atomicAdd(&hist[(t / l.chunk_elems) * bins + e], 1u);
+  const unsigned peers = __match_any_sync(kFullWarp, e);
+  if (static_cast<int>(t % kBlock) == __ffs(peers) - 1) {
+    atomicAdd(&hist[(t / l.chunk_elems) * bins + e], static_cast<uint32_t>(__popc(peers)));
+  }
 }
 
-// One CTA per 1 MiB digest block. Its threads sum the 1 KiB blocks' stripe
-// contributions (logic::Xxh3BlockSum) for all eight lanes in parallel; eight
-// threads then run the short sequential chain of scrambles, the tail and
-// the merge.
+// One CTA per 1 MiB digest block. Its warps read the 1 KiB blocks whole and
+// coalesced, each reducing one block's stripe contributions for all eight
+// lanes (logic::Xxh3WarpTerms, then three shuffles); eight threads then run
+// the short sequential chain of scrambles, the tail and the merge.
 constexpr int kDigestThreads = 256;
+constexpr int kDigestWarps = kDigestThreads / 32;
 
-__global__ void BlockDigestsKernel(const uint8_t* data, size_t nbytes, uint64_t* digests) {
-  const size_t d = blockIdx.x;
+// The digest of 1 MiB block d of a region, by one CTA.
+__device__ void DigestBlock(const uint8_t* data, size_t nbytes, size_t d, uint64_t* digest) {
   const int tid = threadIdx.x;
   const size_t begin = d * codec::kChecksumBlockBytes;
   const size_t len = min(codec::kChecksumBlockBytes, nbytes - begin);
   const uint8_t* in = data + begin;
   if (len <= 240) {
-    if (tid == 0) digests[d] = logic::Xxh3Short(in, len);
+    if (tid == 0) *digest = logic::Xxh3Short(in, len);
     return;
   }
   __shared__ uint64_t sums[kDigestThreads][8];
   __shared__ uint64_t acc[8];
+  const int warp = tid / 32, t = tid % 32;
+  uint64_t keys[logic::kWarpWords];
+  for (int j = 0; j < logic::kWarpWords; ++j) keys[j] = logic::Xxh3WarpKey(t, j);
   if (tid < 8) acc[tid] = logic::Xxh3InitAcc(tid);
   const size_t blocks = logic::Xxh3FullBlocks(len);
   for (size_t first = 0; first < blocks; first += kDigestThreads) {
-    const size_t b = first + tid;
-    if (b < blocks) {
-      for (int lane = 0; lane < 8; ++lane) sums[tid][lane] = logic::Xxh3BlockSum(in + b * logic::kHashBlockBytes, lane);
+    const size_t n = min(static_cast<size_t>(kDigestThreads), blocks - first);
+#pragma unroll 4
+    for (size_t b = warp; b < n; b += kDigestWarps) {
+      uint64_t own, raw;
+      logic::Xxh3WarpTerms(in + (first + b) * logic::kHashBlockBytes, t, keys, &own, &raw);
+      uint64_t x = own + __shfl_xor_sync(kFullWarp, raw, 1);
+      x += __shfl_xor_sync(kFullWarp, x, 8);
+      x += __shfl_xor_sync(kFullWarp, x, 16);
+      if (t < 8) sums[b][t] = x;
     }
     __syncthreads();
     if (tid < 8) {
       const uint64_t key = logic::Xxh3ScrambleKey(tid);
       uint64_t a = acc[tid];
-      const size_t n = min(static_cast<size_t>(kDigestThreads), blocks - first);
       for (size_t j = 0; j < n; ++j) a = logic::Xxh3Scramble(a + sums[j][tid], key);
       acc[tid] = a;
     }
@@ -133,7 +147,23 @@ __global__ void BlockDigestsKernel(const uint8_t* data, size_t nbytes, uint64_t*
   }
   if (tid < 8) acc[tid] = logic::Xxh3TailLane(acc[tid], in, len, tid);
   __syncthreads();
-  if (tid == 0) digests[d] = logic::Xxh3Merge(acc, len);
+  if (tid == 0) *digest = logic::Xxh3Merge(acc, len);
+}
+
+__global__ void BlockDigestsKernel(const uint8_t* data, size_t nbytes, uint64_t* digests) {
+  DigestBlock(data, nbytes, blockIdx.x, digests + blockIdx.x);
+}
+
+__global__ void BatchedDigestsKernel(const DigestJob* jobs, size_t njobs) {
+  const uint64_t d = blockIdx.x;
+  size_t lo = 0, hi = njobs;  // the last job with first_block <= d
+  while (hi - lo > 1) {
+    const size_t mid = (lo + hi) / 2;
+    if (jobs[mid].first_block <= d) lo = mid; else hi = mid;
+  }
+  const DigestJob& job = jobs[lo];
+  const uint64_t local = d - job.first_block;
+  DigestBlock(static_cast<const uint8_t*>(job.data), job.nbytes, local, job.out + local);
 }
 
 template <typename T>
@@ -272,6 +302,13 @@ Status LaunchBlockDigests(const void* data, size_t nbytes, uint64_t* digests, St
   if (count == 0) return Status::Ok();
   BlockDigestsKernel<<<static_cast<unsigned>(count), kDigestThreads, 0, S(s)>>>(static_cast<const uint8_t*>(data),
                                                                                 nbytes, digests);
+  return LastError("block digests");
+}
+
+Status LaunchBlockDigests(const DigestJob* jobs, size_t njobs, uint64_t total_blocks, Stream s) {
+  if (total_blocks == 0) return Status::Ok();
+  if (total_blocks > 0x7FFFFFFFull) return InvalidArgumentError("too many digest blocks for one launch");
+  BatchedDigestsKernel<<<static_cast<unsigned>(total_blocks), kDigestThreads, 0, S(s)>>>(jobs, njobs);
   return LastError("block digests");
 }
 

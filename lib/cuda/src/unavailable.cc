@@ -11,7 +11,9 @@ Status NotBuilt() {
 
 }  // namespace
 
-struct DeviceCodec::Impl {};
+struct DeviceCodec::Impl {
+  std::vector<Phase> phases;
+};
 
 Status DeviceAvailable() { return NotBuilt(); }
 
@@ -25,6 +27,7 @@ StatusOr<std::string> DeviceCodec::EncodePatch(std::span<const codec::TensorView
 Status DeviceCodec::ApplyPatch(std::string_view, std::span<const codec::MutableTensorView>, const codec::ApplyOptions&) {
   return NotBuilt();
 }
+const std::vector<DeviceCodec::Phase>& DeviceCodec::last_phases() const { return impl_->phases; }
 StatusOr<uint64_t> DeviceCodec::TensorChecksum(const void*, size_t) { return NotBuilt(); }
 Status DeviceCodec::CastFp32ToBf16(const uint32_t*, uint16_t*, size_t) { return NotBuilt(); }
 StatusOr<std::string> DeviceCodec::SnapshotAndEncode(std::span<const codec::TensorView>,

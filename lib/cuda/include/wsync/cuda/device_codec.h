@@ -16,6 +16,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "wsync/codec/codec.h"
 #include "wsync/util/status.h"
@@ -43,6 +44,15 @@ class DeviceCodec {
   // codec::ApplyPatch (patches and keyframes) into tensors in device memory.
   Status ApplyPatch(std::string_view patch, std::span<const codec::MutableTensorView> tensors,
                     const codec::ApplyOptions& options);
+
+  // Where the last encode or apply spent its time, phase by phase in the
+  // order they ran (each phase summed over the batches of tensors), for
+  // benchmarks and logs. Host clock around synchronized work.
+  struct Phase {
+    const char* name;
+    double seconds;
+  };
+  const std::vector<Phase>& last_phases() const;
 
   // codec::TensorChecksum of nbytes of device memory.
   StatusOr<uint64_t> TensorChecksum(const void* data, size_t nbytes);

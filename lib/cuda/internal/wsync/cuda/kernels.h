@@ -48,6 +48,21 @@ Status LaunchSampleHistogram(const void* base, int width, logic::Layout layout, 
 // XXH3-64 of every 1 MiB block of nbytes bytes (codec/checksum.h).
 Status LaunchBlockDigests(const void* data, size_t nbytes, uint64_t* digests, Stream stream);
 
+// One region of a batched digest launch: the digests of its 1 MiB blocks go
+// to out[0, ChecksumBlockCount(nbytes)), and they are the launch's blocks
+// [first_block, first_block + ChecksumBlockCount(nbytes)).
+struct DigestJob {
+  const void* data;
+  uint64_t nbytes;
+  uint64_t* out;
+  uint64_t first_block;
+};
+
+// LaunchBlockDigests of many regions in one launch (a region's CTAs are few,
+// and a launch per region leaves the device mostly idle). jobs: a device
+// array of njobs, ascending first_block, ending at total_blocks.
+Status LaunchBlockDigests(const DigestJob* jobs, size_t njobs, uint64_t total_blocks, Stream stream);
+
 // counts[c * Blocks() + b]: elements of class c in block b under the block's
 // chunk's spec (specs: one per chunk), c < kMaxClasses; counts has
 // kMaxClasses * Blocks() + 1 entries (the last set to 0). Its exclusive scan

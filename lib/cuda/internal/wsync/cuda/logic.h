@@ -196,6 +196,46 @@ WSYNC_HD inline uint64_t Xxh3BlockSum(const uint8_t* block, int lane) {
   for (size_t st = 0; st < kStripesPerBlock; ++st) sum = Xxh3StripeLane(sum, block + st * kStripeBytes, s + st * 8, lane);
   return sum;
 }
+// The same sums by a warp. Its 32 threads read a 1 KiB block as 128 words,
+// thread t the words t + 32 j (j < 4; coalesced); word i is word i % 8 of
+// stripe i / 8, so all of thread t's words are of lane t % 8. Xxh3WarpTerms
+// gives thread t's two sums: `own`, its words multiplied with their keys
+// (lane t % 8's terms), and `raw`, its words added raw (lane t % 8 ^ 1's).
+// Lane l's block sum is the sum over the threads t with t % 8 == l of
+// own[t] + raw[t ^ 1]: one exchange with thread t ^ 1 and two butterfly
+// steps (t ^ 8, t ^ 16), as Xxh3WarpBlockSums does on the host.
+inline constexpr int kWarpWords = 4;  // words of a 1 KiB block per thread of a warp
+WSYNC_HD inline uint64_t Xxh3WarpKey(int t, int j) {
+  const int i = t + 32 * j;
+  return Read64(Secret() + 8 * (i / 8) + 8 * (i % 8));
+}
+WSYNC_HD inline void Xxh3WarpTerms(const uint8_t* block, int t, const uint64_t* keys, uint64_t* own, uint64_t* raw) {
+  uint64_t o = 0, r = 0;
+  for (int j = 0; j < kWarpWords; ++j) {
+    const uint64_t w = Read64(block + 8 * (t + 32 * j));
+    const uint64_t key = w ^ keys[j];
+    o += (key & 0xFFFFFFFFull) * (key >> 32);
+    r += w;
+  }
+  *own = o;
+  *raw = r;
+}
+// The kernel's exchanges, thread by thread on the host: sums[lane] for the
+// eight lanes, equal to Xxh3BlockSum(block, lane).
+inline void Xxh3WarpBlockSums(const uint8_t* block, uint64_t* sums) {
+  uint64_t own[32], raw[32], x[32], y[32];
+  for (int t = 0; t < 32; ++t) {
+    uint64_t keys[kWarpWords];
+    for (int j = 0; j < kWarpWords; ++j) keys[j] = Xxh3WarpKey(t, j);
+    Xxh3WarpTerms(block, t, keys, &own[t], &raw[t]);
+  }
+  for (int t = 0; t < 32; ++t) x[t] = own[t] + raw[t ^ 1];
+  for (int d : {8, 16}) {
+    for (int t = 0; t < 32; ++t) y[t] = x[t] + x[t ^ d];
+    for (int t = 0; t < 32; ++t) x[t] = y[t];
+  }
+  for (int lane = 0; lane < 8; ++lane) sums[lane] = x[lane];
+}
 WSYNC_HD inline uint64_t Xxh3ScrambleKey(int lane) { return Read64(Secret() + kSecretBytes - kStripeBytes + 8 * lane); }
 WSYNC_HD inline uint64_t Xxh3Scramble(uint64_t acc, uint64_t key) {
   acc ^= acc >> 47;
