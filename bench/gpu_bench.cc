@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstring>
 
 #include "measure.h"
 #include "wsync/codec/codec.h"
@@ -88,6 +89,19 @@ int RunGpuBench(const GpuBenchOptions& o) {
   std::vector<std::vector<uint8_t>> host_copy;
   for (const auto& t : cur) host_copy.emplace_back(t.bytes.size(), uint8_t{1});
   PhaseTimes enc_phases, app_phases;
+  std::vector<double> pause_device, pause_host;
+  std::vector<cuda::PinnedBuffer> pinned;
+  std::vector<codec::MutableTensorView> pinned_views;
+  for (const auto& t : prev) {
+    auto b = cuda::PinnedBuffer::Allocate(t.bytes.size());
+    if (!b.ok()) {
+      spdlog::error("{}", b.status().ToString());
+      return 1;
+    }
+    std::memset(b->data(), 0, b->size());  // touched before the timed copies
+    pinned_views.push_back({t.name, t.dtype, t.shape, static_cast<uint8_t*>(b->data())});
+    pinned.push_back(std::move(*b));
+  }
   bool identical = true;
   for (int s = 1; s <= o.steps; ++s) {
     model.Step();
@@ -112,6 +126,21 @@ int RunGpuBench(const GpuBenchOptions& o) {
         return 1;
       }
       patch = std::move(*p);
+      // The trainer's pause with the source's base on the GPU, then in
+      // page-locked host memory: encode and update the base.
+      if (!Reset(*work, *base).ok()) return 1;
+      t0 = Clock::now();
+      auto on_device = (*dc)->EncodeAndAdvance(target->Const(), work->views, eo);
+      pause_device.push_back(Since(t0));
+      for (size_t i = 0; i < prev.size(); ++i) std::memcpy(pinned[i].data(), prev[i].bytes.data(), prev[i].bytes.size());
+      t0 = Clock::now();
+      auto on_host = (*dc)->EncodeAndAdvanceFromHost(target->Const(), pinned_views, eo);
+      pause_host.push_back(Since(t0));
+      if (!on_device.ok() || !on_host.ok()) {
+        spdlog::error("{}", (on_device.ok() ? on_host.status() : on_device.status()).ToString());
+        return 1;
+      }
+      identical = identical && *on_device == patch && *on_host == patch;
       t0 = Clock::now();
       if (!Reset(*work, *base).ok()) return 1;
       copy.push_back(Since(t0));
@@ -148,6 +177,10 @@ int RunGpuBench(const GpuBenchOptions& o) {
   std::printf("  apply / D2D memcpy          %10.3fx\n", Median(copy) / Median(app));
   std::printf("  version (encode + apply)    %10.3f s vs %.3f s D2H copy of the dense weights (%.2fx)\n",
               Median(enc) + Median(app), Median(d2h), Median(d2h) / (Median(enc) + Median(app)));
+  std::printf("  trainer pause, base on GPU  %10.1f ms (the model once more in GPU memory)\n",
+              Median(pause_device) * 1e3);
+  std::printf("  trainer pause, base on host %10.1f ms (page-locked host memory; 256 MiB of GPU staging)\n",
+              Median(pause_host) * 1e3);
   enc_phases.Print("encode");
   app_phases.Print("apply");
   std::printf("  host encode                 %10.2f GB/s\n", dense / Median(host_enc) / 1e9);

@@ -23,6 +23,14 @@
 
 namespace wsync::daemon {
 
+// Where a source keeps the base of its next patch (the last published
+// version) when the trainer's weights are in GPU memory (docs/gpu.md,
+// "Memory on the trainer's GPU").
+enum class DeviceBase {
+  kDevice,  // one copy of the model on the trainer's GPU
+  kHost,    // page-locked host memory: next to no GPU memory, the model crosses PCIe twice per publish
+};
+
 struct DataDaemonConfig {
   std::string name;                      // unique node name
   control::ClientOptions coordinator;    // address, token, TLS
@@ -46,6 +54,7 @@ struct DataDaemonConfig {
   // first is encoded and served to its pullers as it is encoded (0: encoded
   // whole, announced once encoded).
   uint64_t segment_bytes = 64u << 20;
+  DeviceBase device_base = DeviceBase::kDevice;  // sources of weights in GPU memory
   uint64_t corrupt_every = 0;            // fault injection (tests)
   uint64_t fail_announce = 0;            // fault injection (tests): announcing this version fails
 };

@@ -2,6 +2,8 @@
 
 #include <spdlog/spdlog.h>
 
+#include <cstring>
+
 #include "weight_store.h"
 
 namespace wsync::daemon {
@@ -12,22 +14,32 @@ std::vector<codec::TensorView> DeviceSource::Set::Const() const {
   return v;
 }
 
-StatusOr<DeviceSource::Set> DeviceSource::Allocate(std::span<const codec::TensorView> layout, int device) {
+StatusOr<DeviceSource::Set> DeviceSource::Allocate(std::span<const codec::TensorView> layout, int device,
+                                                   bool on_host) {
   size_t total = 0;
   for (const auto& t : layout) total += (t.NumBytes() + 255) / 256 * 256;
   Set s;
-  WSYNC_ASSIGN_OR_RETURN(s.memory, cuda::DeviceBuffer::Allocate(total, device));
+  uint8_t* base = nullptr;
+  if (on_host) {
+    WSYNC_ASSIGN_OR_RETURN(s.host, cuda::PinnedBuffer::Allocate(total));
+    base = static_cast<uint8_t*>(s.host.data());
+  } else {
+    WSYNC_ASSIGN_OR_RETURN(s.device, cuda::DeviceBuffer::Allocate(total, device));
+    base = static_cast<uint8_t*>(s.device.data());
+  }
   size_t at = 0;
   for (const auto& t : layout) {
-    s.views.push_back({t.name, t.dtype, t.shape, static_cast<uint8_t*>(s.memory.data()) + at});
+    s.views.push_back({t.name, t.dtype, t.shape, base + at});
     at += (t.NumBytes() + 255) / 256 * 256;
   }
   return s;
 }
 
-StatusOr<std::unique_ptr<DeviceSource>> DeviceSource::Create(std::span<const codec::TensorView> layout, int device) {
+StatusOr<std::unique_ptr<DeviceSource>> DeviceSource::Create(std::span<const codec::TensorView> layout, int device,
+                                                             DeviceBase base) {
   std::unique_ptr<DeviceSource> d(new DeviceSource());
   d->device_ = device;
+  d->base_ = base;
   std::vector<codec::TensorView> published, cast;
   for (const auto& t : layout) {
     d->live_dtypes_.push_back(t.dtype);
@@ -37,11 +49,14 @@ StatusOr<std::unique_ptr<DeviceSource>> DeviceSource::Create(std::span<const cod
     if (p.dtype != t.dtype) cast.push_back(p);
   }
   WSYNC_ASSIGN_OR_RETURN(d->codec_, cuda::DeviceCodec::Create(device));
-  WSYNC_ASSIGN_OR_RETURN(d->previous_, Allocate(published, device));
-  WSYNC_ASSIGN_OR_RETURN(d->snapshot_, Allocate(published, device));
+  WSYNC_ASSIGN_OR_RETURN(d->previous_, Allocate(published, device, base == DeviceBase::kHost));
   if (!cast.empty()) {
-    WSYNC_ASSIGN_OR_RETURN(d->cast_, Allocate(cast, device));
+    WSYNC_ASSIGN_OR_RETURN(d->cast_, Allocate(cast, device, false));
   }
+  spdlog::info("source: the base of the next patch is kept in {} ({:.2f} GB)",
+               base == DeviceBase::kHost ? "page-locked host memory" : "GPU memory",
+               static_cast<double>(base == DeviceBase::kHost ? d->previous_.host.size() : d->previous_.device.size()) /
+                   1e9);
   return d;
 }
 
@@ -58,9 +73,24 @@ Status DeviceSource::CastLive(std::span<const codec::TensorView> live) {
   return Status::Ok();
 }
 
-Status DeviceSource::CopyDown(const Set& set, std::vector<buffers::OwnedTensor>& head) const {
+Status DeviceSource::LoadPrevious(std::span<const codec::TensorView> head) {
   for (size_t i = 0; i < head.size(); ++i) {
-    WSYNC_RETURN_IF_ERROR(cuda::CopyDeviceToHost(head[i].bytes.data(), set.views[i].data, head[i].bytes.size()));
+    if (base_ == DeviceBase::kHost) {
+      std::memcpy(previous_.views[i].data, head[i].data, head[i].NumBytes());
+    } else {
+      WSYNC_RETURN_IF_ERROR(cuda::CopyHostToDevice(previous_.views[i].data, head[i].data, head[i].NumBytes()));
+    }
+  }
+  return Status::Ok();
+}
+
+Status DeviceSource::StorePrevious(std::vector<buffers::OwnedTensor>& head) const {
+  for (size_t i = 0; i < head.size(); ++i) {
+    if (base_ == DeviceBase::kHost) {
+      std::memcpy(head[i].bytes.data(), previous_.views[i].data, head[i].bytes.size());
+    } else {
+      WSYNC_RETURN_IF_ERROR(cuda::CopyDeviceToHost(head[i].bytes.data(), previous_.views[i].data, head[i].bytes.size()));
+    }
   }
   return Status::Ok();
 }
@@ -78,39 +108,39 @@ bool DeviceSource::Matches(std::span<const codec::TensorView> layout, int device
 VersionHistory::NewVersion DeviceSource::Next(std::span<const codec::TensorView> trainer) {
   VersionHistory::NewVersion next;
   // The published layout (dtypes after the cast); data unused.
-  layout_ = snapshot_.Const();
+  layout_ = previous_.Const();
   next.layout = layout_;
   next.encode = [this, trainer](std::span<const codec::TensorView> head,
                                 const codec::EncodeOptions& eo) -> StatusOr<std::string> {
     WSYNC_RETURN_IF_ERROR(CastLive(trainer));
-    const std::span<const codec::TensorView> live = effective_;
     if (!primed_) {
       // Created after earlier versions (the trainer registered again): the
       // history's host copy of the head becomes `previous`.
-      for (size_t i = 0; i < head.size(); ++i) {
-        WSYNC_RETURN_IF_ERROR(cuda::CopyHostToDevice(previous_.views[i].data, head[i].data, head[i].NumBytes()));
-      }
+      WSYNC_RETURN_IF_ERROR(LoadPrevious(head));
       primed_ = true;
     }
-    WSYNC_ASSIGN_OR_RETURN(std::string patch,
-                           codec_->SnapshotAndEncode(live, snapshot_.views, previous_.Const(), eo, {}));
-    std::swap(previous_, snapshot_);  // the new version is the head now
-    return patch;
+    // On an error `previous` still holds the head (EncodeAndAdvance).
+    return base_ == DeviceBase::kHost ? codec_->EncodeAndAdvanceFromHost(effective_, previous_.views, eo)
+                                      : codec_->EncodeAndAdvance(effective_, previous_.views, eo);
   };
-  // The first version: snapshot straight into `previous`, and down to the
-  // host for the keyframe.
+  // The first version: the trainer's tensors into `previous`, and down to
+  // the host for the keyframe.
   next.fill = [this, trainer](std::vector<buffers::OwnedTensor>& head) -> Status {
     WSYNC_RETURN_IF_ERROR(CastLive(trainer));
-    const std::span<const codec::TensorView> live = effective_;
-    for (size_t i = 0; i < live.size(); ++i) {
-      WSYNC_RETURN_IF_ERROR(cuda::CopyDeviceToDevice(previous_.views[i].data, live[i].data, live[i].NumBytes()));
+    for (size_t i = 0; i < effective_.size(); ++i) {
+      if (base_ == DeviceBase::kHost) {
+        WSYNC_RETURN_IF_ERROR(cuda::CopyDeviceToHost(head[i].bytes.data(), effective_[i].data, head[i].bytes.size()));
+      } else {
+        WSYNC_RETURN_IF_ERROR(
+            cuda::CopyDeviceToDevice(previous_.views[i].data, effective_[i].data, effective_[i].NumBytes()));
+      }
     }
-    WSYNC_RETURN_IF_ERROR(CopyDown(previous_, head));
+    WSYNC_RETURN_IF_ERROR(base_ == DeviceBase::kHost ? LoadPrevious(buffers::Views(head)) : StorePrevious(head));
     primed_ = true;
     return Status::Ok();
   };
-  // Later versions stay on the device until the host needs the head.
-  next.load_head = [this](std::vector<buffers::OwnedTensor>& head) { return CopyDown(previous_, head); };
+  // Later versions stay in `previous` until the host needs the head.
+  next.load_head = [this](std::vector<buffers::OwnedTensor>& head) { return StorePrevious(head); };
   return next;
 }
 

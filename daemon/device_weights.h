@@ -1,15 +1,15 @@
-// Weights in device memory, for the source and sink daemons (issue #5).
+// Weights in device memory, for the source and sink daemons.
 //
-// DeviceSource keeps, on the trainer's GPU, the last published version
-// ("previous") and a snapshot buffer, and turns a publish into a
-// VersionHistory::NewVersion: the trainer's live tensors are snapshotted by
-// device-to-device copies on a copy stream while the device codec encodes
-// previous -> snapshot tensor by tensor (DeviceCodec::SnapshotAndEncode);
-// only the compact streams cross to the host. The history's host copy of the
-// head is loaded from the device only when a keyframe of the head is asked
+// DeviceSource keeps the last published version ("previous", the base of
+// the next patch) and turns a publish into a VersionHistory::NewVersion:
+// the device codec encodes previous -> the trainer's live tensors and then
+// updates previous to them (DeviceCodec::EncodeAndAdvance); only the compact
+// streams cross to the host. Where previous lives is the trainer's choice
+// (DeviceBase): one copy of the model on its GPU, or page-locked host memory
+// streamed through a small device staging buffer. The history's host copy of
+// the head is loaded from previous only when a keyframe of the head is asked
 // for (a late or torn sink); merges for lagging sinks use the host's oldest
-// copy and the patch chain. On success the two device buffers swap roles.
-// Costs twice the model's size in device memory.
+// copy and the patch chain.
 //
 // Thread safety: one publish at a time (the source serializes them).
 #pragma once
@@ -18,6 +18,7 @@
 #include <span>
 #include <vector>
 
+#include "data_daemon.h"
 #include "version_history.h"
 #include "wsync/buffers/region.h"
 #include "wsync/cuda/device_codec.h"
@@ -29,7 +30,8 @@ class DeviceSource {
   // Device buffers for the trainer's tensors `layout` on `device`, in the
   // published layout (F32 tensors are published as BF16: cast on the device
   // into a buffer of their own before each encode).
-  static StatusOr<std::unique_ptr<DeviceSource>> Create(std::span<const codec::TensorView> layout, int device);
+  static StatusOr<std::unique_ptr<DeviceSource>> Create(std::span<const codec::TensorView> layout, int device,
+                                                        DeviceBase base);
 
   // Whether this state serves the trainer's tensors `layout` on this device.
   bool Matches(std::span<const codec::TensorView> layout, int device) const;
@@ -40,19 +42,25 @@ class DeviceSource {
 
  private:
   DeviceSource() = default;
+  // Tensors of the published layout in one allocation: device memory, or
+  // page-locked host memory.
   struct Set {
-    cuda::DeviceBuffer memory;
+    cuda::DeviceBuffer device;
+    cuda::PinnedBuffer host;
     std::vector<codec::MutableTensorView> views;
     std::vector<codec::TensorView> Const() const;
   };
-  static StatusOr<Set> Allocate(std::span<const codec::TensorView> layout, int device);
-  Status CopyDown(const Set& set, std::vector<buffers::OwnedTensor>& head) const;
+  static StatusOr<Set> Allocate(std::span<const codec::TensorView> layout, int device, bool on_host);
+  // Copies between `previous_` and host tensors of the layout.
+  Status LoadPrevious(std::span<const codec::TensorView> head);
+  Status StorePrevious(std::vector<buffers::OwnedTensor>& head) const;
 
   // Casts the live F32 tensors into cast_; `effective_` is what is encoded.
   Status CastLive(std::span<const codec::TensorView> live);
 
   std::unique_ptr<cuda::DeviceCodec> codec_;
-  Set previous_, snapshot_;
+  DeviceBase base_ = DeviceBase::kDevice;
+  Set previous_;
   Set cast_;                                  // BF16 copies of the F32 tensors, in table order
   std::vector<codec::DType> live_dtypes_;     // the trainer's dtypes
   std::vector<codec::TensorView> effective_;  // live, with F32 tensors replaced by cast_

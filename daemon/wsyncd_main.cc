@@ -253,6 +253,14 @@ int main(int argc, char** argv) {
                     "sources: encode versions in segments of about this many MiB of weights (a fraction is "
                     "fine), each served as soon as it is encoded (0: encode whole versions)")
         ->default_str("64")->check(CLI::Range(0.0, 1048576.0));
+    cmd->add_option("--device-base", [&data](const std::vector<std::string>& v) {
+                      data.device_base = v.at(0) == "host" ? daemon::DeviceBase::kHost : daemon::DeviceBase::kDevice;
+                      return true;
+                    },
+                    "sources of weights in GPU memory: where the base of the next patch is kept: device (one "
+                    "copy of the model on the GPU) or host (page-locked host memory; the model crosses PCIe "
+                    "twice per publish)")
+        ->default_str("device")->check(CLI::IsMember({"device", "host"}));
     cmd->add_flag("--no-decode-ahead", [&data](int64_t) { data.decode_ahead = false; },
                   "sinks: decode a patch once all of it is in, not while it arrives (figures: "
                   "scripts/bench_shaped_link.py)");

@@ -41,6 +41,8 @@ fi
 step bench_gpu_2 120 "$build/bench/wsync-bench" gpu --params 536870912 --steps 2 --host-threads 2
 step python_cuda_ipc 150 bash -c "cd '$src' && $py tests/python/client_test.py '$build' gpu"
 step system_gpu 150 "$py" "$src/scripts/system_demo.py" --build "$build" --data "$data" --sinks 3 --fanout 2 --device 0
+step system_gpu_host_base 150 "$py" "$src/scripts/system_demo.py" --build "$build" --data "$data" --sinks 2 \
+  --fanout 2 --device 0 --device-base host
 if [ -n "${WSYNC_BENCH_BEFORE:-}" ]; then
   step bench_before_16 90 "$WSYNC_BENCH_BEFORE" gpu --params 536870912 --steps 2 --host-threads 16
 fi
@@ -50,7 +52,7 @@ step faults_gpu 300 env WSYNC_TEST_DEVICE=0 "$py" "$src/tests/python/system_faul
 echo "== wsync-bench gpu" >&2
 for f in "$logs"/bench_*.log; do
   echo "-- $(basename "$f" .log)" >&2
-  grep -A16 "^device codec" "$f" | grep -v "^device codec" >&2
+  grep -A18 "^device codec" "$f" | grep -v "^device codec" >&2
 done
 echo "== results ($(head -1 "$logs/device.txt"))" >&2
 printf '%s\n' "${results[@]}" >&2

@@ -271,6 +271,8 @@ def main():
     ap.add_argument("--keep", action="store_true", help="keep the logs")
     ap.add_argument("--device", type=int, default=-1,
                     help="GPU whose memory holds the trainer's and servers' weights (CUDA IPC); default: shared memory")
+    ap.add_argument("--device-base", choices=["device", "host"],
+                    help="with --device: where the source keeps the base of the next patch (wsyncd --device-base)")
     ap.add_argument("--token", help="cluster token (coordinator and data plane)")
     ap.add_argument("--data-security", choices=["none", "auth", "encrypt"],
                     help="what data-plane peers must prove (default: auth with a token, none without)")
@@ -283,7 +285,8 @@ def main():
         sys.exit(f"no snapshots in {args.data}")
     tmp = tempfile.mkdtemp(prefix="wsync_system_")
     system = System(args.build, args.sinks, args.fanout, tmp, device=args.device, token=args.token,
-                    data_security=args.data_security)
+                    data_security=args.data_security,
+                    source_args=("--device-base", args.device_base) if args.device_base else ())
     ok = True
     try:
         system.attach_buffers(snaps[0])

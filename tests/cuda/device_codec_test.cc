@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <random>
 
@@ -132,6 +133,53 @@ TEST_F(DeviceCodecTest, SnapshotAndEncodeCopiesAndEncodesLikeTheHost) {
   EXPECT_EQ(reported, 1);
   EXPECT_TRUE(*patch == *host);
   EXPECT_TRUE(testing::SameBits(snap.ToHost(live), live));
+}
+
+// The source's base in device memory, then in page-locked host memory: the
+// host codec's bytes, and the base is the target afterwards; a refused
+// encode leaves the base as it was.
+TEST_F(DeviceCodecTest, EncodeAndAdvanceGiveTheHostBytesAndUpdateTheBase) {
+  std::mt19937_64 rng(21);
+  std::vector<OwnedTensor> base, live;
+  // 328 MiB: the host base is staged in two batches.
+  for (int i = 0; i < 5; ++i) {
+    const std::vector<uint64_t> shape = i == 2   ? std::vector<uint64_t>{3, 1 << 20}
+                                        : i % 2 ? std::vector<uint64_t>{80 << 20}
+                                                : std::vector<uint64_t>{1 << 19};
+    base.push_back(testing::RandomTensor("w" + std::to_string(i), codec::DType::kBF16, shape, rng));
+    live.push_back(testing::PerturbByExponent(base.back(), 2e-2, 118, rng));
+  }
+  auto host = codec::EncodePatch(buffers::Views(base), buffers::Views(live), {});
+  ASSERT_TRUE(host.ok());
+  const DeviceSet trainer = DeviceSet::Of(live);
+
+  DeviceSet prev = DeviceSet::Of(base);
+  auto patch = codec_->EncodeAndAdvance(trainer.Const(), prev.views, {});
+  ASSERT_TRUE(patch.ok()) << patch.status().ToString();
+  EXPECT_TRUE(*patch == *host);
+  EXPECT_TRUE(testing::SameBits(prev.ToHost(base), live));
+
+  std::vector<cuda::PinnedBuffer> pinned;
+  std::vector<codec::MutableTensorView> host_prev;
+  for (const auto& t : base) {
+    auto b = cuda::PinnedBuffer::Allocate(t.bytes.size());
+    ASSERT_TRUE(b.ok()) << b.status().ToString();
+    std::memcpy(b->data(), t.bytes.data(), t.bytes.size());
+    host_prev.push_back({t.name, t.dtype, t.shape, static_cast<uint8_t*>(b->data())});
+    pinned.push_back(std::move(*b));
+  }
+  auto renamed = trainer.Const();
+  renamed[1].name = "other";
+  EXPECT_FALSE(codec_->EncodeAndAdvanceFromHost(renamed, host_prev, {}).ok());
+  for (size_t i = 0; i < base.size(); ++i) {
+    EXPECT_EQ(std::memcmp(pinned[i].data(), base[i].bytes.data(), base[i].bytes.size()), 0) << "refused, yet changed";
+  }
+  patch = codec_->EncodeAndAdvanceFromHost(trainer.Const(), host_prev, {});
+  ASSERT_TRUE(patch.ok()) << patch.status().ToString();
+  EXPECT_TRUE(*patch == *host);
+  for (size_t i = 0; i < live.size(); ++i) {
+    EXPECT_EQ(std::memcmp(pinned[i].data(), live[i].bytes.data(), live[i].bytes.size()), 0) << live[i].name;
+  }
 }
 
 TEST_F(DeviceCodecTest, CorruptPatchIsDataLossAndTheDestinationIsUnchanged) {

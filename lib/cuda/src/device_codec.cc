@@ -155,6 +155,8 @@ Status CopyToPinned(PinnedArena& pinned, const T** out, const T* src, size_t cou
 // a batch costs three synchronizations, and its compact changes are
 // entropy-coded before the next batch reuses the page-locked memory.
 constexpr size_t kBatchScratchBytes = size_t{64} << 20;
+// A batch's bases staged from host memory stay under this, or one tensor.
+constexpr size_t kStagingBytes = size_t{256} << 20;
 
 }  // namespace
 
@@ -229,6 +231,7 @@ struct DeviceCodec::Impl {
   Scratch changes;       // a batch's compact change streams
   Scratch rank_mem;      // class counts and their scan, one tensor at a time
   Scratch digest_mem;    // digests
+  Scratch staging;       // bases in host memory, a batch at a time
   PinnedArena pinned;    // what the device copies back
   std::vector<Phase> phases;
   std::chrono::steady_clock::time_point mark;
@@ -328,6 +331,23 @@ struct DeviceCodec::Impl {
     size_t bytes = 0;
     if (!ExclusiveScan(nullptr, &bytes, nullptr, nullptr, n, nullptr).ok()) return 0;
     return bytes;
+  }
+
+  // Copies the host bases of tensors [t0, t1) (`bytes` with 256-byte
+  // alignment) into `staging` and points bases[t0, t1) there. Enqueued on
+  // `compute`, so the next batch's copy waits for this batch's reads.
+  Status StageBases(std::span<const TensorView> host, size_t t0, size_t t1, size_t bytes,
+                    std::vector<TensorView>& bases) {
+    WSYNC_ASSIGN_OR_RETURN(void* mem, staging.Get(bytes));
+    size_t at = 0;
+    for (size_t t = t0; t < t1; ++t) {
+      bases[t] = host[t];
+      bases[t].data = static_cast<uint8_t*>(mem) + at;
+      WSYNC_RETURN_IF_ERROR(CopyUp(static_cast<uint8_t*>(mem) + at, host[t].data, host[t].NumBytes(), compute));
+      at += (host[t].NumBytes() + 255) / 256 * 256;
+    }
+    EndPhase("stage");
+    return Status::Ok();
   }
 
   // The device part of encoding tensors [t0, t0 + batch.size()): digests,
@@ -531,7 +551,7 @@ std::vector<std::vector<size_t>> ChunksByTensor(const std::vector<Chunk>& chunks
 
 StatusOr<std::string> DeviceCodec::EncodePatch(std::span<const TensorView> base, std::span<const TensorView> target,
                                                const codec::EncodeOptions& options) {
-  return Encode({}, {}, base, options, {}, target);
+  return Encode({}, {}, base, options, {}, target, {}, false);
 }
 
 StatusOr<std::string> DeviceCodec::SnapshotAndEncode(std::span<const TensorView> live,
@@ -542,14 +562,39 @@ StatusOr<std::string> DeviceCodec::SnapshotAndEncode(std::span<const TensorView>
   std::vector<TensorView> targets;
   for (const auto& s : snapshot) targets.push_back(s.AsConst());
   WSYNC_RETURN_IF_ERROR(CheckPairs(live, targets, "live and snapshot"));
-  return Encode(live, snapshot, previous, options, on_snapshot, targets);
+  return Encode(live, snapshot, previous, options, on_snapshot, targets, {}, false);
+}
+
+namespace {
+
+std::vector<TensorView> ConstViews(std::span<const MutableTensorView> v) {
+  std::vector<TensorView> out;
+  for (const auto& m : v) out.push_back(m.AsConst());
+  return out;
+}
+
+}  // namespace
+
+StatusOr<std::string> DeviceCodec::EncodeAndAdvance(std::span<const TensorView> live,
+                                                    std::span<const MutableTensorView> previous,
+                                                    const codec::EncodeOptions& options) {
+  const std::vector<TensorView> base = ConstViews(previous);
+  return Encode({}, {}, base, options, {}, live, previous, false);
+}
+
+StatusOr<std::string> DeviceCodec::EncodeAndAdvanceFromHost(std::span<const TensorView> live,
+                                                            std::span<const MutableTensorView> previous,
+                                                            const codec::EncodeOptions& options) {
+  const std::vector<TensorView> base = ConstViews(previous);
+  return Encode({}, {}, base, options, {}, live, previous, true);
 }
 
 StatusOr<std::string> DeviceCodec::Encode(std::span<const TensorView> live,
                                           std::span<const MutableTensorView> snapshot,
                                           std::span<const TensorView> previous, const codec::EncodeOptions& options,
                                           const std::function<void()>& on_snapshot,
-                                          std::span<const TensorView> target) {
+                                          std::span<const TensorView> target,
+                                          std::span<const MutableTensorView> advance, bool base_on_host) {
   Impl& d = *impl_;
   d.StartPhases();
   WSYNC_RETURN_IF_ERROR(d.Activate());
@@ -591,16 +636,22 @@ StatusOr<std::string> DeviceCodec::Encode(std::span<const TensorView> live,
   std::vector<uint64_t> target_sums(target.size()), base_sums(target.size());
   std::vector<TensorChange> changes(target.size());
   Status status;
+  // A base in host memory is staged on the device batch by batch.
+  std::vector<TensorView> bases(previous.begin(), previous.end());
   for (size_t t0 = 0; t0 < target.size() && status.ok();) {
-    size_t t1 = t0, bytes = 0;
-    while (t1 < target.size() && (t1 == t0 || bytes + target[t1].NumElements() / 4 <= kBatchScratchBytes)) {
+    size_t t1 = t0, bytes = 0, staged = 0;
+    while (t1 < target.size() &&
+           (t1 == t0 || (bytes + target[t1].NumElements() / 4 <= kBatchScratchBytes &&
+                         (!base_on_host || staged + target[t1].NumBytes() <= kStagingBytes)))) {
       bytes += target[t1].NumElements() / 4;
+      staged += (target[t1].NumBytes() + 255) / 256 * 256;
       changes[t1].chunk_ids = by_tensor[t1];
       ++t1;
     }
     const std::span<TensorChange> batch(changes.data() + t0, t1 - t0);
     d.pinned.Reset();
-    status = d.CompactBatch(writer, previous, target, t0, batch, options, landed);
+    if (base_on_host) status = d.StageBases(previous, t0, t1, staged, bases);
+    if (status.ok()) status = d.CompactBatch(writer, bases, target, t0, batch, options, landed);
     // Once the copy stream is idle the trainer may go on; check as we go.
     if (status.ok() && !snapshot_reported && cudaStreamQuery(d.copy) == cudaSuccess) status = report_snapshot();
     if (!status.ok()) break;
@@ -629,6 +680,16 @@ StatusOr<std::string> DeviceCodec::Encode(std::span<const TensorView> live,
   WSYNC_RETURN_IF_ERROR(writer.SetChecksums(target_sums, base_sums));
   auto out = writer.Finish();
   d.EndPhase("finish");
+  if (out.ok() && !advance.empty()) {
+    // The patch is made: the base becomes the target.
+    for (size_t t = 0; t < advance.size(); ++t) {
+      WSYNC_RETURN_IF_ERROR(Check(cudaMemcpyAsync(advance[t].data, target[t].data, target[t].NumBytes(),
+                                                  cudaMemcpyDefault, d.compute),
+                                  "updating the base"));
+    }
+    WSYNC_RETURN_IF_ERROR(Check(cudaStreamSynchronize(d.compute), "updating the base"));
+    d.EndPhase("advance");
+  }
   return out;
 }
 
@@ -1005,6 +1066,36 @@ Status DeviceBuffer::CopyFromDevice(const void* src, size_t bytes) {
   if (bytes > size_) return OutOfRangeError("copy past the device buffer's end");
   WSYNC_RETURN_IF_ERROR(Check(cudaMemcpy(data_, src, bytes, cudaMemcpyDeviceToDevice), "copy"));
   return Check(cudaDeviceSynchronize(), "copy");
+}
+
+// ------------------------------------------------------------ PinnedBuffer
+
+StatusOr<PinnedBuffer> PinnedBuffer::Allocate(size_t bytes) {
+  WSYNC_RETURN_IF_ERROR(DeviceAvailable());
+  PinnedBuffer b;
+  if (bytes > 0) WSYNC_RETURN_IF_ERROR(Check(cudaMallocHost(&b.data_, bytes), "allocating page-locked host memory"));
+  b.size_ = bytes;
+  return b;
+}
+
+PinnedBuffer::PinnedBuffer(PinnedBuffer&& o) noexcept : data_(o.data_), size_(o.size_) {
+  o.data_ = nullptr;
+  o.size_ = 0;
+}
+
+PinnedBuffer& PinnedBuffer::operator=(PinnedBuffer&& o) noexcept {
+  if (this != &o) {
+    if (data_ != nullptr) cudaFreeHost(data_);
+    data_ = o.data_;
+    size_ = o.size_;
+    o.data_ = nullptr;
+    o.size_ = 0;
+  }
+  return *this;
+}
+
+PinnedBuffer::~PinnedBuffer() {
+  if (data_ != nullptr) cudaFreeHost(data_);
 }
 
 }  // namespace wsync::cuda

@@ -37,6 +37,17 @@ StatusOr<std::string> DeviceCodec::SnapshotAndEncode(std::span<const codec::Tens
   return NotBuilt();
 }
 
+StatusOr<std::string> DeviceCodec::EncodeAndAdvance(std::span<const codec::TensorView>,
+                                                    std::span<const codec::MutableTensorView>,
+                                                    const codec::EncodeOptions&) {
+  return NotBuilt();
+}
+StatusOr<std::string> DeviceCodec::EncodeAndAdvanceFromHost(std::span<const codec::TensorView>,
+                                                            std::span<const codec::MutableTensorView>,
+                                                            const codec::EncodeOptions&) {
+  return NotBuilt();
+}
+
 Status CopyDeviceToHost(void*, const void*, size_t) { return NotBuilt(); }
 Status CopyHostToDevice(void*, const void*, size_t) { return NotBuilt(); }
 Status CopyDeviceToDevice(void*, const void*, size_t) { return NotBuilt(); }
@@ -48,5 +59,10 @@ DeviceBuffer::~DeviceBuffer() = default;
 Status DeviceBuffer::CopyFromHost(const void*, size_t, size_t) { return NotBuilt(); }
 Status DeviceBuffer::CopyToHost(void*, size_t, size_t) const { return NotBuilt(); }
 Status DeviceBuffer::CopyFromDevice(const void*, size_t) { return NotBuilt(); }
+
+StatusOr<PinnedBuffer> PinnedBuffer::Allocate(size_t) { return NotBuilt(); }
+PinnedBuffer::PinnedBuffer(PinnedBuffer&& o) noexcept : data_(o.data_), size_(o.size_) {}
+PinnedBuffer& PinnedBuffer::operator=(PinnedBuffer&&) noexcept { return *this; }
+PinnedBuffer::~PinnedBuffer() = default;
 
 }  // namespace wsync::cuda

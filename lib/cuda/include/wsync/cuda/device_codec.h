@@ -45,6 +45,27 @@ class DeviceCodec {
   Status ApplyPatch(std::string_view patch, std::span<const codec::MutableTensorView> tensors,
                     const codec::ApplyOptions& options);
 
+  // A source's base without a second copy of the model on the trainer's
+  // GPU. Both encode previous -> live (like EncodePatch), then make
+  // `previous` equal to `live`, only once the patch is made (on an error
+  // `previous` is unchanged; a CUDA error during the update itself leaves it
+  // undefined). The trainer must not write `live` until they return: its
+  // pause is the encode plus the update.
+  //
+  // EncodeAndAdvance: `previous` in device memory (one copy of the model);
+  // the update is a device-to-device copy.
+  StatusOr<std::string> EncodeAndAdvance(std::span<const codec::TensorView> live,
+                                         std::span<const codec::MutableTensorView> previous,
+                                         const codec::EncodeOptions& options);
+  // EncodeAndAdvanceFromHost: `previous` in host memory (page-locked,
+  // PinnedBuffer, for full speed), copied up through a device staging buffer
+  // batch by batch (at most the larger of 256 MiB and the largest tensor):
+  // next to no device memory, and the model's size crosses PCIe twice per
+  // version (previous up, live down).
+  StatusOr<std::string> EncodeAndAdvanceFromHost(std::span<const codec::TensorView> live,
+                                                 std::span<const codec::MutableTensorView> previous,
+                                                 const codec::EncodeOptions& options);
+
   // Where the last encode or apply spent its time, phase by phase in the
   // order they ran (each phase summed over the batches of tensors), for
   // benchmarks and logs. Host clock around synchronized work.
@@ -80,7 +101,8 @@ class DeviceCodec {
   StatusOr<std::string> Encode(std::span<const codec::TensorView> live,
                                std::span<const codec::MutableTensorView> snapshot,
                                std::span<const codec::TensorView> previous, const codec::EncodeOptions& options,
-                               const std::function<void()>& on_snapshot, std::span<const codec::TensorView> target);
+                               const std::function<void()>& on_snapshot, std::span<const codec::TensorView> target,
+                               std::span<const codec::MutableTensorView> advance, bool base_on_host);
   std::unique_ptr<Impl> impl_;
 };
 
@@ -105,6 +127,24 @@ class DeviceBuffer {
   Status CopyToHost(void* dst, size_t bytes, size_t offset = 0) const;
   // Device-to-device copy from `src` (bytes); returns when done.
   Status CopyFromDevice(const void* src, size_t bytes);
+
+ private:
+  void* data_ = nullptr;
+  size_t size_ = 0;
+};
+
+// Page-locked host memory (cudaMallocHost): copies between it and the device
+// run at full PCIe speed and asynchronously.
+class PinnedBuffer {
+ public:
+  static StatusOr<PinnedBuffer> Allocate(size_t bytes);
+  PinnedBuffer() = default;
+  PinnedBuffer(PinnedBuffer&& other) noexcept;
+  PinnedBuffer& operator=(PinnedBuffer&& other) noexcept;
+  ~PinnedBuffer();
+
+  void* data() const { return data_; }
+  size_t size() const { return size_; }
 
  private:
   void* data_ = nullptr;
