@@ -37,7 +37,7 @@ class WsyncMethod : public Baseline {
     return codec::EncodePatch(base, target, encode_);
   }
   Status Apply(const std::string& patch, std::span<const codec::MutableTensorView> dst) override {
-    return codec::ApplyPatch(patch, dst, apply_);
+    return codec::Apply(patch, dst, apply_);
   }
 
  private:

@@ -308,13 +308,13 @@ int RunTpBench(const TpBenchOptions& o) {
   for (int i = 0; i < o.repeat; ++i) {  // interleaved; resets untimed
     (void)buffers::CopyInto(buffers::Views(v1), whole, &pool);
     auto t0 = Clock::now();
-    exact &= codec::ApplyPatch(e.gridded, buffers::MutableViews(whole), ao).ok();
+    exact &= codec::Apply(e.gridded, buffers::MutableViews(whole), ao).ok();
     whole_s.push_back(Seconds(t0));
     for (size_t r = 0; r < ranks->size(); ++r) {
       Rank& rank = (*ranks)[r];
       (void)buffers::CopyInto(buffers::Views(rank.pristine), rank.tensors, &pool);
       t0 = Clock::now();
-      exact &= codec::ApplyToPieces(selections[r], rank.layout, ao).ok();
+      exact &= codec::Apply(selections[r], rank.layout, ao).ok();
       rank_s[r].push_back(Seconds(t0));
     }
   }

@@ -160,7 +160,7 @@ Status RunApply(const std::vector<std::string>& inputs, const std::string& out, 
   codec::ApplyOptions options;
   options.pool = &pool;
   auto views = buffers::MutableViews(tensors);
-  WSYNC_RETURN_IF_ERROR(codec::ApplyPatch(patch, views, options).WithContext(patch_path));
+  WSYNC_RETURN_IF_ERROR(codec::Apply(patch, views, options).WithContext(patch_path));
   // Write in the patch's tensor order.
   std::vector<codec::TensorView> ordered;
   for (const auto& t : info.tensors) {
@@ -201,7 +201,7 @@ Status RunMerge(const std::string& base_path, const std::string& p1, const std::
     WSYNC_ASSIGN_OR_RETURN(std::vector<OwnedTensor> tensors, StartingTensors(info, base.get(), p1));
     codec::ApplyOptions options;
     options.pool = &pool;
-    Status s = codec::ApplyPatch(*merged, buffers::MutableViews(tensors), options);
+    Status s = codec::Apply(*merged, buffers::MutableViews(tensors), options);
     if (!s.ok()) {
       return DataLossError("the merge of " + p1 + " and " + p2 + " does not reproduce the second's target (" +
                            s.message() + "): an input is corrupt; nothing written");
@@ -244,7 +244,7 @@ Status RunInspect(const std::string& patch_path, const std::string& base_path, b
     ThreadPool pool(0);
     codec::ApplyOptions options;
     options.pool = &pool;
-    WSYNC_RETURN_IF_ERROR(codec::ApplyPatch(patch, views, options));
+    WSYNC_RETURN_IF_ERROR(codec::Apply(patch, views, options));
     WSYNC_ASSIGN_OR_RETURN(bounds, codec::AnalyzeDiff(ordered, buffers::Views(target)));
   }
   uint64_t dense = 0, changed = 0, pos = 0, val = 0, elements = 0;

@@ -15,7 +15,7 @@ Status ApplyInPlace(const std::string& patch, std::vector<buffers::OwnedTensor>&
   auto views = buffers::MutableViews(w);
   codec::ApplyOptions ao;
   ao.pool = pool;
-  return codec::ApplyPatch(patch, views, ao);
+  return codec::Apply(patch, views, ao);
 }
 
 }  // namespace
@@ -263,7 +263,7 @@ Status VersionHistory::Retain(uint64_t oldest_needed) {
     }
   }
   if (!moving) moving = std::make_shared<Weights>(*shared);
-  // ApplyPatch is all or nothing: on an error `moving` holds `reached`.
+  // codec::Apply is all or nothing: on an error `moving` holds `reached`.
   Status applied = Status::Ok();
   uint64_t reached = 0;
   for (const auto& [v, p] : chain) {

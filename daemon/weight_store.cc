@@ -42,13 +42,13 @@ StatusOr<std::vector<std::string_view>> Segments(std::span<const std::string_vie
 Status ApplyOnHost(std::span<const std::string_view> parts, const buffers::MappedTensors& tensors,
                    std::vector<codec::RuntimeTensor> runtime, const codec::ApplyOptions& options) {
   if (tensors.has_pieces()) {
-    if (parts.size() == 1) return codec::ApplyToPieces(parts[0], runtime, options);
-    return codec::ApplyPartsToPieces(parts, runtime, options);
+    if (parts.size() == 1) return codec::Apply(parts[0], runtime, options);
+    return codec::Apply(parts, runtime, options);
   }
   std::vector<codec::MutableTensorView> views;
   for (auto& rt : runtime) views.push_back(std::move(rt.view));
-  if (parts.size() == 1) return codec::ApplyPatch(parts[0], views, options);
-  return codec::ApplyParts(parts, views, options);
+  if (parts.size() == 1) return codec::Apply(parts[0], views, options);
+  return codec::Apply(parts, views, options);
 }
 
 class HostStore : public WeightStore {

@@ -38,8 +38,8 @@ class WeightStore {
 
   // Applies a patch or keyframe into the tensors, or the parts of one
   // version from several sources together: verified, undone on a mismatch
-  // (codec::ApplyPatch's contract, ApplyParts's for several parts;
-  // ApplyToPieces's and ApplyPartsToPieces's when the tensors hold pieces).
+  // (codec::Apply's contract, into whole tensors or, when the tensors
+  // hold pieces, into the pieces).
   // Each part may be a stream of segments (codec::SplitSegments): all the
   // segments of all the parts apply as one.
   virtual Status Apply(std::span<const std::string_view> parts, const codec::ApplyOptions& options) = 0;

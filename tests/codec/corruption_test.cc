@@ -42,7 +42,7 @@ void CheckContract(const Fixture& f, std::string_view bytes, bool keyframe, bool
   auto views = buffers::MutableViews(dst);
   ApplyOptions options;
   options.verify_patch_checksum = verify;
-  Status s = ApplyPatch(bytes, views, options);
+  Status s = codec::Apply(bytes, views, options);
   if (s.ok()) {
     ASSERT_TRUE(testing::SameBits(dst, f.target)) << what << ": accepted with wrong bits";
   } else {
@@ -62,7 +62,7 @@ TEST(Corruption, EveryTruncationIsRejected) {
       auto views = buffers::MutableViews(dst);
       ApplyOptions options;
       options.verify_patch_checksum = false;
-      Status s = ApplyPatch(std::string_view(*bytes).substr(0, len), views, options);
+      Status s = codec::Apply(std::string_view(*bytes).substr(0, len), views, options);
       ASSERT_FALSE(s.ok()) << "truncated to " << len;
       ASSERT_TRUE(testing::SameBits(dst, f.base)) << "truncated to " << len;
     }
@@ -90,7 +90,7 @@ TEST(Corruption, PatchChecksumCatchesEveryFlip) {
     bad[i] = static_cast<char>(bad[i] ^ 0x10);
     std::vector<OwnedTensor> dst = f.base;
     auto views = buffers::MutableViews(dst);
-    Status s = ApplyPatch(bad, views, {});
+    Status s = codec::Apply(bad, views, {});
     // Bytes 8-9 are the format version: another version is Unimplemented.
     ASSERT_EQ(s.code(), i == 8 || i == 9 ? StatusCode::kUnimplemented : StatusCode::kDataLoss) << "byte " << i;
     ASSERT_TRUE(testing::SameBits(dst, f.base));
@@ -101,18 +101,18 @@ TEST(Corruption, ErrorsNameWhatIsWrong) {
   Fixture f = MakeFixture();
   std::vector<OwnedTensor> dst = f.base;
   auto views = buffers::MutableViews(dst);
-  Status s = ApplyPatch("hello", views, {});
+  Status s = codec::Apply("hello", views, {});
   EXPECT_NE(s.message().find("shorter than"), std::string::npos) << s.message();
   std::string bad_magic = f.patch;
   bad_magic[0] = 'X';
-  s = ApplyPatch(bad_magic, views, {});
+  s = codec::Apply(bad_magic, views, {});
   EXPECT_NE(s.message().find("magic"), std::string::npos) << s.message();
   std::string future = f.patch;
   future[8] = 9;
-  s = ApplyPatch(future, views, {});
+  s = codec::Apply(future, views, {});
   EXPECT_EQ(s.code(), StatusCode::kUnimplemented) << s.ToString();
   std::string padded = f.patch + "x";
-  s = ApplyPatch(padded, views, {});
+  s = codec::Apply(padded, views, {});
   EXPECT_NE(s.message().find("truncated or padded"), std::string::npos) << s.message();
 }
 
@@ -137,7 +137,7 @@ TEST(Corruption, ManyChunksOnThreadsAreAllOrNothing) {
     bad[at] = static_cast<char>(bad[at] ^ (1 + rng() % 255));
     std::vector<OwnedTensor> dst = base;
     auto views = buffers::MutableViews(dst);
-    Status s = ApplyPatch(bad, views, options);
+    Status s = codec::Apply(bad, views, options);
     if (s.ok()) {
       ASSERT_TRUE(testing::SameBits(dst, target)) << "byte " << at << ": accepted with wrong bits";
     } else {

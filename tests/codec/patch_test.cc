@@ -28,7 +28,7 @@ Status Apply(const std::string& patch, std::vector<OwnedTensor>& dst, ThreadPool
   ApplyOptions options;
   options.pool = pool;
   auto views = buffers::MutableViews(dst);
-  return ApplyPatch(patch, views, options);
+  return codec::Apply(patch, views, options);
 }
 
 struct Case {

@@ -61,7 +61,7 @@ TEST(RealData, EveryPairEveryGapRoundTrips) {
         auto views = buffers::MutableViews(dst);
         ApplyOptions apply;
         apply.pool = &pool;
-        ASSERT_TRUE(ApplyPatch(*patch, views, apply).ok()) << files[i] << " -> " << files[j];
+        ASSERT_TRUE(codec::Apply(*patch, views, apply).ok()) << files[i] << " -> " << files[j];
         for (size_t t = 0; t < dst.size(); ++t) {
           const auto& want = snaps[j]->tensors()[t];
           ASSERT_EQ(0, std::memcmp(dst[t].bytes.data(), want.data, want.NumBytes())) << want.name;
@@ -90,7 +90,7 @@ TEST(RealData, MergedChainEqualsSequentialApply) {
     }
     auto dst = buffers::CopyTensors(base);
     auto views = buffers::MutableViews(dst);
-    ASSERT_TRUE(ApplyPatch(merged, views, {}).ok());
+    ASSERT_TRUE(codec::Apply(merged, views, {}).ok());
     for (size_t t = 0; t < dst.size(); ++t) {
       const auto& want = snaps.back()->tensors()[t];
       ASSERT_EQ(0, std::memcmp(dst[t].bytes.data(), want.data, want.NumBytes())) << want.name;

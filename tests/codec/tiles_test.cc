@@ -64,13 +64,13 @@ TEST(Tiles, GriddedPatchesRoundTripForEveryShapeAndGrid) {
     auto patch = EncodePatch(Views(base), Views(target), o);
     ASSERT_TRUE(patch.ok()) << patch.status().message();
     auto work = base;
-    ASSERT_TRUE(ApplyPatch(*patch, MutableViews(work), {}).ok());
+    ASSERT_TRUE(codec::Apply(*patch, MutableViews(work), {}).ok());
     EXPECT_TRUE(testing::SameBits(work, target)) << "round " << round;
 
     auto keyframe = EncodeKeyframe(Views(target), o);
     ASSERT_TRUE(keyframe.ok());
     auto cold = PerturbAll(base, 1.0, rng);
-    ASSERT_TRUE(ApplyPatch(*keyframe, MutableViews(cold), {}).ok());
+    ASSERT_TRUE(codec::Apply(*keyframe, MutableViews(cold), {}).ok());
     EXPECT_TRUE(testing::SameBits(cold, target));
 
     // Merges chain over gridded patches: one patch from base to the third.
@@ -80,12 +80,12 @@ TEST(Tiles, GriddedPatchesRoundTripForEveryShapeAndGrid) {
     auto merged = MergePatches(*patch, *second, Views(base), o);
     ASSERT_TRUE(merged.ok()) << merged.status().message();
     work = base;
-    ASSERT_TRUE(ApplyPatch(*merged, MutableViews(work), {}).ok());
+    ASSERT_TRUE(codec::Apply(*merged, MutableViews(work), {}).ok());
     EXPECT_TRUE(testing::SameBits(work, third));
     auto merged_keyframe = MergePatches(*keyframe, *second, {}, o);
     ASSERT_TRUE(merged_keyframe.ok()) << merged_keyframe.status().message();
     cold = PerturbAll(base, 1.0, rng);
-    ASSERT_TRUE(ApplyPatch(*merged_keyframe, MutableViews(cold), {}).ok());
+    ASSERT_TRUE(codec::Apply(*merged_keyframe, MutableViews(cold), {}).ok());
     EXPECT_TRUE(testing::SameBits(cold, third));
 
     auto info = InspectPatch(*patch);
@@ -164,13 +164,13 @@ TEST(Tiles, TensorChecksumsAreTakenOverTheCells) {
             StatusCode::kInvalidArgument);
   // The tile digests (taken from the blocks where a chunk is one) verify.
   auto work = base;
-  Status s = ApplyPatch(*patch, MutableViews(work), {});
+  Status s = codec::Apply(*patch, MutableViews(work), {});
   ASSERT_TRUE(s.ok()) << s.message();
   EXPECT_TRUE(testing::SameBits(work, target));
   std::vector<uint8_t> half(512 * 1024 * 2);
   std::memcpy(half.data(), base[0].bytes.data() + half.size(), half.size());
   std::vector<RuntimeTensor> layout = {{{"half", DType::kBF16, {512, 1024}, half.data()}, {{"rows", {512, 0}, {512, 1024}, {0, 0}}}}};
-  s = ApplyToPieces(*patch, layout, {});
+  s = codec::Apply(*patch, layout, {});
   ASSERT_TRUE(s.ok()) << s.message();
   EXPECT_EQ(0, std::memcmp(half.data(), target[0].bytes.data() + half.size(), half.size()));
 }
@@ -195,7 +195,7 @@ TEST(Tiles, ColumnTilesOfManyChunksRoundTrip) {
   ASSERT_TRUE(info.ok());
   EXPECT_EQ(info->tensors[0].chunks, 9u) << "three cells of 1.43 M elements: three chunks each";
   auto work = base;
-  ASSERT_TRUE(ApplyPatch(*serial, MutableViews(work), {}).ok());
+  ASSERT_TRUE(codec::Apply(*serial, MutableViews(work), {}).ok());
   EXPECT_TRUE(testing::SameBits(work, target));
   std::vector<uint8_t> shard(2048 * 700 * 2);
   for (size_t r = 0; r < 2048; ++r) {
@@ -203,7 +203,7 @@ TEST(Tiles, ColumnTilesOfManyChunksRoundTrip) {
   }
   std::vector<RuntimeTensor> layout = {
       {{"down.shard", DType::kBF16, {2048, 700}, shard.data()}, {{"down", {0, 700}, {2048, 700}, {0, 0}}}}};
-  Status s = ApplyToPieces(*serial, layout, {});
+  Status s = codec::Apply(*serial, layout, {});
   ASSERT_TRUE(s.ok()) << s.message();
   for (size_t r = 0; r < 2048; ++r) {
     ASSERT_EQ(0, std::memcmp(shard.data() + r * 1400, target[0].bytes.data() + (r * 2100 + 700) * 2, 1400)) << r;
@@ -365,16 +365,16 @@ TEST_P(TensorParallel, EveryRankAppliesExactlyItsPiecesFromThePatchOrItsSelectio
     // even ranks, selected for odd ones).
     auto kf = SelectForPieces(*keyframe, ranks[r].layout);
     ASSERT_TRUE(kf.ok()) << kf.status().message();
-    ASSERT_TRUE(ApplyToPieces(*kf, ranks[r].layout, {}).ok());
+    ASSERT_TRUE(codec::Apply(*kf, ranks[r].layout, {}).ok());
     EXPECT_TRUE(testing::SameBits(ranks[r].tensors, Expected(tp, r, v1))) << "rank " << r << " after the keyframe";
     auto sel = SelectForPieces(*patch, ranks[r].layout);
     ASSERT_TRUE(sel.ok()) << sel.status().message();
     auto info = InspectPatch(*sel);
     ASSERT_TRUE(info.ok());
     selected_payload += info->total_bytes - info->header_bytes;
-    EXPECT_EQ(ApplyPatch(*sel, MutableViews(ranks[r].tensors), {}).code(), StatusCode::kFailedPrecondition)
+    EXPECT_EQ(codec::Apply(*sel, MutableViews(ranks[r].tensors), {}).code(), StatusCode::kFailedPrecondition)
         << "a selection is not a whole patch";
-    Status s = ApplyToPieces(r % 2 ? *sel : *patch, ranks[r].layout, {});
+    Status s = codec::Apply(r % 2 ? *sel : *patch, ranks[r].layout, {});
     ASSERT_TRUE(s.ok()) << s.message();
     EXPECT_TRUE(testing::SameBits(ranks[r].tensors, Expected(tp, r, v2))) << "rank " << r;
     if (tp > 1) EXPECT_LT(sel->size(), whole) << "rank " << r;
@@ -410,7 +410,7 @@ TEST(Tiles, ACorruptTileFailsTheRankThatHoldsItAndNoOther) {
     bad[at] = static_cast<char>(bad[at] ^ (1 << (rng() % 8)));
     ApplyOptions skip;
     skip.verify_patch_checksum = false;  // reach the tile digests
-    Status s = ApplyToPieces(bad, ranks[0].layout, skip);
+    Status s = codec::Apply(bad, ranks[0].layout, skip);
     ASSERT_FALSE(s.ok()) << "trial " << trial;
     EXPECT_EQ(s.code(), StatusCode::kDataLoss) << s.message();
     EXPECT_TRUE(testing::SameBits(ranks[0].tensors, before)) << "undone: " << s.message();
@@ -419,10 +419,10 @@ TEST(Tiles, ACorruptTileFailsTheRankThatHoldsItAndNoOther) {
   EXPECT_EQ(detected, 20);
   // The other rank never reads those bytes: its selection applies.
   auto sel1 = SelectForPieces(*patch, ranks[1].layout);
-  ASSERT_TRUE(ApplyToPieces(*sel1, ranks[1].layout, {}).ok());
+  ASSERT_TRUE(codec::Apply(*sel1, ranks[1].layout, {}).ok());
   EXPECT_TRUE(testing::SameBits(ranks[1].tensors, Expected(2, 1, v1)));
   // Recovered: the intact patch applies to rank 0.
-  ASSERT_TRUE(ApplyToPieces(*patch, ranks[0].layout, {}).ok());
+  ASSERT_TRUE(codec::Apply(*patch, ranks[0].layout, {}).ok());
   EXPECT_TRUE(testing::SameBits(ranks[0].tensors, Expected(2, 0, v1)));
 }
 
@@ -437,7 +437,7 @@ TEST(Tiles, PiecesNotHoldingTheBaseAreRefusedAndUntouched) {
   o.grids = GridsFor(Layouts(ranks), Views(v0));
   auto patch = EncodePatch(Views(v0), Views(v1), o);
   const auto before = ranks[0].tensors;
-  Status s = ApplyToPieces(*patch, ranks[0].layout, {});
+  Status s = codec::Apply(*patch, ranks[0].layout, {});
   EXPECT_EQ(s.code(), StatusCode::kDataLoss) << s.message();
   EXPECT_NE(s.message().find("do not hold its base"), std::string::npos) << s.message();
   EXPECT_TRUE(testing::SameBits(ranks[0].tensors, before));
@@ -453,21 +453,21 @@ TEST(Tiles, LayoutsTheGridDoesNotHoldAreRefusedNamingThePiece) {
   auto patch = EncodePatch(Views(v0), Views(v1), o);
   ASSERT_TRUE(patch.ok());
   Rank tp4 = MakeRank(4, 1);
-  Status s = ApplyToPieces(*patch, tp4.layout, {});
+  Status s = codec::Apply(*patch, tp4.layout, {});
   EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition);
   EXPECT_NE(s.message().find("runtime tensor 'qkv' piece 0 (of 'q_proj')"), std::string::npos) << s.message();
   EXPECT_NE(s.message().find("tile grid does not include this layout"), std::string::npos) << s.message();
 
   // An ungridded tensor held in part.
   auto flat = EncodePatch(Views(v0), Views(v1), EncodeOptions{});
-  s = ApplyToPieces(*flat, tp2[0].layout, {});
+  s = codec::Apply(*flat, tp2[0].layout, {});
   EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition);
   EXPECT_NE(s.message().find("does not grid"), std::string::npos) << s.message();
 
   // A tensor the patch lacks; the staged (device) reader's refusal.
   Rank other = MakeRank(2, 0);
   other.layout[0].pieces[0].canonical = "nope";
-  EXPECT_EQ(ApplyToPieces(*patch, other.layout, {}).code(), StatusCode::kFailedPrecondition);
+  EXPECT_EQ(codec::Apply(*patch, other.layout, {}).code(), StatusCode::kFailedPrecondition);
   EXPECT_EQ(staged::PatchReader::Open(*patch).status().code(), StatusCode::kUnimplemented);
 }
 
@@ -534,7 +534,7 @@ TEST(Parts, TwoPartsApplyAsOneAllOrNothing) {
   for (const std::string* second : {&*pb, &*kb}) {
     auto work = v0;
     std::vector<std::string_view> parts = {*pa, *second};
-    Status s = ApplyParts(parts, MutableViews(work), {});
+    Status s = codec::Apply(parts, MutableViews(work), {});
     ASSERT_TRUE(s.ok()) << s.message();
     EXPECT_TRUE(testing::SameBits(work, v1));
   }
@@ -545,19 +545,19 @@ TEST(Parts, TwoPartsApplyAsOneAllOrNothing) {
   ApplyOptions skip;
   skip.verify_patch_checksum = false;
   std::vector<std::string_view> parts = {*pa, bad};
-  EXPECT_FALSE(ApplyParts(parts, MutableViews(work), skip).ok());
+  EXPECT_FALSE(codec::Apply(parts, MutableViews(work), skip).ok());
   EXPECT_TRUE(testing::SameBits(work, v0)) << "nothing of the version applied";
   // A corrupt keyframe part: verified before the patch part is applied.
   std::string bad_kf = *kb;
   bad_kf[bad_kf.size() - 20] ^= 0x10;
   parts = {*pa, bad_kf};
-  EXPECT_FALSE(ApplyParts(parts, MutableViews(work), skip).ok());
+  EXPECT_FALSE(codec::Apply(parts, MutableViews(work), skip).ok());
   EXPECT_TRUE(testing::SameBits(work, v0));
   // A tensor in two parts; a tensor in none.
   parts = {*pa, *pa};
-  EXPECT_EQ(ApplyParts(parts, MutableViews(work), {}).code(), StatusCode::kFailedPrecondition);
+  EXPECT_EQ(codec::Apply(parts, MutableViews(work), {}).code(), StatusCode::kFailedPrecondition);
   parts = {*pa};
-  Status none = ApplyParts(parts, MutableViews(work), {});
+  Status none = codec::Apply(parts, MutableViews(work), {});
   EXPECT_EQ(none.code(), StatusCode::kFailedPrecondition);
   EXPECT_NE(none.message().find("in no part"), std::string::npos) << none.message();
   EXPECT_TRUE(testing::SameBits(work, v0));
@@ -582,7 +582,7 @@ TEST(Parts, RanksApplyTheirPiecesOfEveryPartFromTheirSelections) {
     auto sb = SelectForPieces(*pb, ranks[r].layout);
     ASSERT_TRUE(sa.ok() && sb.ok()) << sa.status().message() << sb.status().message();
     std::vector<std::string_view> parts = {*sa, *sb};
-    Status s = ApplyPartsToPieces(parts, ranks[r].layout, {});
+    Status s = codec::Apply(parts, ranks[r].layout, {});
     ASSERT_TRUE(s.ok()) << s.message();
     EXPECT_TRUE(testing::SameBits(ranks[r].tensors, Expected(4, r, v1))) << "rank " << r;
     // The same selections as one stream of two segments (as a source that
@@ -597,7 +597,7 @@ TEST(Parts, RanksApplyTheirPiecesOfEveryPartFromTheirSelections) {
     EXPECT_TRUE(testing::SameBits(ahead_ranks[r].tensors, Expected(4, r, v1))) << "rank " << r << ", decoded ahead";
   }
   std::vector<std::string_view> only_a = {*pa};
-  EXPECT_EQ(ApplyPartsToPieces(only_a, ranks[0].layout, {}).code(), StatusCode::kFailedPrecondition)
+  EXPECT_EQ(codec::Apply(only_a, ranks[0].layout, {}).code(), StatusCode::kFailedPrecondition)
       << "pieces of tensors no part has";
 }
 

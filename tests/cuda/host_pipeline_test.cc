@@ -2,7 +2,7 @@
 // (wsync/cuda/logic.h) in plain loops, feeding the staged codec exactly as
 // cuda/src/device_codec.cc does. The patch must be byte-identical to
 // codec::EncodePatch and applying through the ranked-position path must
-// equal codec::ApplyPatch. Runs without a GPU.
+// equal codec::Apply. Runs without a GPU.
 #include <gtest/gtest.h>
 
 #include <cstring>

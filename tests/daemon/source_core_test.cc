@@ -191,7 +191,7 @@ TEST_F(SourceCoreTest, OtherLayoutsServedChangeTheGridsFromTheNextVersion) {
   ASSERT_TRUE(patch.ok());
   auto work = v[1];
   auto views = buffers::MutableViews(work);
-  ASSERT_TRUE(codec::ApplyPatch((*patch)->Assemble(), views, {}).ok());
+  ASSERT_TRUE(codec::Apply((*patch)->Assemble(), views, {}).ok());
   EXPECT_TRUE(testing::SameBits(work, v[2]));
 }
 

@@ -30,7 +30,7 @@ std::vector<std::vector<OwnedTensor>> Chain(int n) {
 
 std::vector<OwnedTensor> ApplyStream(const PatchStream& s, std::vector<OwnedTensor> dst) {
   auto views = buffers::MutableViews(dst);
-  Status st = codec::ApplyPatch(s.Assemble(), views, {});
+  Status st = codec::Apply(s.Assemble(), views, {});
   EXPECT_TRUE(st.ok()) << st.ToString();
   return dst;
 }
@@ -292,7 +292,7 @@ TEST(VersionHistory, AVersionIsServedWhileItIsEncodedInSegments) {
   ASSERT_TRUE(segments.ok());
   EXPECT_EQ(segments->size(), 4u);
   auto work = v[0];
-  ASSERT_TRUE(codec::ApplyParts(*segments, buffers::MutableViews(work), {}).ok());
+  ASSERT_TRUE(codec::Apply(*segments, buffers::MutableViews(work), {}).ok());
   EXPECT_TRUE(testing::SameBits(work, v[1])) << "the streamed segments";
   auto kf = keyframe.get();
   ASSERT_TRUE(kf.ok()) << kf.status().ToString();
@@ -302,7 +302,7 @@ TEST(VersionHistory, AVersionIsServedWhileItIsEncodedInSegments) {
   auto selected_segments = codec::SplitSegments(selected_bytes);
   ASSERT_TRUE(selected_segments.ok());
   EXPECT_LT(selected_bytes.size(), streamed.size() / 2) << "b's chunks only";
-  ASSERT_TRUE(codec::ApplyPartsToPieces(*selected_segments, layout, {}).ok());
+  ASSERT_TRUE(codec::Apply(*selected_segments, layout, {}).ok());
   EXPECT_EQ(held[0].bytes, v[1][1].bytes) << "the piece holds version 2 of b";
   EXPECT_TRUE(testing::SameBits(ApplyStream(**kf, Zeros(v[0])), v[1]));
   auto stored = h.Open(1, 2);
@@ -401,8 +401,8 @@ TEST(VersionHistory, ServesEachServedLayoutItsSelection) {
     auto patch = h.OpenFor(2, 3, fp, 0);
     ASSERT_TRUE(keyframe.ok() && patch.ok());
     EXPECT_LT((*keyframe)->total_bytes(), (*h.Open(0, 2))->total_bytes() * 6 / 10) << "half " << r;
-    ASSERT_TRUE(codec::ApplyToPieces((*keyframe)->Assemble(), halves[r], {}).ok());
-    Status s = codec::ApplyToPieces((*patch)->Assemble(), halves[r], {});
+    ASSERT_TRUE(codec::Apply((*keyframe)->Assemble(), halves[r], {}).ok());
+    Status s = codec::Apply((*patch)->Assemble(), halves[r], {});
     ASSERT_TRUE(s.ok()) << s.ToString();
     EXPECT_EQ(0, std::memcmp(held[r][0].bytes.data(), v[2][0].bytes.data() + r * 300 * 500 * 2, 300 * 500 * 2))
         << "half " << r << " holds its rows of version 3";

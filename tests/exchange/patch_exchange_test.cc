@@ -66,7 +66,7 @@ void ThroughRelay(Node& source, Node& relay, Node& sink, const std::string& patc
 void ExpectAppliesExactly(const Versions& v, const std::string& bytes) {
   auto dst = v.v1;
   auto views = buffers::MutableViews(dst);
-  Status s = codec::ApplyPatch(bytes, views, {});
+  Status s = codec::Apply(bytes, views, {});
   ASSERT_TRUE(s.ok()) << s.ToString();
   EXPECT_TRUE(testing::SameBits(dst, v.v2));
 }

@@ -1,7 +1,7 @@
 // libFuzzer target for the patch decoder: any byte string given to
-// InspectPatch / ApplyPatch / MergePatches / ApplyToPieces / SelectForPieces
+// InspectPatch / Apply (whole tensors and pieces) / MergePatches / SelectForPieces
 // / SplitSegments / ApplyAhead must give an error or a result, ApplyAhead
-// fed it in slices exactly ApplyPatch's,
+// fed it in slices exactly Apply's,
 // never a crash, a hang or an out-of-bounds access. The whole-patch checksum
 // is turned off so the fuzzer reaches the structural checks behind it.
 #include <cstdint>
@@ -38,7 +38,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   auto views = buffers::MutableViews(dst);
   codec::ApplyOptions options;
   options.verify_patch_checksum = false;
-  Status s = codec::ApplyPatch(in, views, options);
+  Status s = codec::Apply(in, views, options);
   if (!s.ok()) {
     // All-or-nothing: a rejected patch leaves the destination as it was.
     for (size_t i = 0; i < dst.size(); ++i) {
@@ -78,7 +78,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     layout[i].view = {held[i].name, held[i].dtype, held[i].shape, held[i].bytes.data()};
   }
   const auto held_before = held;
-  if (!codec::ApplyToPieces(in, layout, options).ok()) {
+  if (!codec::Apply(in, layout, options).ok()) {
     for (size_t i = 0; i < held.size(); ++i) {
       if (held[i].bytes != held_before[i].bytes) __builtin_trap();
     }

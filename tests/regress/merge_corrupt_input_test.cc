@@ -78,7 +78,7 @@ TEST(MergeCorruptInput, NeverWritesAWrongPatchWithSuccess) {
     ASSERT_TRUE(merged.ok());
     auto w = v0;
     codec::ApplyOptions ao;
-    ASSERT_TRUE(codec::ApplyPatch(*merged, buffers::MutableViews(w), ao).ok()) << "trial " << trial;
+    ASSERT_TRUE(codec::Apply(*merged, buffers::MutableViews(w), ao).ok()) << "trial " << trial;
     EXPECT_EQ(codec::SetChecksum(buffers::Views(w)), target) << "trial " << trial;
     ++equivalent;
   }

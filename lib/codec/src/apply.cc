@@ -523,13 +523,16 @@ Status ApplyAll(std::span<PartApply* const> parts, ThreadPool* pool) {
 }
 }  // namespace
 
-Status ApplyPatch(std::string_view patch, std::span<const MutableTensorView> tensors,
-                  const ApplyOptions& options) {
+namespace {
+
+Status ApplyWhole(std::string_view patch, std::span<const MutableTensorView> tensors, const ApplyOptions& options) {
   PartApply part;
   WSYNC_RETURN_IF_ERROR(ReadWholePart(patch, tensors, options.allow_extra_tensors, options, &part));
   PartApply* parts[] = {&part};
   return ApplyAll(parts, options.pool);
 }
+
+}  // namespace
 
 Status ValidatePieces(std::span<const RuntimeTensor> runtime, std::span<const TensorView> canonical,
                       std::span<const TileGrid> grids) {
@@ -581,14 +584,14 @@ std::vector<TileGrid> GridsFor(std::span<const std::vector<RuntimeTensor>> layou
   return out;
 }
 
-Status ApplyToPieces(std::string_view patch, std::span<const RuntimeTensor> runtime, const ApplyOptions& options) {
+namespace {
+
+Status ApplyPieces(std::string_view patch, std::span<const RuntimeTensor> runtime, const ApplyOptions& options) {
   PartApply part;
   WSYNC_RETURN_IF_ERROR(ReadPiecesPart(patch, runtime, /*other_parts=*/false, options, &part));
   PartApply* parts[] = {&part};
   return ApplyAll(parts, options.pool);
 }
-
-namespace {
 
 // Parts of one version hold disjoint tensors, which cover the destination
 // (unless allow_extra_tensors).
@@ -639,10 +642,8 @@ std::vector<PartApply*> Pointers(std::vector<PartApply>& parts) {
   return out;
 }
 
-}  // namespace
-
-Status ApplyParts(std::span<const std::string_view> patches, std::span<const MutableTensorView> tensors,
-                  const ApplyOptions& options) {
+Status ApplyWholeParts(std::span<const std::string_view> patches, std::span<const MutableTensorView> tensors,
+                       const ApplyOptions& options) {
   if (patches.empty()) return InvalidArgumentError("no parts to apply");
   std::vector<PartApply> parts(patches.size());
   for (size_t i = 0; i < patches.size(); ++i) {
@@ -653,8 +654,8 @@ Status ApplyParts(std::span<const std::string_view> patches, std::span<const Mut
   return ApplyAll(all, options.pool);
 }
 
-Status ApplyPartsToPieces(std::span<const std::string_view> patches, std::span<const RuntimeTensor> runtime,
-                          const ApplyOptions& options) {
+Status ApplyPiecesParts(std::span<const std::string_view> patches, std::span<const RuntimeTensor> runtime,
+                        const ApplyOptions& options) {
   if (patches.empty()) return InvalidArgumentError("no parts to apply");
   std::vector<PartApply> parts(patches.size());
   for (size_t i = 0; i < patches.size(); ++i) {
@@ -663,6 +664,18 @@ Status ApplyPartsToPieces(std::span<const std::string_view> patches, std::span<c
   const std::vector<PartApply*> all = Pointers(parts);
   WSYNC_RETURN_IF_ERROR(CheckPiecesParts(all, runtime));
   return ApplyAll(all, options.pool);
+}
+
+}  // namespace
+
+Status Apply(std::string_view patch, const Destination& destination, const ApplyOptions& options) {
+  return destination.pieces() ? ApplyPieces(patch, destination.runtime(), options)
+                              : ApplyWhole(patch, destination.tensors(), options);
+}
+
+Status Apply(std::span<const std::string_view> parts, const Destination& destination, const ApplyOptions& options) {
+  return destination.pieces() ? ApplyPiecesParts(parts, destination.runtime(), options)
+                              : ApplyWholeParts(parts, destination.tensors(), options);
 }
 
 // ---- ApplyAhead
@@ -791,8 +804,8 @@ Status ApplyAhead::Apply(std::string_view stream) {
   if (!same) {
     // Another stream than the one read ahead: applied as given.
     m.segments.clear();
-    return m.pieces ? ApplyPartsToPieces(segments, m.runtime, m.options)
-                    : ApplyParts(segments, m.tensors, m.options);
+    return m.pieces ? ApplyPiecesParts(segments, m.runtime, m.options)
+                    : ApplyWholeParts(segments, m.tensors, m.options);
   }
   std::vector<PartApply*> parts;
   for (size_t i = 0; i < segments.size(); ++i) {

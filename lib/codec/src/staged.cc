@@ -217,7 +217,7 @@ StatusOr<PatchReader> PatchReader::Open(std::string_view patch, bool verify_chec
     }
     for (const internal::ChunkEntry& ch : e.chunks) {
       if (ch.absent) return FailedPreconditionError("the patch is a selection (tensor " + Quoted(e.name) +
-                                                    " lacks chunks); apply it with ApplyToPieces");
+                                                    " lacks chunks); apply it into pieces (codec::Apply)");
     }
   }
   impl->tasks = internal::TasksOf(impl->c.tensors);

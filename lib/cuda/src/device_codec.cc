@@ -115,6 +115,19 @@ class PinnedArena {
   void Reset() {
     for (Block& b : blocks_) b.used = 0;
   }
+  // Between calls: frees the largest blocks until at most `keep` bytes stay,
+  // so that one large call does not hold page-locked memory for good.
+  void Trim(size_t keep) {
+    std::sort(blocks_.begin(), blocks_.end(), [](const Block& a, const Block& b) { return a.size < b.size; });
+    size_t total = 0;
+    for (const Block& b : blocks_) total += b.size;
+    while (total > keep && !blocks_.empty()) {
+      total -= blocks_.back().size;
+      cudaFreeHost(blocks_.back().ptr);
+      blocks_.pop_back();
+    }
+    Reset();
+  }
   template <typename T>
   StatusOr<T*> Alloc(size_t count) {
     const size_t n = std::max<size_t>(256, (count * sizeof(T) + 255) / 256 * 256);
@@ -134,12 +147,27 @@ class PinnedArena {
 
  private:
   static constexpr size_t kMinBlock = size_t{16} << 20;
+ public:
+  static constexpr size_t kKeepBytes = size_t{256} << 20;  // kept between calls
+
+ private:
   struct Block {
     uint8_t* ptr;
     size_t size;
     size_t used;
   };
   std::vector<Block> blocks_;
+};
+
+// Ends a call: waits for what the call left on its stream, then trims the
+// page-locked memory (also on an error return).
+struct EndOfCall {
+  cudaStream_t stream;
+  PinnedArena& pinned;
+  ~EndOfCall() {
+    cudaStreamSynchronize(stream);
+    pinned.Trim(PinnedArena::kKeepBytes);
+  }
 };
 
 template <typename T>
@@ -598,6 +626,7 @@ StatusOr<std::string> DeviceCodec::Encode(std::span<const TensorView> live,
   Impl& d = *impl_;
   d.StartPhases();
   WSYNC_RETURN_IF_ERROR(d.Activate());
+  const EndOfCall end{d.compute, d.pinned};
   WSYNC_RETURN_IF_ERROR(CheckPairs(previous, target, "base and target"));
   WSYNC_ASSIGN_OR_RETURN(auto writer, codec::staged::PatchWriter::Create(target, options));
   const auto by_tensor = ChunksByTensor(writer.chunks(), target.size());
@@ -985,6 +1014,7 @@ Status DeviceCodec::ApplyPatch(std::string_view patch, std::span<const MutableTe
                                const codec::ApplyOptions& options) {
   impl_->StartPhases();
   WSYNC_RETURN_IF_ERROR(impl_->Activate());
+  const EndOfCall end{impl_->compute, impl_->pinned};
   WSYNC_ASSIGN_OR_RETURN(auto reader, codec::staged::PatchReader::Open(patch, options.verify_patch_checksum));
   WSYNC_ASSIGN_OR_RETURN(auto match, reader.Match(tensors, options.allow_extra_tensors));
   if (reader.kind() == codec::PatchKind::kKeyframe) return impl_->ApplyKeyframe(reader, tensors, match, options);

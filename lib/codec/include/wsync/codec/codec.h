@@ -14,6 +14,7 @@
 // the options when one is given (one ParallelFor at a time per pool).
 #pragma once
 
+#include <concepts>
 #include <cstdint>
 #include <functional>
 #include <utility>
@@ -125,19 +126,6 @@ struct ApplyOptions {
   bool allow_extra_tensors = false;
 };
 
-// Applies a patch or a keyframe in place. Tensors are matched by name; each
-// must have the patch's dtype and shape. A patch is decoded and applied
-// chunk by chunk, then every tensor is verified against its checksum; when a
-// chunk fails to decode or a checksum differs, every applied chunk is undone
-// (the destination is as before) and the error names the chunk or tensor.
-// The destination must not be read while this runs. A keyframe is decoded
-// and verified before the first byte of the destination is written. A
-// destination that does not hold the patch's base version is reported as
-// FailedPrecondition (a sink then needs a keyframe); a corrupt patch as
-// DataLoss.
-Status ApplyPatch(std::string_view patch, std::span<const MutableTensorView> tensors,
-                  const ApplyOptions& options);
-
 // Merges patch(j->k) and patch(k->l) into patch(j->l), identical in effect
 // to applying both. `first` may also be a keyframe (of k): the result is then
 // a keyframe of l. `base` holds version j (the first patch's base); it is
@@ -187,32 +175,59 @@ Status ValidatePieces(std::span<const RuntimeTensor> runtime, std::span<const Te
 std::vector<TileGrid> GridsFor(std::span<const std::vector<RuntimeTensor>> layouts,
                                std::span<const TensorView> canonical);
 
-// Applies a patch or keyframe into the pieces of runtime tensors: exactly
-// the changes that fall inside the pieces, and nothing outside them. Only
-// the chunks inside some piece are decoded; each is verified after the apply
-// against its digest (a piece that covers an ungridded tensor whole is
-// verified against the tensor's checksum); on any failure every change is
-// undone and nothing is written. FailedPrecondition when a piece cuts a
-// chunk (the source's grid does not include this layout: GridsFor), names a
-// tensor the patch lacks, or the patch lacks a chunk a piece needs; DataLoss
-// when a result differs from its digest (a corrupt patch, or pieces that do
-// not hold the base: a sink then takes a keyframe).
-Status ApplyToPieces(std::string_view patch, std::span<const RuntimeTensor> runtime,
-                     const ApplyOptions& options);
+// Where an apply writes: whole tensors, matched by name, or the pieces of
+// runtime tensors. Made from any contiguous range of either.
+class Destination {
+ public:
+  template <typename R>
+    requires std::convertible_to<const R&, std::span<const MutableTensorView>>
+  Destination(const R& tensors) : tensors_(tensors) {}  // NOLINT: implicit by design
+  template <typename R>
+    requires std::convertible_to<const R&, std::span<const RuntimeTensor>>
+  Destination(const R& runtime) : runtime_(runtime), pieces_(true) {}  // NOLINT: implicit by design
 
-// The parts of one version published by several sources (each source a
-// disjoint subset of the tensors: one patch or keyframe per part) applied as
-// one, all or nothing: keyframe parts are verified before anything is
-// written, patch parts applied and verified one after the other, and every
-// part undone when any fails. Tensors are matched by name across the parts;
-// a tensor in two parts is FailedPrecondition, as is a destination tensor in
-// none (unless allow_extra_tensors).
-Status ApplyParts(std::span<const std::string_view> parts, std::span<const MutableTensorView> tensors,
-                  const ApplyOptions& options);
-// The same into pieces: each part applies the pieces of its tensors; a piece
-// whose tensor is in no part is FailedPrecondition.
-Status ApplyPartsToPieces(std::span<const std::string_view> parts, std::span<const RuntimeTensor> runtime,
-                          const ApplyOptions& options);
+  bool pieces() const { return pieces_; }
+  std::span<const MutableTensorView> tensors() const { return tensors_; }
+  std::span<const RuntimeTensor> runtime() const { return runtime_; }
+
+ private:
+  std::span<const MutableTensorView> tensors_;
+  std::span<const RuntimeTensor> runtime_;
+  bool pieces_ = false;
+};
+
+// Applies one version in place: a patch or a keyframe, or the parts of a
+// version published by several sources (each source a disjoint subset of the
+// tensors, one patch or keyframe per part), all or nothing. The destination
+// must not be read while this runs. A destination that does not hold the
+// patch's base version is FailedPrecondition (a sink then needs a keyframe);
+// a corrupt patch DataLoss.
+//
+// Whole tensors: matched by name, each with the patch's dtype and shape
+// (tensors the patch does not mention: allow_extra_tensors). A patch is
+// decoded and applied chunk by chunk, then every tensor is verified against
+// its checksum; when a chunk fails to decode or a checksum differs, every
+// applied chunk is undone and the error names the chunk or tensor. A
+// keyframe is decoded and verified before the first byte is written. A
+// selection (SelectForPieces) is refused (FailedPrecondition).
+//
+// Pieces: exactly the changes that fall inside the pieces, nothing outside
+// them. Only the chunks inside some piece are decoded; each is verified after
+// the apply against its digest (a piece that covers an ungridded tensor whole
+// against the tensor's checksum); on any failure every change is undone.
+// FailedPrecondition when a piece cuts a chunk (the source's grid does not
+// include this layout: GridsFor), names a tensor the patch lacks, or the
+// patch lacks a chunk a piece needs; DataLoss when a result differs from its
+// digest (a corrupt patch, or pieces that do not hold the base).
+//
+// Parts: keyframe parts are verified before anything is written, patch
+// parts applied and verified one after the other, and every part undone
+// when any fails. Tensors are matched by name across the parts; a tensor in
+// two parts is FailedPrecondition, as is a destination tensor (or a piece's
+// tensor) in none (unless allow_extra_tensors, for whole tensors). One part
+// given as a list is checked as the parts of a version are.
+Status Apply(std::string_view patch, const Destination& destination, const ApplyOptions& options);
+Status Apply(std::span<const std::string_view> parts, const Destination& destination, const ApplyOptions& options);
 
 // ---- Streams: one or more containers back to back (docs/patch-format.md,
 // "Streams"). A stream of one container is a plain patch or keyframe; a
@@ -253,9 +268,8 @@ StatusOr<std::string> EncodeSegmented(std::span<const TensorView> base, std::spa
 // they come in (Advance), it decodes each chunk of a patch segment as soon as
 // its streams are in, against the destination's bytes at that moment, and
 // writes nothing. Apply(stream) then adds, verifies and, on any failure,
-// undoes, decoding only what was not decoded ahead: ApplyParts's contract
-// (ApplyPartsToPieces's into pieces), one segment being one part; for a
-// stream of one container, ApplyPatch's (ApplyToPieces's). The destination
+// undoes, decoding only what was not decoded ahead: codec::Apply's contract,
+// one segment being one part. The destination
 // must not be written by anyone else from the first Advance to Apply (a
 // chunk decoded against other bytes fails verification, and the apply is
 // undone: never a wrong result). Keyframe segments are decoded by Apply.
@@ -289,8 +303,8 @@ uint64_t LayoutFingerprint(std::span<const RuntimeTensor> runtime);
 
 // The part of a patch or keyframe that the pieces need: the same directory
 // with every other chunk marked absent and its streams dropped (a selection,
-// docs/patch-format.md). ApplyToPieces takes it as it takes the whole patch;
-// ApplyPatch refuses it (FailedPrecondition). The bytes a sink holding one
+// docs/patch-format.md). Apply into pieces takes it as it takes the whole
+// patch; into whole tensors refuses it (FailedPrecondition). The bytes a sink holding one
 // shard receives. Pieces of tensors the patch lacks are left out (they are
 // another part's, when several sources publish the version).
 StatusOr<std::string> SelectForPieces(std::string_view patch, std::span<const RuntimeTensor> runtime);

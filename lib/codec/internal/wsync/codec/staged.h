@@ -1,7 +1,7 @@
 // The patch codec cut at its entropy stage, for producers that compute a
 // change elsewhere: the device codec (cuda/) diffs, histograms and ranks on
 // the GPU and hands the compact results to these classes, which run the same
-// entropy coders as EncodePatch and ApplyPatch. The host functions run the
+// entropy coders as EncodePatch and Apply. The host functions run the
 // very same stages, so both paths give identical bytes by construction; the
 // tests check it.
 //
@@ -138,7 +138,7 @@ class PatchReader {
   const std::vector<Chunk>& chunks() const;
 
   // For every tensor of the patch, the index of the destination tensor of
-  // the same name, with checks and errors as ApplyPatch's.
+  // the same name, with checks and errors as Apply's.
   StatusOr<std::vector<size_t>> Match(std::span<const MutableTensorView> dst, bool allow_extra) const;
 
   // Patches: stage 1 of chunk i (no base needed). DataLoss names the chunk.

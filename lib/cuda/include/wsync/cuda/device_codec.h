@@ -3,7 +3,7 @@
 // compacts, histograms, ranks, checksums and scatters; the host runs only the
 // entropy coders on the compact streams (staged.h), so a patch made here is
 // byte-identical to codec::EncodePatch on host copies of the same tensors,
-// and applying one here equals codec::ApplyPatch, errors included.
+// and applying one here equals codec::Apply, errors included.
 //
 // No CUDA header is included: a build without CUDA has the same API, and
 // Create() then returns Unavailable. Tensor views carry device pointers.
@@ -41,7 +41,7 @@ class DeviceCodec {
   StatusOr<std::string> EncodePatch(std::span<const codec::TensorView> base,
                                     std::span<const codec::TensorView> target, const codec::EncodeOptions& options);
 
-  // codec::ApplyPatch (patches and keyframes) into tensors in device memory.
+  // codec::Apply (patches and keyframes) into whole tensors in device memory.
   Status ApplyPatch(std::string_view patch, std::span<const codec::MutableTensorView> tensors,
                     const codec::ApplyOptions& options);
 
