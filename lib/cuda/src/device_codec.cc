@@ -114,10 +114,15 @@ class PinnedArena {
   }
   void Reset() {
     for (Block& b : blocks_) b.used = 0;
+    used_ = 0;
   }
-  // Between calls: frees the largest blocks until at most `keep` bytes stay,
-  // so that one large call does not hold page-locked memory for good.
+  // Between calls: frees the largest blocks until at most the larger of
+  // `keep` and twice what the call used at its peak stays (room for the
+  // blocks' leftovers), so that calls alike reuse their memory and one large
+  // call does not hold it for good.
   void Trim(size_t keep) {
+    keep = std::max(keep, 2 * peak_);
+    peak_ = 0;
     std::sort(blocks_.begin(), blocks_.end(), [](const Block& a, const Block& b) { return a.size < b.size; });
     size_t total = 0;
     for (const Block& b : blocks_) total += b.size;
@@ -131,6 +136,8 @@ class PinnedArena {
   template <typename T>
   StatusOr<T*> Alloc(size_t count) {
     const size_t n = std::max<size_t>(256, (count * sizeof(T) + 255) / 256 * 256);
+    used_ += n;
+    peak_ = std::max(peak_, used_);
     for (Block& b : blocks_) {
       if (b.size - b.used >= n) {
         void* p = b.ptr + b.used;
@@ -157,6 +164,8 @@ class PinnedArena {
     size_t used;
   };
   std::vector<Block> blocks_;
+  size_t used_ = 0;  // handed out since the last Reset
+  size_t peak_ = 0;  // the most handed out at once since the last Trim
 };
 
 // Ends a call: waits for what the call left on its stream, then trims the
