@@ -35,8 +35,7 @@ Status Check(cudaError_t e, const char* what) {
   return InternalError(std::string("CUDA ") + what + ": " + cudaGetErrorString(e));
 }
 
-
-// A growable device allocation. Grow() synchronizes the device before it
+// A growable device allocation. Get() synchronizes the device before it
 // frees the old block, so no enqueued work still uses it.
 class Scratch {
  public:
@@ -81,13 +80,6 @@ class Carver {
 template <typename T>
 T* At(void* base, size_t offset) {
   return reinterpret_cast<T*>(static_cast<uint8_t*>(base) + offset);
-}
-
-template <typename T>
-Status CopyDown(std::vector<T>* out, const T* src, size_t count, cudaStream_t s) {
-  out->resize(count);
-  if (count == 0) return Status::Ok();
-  return Check(cudaMemcpyAsync(out->data(), src, count * sizeof(T), cudaMemcpyDeviceToHost, s), "copy to host");
 }
 
 Status CopyUp(void* dst, const void* src, size_t bytes, cudaStream_t s) {
@@ -264,8 +256,8 @@ struct DeviceCodec::Impl {
   int device = 0;
   cudaStream_t compute = nullptr;
   cudaStream_t copy = nullptr;
-  Scratch scratch;       // a batch's first pass; apply: entries and scatter lists
-  Scratch changes;       // a batch's compact change streams
+  Scratch scratch;       // encode: a batch's first pass; apply: the rank and gather entries
+  Scratch changes;       // encode: a batch's compact changes; apply: the scatter lists
   Scratch rank_mem;      // class counts and their scan, one tensor at a time
   Scratch digest_mem;    // digests
   Scratch staging;       // bases in host memory, a batch at a time
