@@ -1,4 +1,4 @@
-// Tensor-parallel sinks (issue 20): what a sink holding one rank's shards
+// Tensor-parallel sinks: what a sink holding one rank's shards
 // receives and how long it applies, against a sink holding the whole model,
 // in one run; and what the tile grid of the served layouts costs the patch.
 //

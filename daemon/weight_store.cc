@@ -121,7 +121,7 @@ class DeviceStore : public WeightStore {
  private:
   // Pieces, the parts of a version from several sources, or a gridded patch,
   // in device memory: the device codec decodes flat chunks of one patch only
-  // (tiles and parts on the device are #21's), so the tensors are copied down,
+  // (docs/gpu.md, "Known limits"), so the tensors are copied down,
   // applied and verified on the host, and copied back up only when the
   // whole apply succeeded. A copy-up that fails midway leaves torn device
   // tensors: DataLoss, and the next patch fails its checks (a keyframe).

@@ -77,7 +77,7 @@ bool DeviceAppliesDirectly(std::span<const std::string_view> parts, bool pieces)
 
 // codec::SetChecksum of tensors in device memory coded with `grids`:
 // computed on the device, but for the gridded tensors, which the device
-// codec does not hash by cells (#21): those from a host copy.
+// codec does not hash by cells: those from a host copy.
 StatusOr<uint64_t> DeviceSetChecksum(cuda::DeviceCodec& device, std::span<const codec::TensorView> tensors,
                                      std::span<const codec::TileGrid> grids = {});
 

@@ -136,7 +136,7 @@ StatusOr<std::string> MergePatches(std::string_view first, std::string_view seco
                                    std::span<const TensorView> base,
                                    const EncodeOptions& options);
 
-// ---- Pieces: a sink that holds parts of the canonical tensors (#20).
+// ---- Pieces: a sink that holds parts of the canonical tensors.
 //
 // A piece is a box of a canonical tensor (a tensor of the patch) held at a
 // box of the same shape in a runtime tensor (an engine's parameter: a
