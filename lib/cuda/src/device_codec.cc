@@ -1,7 +1,7 @@
 // DeviceCodec over the kernels (kernels.h) and the staged host codec
 // (codec/staged.h). Per batch of tensors: launches, one copy back of the
-// compact streams into page-locked memory, host entropy coding. See device_codec.h for the contract and
-// docs/gpu.md for the data flow.
+// compact streams into page-locked memory, host entropy coding. See
+// device_codec.h for the contract and docs/gpu.md for the data flow.
 #include "wsync/cuda/device_codec.h"
 
 #include <cuda_runtime_api.h>
@@ -98,6 +98,8 @@ logic::Layout LayoutOf(uint64_t n, size_t width, uint32_t chunk_bytes) {
 // allocated.
 class PinnedArena {
  public:
+  static constexpr size_t kKeepBytes = size_t{256} << 20;  // kept between calls at least (Trim)
+
   PinnedArena() = default;
   PinnedArena(const PinnedArena&) = delete;
   PinnedArena& operator=(const PinnedArena&) = delete;
@@ -146,10 +148,6 @@ class PinnedArena {
 
  private:
   static constexpr size_t kMinBlock = size_t{16} << 20;
- public:
-  static constexpr size_t kKeepBytes = size_t{256} << 20;  // kept between calls
-
- private:
   struct Block {
     uint8_t* ptr;
     size_t size;
@@ -316,6 +314,13 @@ struct DeviceCodec::Impl {
       out[i] = codec::CombineBlockDigests(std::span<const uint64_t>(host + first[i], first[i + 1] - first[i]));
     }
     return out;
+  }
+
+  // Checksums of the destination's tensors the patch matched, in its order.
+  StatusOr<std::vector<uint64_t>> Checksums(std::span<const MutableTensorView> dst, const std::vector<size_t>& match) {
+    std::vector<std::pair<const void*, size_t>> regions;
+    for (size_t i : match) regions.emplace_back(dst[i].data, dst[i].NumBytes());
+    return Checksums(regions);
   }
 
   StatusOr<uint64_t> Checksum(const void* data, size_t nbytes) {
@@ -569,6 +574,12 @@ Status CheckPairs(std::span<const TensorView> a, std::span<const TensorView> b, 
   return Status::Ok();
 }
 
+std::vector<TensorView> ConstViews(std::span<const MutableTensorView> v) {
+  std::vector<TensorView> out;
+  for (const auto& m : v) out.push_back(m.AsConst());
+  return out;
+}
+
 // Chunk ids of the writer per tensor.
 std::vector<std::vector<size_t>> ChunksByTensor(const std::vector<Chunk>& chunks, size_t tensors) {
   std::vector<std::vector<size_t>> out(tensors);
@@ -588,21 +599,10 @@ StatusOr<std::string> DeviceCodec::SnapshotAndEncode(std::span<const TensorView>
                                                      std::span<const TensorView> previous,
                                                      const codec::EncodeOptions& options,
                                                      const std::function<void()>& on_snapshot) {
-  std::vector<TensorView> targets;
-  for (const auto& s : snapshot) targets.push_back(s.AsConst());
+  const std::vector<TensorView> targets = ConstViews(snapshot);
   WSYNC_RETURN_IF_ERROR(CheckPairs(live, targets, "live and snapshot"));
   return Encode(live, snapshot, previous, options, on_snapshot, targets, {}, false);
 }
-
-namespace {
-
-std::vector<TensorView> ConstViews(std::span<const MutableTensorView> v) {
-  std::vector<TensorView> out;
-  for (const auto& m : v) out.push_back(m.AsConst());
-  return out;
-}
-
-}  // namespace
 
 StatusOr<std::string> DeviceCodec::EncodeAndAdvance(std::span<const TensorView> live,
                                                     std::span<const MutableTensorView> previous,
@@ -726,9 +726,7 @@ StatusOr<std::string> DeviceCodec::Encode(std::span<const TensorView> live,
 StatusOr<bool> DeviceCodec::Impl::HoldsBase(const codec::staged::PatchReader& r,
                                             std::span<const MutableTensorView> dst,
                                             const std::vector<size_t>& match) {
-  std::vector<std::pair<const void*, size_t>> regions;
-  for (size_t t = 0; t < match.size(); ++t) regions.emplace_back(dst[match[t]].data, dst[match[t]].NumBytes());
-  WSYNC_ASSIGN_OR_RETURN(auto sums, Checksums(regions));
+  WSYNC_ASSIGN_OR_RETURN(auto sums, Checksums(dst, match));
   return codec::SetChecksumOf(sums) == r.base_set_checksum();
 }
 
@@ -986,11 +984,9 @@ Status DeviceCodec::Impl::ApplyDelta(const codec::staged::PatchReader& r, std::s
     return Status::Ok();
   };
   WSYNC_RETURN_IF_ERROR(scatter(false));
-  std::vector<std::pair<const void*, size_t>> regions;
-  for (size_t t = 0; t < match.size(); ++t) regions.emplace_back(dst[match[t]].data, dst[match[t]].NumBytes());
   Status scattered = Check(cudaStreamSynchronize(compute), "scatter");
   EndPhase("scatter");
-  auto sums = scattered.ok() ? Checksums(regions) : StatusOr<std::vector<uint64_t>>(scattered);
+  auto sums = scattered.ok() ? Checksums(dst, match) : StatusOr<std::vector<uint64_t>>(scattered);
   EndPhase("verify");
   if (!sums.ok()) {
     // The scatter may or may not have run: put the tensors back either way.
