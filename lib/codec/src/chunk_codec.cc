@@ -257,10 +257,17 @@ struct ValueSymbol {
   uint64_t extra;
 };
 
-inline constexpr int kValueEscape = 14;
+using sparse::kValueEscape;
 inline constexpr int kValueFirstWithBits = 10;  // symbols below have no bits
-inline constexpr uint8_t kValueBase[kRansSymbols] = {1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 10, 10, 18, 0};
-inline constexpr uint8_t kValueExtra[kRansSymbols] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 3, 3, 0, 0};
+// The tables of the functions in sparse_decode.h, which the device reads.
+template <typename F>
+constexpr std::array<uint8_t, kRansSymbols> SymbolTable(F f) {
+  std::array<uint8_t, kRansSymbols> t{};
+  for (int s = 0; s < kRansSymbols; ++s) t[s] = static_cast<uint8_t>(f(s));
+  return t;
+}
+inline constexpr auto kValueBase = SymbolTable(sparse::ValueBase);
+inline constexpr auto kValueExtra = SymbolTable(sparse::ValueExtra);
 
 // The encoder's side of kValueBase / kValueExtra (the decoder reads them).
 template <typename T>
@@ -439,10 +446,11 @@ void RanksByClassK(const T* base, size_t n, const std::vector<uint32_t>& pos, co
 // followed by the r low bits of the gap. r is chosen per class, so a class
 // changing with probability p costs close to H(p) per element, a dense one
 // well under a bit per change.
-constexpr int kMaxShift = 31;
-constexpr int kGapEscape = 15;
-inline constexpr uint8_t kGapBase[kRansSymbols] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32, 48, 64, 128};
-inline constexpr uint8_t kGapExtra[kRansSymbols] = {0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 3, 3, 4, 4, 6, 0};
+using sparse::kGapEscape;
+using sparse::kMaxShift;
+inline constexpr auto kGapBase = SymbolTable(sparse::GapBase);
+inline constexpr auto kGapExtra = SymbolTable(sparse::GapExtra);
+static_assert(kGapBase[8] == 8 && kGapBase[14] == 64 && kGapBase[15] == 128 && kGapExtra[14] == 6);
 
 // The symbol of quotient q (< 128: the table; else the escape).
 constexpr std::array<uint8_t, 128> kGapSymbol = [] {
@@ -1191,6 +1199,23 @@ Status DecodeChunk(ChunkMode mode, uint64_t changed, std::string_view pos, std::
 bool ChunkNeedsBase(ChunkMode mode, std::string_view pos) {
   if (mode != ChunkMode::kSparse && mode != ChunkMode::kRuns && mode != ChunkMode::kBitmap) return false;
   return !pos.empty() && static_cast<uint8_t>(pos[0]) > 1;
+}
+
+Status LocateSparseStreams(std::string_view pos, std::string_view val, ExponentField exponent,
+                           sparse::ChunkStreams* out) {
+  ByteReader r(pos, "position stream");
+  std::string_view coded;
+  if (!ReadClassHeader(pos, exponent, &out->spec, &coded, &r)) return r.status();
+  auto span = [](std::string_view stream, sparse::RansSpan* s) {
+    std::string_view words, bits;
+    if (!SplitRansStream(stream, &words, &bits)) return false;
+    *s = {reinterpret_cast<const uint8_t*>(words.data()), words.size() / 2,
+          reinterpret_cast<const uint8_t*>(bits.data()), bits.size()};
+    return true;
+  };
+  if (!span(coded, &out->pos)) return DataLossError("position stream: malformed word count");
+  if (!span(val, &out->val)) return DataLossError("value stream: malformed word count");
+  return Status::Ok();
 }
 
 template <typename T>

@@ -11,6 +11,7 @@
 
 #include "block_ops.h"
 #include "wsync/codec/dtype.h"
+#include "wsync/codec/sparse_decode.h"
 #include "wsync/codec/staged.h"
 #include "wsync/util/status.h"
 
@@ -141,6 +142,13 @@ Status DecodeChunkValues(std::string_view val, const ChunkPositions& cp, const T
 template <typename T>
 Status DecodeChunk(ChunkMode mode, uint64_t changed, std::string_view pos, std::string_view val,
                    const T* base, size_t n, ExponentField exponent, SparseDelta<T>* out);
+
+// Where a sparse chunk's (mode 1) streams lie, for the decoders written as
+// agents (sparse_decode.h): its classes and both rANS streams, pointing into
+// pos and val. DataLoss as DecodeChunkPositions for a malformed class header
+// or word count.
+Status LocateSparseStreams(std::string_view pos, std::string_view val, ExponentField exponent,
+                           sparse::ChunkStreams* out);
 
 // Whether a chunk's decoding needs the base (its class count is > 1).
 bool ChunkNeedsBase(ChunkMode mode, std::string_view pos);

@@ -23,12 +23,16 @@
 #include <string_view>
 #include <vector>
 
+#include "wsync/codec/sparse_decode.h"
+
 namespace wsync::codec::internal {
 
-inline constexpr int kRansSymbols = 16;
-inline constexpr int kRansPrecision = 10;  // tables scale to sum 2^10
-inline constexpr uint32_t kRansScale = 1u << kRansPrecision;
-inline constexpr uint32_t kRansLow = 1u << 16;  // states live in [2^16, 2^32)
+// The coder's constants are the format's (sparse_decode.h decodes the same
+// streams on the device).
+inline constexpr int kRansSymbols = sparse::kSymbols;
+inline constexpr int kRansPrecision = sparse::kPrecision;  // tables scale to sum 2^10
+inline constexpr uint32_t kRansScale = sparse::kScale;
+inline constexpr uint32_t kRansLow = sparse::kLow;  // states live in [2^16, 2^32)
 
 // ------------------------------------------------------------ bit stream
 

@@ -276,6 +276,20 @@ Status PatchReader::DecodeValues(size_t i, const void* old, DecodedChunk* out) c
   });
 }
 
+StatusOr<bool> PatchReader::LocateSparse(size_t i, sparse::ChunkStreams* out) const {
+  const Impl::Ref r = impl_->At(i);
+  if (impl_->c.kind != PatchKind::kPatch || r.entry.mode != internal::ChunkMode::kSparse || r.entry.changed == 0 ||
+      r.entry.changed > r.chunk.elements) {
+    return false;
+  }
+  WSYNC_RETURN_IF_ERROR(internal::LocateSparseStreams(impl_->c.PosStream(r.entry), impl_->c.ValStream(r.entry),
+                                                      ExponentFieldOf(r.tensor.dtype), out)
+                            .WithContext(internal::ChunkWhere(r.tensor, r.chunk.index)));
+  return true;
+}
+
+uint64_t PatchReader::changed(size_t i) const { return impl_->At(i).entry.changed; }
+
 Status PatchReader::DecodeKeyframe(size_t i, void* out) const {
   const Container& c = impl_->c;
   if (c.kind != PatchKind::kKeyframe) return FailedPreconditionError("not a keyframe");

@@ -25,6 +25,7 @@
 
 #include "wsync/codec/block_logic.h"
 #include "wsync/codec/codec.h"
+#include "wsync/codec/sparse_decode.h"
 
 namespace wsync::codec::staged {
 
@@ -146,6 +147,13 @@ class PatchReader {
   // Patches, once positions are known: the values. old: the base's values at
   // out->pos (needed iff spec.k > 1).
   Status DecodeValues(size_t i, const void* old, DecodedChunk* out) const;
+  // Patches: where chunk i's streams lie (pointing into the patch) when it
+  // is sparse-coded, for decoders elsewhere (sparse_decode.h); false for
+  // every other mode. DataLoss names the chunk, as DecodePositions.
+  StatusOr<bool> LocateSparse(size_t i, sparse::ChunkStreams* out) const;
+  // Changed elements of chunk i (as its directory entry says; at most its
+  // elements once Open succeeded).
+  uint64_t changed(size_t i) const;
   // Keyframes: chunk i's values into out (elements * width bytes).
   Status DecodeKeyframe(size_t i, void* out) const;
 
