@@ -6,12 +6,16 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <filesystem>
 #include <random>
 
 #include "../codec/test_tensors.h"
+#include "wsync/buffers/safetensors.h"
 #include "wsync/codec/checksum.h"
 #include "wsync/codec/staged.h"
 #include "wsync/cuda/logic.h"
+#include "wsync/cuda/sparse_plan.h"
+#include "wsync/util/first_error.h"
 
 namespace wsync {
 namespace {
@@ -70,6 +74,23 @@ std::vector<uint32_t> Prefix(const T* base, cuda::logic::Layout l, const std::ve
     sum += counts[i];
   }
   return prefix;
+}
+
+// The element of a tensor that chunk ch's class-c rank r names, as the
+// rank kernel (RankPositionsKernel) finds it from the class prefix.
+template <typename T>
+StatusOr<uint64_t> RankedElement(const T* x, cuda::logic::Layout l, const std::vector<uint32_t>& prefix,
+                                 const ClassSpec& spec, uint64_t ch, int c, uint32_t r) {
+  const uint64_t blocks = l.Blocks();
+  const uint64_t first = ch * l.ChunkBlocks(), end = std::min(first + l.ChunkBlocks(), blocks);
+  const uint32_t* row = prefix.data() + c * blocks;
+  if (row[end] - row[first] <= r) return DataLossError("rank beyond its class");
+  uint64_t lo = first, hi = end;
+  while (hi - lo > 1) {
+    const uint64_t mid = (lo + hi) / 2;
+    (row[mid] - row[first] <= r ? lo : hi) = mid;
+  }
+  return lo * kBlock + cuda::logic::ClassSelect(spec, x + lo * kBlock, l.BlockLen(lo), c, r - (row[lo] - row[first]));
 }
 
 template <typename T>
@@ -154,28 +175,18 @@ Status ApplyLikeTheDevice(const std::string& patch, std::vector<OwnedTensor>* ds
       specs[k] = dec[k].spec;
     }
     const auto prefix = Prefix(x, l, specs);
-    const uint64_t blocks = l.Blocks();
     for (size_t k = 0; k < ids.size(); ++k) {
       auto& d = dec[k];
       std::vector<uint8_t> old;
       if (d.ranked) {
         std::vector<uint32_t> pos;
         std::vector<T> o;
-        const uint64_t first = k * l.ChunkBlocks(), end = std::min(first + l.ChunkBlocks(), blocks);
         size_t at = 0;
         for (int c = 0; c < d.spec.k; ++c) {
-          const uint32_t* row = prefix.data() + c * blocks;
           for (uint64_t j = 0; j < d.class_counts[c]; ++j, ++at) {
-            const uint32_t rk = d.ranks[at];
-            if (row[end] - row[first] <= rk) return DataLossError("rank beyond its class");
-            uint64_t lo = first, hi = end;
-            while (hi - lo > 1) {
-              const uint64_t mid = (lo + hi) / 2;
-              (row[mid] - row[first] <= rk ? lo : hi) = mid;
-            }
-            const int bit = cuda::logic::ClassSelect(d.spec, x + lo * kBlock, l.BlockLen(lo), c, rk - (row[lo] - row[first]));
-            pos.push_back(static_cast<uint32_t>(lo * kBlock + bit - k * l.chunk_elems));
-            o.push_back(x[lo * kBlock + bit]);
+            WSYNC_ASSIGN_OR_RETURN(const uint64_t at_x, RankedElement(x, l, prefix, d.spec, k, c, d.ranks[at]));
+            pos.push_back(static_cast<uint32_t>(at_x - k * l.chunk_elems));
+            o.push_back(x[at_x]);
           }
         }
         WSYNC_RETURN_IF_ERROR(codec::staged::MergeRankedPositions(pos.data(), o.data(), sizeof(T), &d, &old));
@@ -195,6 +206,58 @@ Status ApplyLikeTheDevice(const std::string& patch, std::vector<OwnedTensor>* ds
     }
   }
   return Status::Ok();
+}
+
+// The device's path for patches of sparse-coded chunks (device_codec.cc,
+// ApplySparse) on the CPU: the host's plan, the jobs of sparse_jobs.h over
+// the set-wide arrays, the rank kernel's resolution, the scatter. False
+// when the patch has chunks of other modes.
+template <typename T>
+StatusOr<bool> ApplySparseLikeTheDevice(const std::string& patch, std::vector<OwnedTensor>* dst) {
+  WSYNC_ASSIGN_OR_RETURN(auto r, codec::staged::PatchReader::Open(patch));
+  const std::vector<size_t> widths(dst->size(), sizeof(T));
+  cuda::SparsePlan p;
+  FirstError error;
+  if (!cuda::PlanSparse(patch, r, widths, &p, &error)) return false;
+  WSYNC_RETURN_IF_ERROR(error.status());
+  const size_t m = p.entries;
+  std::vector<uint32_t> rank(m), chunk(m), pos(m), mpos(m);
+  std::vector<uint8_t> cls(m), old(p.bytes), mold(p.bytes), delta(p.bytes);
+  std::vector<uint64_t> counts(p.jobs.size() * kMaxClasses), index(m);
+  const auto* bytes = reinterpret_cast<const uint8_t*>(patch.data());
+  for (size_t j = 0; j < p.jobs.size(); ++j) {
+    if (cuda::SparseRanksJob(p.jobs[j], bytes, rank.data(), cls.data(), chunk.data(), counts.data() + j * kMaxClasses)) {
+      return DataLossError("position stream");
+    }
+  }
+  for (size_t t = 0; t < dst->size(); ++t) {
+    const cuda::SparsePlan::Tensor& tp = p.tensors[t];
+    if (!tp.conditioned) continue;
+    const T* x = reinterpret_cast<const T*>((*dst)[t].bytes.data());
+    const cuda::logic::Layout l{.n = (*dst)[t].bytes.size() / sizeof(T), .chunk_elems = r.chunk_bytes() / sizeof(T)};
+    const auto prefix = Prefix(x, l, tp.specs);
+    for (size_t e = tp.entry; e < tp.entry + tp.m; ++e) {
+      WSYNC_ASSIGN_OR_RETURN(const uint64_t at, RankedElement(x, l, prefix, tp.specs[chunk[e]], chunk[e], cls[e], rank[e]));
+      pos[e] = static_cast<uint32_t>(at - chunk[e] * l.chunk_elems);
+      std::memcpy(old.data() + tp.byte + (e - tp.entry) * sizeof(T), &x[at], sizeof(T));
+    }
+  }
+  for (size_t j = 0; j < p.jobs.size(); ++j) {
+    if (cuda::SparseValuesJob(p.jobs[j], bytes, rank.data(), counts.data() + j * kMaxClasses, pos.data(), old.data(),
+                              mpos.data(), mold.data(), index.data(), delta.data())) {
+      return DataLossError("value stream");
+    }
+  }
+  for (size_t t = 0; t < dst->size(); ++t) {
+    const cuda::SparsePlan::Tensor& tp = p.tensors[t];
+    T* x = reinterpret_cast<T*>((*dst)[t].bytes.data());
+    for (size_t e = tp.entry; e < tp.entry + tp.m; ++e) {
+      T d;
+      std::memcpy(&d, delta.data() + tp.byte + (e - tp.entry) * sizeof(T), sizeof(T));
+      x[index[e]] = static_cast<T>(x[index[e]] + d);
+    }
+  }
+  return true;
 }
 
 struct Case {
@@ -222,6 +285,17 @@ void RunCase(const Case& c, bool condition) {
   std::vector<OwnedTensor> out = base;
   ASSERT_TRUE(ApplyLikeTheDevice<T>(*host, &out).ok());
   EXPECT_TRUE(testing::SameBits(out, target));
+  // RL change rates: every chunk sparse-coded, so the whole patch takes the
+  // device's own decoding path.
+  out = base;
+  auto sparse = ApplySparseLikeTheDevice<T>(*host, &out);
+  ASSERT_TRUE(sparse.ok()) << sparse.status().ToString();
+  if (c.density > 0 && c.density <= 1e-2) {
+    EXPECT_TRUE(*sparse) << "not every chunk sparse-coded";
+  }
+  if (*sparse) {
+    EXPECT_TRUE(testing::SameBits(out, target)) << "the device's sparse path gives other bits";
+  }
 }
 
 TEST_P(HostPipelineTest, SameBytesAndSameResultAsTheHostCodec) {
@@ -242,6 +316,33 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{codec::DType::kBF16, 0.5}, Case{codec::DType::kBF16, 1}, Case{codec::DType::kF32, 1e-2},
                       Case{codec::DType::kF8E4M3, 1e-2}, Case{codec::DType::kF16, 0.1},
                       Case{codec::DType::kI32, 1e-3}, Case{codec::DType::kF64, 1e-2}));
+
+// The real RL snapshots (BF16): consecutive versions' patches are sparse-coded
+// throughout, so a GPU sink decodes them on the device, to the target's bits.
+TEST(HostSparsePath, RealSnapshotsTakeTheDevicePathToTheTargetBits) {
+  const std::filesystem::path dir = WSYNC_SHARED_DATA_DIR "/rl-small-lr1e-6";
+  std::vector<std::filesystem::path> files;
+  if (std::filesystem::is_directory(dir)) {
+    for (const auto& e : std::filesystem::directory_iterator(dir)) {
+      if (e.path().extension() == ".safetensors") files.push_back(e.path());
+    }
+  }
+  std::sort(files.begin(), files.end());
+  if (files.size() < 2) GTEST_SKIP() << "no snapshots in " << dir;
+  for (size_t i = 0; i + 1 < files.size(); ++i) {
+    auto a = buffers::SafetensorsFile::Open(files[i].string());
+    auto b = buffers::SafetensorsFile::Open(files[i + 1].string());
+    ASSERT_TRUE(a.ok() && b.ok());
+    const auto base = buffers::CopyTensors((*a)->tensors()), target = buffers::CopyTensors((*b)->tensors());
+    auto patch = codec::EncodePatch(buffers::Views(base), buffers::Views(target), {});
+    ASSERT_TRUE(patch.ok());
+    auto out = base;
+    auto sparse = ApplySparseLikeTheDevice<uint16_t>(*patch, &out);
+    ASSERT_TRUE(sparse.ok()) << sparse.status().ToString();
+    EXPECT_TRUE(*sparse) << files[i].filename() << ": a chunk in another mode than sparse";
+    EXPECT_TRUE(testing::SameBits(out, target)) << files[i].filename();
+  }
+}
 
 }  // namespace
 }  // namespace wsync

@@ -9,12 +9,14 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <functional>
 #include <mutex>
 #include <unordered_map>
 
 #include "wsync/codec/checksum.h"
 #include "wsync/codec/staged.h"
 #include "wsync/cuda/kernels.h"
+#include "wsync/cuda/sparse_plan.h"
 #include "wsync/util/first_error.h"
 #include "wsync/util/thread_pool.h"
 #include "wsync/util/text.h"
@@ -393,6 +395,14 @@ struct DeviceCodec::Impl {
 
   Status ApplyDelta(const codec::staged::PatchReader& r, std::span<const MutableTensorView> dst,
                     const std::vector<size_t>& match, const codec::ApplyOptions& options);
+  // A patch whose chunks are all sparse-coded or empty, decoded on the
+  // device; false (nothing done) for a patch with chunks of other modes.
+  StatusOr<bool> ApplySparse(std::string_view patch, const codec::staged::PatchReader& r,
+                             std::span<const MutableTensorView> dst, const std::vector<size_t>& match);
+  // Scatters (scatter(false)), verifies every tensor against the patch and
+  // undoes the scatter (scatter(true)) on a mismatch or a failure.
+  Status ScatterAndVerify(const codec::staged::PatchReader& r, std::span<const MutableTensorView> dst,
+                          const std::vector<size_t>& match, const std::function<Status(bool undo)>& scatter);
   Status ApplyKeyframe(const codec::staged::PatchReader& r, std::span<const MutableTensorView> dst,
                        const std::vector<size_t>& match, const codec::ApplyOptions& options);
   StatusOr<bool> HoldsBase(const codec::staged::PatchReader& r, std::span<const MutableTensorView> dst,
@@ -764,6 +774,165 @@ Status DeviceCodec::Impl::ApplyKeyframe(const codec::staged::PatchReader& r, std
   return Check(cudaStreamSynchronize(compute), "keyframe copy");
 }
 
+Status DeviceCodec::Impl::ScatterAndVerify(const codec::staged::PatchReader& r,
+                                           std::span<const MutableTensorView> dst, const std::vector<size_t>& match,
+                                           const std::function<Status(bool undo)>& scatter) {
+  WSYNC_RETURN_IF_ERROR(scatter(false));
+  Status scattered = Check(cudaStreamSynchronize(compute), "scatter");
+  EndPhase("scatter");
+  auto sums = scattered.ok() ? Checksums(dst, match) : StatusOr<std::vector<uint64_t>>(scattered);
+  EndPhase("verify");
+  if (!sums.ok()) {
+    // The scatter may or may not have run: put the tensors back either way.
+    const Status undone = scatter(true);
+    cudaStreamSynchronize(compute);
+    return undone.ok() ? sums.status() : undone;
+  }
+  for (size_t t = 0; t < match.size(); ++t) {
+    if ((*sums)[t] == r.target_checksum(t)) continue;
+    WSYNC_RETURN_IF_ERROR(scatter(true));
+    WSYNC_RETURN_IF_ERROR(Check(cudaStreamSynchronize(compute), "undo"));
+    WSYNC_ASSIGN_OR_RETURN(bool holds, HoldsBase(r, dst, match));
+    if (!holds) return WrongBase(r);
+    return DataLossError("tensor " + Quoted(r.tensor_name(t)) +
+                         ": result does not match the patch's checksum (the patch is corrupted); "
+                         "change undone, destination unchanged");
+  }
+  return Status::Ok();
+}
+
+StatusOr<bool> DeviceCodec::Impl::ApplySparse(std::string_view patch, const codec::staged::PatchReader& r,
+                                              std::span<const MutableTensorView> dst,
+                                              const std::vector<size_t>& match) {
+  const auto& chunks = r.chunks();
+  std::vector<size_t> widths;
+  for (size_t i : match) widths.push_back(codec::DTypeWidth(dst[i].dtype));
+  SparsePlan p;
+  FirstError error;
+  if (!PlanSparse(patch, r, widths, &p, &error)) return false;
+  const std::vector<SparseJob>& jobs = p.jobs;
+  const size_t m = p.entries, nbytes = p.bytes;
+  if (error.failed()) {
+    WSYNC_ASSIGN_OR_RETURN(bool holds, HoldsBase(r, dst, match));
+    if (!holds) return WrongBase(r);
+    return error.status();
+  }
+
+  // Device memory: the patch, the jobs, and per change its rank, class,
+  // chunk, position and old value by class, merged position and old value,
+  // scatter index and delta.
+  Carver carve;
+  const size_t o_patch = carve.Add<uint8_t>(patch.size());
+  const size_t o_jobs = carve.Add<SparseJob>(jobs.size());
+  const size_t o_counts = carve.Add<uint64_t>(jobs.size() * kMaxClasses);
+  const size_t o_error = carve.Add<uint32_t>(jobs.size() + match.size());  // jobs', then rank errors per tensor
+  const size_t o_rank = carve.Add<uint32_t>(m);
+  const size_t o_cls = carve.Add<uint8_t>(m);
+  const size_t o_chunk = carve.Add<uint32_t>(m);
+  const size_t o_pos = carve.Add<uint32_t>(m);
+  const size_t o_mpos = carve.Add<uint32_t>(m);
+  const size_t o_index = carve.Add<uint64_t>(m);
+  const size_t o_old = carve.Add<uint8_t>(nbytes);
+  const size_t o_mold = carve.Add<uint8_t>(nbytes);
+  const size_t o_delta = carve.Add<uint8_t>(nbytes);
+  WSYNC_ASSIGN_OR_RETURN(void* mem, scratch.Get(carve.bytes()));
+  WSYNC_ASSIGN_OR_RETURN(uint8_t* patch_host, pinned.Alloc<uint8_t>(patch.size()));
+  std::memcpy(patch_host, patch.data(), patch.size());
+  WSYNC_ASSIGN_OR_RETURN(SparseJob* jobs_host, pinned.Alloc<SparseJob>(jobs.size()));
+  std::copy(jobs.begin(), jobs.end(), jobs_host);
+  WSYNC_RETURN_IF_ERROR(CopyUp(At<void>(mem, o_patch), patch_host, patch.size(), compute));
+  WSYNC_RETURN_IF_ERROR(CopyUp(At<void>(mem, o_jobs), jobs_host, jobs.size() * sizeof(SparseJob), compute));
+  WSYNC_RETURN_IF_ERROR(
+      Check(cudaMemsetAsync(At<void>(mem, o_error), 0, (jobs.size() + match.size()) * 4, compute), "memset"));
+  EndPhase("upload");
+
+  // Errors of the jobs (the first failed chunk in patch order names the
+  // error) and of the rank kernel per tensor, after one synchronization.
+  const uint32_t* errors = nullptr;
+  auto check_errors = [&](const char* step) -> Status {
+    WSYNC_RETURN_IF_ERROR(
+        CopyToPinned(pinned, &errors, At<uint32_t>(mem, o_error), jobs.size() + match.size(), compute));
+    WSYNC_RETURN_IF_ERROR(Check(cudaStreamSynchronize(compute), step));
+    for (size_t j = 0; j < jobs.size(); ++j) {
+      if (errors[j] == codec::sparse::kSparseOk) continue;
+      const Chunk& c = chunks[p.job_chunk[j]];
+      error.Record(
+          p.job_chunk[j],
+          DataLossError("tensor " + Quoted(r.tensor_name(c.tensor)) + " chunk " + std::to_string(c.index) + ": " +
+                        codec::sparse::SparseErrorText(static_cast<codec::sparse::SparseError>(errors[j]))));
+    }
+    for (size_t t = 0; t < match.size(); ++t) {
+      const uint32_t e = errors[jobs.size() + t];
+      if (e == 0) continue;
+      const size_t i = p.job_chunk[p.JobOfEntry(t, e - 1)];
+      error.Record(i, DataLossError("tensor " + Quoted(r.tensor_name(t)) + " chunk " + std::to_string(chunks[i].index) +
+                                    ": position stream: a rank beyond its class"));
+    }
+    return Status::Ok();
+  };
+  auto* rank = At<uint32_t>(mem, o_rank);
+  auto* cls = At<uint8_t>(mem, o_cls);
+  auto* chunk_of = At<uint32_t>(mem, o_chunk);
+  auto* pos = At<uint32_t>(mem, o_pos);
+  auto* old = At<uint8_t>(mem, o_old);
+  auto* err = At<uint32_t>(mem, o_error);
+  WSYNC_RETURN_IF_ERROR(LaunchSparseRanks(At<SparseJob>(mem, o_jobs), jobs.size(), At<uint8_t>(mem, o_patch), rank, cls,
+                                          chunk_of, At<uint64_t>(mem, o_counts), err, compute));
+  WSYNC_RETURN_IF_ERROR(check_errors("sparse ranks"));
+  // Positions and old values of the conditioned tensors' ranks, by class
+  // (a one-class chunk's ranks there are its positions).
+  if (!error.failed()) {
+    size_t rank_bytes = 0;
+    for (size_t t = 0; t < match.size(); ++t) {
+      if (!p.tensors[t].conditioned) continue;
+      const size_t width = codec::DTypeWidth(dst[match[t]].dtype);
+      rank_bytes =
+          std::max(rank_bytes, RankScratchOf(LayoutOf(dst[match[t]].NumElements(), width, r.chunk_bytes())).bytes);
+    }
+    void* rmem = nullptr;
+    if (rank_bytes > 0) {
+      WSYNC_ASSIGN_OR_RETURN(rmem, rank_mem.Get(rank_bytes));
+    }
+    for (size_t t = 0; t < match.size(); ++t) {
+      const SparsePlan::Tensor& tp = p.tensors[t];
+      if (!tp.conditioned) continue;
+      const MutableTensorView& v = dst[match[t]];
+      const size_t width = codec::DTypeWidth(v.dtype);
+      const logic::Layout l = LayoutOf(v.NumElements(), width, r.chunk_bytes());
+      const RankScratch rs = RankScratchOf(l);
+      WSYNC_RETURN_IF_ERROR(RankPrefix(v.data, width, l, tp.specs, rmem, rs));
+      WSYNC_RETURN_IF_ERROR(LaunchRankPositions(v.data, static_cast<int>(width), l, At<ClassSpec>(rmem, rs.o_specs),
+                                                At<uint32_t>(rmem, rs.o_prefix), chunk_of + tp.entry, cls + tp.entry,
+                                                rank + tp.entry, tp.m, pos + tp.entry, old + tp.byte,
+                                                err + jobs.size() + t, compute));
+    }
+    WSYNC_RETURN_IF_ERROR(LaunchSparseValues(At<SparseJob>(mem, o_jobs), jobs.size(), At<uint8_t>(mem, o_patch), rank,
+                                             At<uint64_t>(mem, o_counts), pos, old, At<uint32_t>(mem, o_mpos),
+                                             At<uint8_t>(mem, o_mold), At<uint64_t>(mem, o_index),
+                                             At<uint8_t>(mem, o_delta), err, compute));
+    WSYNC_RETURN_IF_ERROR(check_errors("sparse values"));
+  }
+  EndPhase("decode");
+  if (error.failed()) {
+    WSYNC_ASSIGN_OR_RETURN(bool holds, HoldsBase(r, dst, match));
+    if (!holds) return WrongBase(r);
+    return error.status();
+  }
+  auto scatter = [&](bool undo) -> Status {
+    for (size_t t = 0; t < match.size(); ++t) {
+      const SparsePlan::Tensor& tp = p.tensors[t];
+      if (tp.m == 0) continue;
+      const MutableTensorView& v = dst[match[t]];
+      WSYNC_RETURN_IF_ERROR(LaunchScatterAdd(v.data, static_cast<int>(codec::DTypeWidth(v.dtype)),
+                                             At<uint64_t>(mem, o_index) + tp.entry, At<uint8_t>(mem, o_delta) + tp.byte,
+                                             tp.m, undo, compute));
+    }
+    return Status::Ok();
+  };
+  WSYNC_RETURN_IF_ERROR(ScatterAndVerify(r, dst, match, scatter));
+  return true;
+}
+
 Status DeviceCodec::Impl::ApplyDelta(const codec::staged::PatchReader& r, std::span<const MutableTensorView> dst,
                                      const std::vector<size_t>& match, const codec::ApplyOptions& options) {
   const auto& chunks = r.chunks();
@@ -983,28 +1152,7 @@ Status DeviceCodec::Impl::ApplyDelta(const codec::staged::PatchReader& r, std::s
     }
     return Status::Ok();
   };
-  WSYNC_RETURN_IF_ERROR(scatter(false));
-  Status scattered = Check(cudaStreamSynchronize(compute), "scatter");
-  EndPhase("scatter");
-  auto sums = scattered.ok() ? Checksums(dst, match) : StatusOr<std::vector<uint64_t>>(scattered);
-  EndPhase("verify");
-  if (!sums.ok()) {
-    // The scatter may or may not have run: put the tensors back either way.
-    const Status undone = scatter(true);
-    cudaStreamSynchronize(compute);
-    return undone.ok() ? sums.status() : undone;
-  }
-  for (size_t t = 0; t < match.size(); ++t) {
-    if ((*sums)[t] == r.target_checksum(t)) continue;
-    WSYNC_RETURN_IF_ERROR(scatter(true));
-    WSYNC_RETURN_IF_ERROR(Check(cudaStreamSynchronize(compute), "undo"));
-    WSYNC_ASSIGN_OR_RETURN(bool holds, HoldsBase(r, dst, match));
-    if (!holds) return WrongBase(r);
-    return DataLossError("tensor " + Quoted(r.tensor_name(t)) +
-                         ": result does not match the patch's checksum (the patch is corrupted); "
-                         "change undone, destination unchanged");
-  }
-  return Status::Ok();
+  return ScatterAndVerify(r, dst, match, scatter);
 }
 
 Status DeviceCodec::ApplyPatch(std::string_view patch, std::span<const MutableTensorView> tensors,
@@ -1015,6 +1163,9 @@ Status DeviceCodec::ApplyPatch(std::string_view patch, std::span<const MutableTe
   WSYNC_ASSIGN_OR_RETURN(auto reader, codec::staged::PatchReader::Open(patch, options.verify_patch_checksum));
   WSYNC_ASSIGN_OR_RETURN(auto match, reader.Match(tensors, options.allow_extra_tensors));
   if (reader.kind() == codec::PatchKind::kKeyframe) return impl_->ApplyKeyframe(reader, tensors, match, options);
+  impl_->pinned.Reset();
+  WSYNC_ASSIGN_OR_RETURN(bool on_device, impl_->ApplySparse(patch, reader, tensors, match));
+  if (on_device) return Status::Ok();
   return impl_->ApplyDelta(reader, tensors, match, options);
 }
 

@@ -252,6 +252,25 @@ __global__ void CastKernel(const uint32_t* in, uint16_t* out, size_t n) {
   if (i < n) out[i] = codec::Fp32BitsToBf16Bits(in[i]);
 }
 
+// A sparse chunk per thread: a warp decodes 32 chunks side by side, and
+// small blocks spread the chunks over every SM.
+constexpr int kSparseThreads = 32;
+
+__global__ void SparseRanksKernel(const SparseJob* jobs, size_t njobs, const uint8_t* patch, uint32_t* rank,
+                                  uint8_t* cls, uint32_t* chunk, uint64_t* counts, uint32_t* error) {
+  const size_t j = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (j >= njobs) return;
+  error[j] = SparseRanksJob(jobs[j], patch, rank, cls, chunk, counts + j * kMaxClasses);
+}
+
+__global__ void SparseValuesKernel(const SparseJob* jobs, size_t njobs, const uint8_t* patch, const uint32_t* rank,
+                                   const uint64_t* counts, const uint32_t* pos, const uint8_t* old, uint32_t* mpos,
+                                   uint8_t* mold, uint64_t* index, uint8_t* delta, uint32_t* error) {
+  const size_t j = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (j >= njobs || error[j] != codec::sparse::kSparseOk) return;
+  error[j] = SparseValuesJob(jobs[j], patch, rank, counts + j * kMaxClasses, pos, old, mpos, mold, index, delta);
+}
+
 }  // namespace
 
 Status LaunchDiffCounts(const void* base, const void* target, int width, Layout l, uint32_t* counts, Stream s) {
@@ -368,6 +387,24 @@ Status LaunchCastFp32ToBf16(const uint32_t* in, uint16_t* out, size_t n, Stream 
   if (n == 0) return Status::Ok();
   CastKernel<<<GridFor(n), kThreads, 0, S(s)>>>(in, out, n);
   return LastError("cast fp32 to bf16");
+}
+
+Status LaunchSparseRanks(const SparseJob* jobs, size_t njobs, const uint8_t* patch, uint32_t* rank, uint8_t* cls,
+                         uint32_t* chunk, uint64_t* counts, uint32_t* error, Stream s) {
+  if (njobs == 0) return Status::Ok();
+  const unsigned grid = static_cast<unsigned>((njobs + kSparseThreads - 1) / kSparseThreads);
+  SparseRanksKernel<<<grid, kSparseThreads, 0, S(s)>>>(jobs, njobs, patch, rank, cls, chunk, counts, error);
+  return LastError("sparse ranks");
+}
+
+Status LaunchSparseValues(const SparseJob* jobs, size_t njobs, const uint8_t* patch, const uint32_t* rank,
+                          const uint64_t* counts, const uint32_t* pos, const uint8_t* old, uint32_t* mpos,
+                          uint8_t* mold, uint64_t* index, uint8_t* delta, uint32_t* error, Stream s) {
+  if (njobs == 0) return Status::Ok();
+  const unsigned grid = static_cast<unsigned>((njobs + kSparseThreads - 1) / kSparseThreads);
+  SparseValuesKernel<<<grid, kSparseThreads, 0, S(s)>>>(jobs, njobs, patch, rank, counts, pos, old, mpos, mold, index,
+                                                        delta, error);
+  return LastError("sparse values");
 }
 
 }  // namespace wsync::cuda

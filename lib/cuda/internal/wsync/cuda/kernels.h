@@ -14,6 +14,7 @@
 
 #include "wsync/codec/block_logic.h"
 #include "wsync/cuda/logic.h"
+#include "wsync/cuda/sparse_jobs.h"
 #include "wsync/util/status.h"
 
 namespace wsync::cuda {
@@ -83,6 +84,22 @@ Status LaunchRanks(const void* base, int width, logic::Layout layout, const code
 Status LaunchRankPositions(const void* base, int width, logic::Layout layout, const codec::ClassSpec* specs,
                            const uint32_t* prefix, const uint32_t* chunk, const uint8_t* cls, const uint32_t* rank,
                            size_t m, uint32_t* pos, void* old, uint32_t* error, Stream stream);
+
+// Decodes every job's position stream: for its changes rank[entry + j] (the
+// position itself when spec.k == 1), cls[] and chunk[] (= chunk_in_tensor),
+// the inputs of LaunchRankPositions; counts[job * kMaxClasses + c] per
+// class; error[job] a codec::sparse::SparseError.
+Status LaunchSparseRanks(const SparseJob* jobs, size_t njobs, const uint8_t* patch, uint32_t* rank, uint8_t* cls,
+                         uint32_t* chunk, uint64_t* counts, uint32_t* error, Stream stream);
+
+// Then every job's positions and values: with spec.k == 1 the positions are
+// its ranks; else LaunchRankPositions's positions and old values by class
+// (pos[entry + j], old at byte), merged into ascending mpos and mold. Writes
+// index[entry + j] = first_element + position and the deltas at `byte` of
+// delta; error[job] as above (jobs must have decoded their ranks).
+Status LaunchSparseValues(const SparseJob* jobs, size_t njobs, const uint8_t* patch, const uint32_t* rank,
+                          const uint64_t* counts, const uint32_t* pos, const uint8_t* old, uint32_t* mpos,
+                          uint8_t* mold, uint64_t* index, uint8_t* delta, uint32_t* error, Stream stream);
 
 // out[i] = x[index[i]].
 Status LaunchGather(const void* x, int width, const uint64_t* index, size_t m, void* out, Stream stream);
