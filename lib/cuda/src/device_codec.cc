@@ -395,10 +395,12 @@ struct DeviceCodec::Impl {
 
   Status ApplyDelta(const codec::staged::PatchReader& r, std::span<const MutableTensorView> dst,
                     const std::vector<size_t>& match, const codec::ApplyOptions& options);
-  // A patch whose chunks are all sparse-coded or empty, decoded on the
-  // device; false (nothing done) for a patch with chunks of other modes.
+  // A patch decoded on the device, its chunks in other modes than sparse
+  // beside it on the host; false (nothing done) when those hold more than
+  // an eighth of the changes.
   StatusOr<bool> ApplySparse(std::string_view patch, const codec::staged::PatchReader& r,
-                             std::span<const MutableTensorView> dst, const std::vector<size_t>& match);
+                             std::span<const MutableTensorView> dst, const std::vector<size_t>& match,
+                             const codec::ApplyOptions& options);
   // Scatters (scatter(false)), verifies every tensor against the patch and
   // undoes the scatter (scatter(true)) on a mismatch or a failure.
   Status ScatterAndVerify(const codec::staged::PatchReader& r, std::span<const MutableTensorView> dst,
@@ -802,20 +804,48 @@ Status DeviceCodec::Impl::ScatterAndVerify(const codec::staged::PatchReader& r,
 }
 
 StatusOr<bool> DeviceCodec::Impl::ApplySparse(std::string_view patch, const codec::staged::PatchReader& r,
-                                              std::span<const MutableTensorView> dst,
-                                              const std::vector<size_t>& match) {
+                                              std::span<const MutableTensorView> dst, const std::vector<size_t>& match,
+                                              const codec::ApplyOptions& options) {
   const auto& chunks = r.chunks();
   std::vector<size_t> widths;
   for (size_t i : match) widths.push_back(codec::DTypeWidth(dst[i].dtype));
   SparsePlan p;
   FirstError error;
-  if (!PlanSparse(patch, r, widths, &p, &error)) return false;
+  PlanSparse(patch, r, widths, &p, &error);
+  if (p.host_changes * 8 > p.entries + p.host_changes) return false;
   const std::vector<SparseJob>& jobs = p.jobs;
   const size_t m = p.entries, nbytes = p.bytes;
+  // Chunks in other modes: positions on the host now, values once the old
+  // values they need are gathered on the device.
+  std::vector<DecodedChunk> hdec(p.host_chunks.size());
+  if (!error.failed()) {
+    ParallelFor(options.pool, hdec.size(),
+                [&](size_t k) { error.Record(p.host_chunks[k], r.DecodePositions(p.host_chunks[k], &hdec[k])); });
+  }
   if (error.failed()) {
     WSYNC_ASSIGN_OR_RETURN(bool holds, HoldsBase(r, dst, match));
     if (!holds) return WrongBase(r);
     return error.status();
+  }
+  // Per tensor, the host chunks' scatter list (page-locked, then on the
+  // device) and the indices of the old values they need.
+  struct HostList {
+    size_t m = 0, mg = 0;
+    uint64_t* index = nullptr;
+    uint8_t* delta = nullptr;
+    uint64_t* gather = nullptr;
+    const uint8_t* gathered = nullptr;
+    size_t o_index = 0, o_delta = 0, o_gather = 0, o_gathered = 0;
+  };
+  std::vector<HostList> hl(match.size());
+  std::vector<size_t> h_start(hdec.size()), g_start(hdec.size());
+  auto needs_old = [&](size_t k) { return hdec[k].values_pending && hdec[k].spec.k > 1; };
+  for (size_t k = 0; k < hdec.size(); ++k) {
+    HostList& l = hl[chunks[p.host_chunks[k]].tensor];
+    h_start[k] = l.m;
+    l.m += hdec[k].pos.size();
+    g_start[k] = l.mg;
+    if (needs_old(k)) l.mg += hdec[k].pos.size();
   }
 
   // Device memory: the patch, the jobs, and per change its rank, class,
@@ -835,6 +865,18 @@ StatusOr<bool> DeviceCodec::Impl::ApplySparse(std::string_view patch, const code
   const size_t o_old = carve.Add<uint8_t>(nbytes);
   const size_t o_mold = carve.Add<uint8_t>(nbytes);
   const size_t o_delta = carve.Add<uint8_t>(nbytes);
+  for (size_t t = 0; t < match.size(); ++t) {
+    HostList& l = hl[t];
+    if (l.m == 0) continue;
+    const size_t width = widths[t];
+    l.o_index = carve.Add<uint64_t>(l.m);
+    l.o_delta = carve.Add<uint8_t>(l.m * width);
+    l.o_gather = carve.Add<uint64_t>(l.mg);
+    l.o_gathered = carve.Add<uint8_t>(l.mg * width);
+    WSYNC_ASSIGN_OR_RETURN(l.index, pinned.Alloc<uint64_t>(l.m));
+    WSYNC_ASSIGN_OR_RETURN(l.delta, pinned.Alloc<uint8_t>(l.m * width));
+    WSYNC_ASSIGN_OR_RETURN(l.gather, pinned.Alloc<uint64_t>(l.mg));
+  }
   WSYNC_ASSIGN_OR_RETURN(void* mem, scratch.Get(carve.bytes()));
   WSYNC_ASSIGN_OR_RETURN(uint8_t* patch_host, pinned.Alloc<uint8_t>(patch.size()));
   std::memcpy(patch_host, patch.data(), patch.size());
@@ -844,6 +886,21 @@ StatusOr<bool> DeviceCodec::Impl::ApplySparse(std::string_view patch, const code
   WSYNC_RETURN_IF_ERROR(CopyUp(At<void>(mem, o_jobs), jobs_host, jobs.size() * sizeof(SparseJob), compute));
   WSYNC_RETURN_IF_ERROR(
       Check(cudaMemsetAsync(At<void>(mem, o_error), 0, (jobs.size() + match.size()) * 4, compute), "memset"));
+  for (size_t k = 0; k < hdec.size(); ++k) {
+    if (!needs_old(k)) continue;
+    const Chunk& c = chunks[p.host_chunks[k]];
+    uint64_t* g = hl[c.tensor].gather + g_start[k];
+    for (size_t j = 0; j < hdec[k].pos.size(); ++j) g[j] = c.first_element + hdec[k].pos[j];
+  }
+  for (size_t t = 0; t < match.size(); ++t) {
+    HostList& l = hl[t];
+    if (l.mg == 0) continue;
+    WSYNC_RETURN_IF_ERROR(CopyUp(At<void>(mem, l.o_gather), l.gather, l.mg * 8, compute));
+    WSYNC_RETURN_IF_ERROR(LaunchGather(dst[match[t]].data, static_cast<int>(widths[t]), At<uint64_t>(mem, l.o_gather),
+                                       l.mg, At<uint8_t>(mem, l.o_gathered), compute));
+    WSYNC_RETURN_IF_ERROR(
+        CopyToPinned(pinned, &l.gathered, At<uint8_t>(mem, l.o_gathered), l.mg * widths[t], compute));
+  }
   EndPhase("upload");
 
   // Errors of the jobs (the first failed chunk in patch order names the
@@ -910,6 +967,24 @@ StatusOr<bool> DeviceCodec::Impl::ApplySparse(std::string_view patch, const code
                                              At<uint64_t>(mem, o_counts), pos, old, At<uint32_t>(mem, o_mpos),
                                              At<uint8_t>(mem, o_mold), At<uint64_t>(mem, o_index),
                                              At<uint8_t>(mem, o_delta), err, compute));
+    // While the device decodes, the host chunks' values, then their lists up.
+    ParallelFor(options.pool, hdec.size(), [&](size_t k) {
+      const size_t i = p.host_chunks[k];
+      const Chunk& c = chunks[i];
+      const HostList& l = hl[c.tensor];
+      const uint8_t* old_values = needs_old(k) ? l.gathered + g_start[k] * c.width : nullptr;
+      const Status s = r.DecodeValues(i, old_values, &hdec[k]);
+      error.Record(i, s);
+      if (!s.ok()) return;
+      for (size_t j = 0; j < hdec[k].pos.size(); ++j) l.index[h_start[k] + j] = c.first_element + hdec[k].pos[j];
+      std::memcpy(l.delta + h_start[k] * c.width, hdec[k].delta.data(), hdec[k].delta.size());
+    });
+    for (size_t t = 0; t < match.size() && !error.failed(); ++t) {
+      const HostList& l = hl[t];
+      if (l.m == 0) continue;
+      WSYNC_RETURN_IF_ERROR(CopyUp(At<void>(mem, l.o_index), l.index, l.m * 8, compute));
+      WSYNC_RETURN_IF_ERROR(CopyUp(At<void>(mem, l.o_delta), l.delta, l.m * widths[t], compute));
+    }
     WSYNC_RETURN_IF_ERROR(check_errors("sparse values"));
   }
   EndPhase("decode");
@@ -921,11 +996,13 @@ StatusOr<bool> DeviceCodec::Impl::ApplySparse(std::string_view patch, const code
   auto scatter = [&](bool undo) -> Status {
     for (size_t t = 0; t < match.size(); ++t) {
       const SparsePlan::Tensor& tp = p.tensors[t];
-      if (tp.m == 0) continue;
-      const MutableTensorView& v = dst[match[t]];
-      WSYNC_RETURN_IF_ERROR(LaunchScatterAdd(v.data, static_cast<int>(codec::DTypeWidth(v.dtype)),
-                                             At<uint64_t>(mem, o_index) + tp.entry, At<uint8_t>(mem, o_delta) + tp.byte,
-                                             tp.m, undo, compute));
+      const HostList& l = hl[t];
+      void* x = dst[match[t]].data;
+      const int w = static_cast<int>(widths[t]);
+      WSYNC_RETURN_IF_ERROR(LaunchScatterAdd(x, w, At<uint64_t>(mem, o_index) + tp.entry,
+                                             At<uint8_t>(mem, o_delta) + tp.byte, tp.m, undo, compute));
+      WSYNC_RETURN_IF_ERROR(LaunchScatterAdd(x, w, At<uint64_t>(mem, l.o_index), At<uint8_t>(mem, l.o_delta), l.m,
+                                             undo, compute));
     }
     return Status::Ok();
   };
@@ -1164,7 +1241,7 @@ Status DeviceCodec::ApplyPatch(std::string_view patch, std::span<const MutableTe
   WSYNC_ASSIGN_OR_RETURN(auto match, reader.Match(tensors, options.allow_extra_tensors));
   if (reader.kind() == codec::PatchKind::kKeyframe) return impl_->ApplyKeyframe(reader, tensors, match, options);
   impl_->pinned.Reset();
-  WSYNC_ASSIGN_OR_RETURN(bool on_device, impl_->ApplySparse(patch, reader, tensors, match));
+  WSYNC_ASSIGN_OR_RETURN(bool on_device, impl_->ApplySparse(patch, reader, tensors, match, options));
   if (on_device) return Status::Ok();
   return impl_->ApplyDelta(reader, tensors, match, options);
 }

@@ -11,7 +11,7 @@ size_t SparsePlan::JobOfEntry(size_t t, uint64_t entry) const {
   return static_cast<size_t>(it - jobs.begin()) - 1;
 }
 
-bool PlanSparse(std::string_view patch, const codec::staged::PatchReader& r, std::span<const size_t> widths,
+void PlanSparse(std::string_view patch, const codec::staged::PatchReader& r, std::span<const size_t> widths,
                 SparsePlan* plan, FirstError* error) {
   const auto& chunks = r.chunks();
   std::vector<std::vector<size_t>> by_tensor(widths.size());
@@ -40,8 +40,9 @@ bool PlanSparse(std::string_view patch, const codec::staged::PatchReader& r, std
         continue;
       }
       if (!*sparse) {
-        *plan = SparsePlan{};
-        return false;
+        plan->host_chunks.push_back(i);
+        plan->host_changes += r.changed(i);
+        continue;
       }
       SparseJob job{};
       job.pos_words = offset(cs.pos.words);
@@ -69,7 +70,6 @@ bool PlanSparse(std::string_view patch, const codec::staged::PatchReader& r, std
     }
     tp.m = plan->entries - tp.entry;
   }
-  return true;
 }
 
 }  // namespace wsync::cuda

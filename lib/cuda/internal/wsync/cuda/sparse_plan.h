@@ -26,16 +26,20 @@ struct SparsePlan {
   std::vector<size_t> job_chunk;  // the reader's chunk of each job
   std::vector<Tensor> tensors;    // in the patch's tensor order
   size_t entries = 0, bytes = 0;
+  // Changed chunks coded in other modes (runs, bitmap, dense bytes), for the
+  // host to decode, and their changes.
+  std::vector<size_t> host_chunks;
+  uint64_t host_changes = 0;
 
   // The job holding entry `entry` of tensor t.
   size_t JobOfEntry(size_t t, uint64_t entry) const;
 };
 
 // Plans every chunk of a patch (widths: the element width of each of its
-// tensors). False when a chunk is coded in another mode than sparse or
-// empty (then nothing is planned); a malformed chunk is recorded in *error
-// under its index, as PatchReader::DecodePositions reports it.
-bool PlanSparse(std::string_view patch, const codec::staged::PatchReader& r, std::span<const size_t> widths,
+// tensors): a job per sparse-coded chunk, the others in host_chunks. A
+// malformed chunk is recorded in *error under its index, as
+// PatchReader::DecodePositions reports it.
+void PlanSparse(std::string_view patch, const codec::staged::PatchReader& r, std::span<const size_t> widths,
                 SparsePlan* plan, FirstError* error);
 
 }  // namespace wsync::cuda
