@@ -1,15 +1,64 @@
 // libFuzzer target for the patch decoder: any byte string given to
 // InspectPatch / Apply (whole tensors and pieces) / MergePatches / SelectForPieces
 // / SplitSegments / ApplyAhead must give an error or a result, ApplyAhead
-// fed it in slices exactly Apply's,
-// never a crash, a hang or an out-of-bounds access. The whole-patch checksum
+// fed it in slices exactly Apply's, the device's sparse-chunk decoders
+// (sparse_decode.h, run here on the CPU) accepting and decoding exactly
+// what the host decoder does, never a crash, a hang or an out-of-bounds
+// access. The whole-patch checksum
 // is turned off so the fuzzer reaches the structural checks behind it.
+#include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <string_view>
 #include <vector>
 
 #include "wsync/buffers/safetensors.h"
 #include "wsync/codec/codec.h"
+#include "wsync/codec/sparse_decode.h"
+#include "wsync/codec/staged.h"
+
+namespace {
+
+// Chunk i of a sparse-coded patch decoded by the device's agents and by the
+// host: the same verdict, the same ranks, and (over made-up old values, the
+// same for both) the same deltas.
+template <typename T>
+void CompareSparseDecoders(const wsync::codec::staged::PatchReader& r, size_t i) {
+  wsync::codec::sparse::ChunkStreams cs;
+  auto located = r.LocateSparse(i, &cs);
+  if (!located.ok() || !*located) return;
+  const uint64_t n = r.chunks()[i].elements, changed = r.changed(i);
+  if (changed > (uint64_t{1} << 20)) return;
+  const int k = cs.spec.k;
+  std::vector<uint32_t> ranks(changed);
+  uint64_t counts[wsync::codec::kMaxClasses] = {};
+  const bool agent_ok = wsync::codec::sparse::DecodeSparseRanks(cs.pos, n, changed, k, counts, ranks.data()) ==
+                        wsync::codec::sparse::kSparseOk;
+  wsync::codec::staged::DecodedChunk dc;
+  const bool host_ok = r.DecodePositions(i, &dc).ok();
+  if (agent_ok != host_ok) __builtin_trap();
+  if (!host_ok) return;
+  if (k == 1 ? dc.pos != ranks : (dc.ranks != ranks || !std::equal(dc.class_counts.begin(), dc.class_counts.end(), counts))) {
+    __builtin_trap();
+  }
+  // Values over made-up old values (their classes pick the tables), the same
+  // for both decoders.
+  std::vector<T> old(changed);
+  for (size_t j = 0; j < changed; ++j) old[j] = static_cast<T>(j * 0x9E3779B97F4A7C15ull >> 3);
+  if (k > 1) {
+    dc.pos = ranks;
+    dc.ranked = false;
+  }
+  std::vector<T> delta(changed);
+  const bool agent_values =
+      wsync::codec::sparse::DecodeSparseValues<T>(cs.val, changed, cs.spec, k > 1 ? old.data() : nullptr, delta.data()) ==
+      wsync::codec::sparse::kSparseOk;
+  const bool host_values = r.DecodeValues(i, k > 1 ? old.data() : nullptr, &dc).ok();
+  if (agent_values != host_values) __builtin_trap();
+  if (host_values && std::memcmp(dc.delta.data(), delta.data(), changed * sizeof(T)) != 0) __builtin_trap();
+}
+
+}  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   using namespace wsync;
@@ -19,6 +68,17 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     // Heads parsed from any prefix (no tensors: nothing is decoded).
     codec::ApplyAhead ahead(std::span<const codec::MutableTensorView>{}, {});
     for (size_t at = 0; at < size; at += 1 + at / 2) ahead.Advance(in.substr(0, at));
+  }
+  if (auto r = codec::staged::PatchReader::Open(in, /*verify_checksum=*/false);
+      r.ok() && r->kind() == codec::PatchKind::kPatch) {
+    for (size_t i = 0; i < r->chunks().size(); ++i) {
+      switch (r->chunks()[i].width) {
+        case 1: CompareSparseDecoders<uint8_t>(*r, i); break;
+        case 2: CompareSparseDecoders<uint16_t>(*r, i); break;
+        case 4: CompareSparseDecoders<uint32_t>(*r, i); break;
+        default: CompareSparseDecoders<uint64_t>(*r, i); break;
+      }
+    }
   }
   auto info = codec::InspectPatch(in, /*verify_patch_checksum=*/false);
   if (!info.ok()) return 0;
