@@ -27,7 +27,7 @@ inline constexpr uint32_t kScale = 1u << kPrecision;
 inline constexpr uint32_t kLow = 1u << 16;  // rANS states live in [2^16, 2^32)
 
 // Part of the patch format's gap and value symbols (shared with the host
-// encoder in chunk_codec.cc): functions rather than arrays so that device
+// encoder in coder_values.cc and coder_sparse.cc): functions rather than arrays so that device
 // code reads them without a table in memory.
 inline constexpr int kGapEscape = 15;
 inline constexpr int kMaxShift = 31;

@@ -1,0 +1,398 @@
+// Sparse positions (docs/patch-format.md "Sparse positions"): per-class gaps
+// between ranks as rANS symbols and bits; ranks to positions over the base.
+#include "chunk_coders.h"
+
+#include <algorithm>
+#include <array>
+#include <bit>
+#include <memory>
+
+#include "sweep.h"
+
+namespace wsync::codec::internal {
+namespace {
+
+// Gaps between the ranks of a class's changes: with the class's shift r,
+// the quotient q = gap >> r is one rANS symbol (table per class), the rest
+// plain bits:
+//   q 0..7: symbol q
+//   q 8..127: symbols 8..14 by bit length and next bit (buckets [8,12),
+//     [12,16), [16,24), [24,32), [32,48), [48,64), [64,128)), then q's
+//     offset in its bucket (2, 2, 3, 3, 4, 4, 6 bits)
+//   q >= 128: symbol 15, Elias gamma of q - 128
+// followed by the r low bits of the gap. r is chosen per class, so a class
+// changing with probability p costs close to H(p) per element, a dense one
+// well under a bit per change.
+using sparse::kGapEscape;
+using sparse::kMaxShift;
+inline constexpr auto kGapBase = SymbolTable(sparse::GapBase);
+inline constexpr auto kGapExtra = SymbolTable(sparse::GapExtra);
+static_assert(kGapBase[8] == 8 && kGapBase[14] == 64 && kGapBase[15] == 128 && kGapExtra[14] == 6);
+
+// The symbol of quotient q (< 128: the table; else the escape).
+constexpr std::array<uint8_t, 128> kGapSymbol = [] {
+  std::array<uint8_t, 128> t{};
+  int s = 0;
+  for (int q = 0; q < 128; ++q) {
+    while (s + 1 < kGapEscape && q >= kGapBase[s + 1]) ++s;
+    t[q] = static_cast<uint8_t>(s);
+  }
+  return t;
+}();
+
+uint8_t GapSymbol(uint64_t q) { return q < 128 ? kGapSymbol[q] : kGapEscape; }
+
+// A histogram of gaps by bit length and leading three bits: it tells a
+// gap's symbol at every shift (the quotient's bits are the gap's leading
+// ones), so one pass serves every candidate shift.
+struct GapHistogram {
+  static constexpr int kBins = 33 * 8;
+  // bin = bit_width(g) * 8 + g's three leading bits (g itself below 8).
+  static int Bin(uint32_t g) {
+    // bit_width(g) from an operand that is never zero: std::bit_width
+    // branches on zero, and zero gaps are common and unpredictable in a
+    // class that changes often.
+    const int w = 63 - std::countl_zero((uint64_t{g} << 1) | 1);
+    return w * 8 + static_cast<int>(g >> std::max(w - 3, 0));
+  }
+  uint32_t n[kBins] = {};
+};
+
+// The symbol (below the escape) of the gaps in histogram bin b at shift r,
+// or kGapEscape for quotients of 128 and more.
+uint8_t BinSymbol(int b, int r) {
+  const int w = b / 8, lead = b % 8;
+  const int qw = w - r;  // the quotient's bit length
+  if (qw <= 0) return 0;
+  if (qw >= 8) return kGapEscape;
+  // Below 8 the quotient is its leading bits; above, its symbol depends on
+  // its length and the bit after the leading one only.
+  const int q = w <= 3 ? lead >> r : qw <= 3 ? lead >> (3 - qw) : lead << (qw - 3);
+  return kGapSymbol[q];
+}
+
+// Symbol counts of a class's gaps at three consecutive shifts r0, r0+1,
+// r0+2, and the estimated bits of coding them at each.
+struct GapCosts {
+  uint32_t counts[3][kRansSymbols] = {};
+  double bits[3] = {};
+};
+
+GapCosts CountGaps(const uint32_t* gaps, size_t count, const GapHistogram& hist, int r0) {
+  GapCosts g;
+  for (int b = 0; b < GapHistogram::kBins; ++b) {
+    if (hist.n[b] == 0) continue;
+    for (int t = 0; t < 3; ++t) g.counts[t][BinSymbol(b, r0 + t)] += hist.n[b];
+  }
+  // Escapes (rare: 32 times the mean gap and more) cost their gamma codes.
+  uint64_t escape_bits[3] = {};
+  if (g.counts[0][kGapEscape] != 0) {
+    const uint64_t escape_at = uint64_t{kGapBase[kGapEscape]} << r0;
+    for (size_t i = 0; i < count; ++i) {
+      if (gaps[i] < escape_at) continue;
+      for (int t = 0; t < 3; ++t) {
+        const uint64_t q = uint64_t{gaps[i]} >> (r0 + t);
+        if (q >= kGapBase[kGapEscape]) escape_bits[t] += static_cast<uint64_t>(GammaBits(q - kGapBase[kGapEscape]));
+      }
+    }
+  }
+  for (int t = 0; t < 3; ++t) {
+    uint64_t extra = escape_bits[t] + static_cast<uint64_t>(count) * static_cast<uint64_t>(r0 + t);
+    for (int s = 0; s < kRansSymbols; ++s) extra += uint64_t{g.counts[t][s]} * kGapExtra[s];
+    g.bits[t] = static_cast<double>(extra) + RansCostBits(g.counts[t]);
+  }
+  return g;
+}
+
+// Elements of class c in a chunk (for error messages).
+template <typename T>
+size_t ClassSize(const T* base, size_t n, const ClassSpec& spec, int c) {
+  size_t count = 0;
+  for (size_t i = 0; i < n; ++i) count += spec.ClassOf(base[i]) == c;
+  return count;
+}
+
+// Per-class ranks of the changed positions (ascending, below n), by
+// sweeping the class masks of every 64-element word, segment by segment.
+// Running counts: total elements, and elements reaching each threshold; a
+// class's count before an element is the difference of neighbours.
+template <int K, typename T>
+void RanksByClassK(const T* base, size_t n, const std::vector<uint32_t>& pos, const ClassSpec& spec,
+                   std::vector<uint32_t>* rank) {
+  constexpr size_t kSegmentWords = kSweepSegment / kWord;
+  const WordMasker<T> masker(spec);
+  auto ge = std::make_unique_for_overwrite<WordGe[]>(kSegmentWords);
+  uint32_t total = 0;
+  uint32_t reach[K - 1] = {};
+  size_t i = 0;
+  for (size_t seg = 0; seg < n && i < pos.size(); seg += kSegmentWords * kWord) {
+    const size_t seg_n = std::min(n - seg, kSegmentWords * kWord);
+    masker.template Run<K, false>(base + seg, nullptr, seg_n, nullptr, ge.get());
+    for (size_t w = 0; w * kWord < seg_n; ++w) {
+      const size_t first = seg + w * kWord;
+      const uint64_t valid = WordValid(seg_n, w);
+      const uint64_t* g = ge[w];
+      for (; i < pos.size() && pos[i] < first + kWord; ++i) {
+        const int j = static_cast<int>(pos[i] - first);
+        const uint64_t below = (uint64_t{1} << j) - 1;
+        int c = 0;
+        while (c < K - 1 && ((g[c] >> j) & 1)) ++c;
+        const uint32_t upper = c == 0 ? total + std::popcount(valid & below) : reach[c - 1] + std::popcount(g[c - 1] & below);
+        const uint32_t lower = c == K - 1 ? 0u : reach[c] + std::popcount(g[c] & below);
+        (*rank)[i] = upper - lower;
+      }
+      total += static_cast<uint32_t>(std::popcount(valid));
+      for (int t = 0; t < K - 1; ++t) reach[t] += static_cast<uint32_t>(std::popcount(g[t]));
+    }
+  }
+}
+
+}  // namespace
+
+// Groups ranks given in position order by the changes' classes (a counting
+// sort: class after class, each in position order) into *storage.
+ClassRanks GroupRanks(const std::vector<uint8_t>& cls, const uint32_t* rank, std::vector<uint32_t>* storage) {
+  ClassRanks g;
+  for (uint8_t c : cls) ++g.count[c];
+  storage->resize(cls.size());
+  size_t fill[kMaxClasses];
+  for (size_t c = 0, start = 0; c < kMaxClasses; start += g.count[c++]) {
+    fill[c] = start;
+    g.rank[c] = storage->data() + start;
+  }
+  for (size_t i = 0; i < cls.size(); ++i) (*storage)[fill[cls[i]]++] = rank[i];
+  return g;
+}
+
+// Prepares a sparse chunk's position stream: its class header goes to *out,
+// each gap's table entry to gap_coded (class after class), and the bits.
+void PreparePositions(const ClassRanks& ranks, const ClassSpec& spec, CoderScratch* scratch, std::string* out) {
+  WriteClassHeader(spec, out);
+  // Each class's gaps (class after class), sum and histogram. Within a
+  // class nothing carries from one change to the next but its rank, and
+  // two histograms take alternate gaps, so that runs of gaps in one bin do
+  // not chain their increments.
+  size_t start[kMaxClasses + 1] = {};
+  for (int c = 0; c < kMaxClasses; ++c) start[c + 1] = start[c] + ranks.count[c];
+  std::vector<uint32_t>& gaps = scratch->gaps;
+  gaps.resize(start[kMaxClasses]);
+  uint64_t sum[kMaxClasses] = {};
+  auto hist = std::make_unique<GapHistogram[]>(2 * static_cast<size_t>(spec.k));
+  for (int c = 0; c < spec.k; ++c) {
+    const uint32_t* r = ranks.rank[c];
+    uint32_t* g = gaps.data() + start[c];
+    GapHistogram& even = hist[2 * c];
+    GapHistogram& odd = hist[2 * c + 1];
+    uint64_t total = 0;
+    const size_t count = ranks.count[c];
+    for (size_t i = 0; i < count; ++i) {
+      g[i] = r[i] - (i == 0 ? 0 : r[i - 1] + 1);
+      total += g[i];
+      ++(i % 2 ? odd : even).n[GapHistogram::Bin(g[i])];
+    }
+    for (int b = 0; b < GapHistogram::kBins; ++b) even.n[b] += odd.n[b];
+    sum[c] = total;
+  }
+
+  PendingStream& stream = scratch->positions;
+  BitWriter& bits = stream.bits;
+  bits.Clear();
+  for (int c = 0; c < spec.k; ++c) bits.PutGamma(ranks.count[c]);
+  int shift[kMaxClasses] = {};
+  RansTable* tables = stream.tables;
+  for (int c = 0; c < spec.k; ++c) {
+    const size_t count = ranks.count[c];
+    if (count == 0) continue;
+    // The shift that puts the mean quotient near 4, or a neighbour.
+    const uint64_t mean = sum[c] / count;
+    const int r0 = std::clamp(static_cast<int>(std::bit_width(mean / 4)) - 2, 0, kMaxShift - 2);
+    const GapCosts costs = CountGaps(gaps.data() + start[c], count, hist[2 * c], r0);
+    const int best = static_cast<int>(std::min_element(costs.bits, costs.bits + 3) - costs.bits);
+    shift[c] = r0 + best;
+    const uint32_t* best_counts = costs.counts[best];
+    bits.Put(static_cast<uint64_t>(shift[c]), 5);
+    tables[c] = ChooseRansTable(best_counts, &bits);
+  }
+  // The refining bits in order, and each gap's rANS symbol with its table.
+  std::vector<const RansEncSymbol*>& coded = scratch->gap_coded;
+  coded.resize(gaps.size());
+  // At most a gamma code (127 bits) and r <= 31 low bits per gap.
+  BitWriter::Cursor fields = bits.Open(gaps.size() * 160);
+  for (int c = 0; c < spec.k; ++c) {
+    const int r = shift[c];
+    const RansEncSymbol* enc = tables[c].enc.data();
+    for (size_t i = start[c]; i < start[c + 1]; ++i) {
+      const uint64_t g = gaps[i];
+      const uint64_t q = g >> r;
+      const uint8_t s = GapSymbol(q);
+      coded[i] = enc + s;
+      const uint64_t low = g & ((uint64_t{1} << r) - 1);
+      if (s == kGapEscape) {
+        fields.PutGamma(q - kGapBase[kGapEscape]);
+        fields.Put(low, r);
+      } else {
+        fields.Put(((q - kGapBase[s]) << r) | low, kGapExtra[s] + r);
+      }
+    }
+  }
+  bits.Close(fields);
+}
+
+// Decodes the per-class ranks of a sparse chunk; positions follow from
+// them alone when k == 1, else from the base (ResolveRanks).
+Status DecodeSparseRanks(std::string_view coded, size_t n, uint64_t changed, ChunkPositions* out) {
+  const ClassSpec& spec = out->spec;
+  std::string_view words, raw;
+  if (!SplitRansStream(coded, &words, &raw)) return DataLossError("position stream: malformed word count");
+  BitReader bits(raw);
+  uint64_t counts[kMaxClasses];
+  uint64_t sum = 0;
+  for (int c = 0; c < spec.k; ++c) {
+    if (!bits.GetGamma(changed - sum, &counts[c])) {
+      return DataLossError("position stream: class " + std::to_string(c) + " count exceeds the " +
+                           std::to_string(changed) + " changed elements");
+    }
+    sum += counts[c];
+  }
+  if (sum != changed) {
+    return DataLossError("position stream: class counts sum to " + std::to_string(sum) +
+                         ", directory says " + std::to_string(changed));
+  }
+  int shift[kMaxClasses] = {};
+  auto tables = std::make_unique_for_overwrite<RansDecodeTable[]>(spec.k);  // built where used
+  for (int c = 0; c < spec.k; ++c) {
+    if (counts[c] == 0) continue;
+    shift[c] = static_cast<int>(bits.Get(5));
+    RansTable t;
+    if (!ReadRansTable(&bits, &t)) return DataLossError("position stream: class " + std::to_string(c) + ": bad table");
+    tables[c].Build(t);
+  }
+  // Target ranks per class, ascending.
+  out->class_counts.assign(counts, counts + spec.k);
+  out->ranks.resize(changed);
+  uint32_t* rank_out = out->ranks.data();
+  RansDecoder dec(words);
+  size_t first = 0;
+  for (int c = 0; c < spec.k; ++c) {
+    uint64_t next = 0;
+    const int r = shift[c];
+    const uint64_t low_mask = (uint64_t{1} << r) - 1;
+    const RansDecodeTable& table = tables[c];
+    const bool decoded = dec.Run(
+        first, counts[c], [&](size_t) -> const RansDecodeTable& { return table; },
+        [&](size_t, uint32_t entry) {
+          const uint32_t s = entry & 0xF;
+          uint64_t q = 0;
+          uint64_t low;
+          bool ok = true;
+          if (s != kGapEscape) {
+            const uint64_t v = bits.Get(kGapExtra[s] + r);
+            q = kGapBase[s] + (v >> r);
+            low = v & low_mask;
+          } else {
+            ok = bits.GetGamma(n, &q);
+            q += kGapBase[kGapEscape];
+            low = bits.Get(r);
+          }
+          const uint64_t gap = (q << r) | low;
+          if (!ok || q > n || next >= n || gap > n - 1 - next) return false;
+          *rank_out++ = static_cast<uint32_t>(next + gap);
+          next = next + gap + 1;
+          return true;
+        });
+    if (!decoded) {
+      return DataLossError("position stream: class " + std::to_string(c) + " gap " +
+                           std::to_string(rank_out - out->ranks.data() - static_cast<ptrdiff_t>(first)) +
+                           " overruns the chunk of " + std::to_string(n) + " elements");
+    }
+    first += counts[c];
+  }
+  if (!dec.Finish() || !bits.ExactlyConsumed()) return DataLossError("position stream: truncated or corrupt");
+
+  if (spec.k == 1) {
+    out->pos = std::move(out->ranks);
+    out->ranks.clear();
+    out->class_counts.clear();
+    return Status::Ok();
+  }
+  out->ranked = true;
+  return Status::Ok();
+}
+
+template <typename T>
+Status ResolveRanks(const T* base, size_t n, ChunkPositions* cp) {
+  if (!cp->ranked) return Status::Ok();
+  const ClassSpec& spec = cp->spec;
+  // The ranks are stored class after class.
+  std::vector<const uint32_t*> ranks(spec.k);
+  const uint32_t* next = cp->ranks.data();
+  for (int c = 0; c < spec.k; ++c) {
+    ranks[c] = next;
+    next += cp->class_counts[c];
+  }
+  std::vector<uint64_t> done(spec.k);
+  cp->pos.resize(cp->ranks.size() + 2);
+  const size_t found =
+      ResolveRankSweep(base, n, spec, ranks.data(), cp->class_counts.data(), cp->pos.data(), done.data());
+  cp->pos.resize(found);
+  if (found != cp->ranks.size()) {
+    for (int c = 0; c < spec.k; ++c) {
+      if (done[c] < cp->class_counts[c]) {
+        return DataLossError("position stream: class " + std::to_string(c) + " rank " +
+                             std::to_string(ranks[c][done[c]]) + " beyond its " +
+                             std::to_string(ClassSize(base, n, spec, c)) + " elements");
+      }
+    }
+    return DataLossError("position stream: ranks beyond their classes");
+  }
+  cp->ranked = false;
+  cp->ranks.clear();
+  cp->class_counts.clear();
+  return Status::Ok();
+}
+
+template <typename T>
+void RanksByClass(const T* base, size_t n, const std::vector<uint32_t>& pos, const ClassSpec& spec,
+                  std::vector<uint32_t>* rank) {
+  rank->assign(pos.size(), 0);
+  static_assert(kMaxClasses == 8);
+  switch (spec.k) {
+    case 1: std::copy(pos.begin(), pos.end(), rank->begin()); return;
+    case 2: return RanksByClassK<2>(base, n, pos, spec, rank);
+    case 3: return RanksByClassK<3>(base, n, pos, spec, rank);
+    case 4: return RanksByClassK<4>(base, n, pos, spec, rank);
+    case 5: return RanksByClassK<5>(base, n, pos, spec, rank);
+    case 6: return RanksByClassK<6>(base, n, pos, spec, rank);
+    case 7: return RanksByClassK<7>(base, n, pos, spec, rank);
+    default: return RanksByClassK<8>(base, n, pos, spec, rank);
+  }
+}
+
+Status LocateSparseStreams(std::string_view pos, std::string_view val, ExponentField exponent,
+                           sparse::ChunkStreams* out) {
+  ByteReader r(pos, "position stream");
+  std::string_view coded;
+  if (!ReadClassHeader(pos, exponent, &out->spec, &coded, &r)) return r.status();
+  auto span = [](std::string_view stream, sparse::RansSpan* s) {
+    std::string_view words, bits;
+    if (!SplitRansStream(stream, &words, &bits)) return false;
+    *s = {reinterpret_cast<const uint8_t*>(words.data()), words.size() / 2,
+          reinterpret_cast<const uint8_t*>(bits.data()), bits.size()};
+    return true;
+  };
+  if (!span(coded, &out->pos)) return DataLossError("position stream: malformed word count");
+  if (!span(val, &out->val)) return DataLossError("value stream: malformed word count");
+  return Status::Ok();
+}
+
+#define WSYNC_INSTANTIATE(T) \
+  template Status ResolveRanks<T>(const T*, size_t, ChunkPositions*); \
+  template void RanksByClass<T>(const T*, size_t, const std::vector<uint32_t>&, const ClassSpec&, std::vector<uint32_t>*);
+
+WSYNC_INSTANTIATE(uint8_t)
+WSYNC_INSTANTIATE(uint16_t)
+WSYNC_INSTANTIATE(uint32_t)
+WSYNC_INSTANTIATE(uint64_t)
+#undef WSYNC_INSTANTIATE
+
+}  // namespace wsync::codec::internal

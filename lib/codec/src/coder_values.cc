@@ -1,0 +1,115 @@
+// Values (docs/patch-format.md "Values"): one rANS symbol per delta, with
+// tables per class, and the bits that refine the larger ones.
+#include "chunk_coders.h"
+
+#include <algorithm>
+#include <memory>
+
+namespace wsync::codec::internal {
+template <typename T>
+void PrepareValues(const SparseDelta<T>& d, const std::vector<uint8_t>& cls, CoderScratch* scratch) {
+  const size_t m = d.pos.size();
+  scratch->value_sym.resize(m);
+  uint8_t* sym = scratch->value_sym.data();
+  // Two histograms take alternate changes: runs of one symbol (nearly every
+  // change is +-1) then do not chain their increments through memory.
+  uint32_t counts[2][kMaxClasses][kRansSymbols] = {};
+  for (size_t i = 0; i < m; ++i) {
+    sym[i] = ValueSymbolOf(d.delta[i]).sym;
+    ++counts[i & 1][cls[i]][sym[i]];
+  }
+  PendingStream& out = scratch->values;
+  out.bits.Clear();
+  bool refined = false;  // a symbol with bits occurs
+  for (int c = 0; c < kMaxClasses; ++c) {
+    uint32_t* both = counts[0][c];
+    for (int v = 0; v < kRansSymbols; ++v) both[v] += counts[1][c][v];
+    if (std::any_of(both, both + kRansSymbols, [](uint32_t v) { return v > 0; })) {
+      out.tables[c] = ChooseRansTable(both, &out.bits);
+    }
+    refined = refined || std::any_of(both + kValueFirstWithBits, both + kRansSymbols, [](uint32_t v) { return v > 0; });
+  }
+  if (refined) {
+    // At most a sign and a gamma code (1 + 127 bits) per change.
+    BitWriter::Cursor fields = out.bits.Open(m * 128);
+    for (size_t i = 0; i < m; ++i) {
+      if (sym[i] < kValueFirstWithBits) continue;  // |d| <= 5: nearly every change at RL rates
+      const ValueSymbol v = ValueSymbolOf(d.delta[i]);
+      if (v.sym == kValueEscape) {
+        fields.Put(static_cast<uint64_t>((d.delta[i] >> (kBits<T> - 1)) & 1), 1);
+        fields.PutGamma(v.extra);
+      } else {
+        fields.Put(v.extra, v.extra_bits);
+      }
+    }
+    out.bits.Close(fields);
+  }
+}
+
+bool SplitRansStream(std::string_view stream, std::string_view* words, std::string_view* bits) {
+  ByteReader r(stream, "rANS stream");
+  uint64_t count = 0;
+  if (!r.Varint(&count, "word count") || count < 4 || count > stream.size() / 2) return false;
+  std::string_view w;
+  if (!r.Bytes(static_cast<size_t>(count) * 2, &w, "words")) return false;
+  *words = w;
+  *bits = stream.substr(r.position());
+  return true;
+}
+
+template <typename T>
+Status DecodeValues(std::string_view stream, const std::vector<uint8_t>& cls, SparseDelta<T>* out) {
+  const size_t m = out->pos.size();
+  std::string_view words, raw;
+  if (!SplitRansStream(stream, &words, &raw)) return DataLossError("value stream: malformed word count");
+  BitReader bits(raw);
+  uint64_t counts[kMaxClasses] = {};
+  for (size_t i = 0; i < m; ++i) ++counts[cls[i]];
+  auto tables = std::make_unique_for_overwrite<RansDecodeTable[]>(kMaxClasses);  // built where used
+  for (int c = 0; c < kMaxClasses; ++c) {
+    if (counts[c] == 0) continue;
+    RansTable t;
+    if (!ReadRansTable(&bits, &t)) return DataLossError("value stream: class " + std::to_string(c) + ": bad table");
+    tables[c].Build(t);
+  }
+  RansDecoder dec(words);
+  const uint64_t max_escape = (uint64_t{1} << (kBits<T> - 1)) - kValueBase[kValueEscape];
+  out->delta.resize(m);
+  T* delta = out->delta.data();
+  size_t at = 0;  // the delta being decoded (for the error)
+  const bool decoded = dec.Run(
+      0, m, [&](size_t i) -> const RansDecodeTable& { return tables[cls[i]]; },
+      [&](size_t i, uint32_t entry) {
+        at = i;
+        const uint32_t sym = entry & 0xF;
+        uint64_t mag;
+        int neg;
+        if (sym < kValueEscape) {
+          neg = static_cast<int>(sym & 1);
+          mag = kValueBase[sym] + bits.Get(kValueExtra[sym]);
+        } else {
+          neg = static_cast<int>(bits.Get(1));
+          uint64_t extra;
+          if (sym != kValueEscape || !bits.GetGamma(max_escape, &extra)) return false;
+          mag = kValueBase[kValueEscape] + extra;
+        }
+        const T t = static_cast<T>(mag);
+        delta[i] = neg ? static_cast<T>(T{0} - t) : t;
+        return true;
+      });
+  if (!decoded) return DataLossError("value stream: delta " + std::to_string(at) + " out of range");
+  if (!dec.Finish() || !bits.ExactlyConsumed()) return DataLossError("value stream: truncated or corrupt");
+  return Status::Ok();
+}
+
+#define WSYNC_INSTANTIATE(T) \
+  template void PrepareValues<T>(const SparseDelta<T>&, const std::vector<uint8_t>&, CoderScratch*); \
+  template Status DecodeValues<T>(std::string_view, const std::vector<uint8_t>&, SparseDelta<T>*);
+
+WSYNC_INSTANTIATE(uint8_t)
+WSYNC_INSTANTIATE(uint16_t)
+WSYNC_INSTANTIATE(uint32_t)
+WSYNC_INSTANTIATE(uint64_t)
+#undef WSYNC_INSTANTIATE
+
+}  // namespace wsync::codec::internal
