@@ -1,14 +1,19 @@
-// The static-model rANS coder and its bit stream (rans.h): round trips of
-// random symbol sequences over random tables (skewed, uniform, one symbol
-// of probability 1), streams with words missing, extra or flipped, Elias
-// gamma over the whole 64-bit range, and malformed table headers.
+// The static-model rANS coder and its bit stream: the encoder (rans.h)
+// against the decoder both codecs run (sparse_decode.h, with either
+// lookup): round trips of random symbol sequences over random tables
+// (skewed, uniform, one symbol of probability 1), streams with words
+// missing, extra or flipped, Elias gamma over the whole 64-bit range, and
+// malformed table headers.
 #include "rans.h"
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <memory>
 #include <random>
 #include <vector>
 
+#include "wsync/codec/sparse_decode.h"
 #include "wsync/util/bytes.h"
 
 namespace wsync::codec::internal {
@@ -36,6 +41,12 @@ std::vector<uint8_t> Draw(const std::vector<uint32_t>& counts, size_t n, std::mt
     x = static_cast<uint8_t>(std::upper_bound(cum.begin(), cum.end(), v) - cum.begin() - 1);
   }
   return out;
+}
+
+sparse::BitIn BitsOf(std::string_view s) { return sparse::BitIn(reinterpret_cast<const uint8_t*>(s.data()), s.size()); }
+
+sparse::RansSpan WordsOf(std::string_view w) {
+  return {reinterpret_cast<const uint8_t*>(w.data()), w.size() / 2, nullptr, 0};
 }
 
 struct Coded {
@@ -83,27 +94,27 @@ TEST(Rans, RandomSequencesRoundTrip) {
     ASSERT_TRUE(header.Varint(&words, "word count"));
     const size_t at = header.position();
     ASSERT_EQ(at + words * 2, coded.word_bytes);
-    BitReader bits(stream.substr(coded.word_bytes));
-    std::vector<RansDecodeTable> dec_tables(contexts);
+    sparse::BitIn bits = BitsOf(stream.substr(coded.word_bytes));
+    auto search = std::make_unique<sparse::SearchTables>();
+    auto slots = std::make_unique<sparse::SlotTables>();
     for (int c = 0; c < contexts; ++c) {
-      RansTable t;
-      ASSERT_TRUE(ReadRansTable(&bits, &t));
-      EXPECT_EQ(t.freq, tables[c].freq);
-      dec_tables[c].Build(t);
+      sparse::Table t;
+      ASSERT_TRUE(sparse::ReadTable(bits, &t));
+      EXPECT_TRUE(std::equal(tables[c].freq.begin(), tables[c].freq.end(), t.freq));
+      search->Set(c, t);
+      slots->Set(c, t);
     }
-    // In two runs, split at a random symbol (the states alternate across).
-    RansDecoder dec(stream.substr(at, words * 2));
-    const size_t split = n == 0 ? 0 : static_cast<size_t>(rng() % (n + 1));
+    // Both lookups, the device's and the host's.
+    sparse::RansIn by_search(WordsOf(stream.substr(at, words * 2)));
+    sparse::RansIn by_slot(WordsOf(stream.substr(at, words * 2)));
     size_t bad = 0;
-    auto check = [&](size_t i, uint32_t entry) {
-      bad += (entry & 0xF) != sym[i];
-      return true;
-    };
-    auto table_of = [&](size_t i) -> const RansDecodeTable& { return dec_tables[ctx[i]]; };
-    EXPECT_TRUE(dec.Run(0, split, table_of, check));
-    EXPECT_TRUE(dec.Run(split, n - split, table_of, check));
+    for (size_t i = 0; i < n; ++i) {
+      bad += by_search.Next(i, *search, ctx[i]) != sym[i];
+      bad += by_slot.Next(i, *slots, ctx[i]) != sym[i];
+    }
     EXPECT_EQ(bad, 0u) << "trial " << trial;
-    EXPECT_TRUE(dec.Finish());
+    EXPECT_TRUE(by_search.Finished());
+    EXPECT_TRUE(by_slot.Finished());
     EXPECT_TRUE(bits.ExactlyConsumed());
   }
 }
@@ -160,12 +171,15 @@ TEST(Rans, DecoderDetectsMissingAndExtraWords) {
   std::vector<RansTable> tables;
   const Coded coded = Encode({counts}, std::vector<uint8_t>(sym.size(), 0), sym, &tables);
   const std::string words = coded.stream.substr(2, coded.word_bytes - 2);  // a 2-byte varint here
-  RansDecodeTable t;
-  t.Build(tables[0]);
+  sparse::Table t;
+  std::copy(tables[0].freq.begin(), tables[0].freq.end(), t.freq);
+  std::copy(tables[0].start.begin(), tables[0].start.end(), t.start);
+  sparse::SearchTables lookup;
+  lookup.Set(0, t);
   auto decodes = [&](std::string_view w) {
-    RansDecoder dec(w);
-    dec.Run(0, sym.size(), [&](size_t) -> const RansDecodeTable& { return t; }, [](size_t, uint32_t) { return true; });
-    return dec.Finish();
+    sparse::RansIn dec(WordsOf(w));
+    for (size_t i = 0; i < sym.size(); ++i) dec.Next(i, lookup, 0);
+    return dec.Finished();
   };
   ASSERT_TRUE(decodes(words));
   EXPECT_FALSE(decodes(words.substr(0, words.size() - 2)));
@@ -198,7 +212,7 @@ TEST(BitStream, GammaAndFieldsRoundTrip) {
   w.Close(c);
   std::string s;
   w.AppendTo(&s);
-  BitReader r(s);
+  sparse::BitIn r = BitsOf(s);
   for (uint64_t v : values) {
     uint64_t got;
     ASSERT_TRUE(r.GetGamma(~0ull - 1, &got));
@@ -216,17 +230,19 @@ TEST(BitStream, GammaAboveItsLimitOrPastTheEndFails) {
   std::string s;
   w.AppendTo(&s);
   uint64_t v;
-  BitReader over(s);
+  sparse::BitIn over = BitsOf(s);
   EXPECT_FALSE(over.GetGamma(999, &v));
-  BitReader ok(s);
+  sparse::BitIn ok = BitsOf(s);
   EXPECT_TRUE(ok.GetGamma(1000, &v));
   EXPECT_EQ(v, 1000u);
   // All zeros: no terminating one within 64 bits.
-  BitReader zeros(std::string(16, '\0'));
+  const std::string zero_bytes(16, '\0');
+  sparse::BitIn zeros = BitsOf(zero_bytes);
   EXPECT_FALSE(zeros.GetGamma(~0ull, &v));
-  BitReader empty("");
+  const std::string no_bytes;
+  sparse::BitIn empty = BitsOf(no_bytes);
   EXPECT_FALSE(empty.GetGamma(~0ull, &v));
-  EXPECT_EQ(empty.Get(57), 0u);
+  EXPECT_EQ(empty.Get(56), 0u);
   EXPECT_TRUE(empty.overrun());
 }
 
@@ -234,9 +250,9 @@ TEST(RansTableHeader, MalformedHeadersAreRejected) {
   auto read = [](const BitWriter& w) {
     std::string s;
     w.AppendTo(&s);
-    BitReader r(s);
-    RansTable t;
-    return ReadRansTable(&r, &t);
+    sparse::BitIn r = BitsOf(s);
+    sparse::Table t;
+    return sparse::ReadTable(r, &t);
   };
   {  // precision above 10
     BitWriter w;
@@ -270,9 +286,9 @@ TEST(RansTableHeader, MalformedHeadersAreRejected) {
     w.PutGamma(2);
     std::string s;
     w.AppendTo(&s);
-    BitReader r(s);
-    RansTable t;
-    ASSERT_TRUE(ReadRansTable(&r, &t));
+    sparse::BitIn r = BitsOf(s);
+    sparse::Table t;
+    ASSERT_TRUE(sparse::ReadTable(r, &t));
     EXPECT_EQ(t.freq[0], 3 * kRansScale / 4);
     EXPECT_EQ(t.freq[1], kRansScale / 4);
     EXPECT_EQ(t.start[1], 3 * kRansScale / 4);

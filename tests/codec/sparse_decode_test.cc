@@ -1,9 +1,10 @@
-// The sparse chunk's decoding agents (wsync/codec/sparse_decode.h), which
-// the device kernels run one chunk per thread, run here on the CPU against
-// the host codec's decoder: random chunks of every width, density and class
-// count decode to the same positions and deltas, and corrupted streams fail
-// exactly where the host decoder fails (and otherwise decode to the same
-// bits).
+// The sparse chunk's decoding agents (wsync/codec/sparse_decode.h) as the
+// device runs them (one chunk per thread, SearchTables, ranks resolved over
+// the base's classes and merged by MergeClassLists) against the host
+// codec's decoding of the same chunk (SlotTables, the rank sweep, the staged
+// merge): random chunks of every width, density and class count decode to
+// the same positions and deltas, and corrupted streams fail exactly where
+// the host fails (and otherwise decode to the same bits).
 #include "wsync/codec/sparse_decode.h"
 
 #include <gtest/gtest.h>
@@ -41,7 +42,8 @@ std::optional<Decoded> AgentDecode(const EncodedChunk& e, const std::vector<T>& 
   const int k = s.spec.k;
   uint64_t counts[kMaxClasses] = {};
   std::vector<uint32_t> ranks(e.changed);
-  if (sparse::DecodeSparseRanks(s.pos, n, e.changed, k, counts, ranks.data()) != sparse::kSparseOk) {
+  sparse::SearchTables tables;  // the device's lookup (the host codec's decoder uses SlotTables)
+  if (!sparse::DecodeSparseRanks(s.pos, n, e.changed, k, counts, ranks.data(), &tables).ok()) {
     return std::nullopt;
   }
   Decoded out;
@@ -63,14 +65,13 @@ std::optional<Decoded> AgentDecode(const EncodedChunk& e, const std::vector<T>& 
       }
     }
     out.pos.resize(e.changed);
-    if (sparse::MergeClassLists(by_class.data(), old_by_class.data(), counts, k, out.pos.data(), old.data()) !=
-        sparse::kSparseOk) {
+    if (!sparse::MergeClassLists(by_class.data(), old_by_class.data(), counts, k, out.pos.data(), old.data()).ok()) {
       return std::nullopt;
     }
   }
   std::vector<T> delta(e.changed);
-  if (sparse::DecodeSparseValues<T>(s.val, e.changed, s.spec, k > 1 ? old.data() : nullptr, delta.data()) !=
-      sparse::kSparseOk) {
+  if (!sparse::DecodeSparseValues<T>(s.val, e.changed, s.spec, k > 1 ? old.data() : nullptr, delta.data(), &tables)
+           .ok()) {
     return std::nullopt;
   }
   out.delta.assign(delta.begin(), delta.end());

@@ -32,8 +32,9 @@ void CompareSparseDecoders(const wsync::codec::staged::PatchReader& r, size_t i)
   const int k = cs.spec.k;
   std::vector<uint32_t> ranks(changed);
   uint64_t counts[wsync::codec::kMaxClasses] = {};
-  const bool agent_ok = wsync::codec::sparse::DecodeSparseRanks(cs.pos, n, changed, k, counts, ranks.data()) ==
-                        wsync::codec::sparse::kSparseOk;
+  wsync::codec::sparse::SearchTables tables;  // the device's lookup
+  const bool agent_ok =
+      wsync::codec::sparse::DecodeSparseRanks(cs.pos, n, changed, k, counts, ranks.data(), &tables).ok();
   wsync::codec::staged::DecodedChunk dc;
   const bool host_ok = r.DecodePositions(i, &dc).ok();
   if (agent_ok != host_ok) __builtin_trap();
@@ -51,8 +52,9 @@ void CompareSparseDecoders(const wsync::codec::staged::PatchReader& r, size_t i)
   }
   std::vector<T> delta(changed);
   const bool agent_values =
-      wsync::codec::sparse::DecodeSparseValues<T>(cs.val, changed, cs.spec, k > 1 ? old.data() : nullptr, delta.data()) ==
-      wsync::codec::sparse::kSparseOk;
+      wsync::codec::sparse::DecodeSparseValues<T>(cs.val, changed, cs.spec, k > 1 ? old.data() : nullptr, delta.data(),
+                                                  &tables)
+          .ok();
   const bool host_values = r.DecodeValues(i, k > 1 ? old.data() : nullptr, &dc).ok();
   if (agent_values != host_values) __builtin_trap();
   if (host_values && std::memcmp(dc.delta.data(), delta.data(), changed * sizeof(T)) != 0) __builtin_trap();

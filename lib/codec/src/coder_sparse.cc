@@ -244,77 +244,36 @@ Status DecodeSparseRanks(std::string_view coded, size_t n, uint64_t changed, Chu
   const ClassSpec& spec = out->spec;
   std::string_view words, raw;
   if (!SplitRansStream(coded, &words, &raw)) return DataLossError("position stream: malformed word count");
-  BitReader bits(raw);
-  uint64_t counts[kMaxClasses];
-  uint64_t sum = 0;
-  for (int c = 0; c < spec.k; ++c) {
-    if (!bits.GetGamma(changed - sum, &counts[c])) {
-      return DataLossError("position stream: class " + std::to_string(c) + " count exceeds the " +
-                           std::to_string(changed) + " changed elements");
-    }
-    sum += counts[c];
-  }
-  if (sum != changed) {
-    return DataLossError("position stream: class counts sum to " + std::to_string(sum) +
-                         ", directory says " + std::to_string(changed));
-  }
-  int shift[kMaxClasses] = {};
-  auto tables = std::make_unique_for_overwrite<RansDecodeTable[]>(spec.k);  // built where used
-  for (int c = 0; c < spec.k; ++c) {
-    if (counts[c] == 0) continue;
-    shift[c] = static_cast<int>(bits.Get(5));
-    RansTable t;
-    if (!ReadRansTable(&bits, &t)) return DataLossError("position stream: class " + std::to_string(c) + ": bad table");
-    tables[c].Build(t);
-  }
-  // Target ranks per class, ascending.
-  out->class_counts.assign(counts, counts + spec.k);
+  const sparse::RansSpan span{reinterpret_cast<const uint8_t*>(words.data()), words.size() / 2,
+                              reinterpret_cast<const uint8_t*>(raw.data()), raw.size()};
+  uint64_t counts[kMaxClasses] = {};
   out->ranks.resize(changed);
-  uint32_t* rank_out = out->ranks.data();
-  RansDecoder dec(words);
-  size_t first = 0;
-  for (int c = 0; c < spec.k; ++c) {
-    uint64_t next = 0;
-    const int r = shift[c];
-    const uint64_t low_mask = (uint64_t{1} << r) - 1;
-    const RansDecodeTable& table = tables[c];
-    const bool decoded = dec.Run(
-        first, counts[c], [&](size_t) -> const RansDecodeTable& { return table; },
-        [&](size_t, uint32_t entry) {
-          const uint32_t s = entry & 0xF;
-          uint64_t q = 0;
-          uint64_t low;
-          bool ok = true;
-          if (s != kGapEscape) {
-            const uint64_t v = bits.Get(kGapExtra[s] + r);
-            q = kGapBase[s] + (v >> r);
-            low = v & low_mask;
-          } else {
-            ok = bits.GetGamma(n, &q);
-            q += kGapBase[kGapEscape];
-            low = bits.Get(r);
-          }
-          const uint64_t gap = (q << r) | low;
-          if (!ok || q > n || next >= n || gap > n - 1 - next) return false;
-          *rank_out++ = static_cast<uint32_t>(next + gap);
-          next = next + gap + 1;
-          return true;
-        });
-    if (!decoded) {
-      return DataLossError("position stream: class " + std::to_string(c) + " gap " +
-                           std::to_string(rank_out - out->ranks.data() - static_cast<ptrdiff_t>(first)) +
+  // The same agent the device runs, with the host's slot lookup.
+  auto tables = std::make_unique_for_overwrite<sparse::SlotTables>();  // filled where used
+  const sparse::SparseResult r = sparse::DecodeSparseRanks(span, n, changed, spec.k, counts, out->ranks.data(), tables.get());
+  switch (r.code) {
+    case sparse::kSparseOk: break;
+    case sparse::kBadClassCounts:
+      if (r.cls < spec.k) {
+        return DataLossError("position stream: class " + std::to_string(r.cls) + " count exceeds the " +
+                             std::to_string(changed) + " changed elements");
+      }
+      return DataLossError("position stream: class counts sum to " + std::to_string(r.sum) + ", directory says " +
+                           std::to_string(changed));
+    case sparse::kBadTable:
+      return DataLossError("position stream: class " + std::to_string(r.cls) + ": bad table");
+    case sparse::kGapOverrun:
+      return DataLossError("position stream: class " + std::to_string(r.cls) + " gap " + std::to_string(r.at) +
                            " overruns the chunk of " + std::to_string(n) + " elements");
-    }
-    first += counts[c];
+    default: return DataLossError("position stream: truncated or corrupt");
   }
-  if (!dec.Finish() || !bits.ExactlyConsumed()) return DataLossError("position stream: truncated or corrupt");
-
   if (spec.k == 1) {
     out->pos = std::move(out->ranks);
     out->ranks.clear();
     out->class_counts.clear();
     return Status::Ok();
   }
+  out->class_counts.assign(counts, counts + spec.k);
   out->ranked = true;
   return Status::Ok();
 }

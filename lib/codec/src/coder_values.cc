@@ -62,44 +62,20 @@ Status DecodeValues(std::string_view stream, const std::vector<uint8_t>& cls, Sp
   const size_t m = out->pos.size();
   std::string_view words, raw;
   if (!SplitRansStream(stream, &words, &raw)) return DataLossError("value stream: malformed word count");
-  BitReader bits(raw);
-  uint64_t counts[kMaxClasses] = {};
-  for (size_t i = 0; i < m; ++i) ++counts[cls[i]];
-  auto tables = std::make_unique_for_overwrite<RansDecodeTable[]>(kMaxClasses);  // built where used
-  for (int c = 0; c < kMaxClasses; ++c) {
-    if (counts[c] == 0) continue;
-    RansTable t;
-    if (!ReadRansTable(&bits, &t)) return DataLossError("value stream: class " + std::to_string(c) + ": bad table");
-    tables[c].Build(t);
-  }
-  RansDecoder dec(words);
-  const uint64_t max_escape = (uint64_t{1} << (kBits<T> - 1)) - kValueBase[kValueEscape];
+  const sparse::RansSpan span{reinterpret_cast<const uint8_t*>(words.data()), words.size() / 2,
+                              reinterpret_cast<const uint8_t*>(raw.data()), raw.size()};
   out->delta.resize(m);
-  T* delta = out->delta.data();
-  size_t at = 0;  // the delta being decoded (for the error)
-  const bool decoded = dec.Run(
-      0, m, [&](size_t i) -> const RansDecodeTable& { return tables[cls[i]]; },
-      [&](size_t i, uint32_t entry) {
-        at = i;
-        const uint32_t sym = entry & 0xF;
-        uint64_t mag;
-        int neg;
-        if (sym < kValueEscape) {
-          neg = static_cast<int>(sym & 1);
-          mag = kValueBase[sym] + bits.Get(kValueExtra[sym]);
-        } else {
-          neg = static_cast<int>(bits.Get(1));
-          uint64_t extra;
-          if (sym != kValueEscape || !bits.GetGamma(max_escape, &extra)) return false;
-          mag = kValueBase[kValueEscape] + extra;
-        }
-        const T t = static_cast<T>(mag);
-        delta[i] = neg ? static_cast<T>(T{0} - t) : t;
-        return true;
-      });
-  if (!decoded) return DataLossError("value stream: delta " + std::to_string(at) + " out of range");
-  if (!dec.Finish() || !bits.ExactlyConsumed()) return DataLossError("value stream: truncated or corrupt");
-  return Status::Ok();
+  // The same agent the device runs, with the host's slot lookup.
+  auto tables = std::make_unique_for_overwrite<sparse::SlotTables>();  // filled where used
+  const uint8_t* c = cls.data();
+  const sparse::SparseResult r =
+      sparse::DecodeSparseValuesOf<T>(span, m, [c](uint64_t i) { return c[i]; }, out->delta.data(), tables.get());
+  switch (r.code) {
+    case sparse::kSparseOk: return Status::Ok();
+    case sparse::kBadTable: return DataLossError("value stream: class " + std::to_string(r.cls) + ": bad table");
+    case sparse::kDeltaRange: return DataLossError("value stream: delta " + std::to_string(r.at) + " out of range");
+    default: return DataLossError("value stream: truncated or corrupt");
+  }
 }
 
 #define WSYNC_INSTANTIATE(T) \

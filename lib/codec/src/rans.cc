@@ -133,32 +133,6 @@ RansTable ChooseRansTable(const uint32_t* counts, BitWriter* w) {
   return Scaled(freq, p);
 }
 
-bool ReadRansTable(BitReader* r, RansTable* t) {
-  const int p = static_cast<int>(r->Get(4));
-  const uint32_t mask = static_cast<uint32_t>(r->Get(kRansSymbols));
-  if (p > kRansPrecision || mask == 0) return false;
-  const uint32_t scale = 1u << p;
-  const int present = std::popcount(mask);
-  if (scale < static_cast<uint32_t>(present)) return false;
-  const int last = std::bit_width(mask) - 1;
-  uint32_t freq[kRansSymbols] = {};
-  uint32_t sum = 0;
-  int after = present - 1;  // present symbols after s
-  for (int s = 0; s < last; ++s) {
-    if (!(mask >> s & 1)) continue;
-    // At most what leaves 1 for each present symbol after it (then
-    // scale - sum >= after + 1 >= 1 at every step).
-    uint64_t v;
-    if (!r->GetGamma(scale - sum - after - 1, &v)) return false;
-    freq[s] = static_cast<uint32_t>(v) + 1;
-    sum += freq[s];
-    --after;
-  }
-  freq[last] = scale - sum;
-  *t = Scaled(freq, p);
-  return true;
-}
-
 void RansEncoder::Finish(std::string* out) {
   const size_t count = words_.size() + 4;
   ByteWriter(out).Varint(count);

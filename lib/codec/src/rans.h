@@ -1,4 +1,4 @@
-// Static-model rANS coding with a side bit stream (private). The format is
+// Static-model rANS encoding with a side bit stream (private). The format is
 // in docs/patch-format.md ("rANS streams").
 //
 // A stream codes symbols of a 16-letter alphabet, each with one of several
@@ -8,9 +8,8 @@
 // bits that refine a symbol (low bits of a gap, the tail of a magnitude) go
 // to a plain bit stream beside the rANS words and cost no coding step.
 //
-// Decoding never reads outside its input: words and bits past the end read
-// as zero and are detected at the end (Finish), where both states must be
-// back at their initial value and every word and bit consumed.
+// The decoder is written once for the host and the device:
+// wsync/codec/sparse_decode.h (BitIn, ReadTable, RansIn).
 #pragma once
 
 #include <algorithm>
@@ -127,63 +126,6 @@ class BitWriter {
   uint64_t pos_ = 0;
 };
 
-class BitReader {
- public:
-  // Copies the bits into a zero-padded buffer, so that peeks never branch.
-  explicit BitReader(std::string_view bits) : size_(bits.size()), buf_(bits.begin(), bits.end()) {
-    buf_.resize(buf_.size() + 16, 0);
-  }
-
-  // The next 57 bits (zeros past the end).
-  uint64_t Peek() const {
-    const size_t byte = std::min<size_t>(pos_ >> 3, size_ + 1);
-    uint64_t v;
-    std::memcpy(&v, buf_.data() + byte, 8);
-    return v >> (pos_ & 7);
-  }
-  // n <= 57.
-  uint64_t Get(int n) {
-    const uint64_t v = Peek() & ~(~uint64_t{0} << n);
-    pos_ += static_cast<uint64_t>(n);
-    return v;
-  }
-  uint64_t GetWide(int n) {
-    if (n <= 32) return Get(n);
-    const uint64_t low = Get(32);
-    return low | (Get(n - 32) << 32);
-  }
-  // An Elias gamma code (BitWriter::PutGamma); false when its value would
-  // exceed max.
-  bool GetGamma(uint64_t max, uint64_t* v) {
-    int k = 0;
-    for (;;) {
-      const uint64_t peek = Peek() & 0xFFFFFFFFu;
-      if (peek != 0) {
-        const int z = std::countr_zero(peek);
-        k += z;
-        pos_ += static_cast<uint64_t>(z) + 1;
-        break;
-      }
-      k += 32;
-      pos_ += 32;
-      if (k > 63 || overrun()) return false;
-    }
-    if (k > 63) return false;
-    const uint64_t u = (uint64_t{1} << k) | GetWide(k);
-    if (u - 1 > max) return false;
-    *v = u - 1;
-    return true;
-  }
-  bool overrun() const { return pos_ > uint64_t{size_} * 8; }
-  // Every bit read and nothing but the last byte's padding left.
-  bool ExactlyConsumed() const { return !overrun() && (pos_ + 7) / 8 == size_; }
-
- private:
-  uint64_t pos_ = 0;
-  size_t size_;
-  std::vector<uint8_t> buf_;
-};
-
 // ---------------------------------------------------------------- tables
 
 // What the encoder needs of a symbol: x' = x + bias + q * cmpl with
@@ -211,27 +153,9 @@ struct RansTable {
 // the one that minimizes header plus coded bits.
 RansTable ChooseRansTable(const uint32_t* counts, BitWriter* w);
 
-// Reads a table header; false if it is malformed (frequencies that do not
-// sum to 2^P with every present symbol at least 1).
-bool ReadRansTable(BitReader* r, RansTable* t);
-
 // Estimated bits of coding symbols with these counts by ChooseRansTable's
 // table, its header included (0 when every count is zero).
 double RansCostBits(const uint32_t* counts);
-
-// The decoder's view of a table: one entry per slot of [0, 2^10): symbol
-// (bits 0-3), frequency (4-14), slot - start (15-24).
-struct RansDecodeTable {
-  std::array<uint32_t, kRansScale> entry;
-  void Build(const RansTable& t) {
-    for (int s = 0; s < kRansSymbols; ++s) {
-      const uint32_t f = t.freq[s];
-      for (uint32_t j = 0; j < f; ++j) {
-        entry[t.start[s] + j] = static_cast<uint32_t>(s) | (f << 4) | (j << 15);
-      }
-    }
-  }
-};
 
 // ----------------------------------------------------------------- coder
 
@@ -323,70 +247,6 @@ class RansEncoder {
 
   uint32_t state_[2] = {kRansLow, kRansLow};
   std::vector<uint16_t> words_;
-};
-
-class RansDecoder {
- public:
-  // words: the stream's 16-bit words (the caller parsed the count).
-  explicit RansDecoder(std::string_view words)
-      : words_(words.size() / 2), buf_(words.begin(), words.end()) {
-    buf_.resize(buf_.size() + 8, 0);
-    state_[0] = (Word(0) << 16) | Word(1);
-    state_[1] = (Word(2) << 16) | Word(3);
-    next_ = 4;
-  }
-
-  // Decodes symbols first .. first + n - 1 of the stream (symbol i with
-  // state i % 2 and table table_of(i)) and hands each to f(i, entry), its
-  // RansDecodeTable entry; f returns false to stop. False if f stopped.
-  // Everything it calls is inlined (flatten): a call per symbol would keep
-  // f's state in memory.
-  template <typename TableOf, typename F>
-  __attribute__((flatten)) bool Run(size_t first, size_t n, TableOf&& table_of, F&& f) {
-    // The states in registers: `a` is state first % 2, `b` the other.
-    uint32_t a = state_[first & 1], b = state_[(first & 1) ^ 1];
-    size_t next = next_;
-    const size_t end = first + n;
-    size_t i = first;
-    bool ok = true;
-    for (; ok && i + 2 <= end; i += 2) {
-      const uint32_t ea = Step(a, table_of(i), &next);
-      const uint32_t eb = Step(b, table_of(i + 1), &next);
-      ok = f(i, ea) && f(i + 1, eb);
-    }
-    if (ok && i < end) ok = f(i, Step(a, table_of(i), &next));
-    state_[first & 1] = a;
-    state_[(first & 1) ^ 1] = b;
-    next_ = next;
-    return ok;
-  }
-
-  // Every word read and both states back where the encoder started.
-  bool Finish() const { return next_ == words_ && state_[0] == kRansLow && state_[1] == kRansLow; }
-
- private:
-  __attribute__((always_inline)) uint32_t Step(uint32_t& x, const RansDecodeTable& t, size_t* next) const {
-    const uint32_t e = t.entry[x & (kRansScale - 1)];
-    x = ((e >> 4) & 0x7FF) * (x >> kRansPrecision) + (e >> 15);
-    // Renormalize without a branch: a word is read when the state fell
-    // below 2^16 (a shift and a mask, not a select, which GCC 12 compiled
-    // to a conditional jump; see RansEncoder::Step).
-    const uint32_t low = x < kRansLow ? 1u : 0u;
-    const uint32_t w = Word(*next);
-    x = (x << (16 * low)) | (w & (0u - low));
-    *next += low;
-    return e;
-  }
-
-  uint32_t Word(size_t i) const {
-    const size_t at = std::min(i, words_) * 2;  // past the end: the zero padding
-    return uint32_t{buf_[at]} | (uint32_t{buf_[at + 1]} << 8);
-  }
-
-  size_t words_;
-  std::vector<uint8_t> buf_;
-  uint32_t state_[2] = {};
-  size_t next_ = 0;
 };
 
 }  // namespace wsync::codec::internal

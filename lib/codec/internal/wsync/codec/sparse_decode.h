@@ -1,9 +1,10 @@
 // The decoding of a sparse chunk (mode 1, docs/patch-format.md "Sparse
 // positions" and "Values") written once over plain memory, as WSYNC_HD
 // agents: the device kernels run them one chunk per thread, and the host
-// tests run the very same code on the CPU against the host codec's decoder,
-// bit for bit, on valid and corrupt streams. Nothing here allocates, reads
-// outside the bytes it is given or depends on anything but its arguments.
+// codec decodes its sparse chunks and value streams with them too. Nothing
+// here allocates, reads outside the bytes it is given or depends on anything
+// but its arguments. The one difference between the two executions is how a
+// rANS slot finds its symbol (the Tables policy below).
 //
 // A chunk is decoded in three steps, each an agent:
 //   DecodeSparseRanks: the position stream -> per-class ranks (positions
@@ -11,7 +12,8 @@
 //   (elsewhere: ranks -> positions and old values over the base's classes)
 //   MergeClassLists: the per-class positions -> ascending positions;
 //   DecodeSparseValues: the value stream -> one delta per position.
-// Each returns a SparseError; the caller names the chunk in its message.
+// Each returns a SparseResult; SparseErrorText words it, and the caller
+// names the chunk.
 #pragma once
 
 #include <cstddef>
@@ -59,6 +61,16 @@ enum SparseError : uint32_t {
   kClassOrder = 5,        // a class's positions do not ascend, or a position repeats
   kDeltaRange = 6,        // a delta's magnitude is out of range (or symbol 15)
   kCorruptValues = 7,
+};
+
+// An agent's outcome: the error, and where (the class of a count or table,
+// the change of a gap or delta, the counts' sum).
+struct SparseResult {
+  SparseError code = kSparseOk;
+  int cls = 0;
+  uint64_t at = 0;
+  uint64_t sum = 0;
+  WSYNC_HD bool ok() const { return code == kSparseOk; }
 };
 
 // Where one rANS stream's parts lie: its 16-bit words and its bit stream
@@ -127,6 +139,18 @@ class BitIn {
 
  private:
   WSYNC_HD void Refill() {
+#if !defined(__CUDA_ARCH__)
+    // The host loads the bytes that fit at once.
+    if (next_ + 8 <= size_) {
+      uint64_t v;
+      __builtin_memcpy(&v, p_ + next_, 8);
+      const int take = (64 - have_) >> 3;
+      buf_ |= (take == 8 ? v : v & ((uint64_t{1} << (8 * take)) - 1)) << have_;
+      have_ += 8 * take;
+      next_ += static_cast<uint64_t>(take);
+      return;
+    }
+#endif
     while (have_ <= 56) {
       const uint64_t b = next_ < size_ ? p_[next_] : 0;
       buf_ |= b << have_;
@@ -179,26 +203,59 @@ WSYNC_HD inline bool ReadTable(BitIn& r, Table* t) {
   return true;
 }
 
+// How a decoder finds a rANS slot's symbol, per class: an entry of the
+// symbol (bits 0-3), its frequency (4-14) and the slot's offset from the
+// symbol's start (15-24). SearchTables searches the 16 symbols (64 bytes
+// per class: the device's, a thread's tables stay in registers and L1);
+// SlotTables looks the slot up (4 KiB per class: the host's).
+struct SearchTables {
+  Table t[kMaxClasses];
+  WSYNC_HD void Set(int c, const Table& table) { t[c] = table; }
+  WSYNC_HD uint32_t Entry(int c, uint32_t slot) const {
+    const Table& tc = t[c];
+    int s = 0;
+    for (int j = 1; j < kSymbols; ++j) s = (tc.freq[j] != 0 && slot >= tc.start[j]) ? j : s;
+    return static_cast<uint32_t>(s) | (uint32_t{tc.freq[s]} << 4) | ((slot - tc.start[s]) << 15);
+  }
+};
+struct SlotTables {
+  uint32_t entry[kMaxClasses][kScale];
+  WSYNC_HD void Set(int c, const Table& t) {
+    for (int s = 0; s < kSymbols; ++s) {
+      for (uint32_t j = 0; j < t.freq[s]; ++j) {
+        entry[c][t.start[s] + j] = static_cast<uint32_t>(s) | (uint32_t{t.freq[s]} << 4) | (j << 15);
+      }
+    }
+  }
+  WSYNC_HD uint32_t Entry(int c, uint32_t slot) const { return entry[c][slot]; }
+};
+
 // Two interleaved static rANS states: symbol i of the stream uses state
 // i % 2, and a state that falls below 2^16 reads the next word.
 class RansIn {
  public:
   WSYNC_HD explicit RansIn(const RansSpan& s) : w_(s.words), count_(s.word_count) {
-    x_[0] = (Word(0) << 16) | Word(1);
-    x_[1] = (Word(2) << 16) | Word(3);
+    x0_ = (Word(0) << 16) | Word(1);
+    x1_ = (Word(2) << 16) | Word(3);
   }
-  // Decodes symbol i of the stream with table t.
-  WSYNC_HD int Next(uint64_t i, const Table& t) {
-    uint32_t& x = x_[i & 1];
-    const uint32_t slot = x & (kScale - 1);
-    int s = 0;
-    for (int j = 1; j < kSymbols; ++j) s = (t.freq[j] != 0 && slot >= t.start[j]) ? j : s;
-    x = t.freq[s] * (x >> kPrecision) + slot - t.start[s];
+  // Decodes symbol i of the stream with class c's table. The states are two
+  // members, not an array indexed by i % 2, so that they stay in registers.
+  template <typename Tables>
+  WSYNC_HD int Next(uint64_t i, const Tables& tables, int c) {
+    const bool odd = (i & 1) != 0;
+    uint32_t x = odd ? x1_ : x0_;
+    const uint32_t e = tables.Entry(c, x & (kScale - 1));
+    x = ((e >> 4) & 0x7FF) * (x >> kPrecision) + (e >> 15);
     if (x < kLow) x = (x << 16) | Word(next_++);
-    return s;
+    if (odd) {
+      x1_ = x;
+    } else {
+      x0_ = x;
+    }
+    return static_cast<int>(e & 0xF);
   }
   // Every word read and both states back at the encoder's start.
-  WSYNC_HD bool Finished() const { return next_ == count_ && x_[0] == kLow && x_[1] == kLow; }
+  WSYNC_HD bool Finished() const { return next_ == count_ && x0_ == kLow && x1_ == kLow; }
 
  private:
   WSYNC_HD uint32_t Word(uint64_t i) const {
@@ -207,28 +264,30 @@ class RansIn {
   const uint8_t* w_;
   uint64_t count_;
   uint64_t next_ = 4;
-  uint32_t x_[2];
+  uint32_t x0_, x1_;
 };
 
 // The ranks of a sparse chunk of n elements with `changed` changes and k
 // classes: counts[c] (k entries), then ranks[] (changed entries) class after
 // class, each class's ranks ascending. With k == 1 the ranks are the
 // positions. `pos` is the position stream after its class header.
-WSYNC_HD inline SparseError DecodeSparseRanks(const RansSpan& pos, uint64_t n, uint64_t changed, int k,
-                                              uint64_t* counts, uint32_t* ranks) {
+template <typename Tables = SearchTables>
+WSYNC_HD inline SparseResult DecodeSparseRanks(const RansSpan& pos, uint64_t n, uint64_t changed, int k,
+                                               uint64_t* counts, uint32_t* ranks, Tables* tables) {
   BitIn bits(pos.bits, pos.bit_bytes);
   uint64_t sum = 0;
   for (int c = 0; c < k; ++c) {
-    if (!bits.GetGamma(changed - sum, &counts[c])) return kBadClassCounts;
+    if (!bits.GetGamma(changed - sum, &counts[c])) return {kBadClassCounts, c, 0, sum};
     sum += counts[c];
   }
-  if (sum != changed) return kBadClassCounts;
+  if (sum != changed) return {kBadClassCounts, k, 0, sum};
   int shift[kMaxClasses] = {};
-  Table tables[kMaxClasses];
   for (int c = 0; c < k; ++c) {
     if (counts[c] == 0) continue;
     shift[c] = static_cast<int>(bits.Get(5));
-    if (!ReadTable(bits, &tables[c])) return kBadTable;
+    Table t;
+    if (!ReadTable(bits, &t)) return {kBadTable, c, 0, 0};
+    tables->Set(c, t);
   }
   RansIn rans(pos);
   uint64_t i = 0;
@@ -237,32 +296,32 @@ WSYNC_HD inline SparseError DecodeSparseRanks(const RansSpan& pos, uint64_t n, u
     const uint64_t low_mask = (uint64_t{1} << r) - 1;
     uint64_t next = 0;
     for (uint64_t j = 0; j < counts[c]; ++j, ++i) {
-      const int s = rans.Next(i, tables[c]);
+      const int s = rans.Next(i, *tables, c);
       uint64_t q, low;
       if (s != kGapEscape) {
         const uint64_t v = bits.Get(GapExtra(s) + r);
         q = GapBase(s) + (v >> r);
         low = v & low_mask;
       } else {
-        if (!bits.GetGamma(n, &q)) return kGapOverrun;
+        if (!bits.GetGamma(n, &q)) return {kGapOverrun, c, j, 0};
         q += GapBase(kGapEscape);
         low = bits.Get(r);
       }
       const uint64_t gap = (q << r) | low;
-      if (q > n || next >= n || gap > n - 1 - next) return kGapOverrun;
+      if (q > n || next >= n || gap > n - 1 - next) return {kGapOverrun, c, j, 0};
       ranks[i] = static_cast<uint32_t>(next + gap);
       next += gap + 1;
     }
   }
-  if (!rans.Finished() || !bits.ExactlyConsumed()) return kCorruptPositions;
-  return kSparseOk;
+  if (!rans.Finished() || !bits.ExactlyConsumed()) return {kCorruptPositions, 0, 0, 0};
+  return {};
 }
 
 // Merges the k per-class position lists (class after class, `counts`, each
 // ascending, with their old values) into ascending positions and old values.
 template <typename T>
-WSYNC_HD inline SparseError MergeClassLists(const uint32_t* pos_by_class, const T* old_by_class,
-                                            const uint64_t* counts, int k, uint32_t* pos, T* old) {
+WSYNC_HD inline SparseResult MergeClassLists(const uint32_t* pos_by_class, const T* old_by_class,
+                                             const uint64_t* counts, int k, uint32_t* pos, T* old) {
   uint64_t at[kMaxClasses], end[kMaxClasses];
   uint64_t m = 0;
   for (int c = 0; c < k; ++c) {
@@ -276,36 +335,33 @@ WSYNC_HD inline SparseError MergeClassLists(const uint32_t* pos_by_class, const 
       if (at[c] < end[c] && (best < 0 || pos_by_class[at[c]] < pos_by_class[at[best]])) best = c;
     }
     const uint64_t from = at[best]++;
-    if (at[best] < end[best] && pos_by_class[at[best]] <= pos_by_class[from]) return kClassOrder;
+    if (at[best] < end[best] && pos_by_class[at[best]] <= pos_by_class[from]) return {kClassOrder, best, j, 0};
     pos[j] = pos_by_class[from];
-    if (j > 0 && pos[j] == pos[j - 1]) return kClassOrder;
+    if (j > 0 && pos[j] == pos[j - 1]) return {kClassOrder, best, j, 0};
     old[j] = old_by_class[from];
   }
-  return kSparseOk;
+  return {};
 }
 
-// The m deltas of a chunk whose changes have these old values (their
-// classes under spec; null when spec.k == 1: every change is class 0).
-template <typename T>
-WSYNC_HD inline SparseError DecodeSparseValues(const RansSpan& val, uint64_t m, const ClassSpec& spec, const T* old,
-                                               T* delta) {
+// The m deltas of a chunk whose changes are of classes cls(i) (0 when
+// the chunk has one class).
+template <typename T, typename Tables = SearchTables, typename ClassOf>
+WSYNC_HD inline SparseResult DecodeSparseValuesOf(const RansSpan& val, uint64_t m, ClassOf&& cls, T* delta,
+                                                  Tables* tables) {
   constexpr int kBits = static_cast<int>(sizeof(T) * 8);
-  const bool conditioned = spec.k > 1 && old != nullptr;
   uint64_t counts[kMaxClasses] = {};
-  if (conditioned) {
-    for (uint64_t i = 0; i < m; ++i) ++counts[spec.ClassOf(old[i])];
-  } else {
-    counts[0] = m;
-  }
+  for (uint64_t i = 0; i < m; ++i) ++counts[cls(i)];
   BitIn bits(val.bits, val.bit_bytes);
-  Table tables[kMaxClasses];
   for (int c = 0; c < kMaxClasses; ++c) {
-    if (counts[c] != 0 && !ReadTable(bits, &tables[c])) return kBadTable;
+    if (counts[c] == 0) continue;
+    Table t;
+    if (!ReadTable(bits, &t)) return {kBadTable, c, 0, 0};
+    tables->Set(c, t);
   }
   const uint64_t max_escape = (uint64_t{1} << (kBits - 1)) - ValueBase(kValueEscape);
   RansIn rans(val);
   for (uint64_t i = 0; i < m; ++i) {
-    const int s = rans.Next(i, tables[conditioned ? spec.ClassOf(old[i]) : 0]);
+    const int s = rans.Next(i, *tables, cls(i));
     uint64_t mag;
     uint64_t neg;
     if (s < kValueEscape) {
@@ -314,14 +370,25 @@ WSYNC_HD inline SparseError DecodeSparseValues(const RansSpan& val, uint64_t m, 
     } else {
       neg = bits.Get(1);
       uint64_t extra;
-      if (s != kValueEscape || !bits.GetGamma(max_escape, &extra)) return kDeltaRange;
+      if (s != kValueEscape || !bits.GetGamma(max_escape, &extra)) return {kDeltaRange, 0, i, 0};
       mag = ValueBase(kValueEscape) + extra;
     }
     const T t = static_cast<T>(mag);
     delta[i] = neg ? static_cast<T>(T{0} - t) : t;
   }
-  if (!rans.Finished() || !bits.ExactlyConsumed()) return kCorruptValues;
-  return kSparseOk;
+  if (!rans.Finished() || !bits.ExactlyConsumed()) return {kCorruptValues, 0, 0, 0};
+  return {};
+}
+
+// The same with the classes of the changes' old values under spec (null
+// when spec.k == 1).
+template <typename T, typename Tables = SearchTables>
+WSYNC_HD inline SparseResult DecodeSparseValues(const RansSpan& val, uint64_t m, const ClassSpec& spec, const T* old,
+                                                T* delta, Tables* tables) {
+  if (spec.k > 1 && old != nullptr) {
+    return DecodeSparseValuesOf<T>(val, m, [&](uint64_t i) { return spec.ClassOf(old[i]); }, delta, tables);
+  }
+  return DecodeSparseValuesOf<T>(val, m, [](uint64_t) { return 0; }, delta, tables);
 }
 
 // What an error says, for messages ("position stream: ...").

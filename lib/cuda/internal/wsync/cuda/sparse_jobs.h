@@ -34,8 +34,10 @@ struct SparseJob {
 WSYNC_HD inline uint32_t SparseRanksJob(const SparseJob& job, const uint8_t* patch, uint32_t* rank, uint8_t* cls,
                                         uint32_t* chunk, uint64_t* counts) {
   const codec::sparse::RansSpan pos{patch + job.pos_words, job.pos_word_count, patch + job.pos_bits, job.pos_bit_bytes};
-  const auto e = codec::sparse::DecodeSparseRanks(pos, job.elements, job.changed, job.spec.k, counts, rank + job.entry);
-  if (e != codec::sparse::kSparseOk) return e;
+  codec::sparse::SearchTables tables;
+  const auto e =
+      codec::sparse::DecodeSparseRanks(pos, job.elements, job.changed, job.spec.k, counts, rank + job.entry, &tables);
+  if (!e.ok()) return e.code;
   uint64_t at = job.entry;
   for (int k = 0; k < job.spec.k; ++k) {
     for (uint64_t i = 0; i < counts[k]; ++i, ++at) {
@@ -56,14 +58,15 @@ WSYNC_HD inline uint32_t SparseValuesJobOf(const SparseJob& job, const uint8_t* 
     T* merged = reinterpret_cast<T*>(mold + job.byte);
     const auto e = codec::sparse::MergeClassLists<T>(pos + job.entry, reinterpret_cast<const T*>(old + job.byte),
                                                      counts, job.spec.k, mpos + job.entry, merged);
-    if (e != codec::sparse::kSparseOk) return e;
+    if (!e.ok()) return e.code;
     positions = mpos + job.entry;
     olds = merged;
   }
   const codec::sparse::RansSpan val{patch + job.val_words, job.val_word_count, patch + job.val_bits, job.val_bit_bytes};
-  const auto e =
-      codec::sparse::DecodeSparseValues<T>(val, job.changed, job.spec, olds, reinterpret_cast<T*>(delta + job.byte));
-  if (e != codec::sparse::kSparseOk) return e;
+  codec::sparse::SearchTables tables;
+  const auto e = codec::sparse::DecodeSparseValues<T>(val, job.changed, job.spec, olds,
+                                                      reinterpret_cast<T*>(delta + job.byte), &tables);
+  if (!e.ok()) return e.code;
   for (uint64_t i = 0; i < job.changed; ++i) index[job.entry + i] = job.first_element + positions[i];
   return codec::sparse::kSparseOk;
 }
