@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <filesystem>
 #include <random>
 #include <string>
 #include <vector>
@@ -99,6 +100,18 @@ inline bool SameBits(const std::vector<OwnedTensor>& a, const std::vector<OwnedT
     if (a[i].name != b[i].name || a[i].bytes != b[i].bytes) return false;
   }
   return true;
+}
+
+// The safetensors snapshots of a directory, sorted by name (none if it
+// does not exist).
+inline std::vector<std::filesystem::path> SnapshotFiles(const std::filesystem::path& dir) {
+  std::vector<std::filesystem::path> files;
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator(dir, ec)) {
+    if (e.path().extension() == ".safetensors") files.push_back(e.path());
+  }
+  std::sort(files.begin(), files.end());
+  return files;
 }
 
 }  // namespace wsync::testing

@@ -100,13 +100,7 @@ TEST_F(DeviceCodecTest, RandomSetsOfEveryWidthAndDensity) {
 TEST_F(DeviceCodecTest, RealSnapshotsGiveTheHostBytes) {
   const char* env = std::getenv("WSYNC_DATA_DIR");
   const std::filesystem::path dir = env != nullptr ? env : WSYNC_SHARED_DATA_DIR "/rl-small-lr1e-6";
-  std::vector<std::filesystem::path> files;
-  if (std::filesystem::is_directory(dir)) {
-    for (const auto& e : std::filesystem::directory_iterator(dir)) {
-      if (e.path().extension() == ".safetensors") files.push_back(e.path());
-    }
-  }
-  std::sort(files.begin(), files.end());
+  const auto files = testing::SnapshotFiles(dir);
   if (files.size() < 2) GTEST_SKIP() << "no snapshots in " << dir;
   for (size_t i = 0; i + 1 < files.size(); ++i) {
     auto a = buffers::SafetensorsFile::Open(files[i].string());

@@ -348,13 +348,7 @@ INSTANTIATE_TEST_SUITE_P(
 // in other modes and decode on the host beside them.
 void CheckRealSnapshots(const std::string& run, bool all_sparse) {
   const std::filesystem::path dir = std::string(WSYNC_SHARED_DATA_DIR) + "/" + run;
-  std::vector<std::filesystem::path> files;
-  if (std::filesystem::is_directory(dir)) {
-    for (const auto& e : std::filesystem::directory_iterator(dir)) {
-      if (e.path().extension() == ".safetensors") files.push_back(e.path());
-    }
-  }
-  std::sort(files.begin(), files.end());
+  const auto files = testing::SnapshotFiles(dir);
   if (files.size() < 2) GTEST_SKIP() << "no snapshots in " << dir;
   for (size_t i = 0; i + 1 < files.size(); ++i) {
     auto a = buffers::SafetensorsFile::Open(files[i].string());

@@ -326,10 +326,7 @@ void ScatterAdd(T* x, const SparseDelta<T>& d, bool undo) {
    template Status DecodeChunk<T>(ChunkMode, uint64_t, std::string_view, std::string_view, const T*, size_t, ExponentField, SparseDelta<T>*); \
    template void ScatterAdd<T>(T*, const SparseDelta<T>&, bool);
 
-WSYNC_INSTANTIATE(uint8_t)
-WSYNC_INSTANTIATE(uint16_t)
-WSYNC_INSTANTIATE(uint32_t)
-WSYNC_INSTANTIATE(uint64_t)
+WSYNC_FOR_EACH_WIDTH(WSYNC_INSTANTIATE)
 #undef WSYNC_INSTANTIATE
 
 }  // namespace wsync::codec::internal

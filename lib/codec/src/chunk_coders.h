@@ -22,6 +22,10 @@ namespace wsync::codec::internal {
 template <typename T>
 constexpr int kBits = static_cast<int>(sizeof(T) * 8);
 
+// Applies M to every element type the coders are instantiated for (one per
+// width).
+#define WSYNC_FOR_EACH_WIDTH(M) M(uint8_t) M(uint16_t) M(uint32_t) M(uint64_t)
+
 // A stream ready for its rANS pass: the tables its symbols code with and
 // the bits that follow the rANS words (the symbols are the caller's).
 struct PendingStream {

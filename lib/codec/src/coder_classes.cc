@@ -207,10 +207,7 @@ ClassSpec ChooseClasses(size_t n, const uint32_t* sample_hist, const SparseDelta
 #define WSYNC_INSTANTIATE(T) \
   template ClassSpec ChooseClasses<T>(size_t, const uint32_t*, const SparseDelta<T>&, const T*, const ChunkCodecOptions&);
 
-WSYNC_INSTANTIATE(uint8_t)
-WSYNC_INSTANTIATE(uint16_t)
-WSYNC_INSTANTIATE(uint32_t)
-WSYNC_INSTANTIATE(uint64_t)
+WSYNC_FOR_EACH_WIDTH(WSYNC_INSTANTIATE)
 #undef WSYNC_INSTANTIATE
 
 }  // namespace wsync::codec::internal

@@ -79,10 +79,7 @@ Status DecodeKeyframeChunk(std::string_view stream, size_t n, T* out) {
   template void EncodeKeyframeChunk<T>(const T*, size_t, int, std::string*); \
   template Status DecodeKeyframeChunk<T>(std::string_view, size_t, T*);
 
-WSYNC_INSTANTIATE(uint8_t)
-WSYNC_INSTANTIATE(uint16_t)
-WSYNC_INSTANTIATE(uint32_t)
-WSYNC_INSTANTIATE(uint64_t)
+WSYNC_FOR_EACH_WIDTH(WSYNC_INSTANTIATE)
 #undef WSYNC_INSTANTIATE
 
 }  // namespace wsync::codec::internal

@@ -348,10 +348,7 @@ Status LocateSparseStreams(std::string_view pos, std::string_view val, ExponentF
   template Status ResolveRanks<T>(const T*, size_t, ChunkPositions*); \
   template void RanksByClass<T>(const T*, size_t, const std::vector<uint32_t>&, const ClassSpec&, std::vector<uint32_t>*);
 
-WSYNC_INSTANTIATE(uint8_t)
-WSYNC_INSTANTIATE(uint16_t)
-WSYNC_INSTANTIATE(uint32_t)
-WSYNC_INSTANTIATE(uint64_t)
+WSYNC_FOR_EACH_WIDTH(WSYNC_INSTANTIATE)
 #undef WSYNC_INSTANTIATE
 
 }  // namespace wsync::codec::internal

@@ -82,10 +82,7 @@ Status DecodeValues(std::string_view stream, const std::vector<uint8_t>& cls, Sp
   template void PrepareValues<T>(const SparseDelta<T>&, const std::vector<uint8_t>&, CoderScratch*); \
   template Status DecodeValues<T>(std::string_view, const std::vector<uint8_t>&, SparseDelta<T>*);
 
-WSYNC_INSTANTIATE(uint8_t)
-WSYNC_INSTANTIATE(uint16_t)
-WSYNC_INSTANTIATE(uint32_t)
-WSYNC_INSTANTIATE(uint64_t)
+WSYNC_FOR_EACH_WIDTH(WSYNC_INSTANTIATE)
 #undef WSYNC_INSTANTIATE
 
 }  // namespace wsync::codec::internal
