@@ -114,4 +114,23 @@ inline std::vector<std::filesystem::path> SnapshotFiles(const std::filesystem::p
   return files;
 }
 
+// Calls f(base, target, name of the base's file) for each consecutive pair
+// of snapshots in dir; false when it holds fewer than two. A file that does
+// not open is an error message (and the pair is skipped).
+template <typename F>
+bool ForEachSnapshotPair(const std::filesystem::path& dir, F&& f, std::string* error) {
+  const auto files = SnapshotFiles(dir);
+  if (files.size() < 2) return false;
+  for (size_t i = 0; i + 1 < files.size(); ++i) {
+    auto a = buffers::SafetensorsFile::Open(files[i].string());
+    auto b = buffers::SafetensorsFile::Open(files[i + 1].string());
+    if (!a.ok() || !b.ok()) {
+      *error += (a.ok() ? b.status() : a.status()).ToString() + "\n";
+      continue;
+    }
+    f(buffers::CopyTensors((*a)->tensors()), buffers::CopyTensors((*b)->tensors()), files[i].filename().string());
+  }
+  return true;
+}
+
 }  // namespace wsync::testing

@@ -348,24 +348,24 @@ INSTANTIATE_TEST_SUITE_P(
 // in other modes and decode on the host beside them.
 void CheckRealSnapshots(const std::string& run, bool all_sparse) {
   const std::filesystem::path dir = std::string(WSYNC_SHARED_DATA_DIR) + "/" + run;
-  const auto files = testing::SnapshotFiles(dir);
-  if (files.size() < 2) GTEST_SKIP() << "no snapshots in " << dir;
-  for (size_t i = 0; i + 1 < files.size(); ++i) {
-    auto a = buffers::SafetensorsFile::Open(files[i].string());
-    auto b = buffers::SafetensorsFile::Open(files[i + 1].string());
-    ASSERT_TRUE(a.ok() && b.ok());
-    const auto base = buffers::CopyTensors((*a)->tensors()), target = buffers::CopyTensors((*b)->tensors());
-    auto patch = codec::EncodePatch(buffers::Views(base), buffers::Views(target), {});
-    ASSERT_TRUE(patch.ok());
-    auto out = base;
-    auto path = ApplySparseLikeTheDevice<uint16_t>(*patch, &out);
-    ASSERT_TRUE(path.ok()) << path.status().ToString();
-    ASSERT_TRUE(path->taken) << files[i].filename();
-    if (all_sparse) {
-      EXPECT_EQ(path->host_chunks, 0u) << files[i].filename() << ": a chunk in another mode than sparse";
-    }
-    EXPECT_TRUE(testing::SameBits(out, target)) << files[i].filename();
-  }
+  std::string error;
+  const bool found = testing::ForEachSnapshotPair(
+      dir,
+      [&](const std::vector<OwnedTensor>& base, const std::vector<OwnedTensor>& target, const std::string& name) {
+        auto patch = codec::EncodePatch(buffers::Views(base), buffers::Views(target), {});
+        ASSERT_TRUE(patch.ok());
+        auto out = base;
+        auto path = ApplySparseLikeTheDevice<uint16_t>(*patch, &out);
+        ASSERT_TRUE(path.ok()) << path.status().ToString();
+        ASSERT_TRUE(path->taken) << name;
+        if (all_sparse) {
+          EXPECT_EQ(path->host_chunks, 0u) << name << ": a chunk in another mode than sparse";
+        }
+        EXPECT_TRUE(testing::SameBits(out, target)) << name;
+      },
+      &error);
+  EXPECT_EQ(error, "");
+  if (!found) GTEST_SKIP() << "no snapshots in " << dir;
 }
 
 TEST(HostSparsePath, RealSnapshotsTakeTheDevicePathToTheTargetBits) {
