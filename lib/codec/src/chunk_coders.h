@@ -126,8 +126,9 @@ __attribute__((always_inline)) inline ValueSymbol ValueSymbolOf(T delta) {
 // with its class's table) and the bits that refine the rarer, larger ones.
 template <typename T>
 void PrepareValues(const SparseDelta<T>& d, const std::vector<uint8_t>& cls, CoderScratch* scratch);
-// Splits a rANS stream into its words and its bits.
-bool SplitRansStream(std::string_view stream, std::string_view* words, std::string_view* bits);
+// Where a rANS stream's words and bits lie (its word count parsed); false
+// for a malformed count.
+bool RansSpanOf(std::string_view stream, sparse::RansSpan* span);
 // Decodes the deltas of out->pos.size() changes of these classes.
 template <typename T>
 Status DecodeValues(std::string_view stream, const std::vector<uint8_t>& cls, SparseDelta<T>* out);

@@ -242,10 +242,8 @@ void PreparePositions(const ClassRanks& ranks, const ClassSpec& spec, CoderScrat
 // them alone when k == 1, else from the base (ResolveRanks).
 Status DecodeSparseRanks(std::string_view coded, size_t n, uint64_t changed, ChunkPositions* out) {
   const ClassSpec& spec = out->spec;
-  std::string_view words, raw;
-  if (!SplitRansStream(coded, &words, &raw)) return DataLossError("position stream: malformed word count");
-  const sparse::RansSpan span{reinterpret_cast<const uint8_t*>(words.data()), words.size() / 2,
-                              reinterpret_cast<const uint8_t*>(raw.data()), raw.size()};
+  sparse::RansSpan span;
+  if (!RansSpanOf(coded, &span)) return DataLossError("position stream: malformed word count");
   uint64_t counts[kMaxClasses] = {};
   out->ranks.resize(changed);
   // The same agent the device runs, with the host's slot lookup.
@@ -332,15 +330,8 @@ Status LocateSparseStreams(std::string_view pos, std::string_view val, ExponentF
   ByteReader r(pos, "position stream");
   std::string_view coded;
   if (!ReadClassHeader(pos, exponent, &out->spec, &coded, &r)) return r.status();
-  auto span = [](std::string_view stream, sparse::RansSpan* s) {
-    std::string_view words, bits;
-    if (!SplitRansStream(stream, &words, &bits)) return false;
-    *s = {reinterpret_cast<const uint8_t*>(words.data()), words.size() / 2,
-          reinterpret_cast<const uint8_t*>(bits.data()), bits.size()};
-    return true;
-  };
-  if (!span(coded, &out->pos)) return DataLossError("position stream: malformed word count");
-  if (!span(val, &out->val)) return DataLossError("value stream: malformed word count");
+  if (!RansSpanOf(coded, &out->pos)) return DataLossError("position stream: malformed word count");
+  if (!RansSpanOf(val, &out->val)) return DataLossError("value stream: malformed word count");
   return Status::Ok();
 }
 

@@ -46,24 +46,23 @@ void PrepareValues(const SparseDelta<T>& d, const std::vector<uint8_t>& cls, Cod
   }
 }
 
-bool SplitRansStream(std::string_view stream, std::string_view* words, std::string_view* bits) {
+bool RansSpanOf(std::string_view stream, sparse::RansSpan* span) {
   ByteReader r(stream, "rANS stream");
   uint64_t count = 0;
   if (!r.Varint(&count, "word count") || count < 4 || count > stream.size() / 2) return false;
-  std::string_view w;
-  if (!r.Bytes(static_cast<size_t>(count) * 2, &w, "words")) return false;
-  *words = w;
-  *bits = stream.substr(r.position());
+  std::string_view words;
+  if (!r.Bytes(static_cast<size_t>(count) * 2, &words, "words")) return false;
+  const std::string_view bits = stream.substr(r.position());
+  *span = {reinterpret_cast<const uint8_t*>(words.data()), count, reinterpret_cast<const uint8_t*>(bits.data()),
+           bits.size()};
   return true;
 }
 
 template <typename T>
 Status DecodeValues(std::string_view stream, const std::vector<uint8_t>& cls, SparseDelta<T>* out) {
   const size_t m = out->pos.size();
-  std::string_view words, raw;
-  if (!SplitRansStream(stream, &words, &raw)) return DataLossError("value stream: malformed word count");
-  const sparse::RansSpan span{reinterpret_cast<const uint8_t*>(words.data()), words.size() / 2,
-                              reinterpret_cast<const uint8_t*>(raw.data()), raw.size()};
+  sparse::RansSpan span;
+  if (!RansSpanOf(stream, &span)) return DataLossError("value stream: malformed word count");
   out->delta.resize(m);
   // The same agent the device runs, with the host's slot lookup.
   auto tables = std::make_unique_for_overwrite<sparse::SlotTables>();  // filled where used
