@@ -256,7 +256,7 @@ struct DeviceCodec::Impl {
   int device = 0;
   cudaStream_t compute = nullptr;
   cudaStream_t copy = nullptr;
-  Scratch scratch;       // encode: a batch's first pass; apply: the rank and gather entries
+  Scratch scratch;       // encode: a batch's first pass; apply: the entries (on the device's decoding, all of it)
   Scratch changes;       // encode: a batch's compact changes; apply: the scatter lists
   Scratch rank_mem;      // class counts and their scan, one tensor at a time
   Scratch digest_mem;    // digests
@@ -409,6 +409,10 @@ struct DeviceCodec::Impl {
                        const std::vector<size_t>& match, const codec::ApplyOptions& options);
   StatusOr<bool> HoldsBase(const codec::staged::PatchReader& r, std::span<const MutableTensorView> dst,
                            const std::vector<size_t>& match);
+  // What a failed apply reports: FailedPrecondition when the destination
+  // does not hold the patch's base (then that is why it failed), else error.
+  Status Failure(const codec::staged::PatchReader& r, std::span<const MutableTensorView> dst,
+                 const std::vector<size_t>& match, Status error);
 };
 
 Status DeviceCodec::Impl::CompactBatch(const codec::staged::PatchWriter& writer, std::span<const TensorView> base,
@@ -592,13 +596,6 @@ std::vector<TensorView> ConstViews(std::span<const MutableTensorView> v) {
   return out;
 }
 
-// Chunk ids of the writer per tensor.
-std::vector<std::vector<size_t>> ChunksByTensor(const std::vector<Chunk>& chunks, size_t tensors) {
-  std::vector<std::vector<size_t>> out(tensors);
-  for (size_t i = 0; i < chunks.size(); ++i) out[chunks[i].tensor].push_back(i);
-  return out;
-}
-
 }  // namespace
 
 StatusOr<std::string> DeviceCodec::EncodePatch(std::span<const TensorView> base, std::span<const TensorView> target,
@@ -751,6 +748,12 @@ Status WrongBase(const codec::staged::PatchReader& r) {
 
 }  // namespace
 
+Status DeviceCodec::Impl::Failure(const codec::staged::PatchReader& r, std::span<const MutableTensorView> dst,
+                                  const std::vector<size_t>& match, Status error) {
+  WSYNC_ASSIGN_OR_RETURN(bool holds, HoldsBase(r, dst, match));
+  return holds ? error : WrongBase(r);
+}
+
 Status DeviceCodec::Impl::ApplyKeyframe(const codec::staged::PatchReader& r, std::span<const MutableTensorView> dst,
                                         const std::vector<size_t>& match, const codec::ApplyOptions& options) {
   // Decode and verify everything on the host before the first byte is
@@ -794,11 +797,10 @@ Status DeviceCodec::Impl::ScatterAndVerify(const codec::staged::PatchReader& r,
     if ((*sums)[t] == r.target_checksum(t)) continue;
     WSYNC_RETURN_IF_ERROR(scatter(true));
     WSYNC_RETURN_IF_ERROR(Check(cudaStreamSynchronize(compute), "undo"));
-    WSYNC_ASSIGN_OR_RETURN(bool holds, HoldsBase(r, dst, match));
-    if (!holds) return WrongBase(r);
-    return DataLossError("tensor " + Quoted(r.tensor_name(t)) +
-                         ": result does not match the patch's checksum (the patch is corrupted); "
-                         "change undone, destination unchanged");
+    return Failure(r, dst, match,
+                   DataLossError("tensor " + Quoted(r.tensor_name(t)) +
+                                 ": result does not match the patch's checksum (the patch is corrupted); "
+                                 "change undone, destination unchanged"));
   }
   return Status::Ok();
 }
@@ -822,11 +824,7 @@ StatusOr<bool> DeviceCodec::Impl::ApplySparse(std::string_view patch, const code
     ParallelFor(options.pool, hdec.size(),
                 [&](size_t k) { error.Record(p.host_chunks[k], r.DecodePositions(p.host_chunks[k], &hdec[k])); });
   }
-  if (error.failed()) {
-    WSYNC_ASSIGN_OR_RETURN(bool holds, HoldsBase(r, dst, match));
-    if (!holds) return WrongBase(r);
-    return error.status();
-  }
+  if (error.failed()) return Failure(r, dst, match, error.status());
   // Per tensor, the host chunks' scatter list (page-locked, then on the
   // device) and the indices of the old values they need.
   struct HostList {
@@ -988,11 +986,7 @@ StatusOr<bool> DeviceCodec::Impl::ApplySparse(std::string_view patch, const code
     WSYNC_RETURN_IF_ERROR(check_errors("sparse values"));
   }
   EndPhase("decode");
-  if (error.failed()) {
-    WSYNC_ASSIGN_OR_RETURN(bool holds, HoldsBase(r, dst, match));
-    if (!holds) return WrongBase(r);
-    return error.status();
-  }
+  if (error.failed()) return Failure(r, dst, match, error.status());
   auto scatter = [&](bool undo) -> Status {
     for (size_t t = 0; t < match.size(); ++t) {
       const SparsePlan::Tensor& tp = p.tensors[t];
@@ -1179,11 +1173,7 @@ Status DeviceCodec::Impl::ApplyDelta(const codec::staged::PatchReader& r, std::s
     });
   }
   EndPhase("values");
-  if (error.failed()) {
-    WSYNC_ASSIGN_OR_RETURN(bool holds, HoldsBase(r, dst, match));
-    if (!holds) return WrongBase(r);
-    return error.status();
-  }
+  if (error.failed()) return Failure(r, dst, match, error.status());
 
   // Scatter every tensor, then verify every tensor; undo all on a mismatch.
   struct List {

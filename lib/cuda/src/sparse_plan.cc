@@ -11,11 +11,16 @@ size_t SparsePlan::JobOfEntry(size_t t, uint64_t entry) const {
   return static_cast<size_t>(it - jobs.begin()) - 1;
 }
 
+std::vector<std::vector<size_t>> ChunksByTensor(const std::vector<codec::staged::Chunk>& chunks, size_t tensors) {
+  std::vector<std::vector<size_t>> out(tensors);
+  for (size_t i = 0; i < chunks.size(); ++i) out[chunks[i].tensor].push_back(i);
+  return out;
+}
+
 void PlanSparse(std::string_view patch, const codec::staged::PatchReader& r, std::span<const size_t> widths,
                 SparsePlan* plan, FirstError* error) {
   const auto& chunks = r.chunks();
-  std::vector<std::vector<size_t>> by_tensor(widths.size());
-  for (size_t i = 0; i < chunks.size(); ++i) by_tensor[chunks[i].tensor].push_back(i);
+  const auto by_tensor = ChunksByTensor(chunks, widths.size());
   const auto* bytes = reinterpret_cast<const uint8_t*>(patch.data());
   auto offset = [&](const uint8_t* p) { return static_cast<uint64_t>(p - bytes); };
   *plan = SparsePlan{};

@@ -35,6 +35,9 @@ struct SparsePlan {
   size_t JobOfEntry(size_t t, uint64_t entry) const;
 };
 
+// The indices of a patch's (or writer's) chunks per tensor, in chunk order.
+std::vector<std::vector<size_t>> ChunksByTensor(const std::vector<codec::staged::Chunk>& chunks, size_t tensors);
+
 // Plans every chunk of a patch (widths: the element width of each of its
 // tensors): a job per sparse-coded chunk, the others in host_chunks. A
 // malformed chunk is recorded in *error under its index, as
