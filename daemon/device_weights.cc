@@ -144,11 +144,12 @@ VersionHistory::NewVersion DeviceSource::Next(std::span<const codec::TensorView>
   return next;
 }
 
-StatusOr<uint64_t> TensorsSetChecksum(const buffers::MappedTensors& tensors, ThreadPool* pool) {
+StatusOr<uint64_t> TensorsSetChecksum(const buffers::MappedTensors& tensors, std::span<const codec::TileGrid> grids,
+                                      ThreadPool* pool) {
   const auto views = tensors.Views();
-  if (!tensors.on_device()) return codec::SetChecksum(views, pool);
+  if (!tensors.on_device()) return codec::SetChecksum(views, grids, pool);
   WSYNC_ASSIGN_OR_RETURN(auto dc, cuda::DeviceCodec::Create(tensors.device()));
-  return DeviceSetChecksum(*dc, views);
+  return DeviceSetChecksum(*dc, views, grids);
 }
 
 }  // namespace wsync::daemon

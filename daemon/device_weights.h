@@ -69,8 +69,9 @@ class DeviceSource {
   bool primed_ = false;  // previous_ holds the head
 };
 
-// The set checksum (codec::SetChecksum) of registered tensors, on the
-// device for device memory.
-StatusOr<uint64_t> TensorsSetChecksum(const buffers::MappedTensors& tensors, ThreadPool* pool);
+// The set checksum (codec::SetChecksum) of registered tensors on tile
+// grids, on the device for device memory.
+StatusOr<uint64_t> TensorsSetChecksum(const buffers::MappedTensors& tensors, std::span<const codec::TileGrid> grids,
+                                      ThreadPool* pool);
 
 }  // namespace wsync::daemon

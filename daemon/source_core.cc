@@ -84,10 +84,6 @@ StatusOr<SourceRegistration> SourceCore::RegisterTensors(buffers::MappedTensors 
       return s.WithContext("served layout " + std::to_string(i));
     }
   }
-  if (!grids.empty() && reg.on_device()) {
-    return UnimplementedError("a source in device memory codes flat chunks only (the device codec has no tile "
-                              "grids yet): serve pieces from a host-memory source");
-  }
   v1::Layout layout = LayoutOf(views, /*published=*/true, grids);
   if (parts > 1) {
     layout.set_parts(parts);
@@ -302,7 +298,7 @@ StatusOr<bool> SourceCore::HeadHoldsTheRegisteredWeights() {
   const auto views = tensors_->Views();
   if (device_) {
     if (cast_) return false;  // no device checksum of the cast: treated as other weights
-    WSYNC_ASSIGN_OR_RETURN(uint64_t sum, TensorsSetChecksum(*tensors_, pool_));
+    WSYNC_ASSIGN_OR_RETURN(uint64_t sum, TensorsSetChecksum(*tensors_, grids_, pool_));
     return sum == head_pub_.set_checksum;
   }
   if (!cast_) {

@@ -177,6 +177,52 @@ TEST_F(DeviceCodecTest, EncodeAndAdvanceGiveTheHostBytesAndUpdateTheBase) {
   }
 }
 
+// A source serving tensor-parallel layouts codes tile grids: cells that are
+// whole rows are coded in place, the others gathered; the bytes are the host
+// codec's, with the base on the device and on the host.
+TEST_F(DeviceCodecTest, TileGridsGiveTheHostBytes) {
+  std::mt19937_64 rng(31);
+  std::vector<OwnedTensor> base, live;
+  const std::vector<std::pair<std::string, std::vector<uint64_t>>> shapes = {
+      {"qkv", {3072, 1024}}, {"o", {1024, 1024}}, {"down", {1024, 2816}}, {"norm", {1024}}, {"embed", {5003, 256}}};
+  for (const auto& [name, shape] : shapes) {
+    base.push_back(testing::RandomTensor(name, codec::DType::kBF16, shape, rng));
+    live.push_back(testing::PerturbByExponent(base.back(), 1e-2, 118, rng));
+  }
+  codec::EncodeOptions o;
+  o.grids = {{"qkv", {1024, 1536, 2048, 2560}, {}},
+             {"o", {}, {512}},
+             {"down", {}, {704, 1408, 2112}},
+             {"embed", {2502}, {}}};
+  auto host = codec::EncodePatch(buffers::Views(base), buffers::Views(live), o);
+  ASSERT_TRUE(host.ok()) << host.status().ToString();
+  const DeviceSet trainer = DeviceSet::Of(live);
+  DeviceSet b = DeviceSet::Of(base);
+  auto dev = codec_->EncodePatch(b.Const(), trainer.Const(), o);
+  ASSERT_TRUE(dev.ok()) << dev.status().ToString();
+  EXPECT_TRUE(*dev == *host) << "device patch differs from the host codec's";
+  auto patch = codec_->EncodeAndAdvance(trainer.Const(), b.views, o);
+  ASSERT_TRUE(patch.ok()) << patch.status().ToString();
+  EXPECT_TRUE(*patch == *host);
+  EXPECT_TRUE(testing::SameBits(b.ToHost(base), live));
+
+  std::vector<cuda::PinnedBuffer> pinned;
+  std::vector<codec::MutableTensorView> host_prev;
+  for (const auto& t : base) {
+    auto p = cuda::PinnedBuffer::Allocate(t.bytes.size());
+    ASSERT_TRUE(p.ok()) << p.status().ToString();
+    std::memcpy(p->data(), t.bytes.data(), t.bytes.size());
+    host_prev.push_back({t.name, t.dtype, t.shape, static_cast<uint8_t*>(p->data())});
+    pinned.push_back(std::move(*p));
+  }
+  patch = codec_->EncodeAndAdvanceFromHost(trainer.Const(), host_prev, o);
+  ASSERT_TRUE(patch.ok()) << patch.status().ToString();
+  EXPECT_TRUE(*patch == *host);
+
+  o.chunk_bytes = 2u << 20;
+  EXPECT_EQ(codec_->EncodePatch(b.Const(), trainer.Const(), o).status().code(), StatusCode::kInvalidArgument);
+}
+
 TEST_F(DeviceCodecTest, CorruptPatchIsDataLossAndTheDestinationIsUnchanged) {
   std::mt19937_64 rng(13);
   std::vector<OwnedTensor> base{testing::RandomTensor("w", codec::DType::kBF16, {1 << 20}, rng)};

@@ -93,35 +93,53 @@ StatusOr<uint64_t> RankedElement(const T* x, cuda::logic::Layout l, const std::v
   return lo * kBlock + cuda::logic::ClassSelect(spec, x + lo * kBlock, l.BlockLen(lo), c, r - (row[lo] - row[first]));
 }
 
+// A cell's elements in its row-major order, as PlaceCells finds them: the
+// tensor's own bytes when contiguous, else a two-dimensional copy.
+std::vector<uint8_t> CellImage(const OwnedTensor& t, const codec::staged::Cell& cell) {
+  const size_t w = codec::DTypeWidth(t.dtype);
+  std::vector<uint8_t> out(cell.elements() * w);
+  for (uint64_t r = 0; r < cell.rows; ++r) {
+    std::memcpy(out.data() + r * cell.cols * w, t.bytes.data() + ((cell.row0 + r) * cell.tensor_cols + cell.col0) * w,
+                cell.cols * w);
+  }
+  return out;
+}
+
 template <typename T>
 std::string EncodeLikeTheDevice(const std::vector<OwnedTensor>& base, const std::vector<OwnedTensor>& target,
                                 const codec::EncodeOptions& options) {
-  auto bv = buffers::Views(base), tv = buffers::Views(target);
+  auto tv = buffers::Views(target);
   auto writer = codec::staged::PatchWriter::Create(tv, options);
   EXPECT_TRUE(writer.ok()) << writer.status().ToString();
-  std::vector<std::vector<size_t>> ids(target.size());
-  for (size_t i = 0; i < writer->chunks().size(); ++i) ids[writer->chunks()[i].tensor].push_back(i);
-  std::vector<uint64_t> tsum, bsum;
-  for (size_t t = 0; t < target.size(); ++t) {
-    const T* b = reinterpret_cast<const T*>(base[t].bytes.data());
-    const T* x = reinterpret_cast<const T*>(target[t].bytes.data());
-    const cuda::logic::Layout l{.n = tv[t].NumElements(), .chunk_elems = options.chunk_bytes / sizeof(T)};
+  // Block digests of every tensor's cells in turn; classes by writer chunk.
+  std::vector<std::vector<uint64_t>> tblocks(target.size()), bblocks(target.size());
+  std::vector<ClassSpec> chosen(writer->chunks().size());
+  for (const codec::staged::Cell& cell : writer->cells()) {
+    const size_t t = cell.tensor;
+    const std::vector<uint8_t> bimg = CellImage(base[t], cell), ximg = CellImage(target[t], cell);
+    const T* b = reinterpret_cast<const T*>(bimg.data());
+    const T* x = reinterpret_cast<const T*>(ximg.data());
+    const cuda::logic::Layout l{.n = cell.elements(), .chunk_elems = options.chunk_bytes / sizeof(T)};
+    EXPECT_EQ(l.Chunks(), cell.chunks);
     const size_t bins = options.condition_on_base ? codec::staged::HistogramBins(tv[t].dtype) : 0;
     const Compact c = Diff(b, x, l, bins, codec::ExponentFieldOf(tv[t].dtype));
     std::vector<ClassSpec> specs(l.Chunks());
     std::vector<codec::staged::ChunkChange> changes(l.Chunks());
     bool ranks = false;
     for (uint64_t k = 0; k < l.Chunks(); ++k) {
+      const size_t id = cell.first_chunk + k;
       auto& ch = changes[k];
       ch.count = c.chunk_off[k + 1] - c.chunk_off[k];
       ch.pos = c.pos.data() + c.chunk_off[k];
       ch.delta = c.delta.data() + c.chunk_off[k] * sizeof(T);
       ch.old = bins > 0 ? c.old.data() + c.chunk_off[k] * sizeof(T) : nullptr;
-      // Chunks take the classes of their run's first (ClassSourceChunk).
-      specs[k] = codec::ClassSourceChunk(k) == k
-                     ? writer->ChooseClasses(ids[t][k], bins > 0 ? c.hist.data() + k * bins : nullptr, ch)
-                     : specs[codec::ClassSourceChunk(k)];
-      ranks = ranks || writer->NeedsRanks(ids[t][k], ch.count, specs[k]);
+      // Chunks take the classes of their run's first (ClassSourceChunk of
+      // the tensor's chunks, across cells).
+      if (writer->ClassSource(id) == id) {
+        chosen[id] = writer->ChooseClasses(id, bins > 0 ? c.hist.data() + k * bins : nullptr, ch);
+      }
+      specs[k] = chosen[writer->ClassSource(id)];
+      ranks = ranks || writer->NeedsRanks(id, ch.count, specs[k]);
     }
     std::vector<uint32_t> rank(c.pos.size());
     if (ranks) {
@@ -136,19 +154,26 @@ std::string EncodeLikeTheDevice(const std::vector<OwnedTensor>& base, const std:
         }
       }
     }
-    for (uint64_t k = 0; k < l.Chunks(); ++k) {
-      const Status s = writer->SetChunk(ids[t][k], changes[k], specs[k], rank.data() + c.chunk_off[k]);
-      EXPECT_TRUE(s.ok()) << s.ToString();
+    std::vector<uint64_t> xd;
+    for (size_t off = 0; off < ximg.size(); off += codec::kChecksumBlockBytes) {
+      const size_t len = std::min(codec::kChecksumBlockBytes, ximg.size() - off);
+      xd.push_back(cuda::logic::Xxh3(ximg.data() + off, len));
+      bblocks[t].push_back(cuda::logic::Xxh3(bimg.data() + off, len));
     }
-    auto digest = [&](const std::vector<uint8_t>& bytes) {
-      std::vector<uint64_t> d;
-      for (size_t off = 0; off < bytes.size(); off += codec::kChecksumBlockBytes) {
-        d.push_back(cuda::logic::Xxh3(bytes.data() + off, std::min(codec::kChecksumBlockBytes, bytes.size() - off)));
+    tblocks[t].insert(tblocks[t].end(), xd.begin(), xd.end());
+    for (uint64_t k = 0; k < l.Chunks(); ++k) {
+      const size_t id = cell.first_chunk + k;
+      const Status s = writer->SetChunk(id, changes[k], specs[k], rank.data() + c.chunk_off[k]);
+      EXPECT_TRUE(s.ok()) << s.ToString();
+      if (writer->gridded(id)) {
+        EXPECT_TRUE(writer->SetTileDigest(id, xd[k]).ok());
       }
-      return codec::CombineBlockDigests(d);
-    };
-    tsum.push_back(digest(target[t].bytes));
-    bsum.push_back(digest(base[t].bytes));
+    }
+  }
+  std::vector<uint64_t> tsum, bsum;
+  for (size_t t = 0; t < target.size(); ++t) {
+    tsum.push_back(codec::CombineBlockDigests(tblocks[t]));
+    bsum.push_back(codec::CombineBlockDigests(bblocks[t]));
   }
   EXPECT_TRUE(writer->SetChecksums(tsum, bsum).ok());
   auto out = writer->Finish();
@@ -307,6 +332,14 @@ void RunCase(const Case& c, bool condition) {
   auto host = codec::EncodePatch(buffers::Views(base), buffers::Views(target), o);
   ASSERT_TRUE(host.ok()) << host.status().ToString();
   EXPECT_TRUE(EncodeLikeTheDevice<T>(base, target, o) == *host) << "the device data flow gives other bytes";
+  // Gridded as a source serving tensor-parallel layouts codes them: cells
+  // gathered out of their tensors, classes chosen across cells.
+  codec::EncodeOptions gridded = o;
+  gridded.grids = {{"t0", {1}, {100, 350000, 350001}}, {"t4", {100000, 300000}, {}}};
+  auto host_gridded = codec::EncodePatch(buffers::Views(base), buffers::Views(target), gridded);
+  ASSERT_TRUE(host_gridded.ok()) << host_gridded.status().ToString();
+  EXPECT_TRUE(EncodeLikeTheDevice<T>(base, target, gridded) == *host_gridded)
+      << "the device data flow gives other bytes with tile grids";
   std::vector<OwnedTensor> out = base;
   ASSERT_TRUE(ApplyLikeTheDevice<T>(*host, &out).ok());
   EXPECT_TRUE(testing::SameBits(out, target));

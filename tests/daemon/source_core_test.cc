@@ -38,7 +38,7 @@ struct TrainerMemory {
     const std::string shm = "/wsync-sourcecore-" + std::to_string(::getpid()) + "-" + std::to_string(counter++);
     uint64_t size = 0;
     for (const auto& t : like) {
-      table.push_back({t.name, t.dtype, t.shape, size});
+      table.push_back({t.name, t.dtype, t.shape, size, 0, {}});
       size += t.bytes.size();
     }
     auto r = buffers::CreateShm(shm, size, /*unlink_on_close=*/true);

@@ -724,6 +724,44 @@ print("gpu ok")
         check(p.returncode == 0 and "gpu ok" in p.stdout, "CUDA tensors sync bit-exactly over IPC: " + p.stderr[-500:])
     finally:
         s.stop()
+    # A trainer in GPU memory serving tensor-parallel ranks: the source codes
+    # the tile grids on the device; each rank holds its pieces in GPU memory.
+    code = r'''
+import os, sys, torch, wsync
+from wsync import layouts
+sys.path.insert(0, "examples"); sys.path.insert(0, "tests/python")
+from tiny_llama import LlamaForCausalLM
+from client_workers import tiny_config
+torch.manual_seed(0)
+trainer = LlamaForCausalLM().cuda()
+tp = [layouts.tp_layout(tiny_config(), 2, r) for r in range(2)]
+src = wsync.Source(sys.argv[1]); src.register(trainer, serve=tp)
+canonical = {k: v.to(torch.bfloat16) for k, v in LlamaForCausalLM().state_dict().items()}
+ranks = []
+for r in range(2):
+    runtime = {k: v.cuda() for k, v in layouts.shard(canonical, tp[r]).items()}
+    snk = wsync.Sink(sys.argv[2 + r]); snk.register(runtime, layout=tp[r])
+    ranks.append((snk, runtime))
+opt = torch.optim.AdamW(trainer.parameters(), lr=1e-5)
+for step in range(4):
+    trainer(torch.randint(0, 512, (2, 16), device="cuda")).float().mean().backward(); opt.step(); opt.zero_grad()
+    v = src.publish().version
+    want = {k: t.to(torch.bfloat16).cpu() for k, t in trainer.state_dict().items()}
+    for r, (snk, runtime) in enumerate(ranks):
+        snk.wait(v, timeout=60)
+        with snk.hold():
+            expect = layouts.shard(want, tp[r])
+            for k, t in runtime.items():
+                assert torch.equal(t.cpu().view(torch.int16), expect[k].view(torch.int16)), (r, k)
+print("gpu tp ok")
+'''
+    s = system(build, "gpu_tp", sinks=2)
+    try:
+        p = run_client(s, build, code, local(s, "sink-1"))
+        check(p.returncode == 0 and "gpu tp ok" in p.stdout,
+              "a GPU trainer serves tensor-parallel ranks in GPU memory bit-exactly: " + p.stderr[-500:])
+    finally:
+        s.stop()
 
 
 SCENARIOS = {

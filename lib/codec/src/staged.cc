@@ -20,18 +20,44 @@ using internal::WithWidth;
 std::vector<Chunk> ChunksOf(const Container& c, const std::vector<Task>& tasks) {
   std::vector<Chunk> chunks;
   chunks.reserve(tasks.size());
+  uint64_t first = 0;
   for (const Task& t : tasks) {
     const internal::TensorEntry& e = c.tensors[t.tensor];
+    if (t.chunk == 0) first = 0;
     Chunk ch;
     ch.tensor = t.tensor;
     ch.index = t.chunk;
     ch.dtype = e.dtype;
     ch.width = DTypeWidth(e.dtype);
-    ch.first_element = t.chunk * (c.chunk_bytes / ch.width);
+    ch.first_element = first;
     ch.elements = c.ChunkElements(e, t.chunk);
+    first += ch.elements;
     chunks.push_back(ch);
   }
   return chunks;
+}
+
+// Consecutive chunks of a tensor on one cell's origin make the cell.
+std::vector<Cell> CellsOf(const Container& c, const std::vector<Task>& tasks) {
+  std::vector<Cell> cells;
+  for (size_t i = 0; i < tasks.size(); ++i) {
+    const internal::TensorEntry& e = c.tensors[tasks[i].tensor];
+    const internal::Tile& tile = e.tiles[tasks[i].chunk];
+    if (tasks[i].chunk == 0 || tile.first == 0) {
+      Cell cell;
+      cell.tensor = tasks[i].tensor;
+      cell.row0 = tile.row0;
+      cell.col0 = tile.col0;
+      cell.cols = tile.cell_cols;
+      cell.tensor_cols = e.cols;
+      cell.first_chunk = i;
+      cells.push_back(cell);
+    }
+    Cell& cell = cells.back();
+    ++cell.chunks;
+    cell.rows = (tile.first + tile.n) / tile.cell_cols;
+  }
+  return cells;
 }
 
 template <typename T>
@@ -73,9 +99,12 @@ struct PatchWriter::Impl {
   Container c;
   std::vector<Task> tasks;
   std::vector<Chunk> chunks;
+  std::vector<Cell> cells;
   std::vector<internal::EncodedChunk> encoded;
-  std::vector<uint8_t> done;
+  std::vector<uint8_t> done, digested;
   bool checksums = false;
+
+  internal::ChunkEntry& Entry(size_t i) { return c.tensors[chunks[i].tensor].chunks[chunks[i].index]; }
 };
 
 PatchWriter::PatchWriter(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -85,9 +114,6 @@ PatchWriter::~PatchWriter() = default;
 
 StatusOr<PatchWriter> PatchWriter::Create(std::span<const TensorView> tensors, const EncodeOptions& options) {
   WSYNC_RETURN_IF_ERROR(internal::ValidateOptions(options));
-  if (!options.grids.empty()) {
-    return UnimplementedError("tile grids are coded by the host codec only (EncodePatch)");
-  }
   auto impl = std::make_unique<Impl>();
   impl->options = options;
   impl->options.pool = nullptr;
@@ -97,15 +123,25 @@ StatusOr<PatchWriter> PatchWriter::Create(std::span<const TensorView> tensors, c
   c.base_version = options.base_version;
   c.target_version = options.target_version;
   WSYNC_RETURN_IF_ERROR(internal::ValidateSet(tensors, /*need_data=*/false));
-  for (const TensorView& t : tensors) c.tensors.push_back(internal::EntryFor(t, c.chunk_bytes));
+  WSYNC_ASSIGN_OR_RETURN(c.tensors, internal::EntriesFor(tensors, options));
   impl->tasks = internal::TasksOf(c.tensors);
   impl->chunks = ChunksOf(c, impl->tasks);
+  impl->cells = CellsOf(c, impl->tasks);
   impl->encoded.resize(impl->tasks.size());
   impl->done.assign(impl->tasks.size(), 0);
+  impl->digested.assign(impl->tasks.size(), 0);
   return PatchWriter(std::move(impl));
 }
 
 const std::vector<Chunk>& PatchWriter::chunks() const { return impl_->chunks; }
+const std::vector<Cell>& PatchWriter::cells() const { return impl_->cells; }
+
+bool PatchWriter::gridded(size_t i) const { return impl_->c.tensors[impl_->chunks.at(i).tensor].gridded(); }
+
+size_t PatchWriter::ClassSource(size_t i) const {
+  const size_t index = impl_->chunks.at(i).index;
+  return i - (index - ClassSourceChunk(index));
+}
 
 ClassSpec PatchWriter::ChooseClasses(size_t i, const uint32_t* hist, const ChunkChange& change) const {
   const Chunk& ch = impl_->chunks.at(i);
@@ -173,9 +209,20 @@ Status PatchWriter::SetChecksums(std::span<const uint64_t> target, std::span<con
   return Status::Ok();
 }
 
+Status PatchWriter::SetTileDigest(size_t i, uint64_t digest) {
+  if (i >= impl_->chunks.size()) return InvalidArgumentError("chunk " + std::to_string(i) + " out of range");
+  if (!gridded(i)) return InvalidArgumentError("chunk " + std::to_string(i) + " is not a tile of a gridded tensor");
+  impl_->Entry(i).digest = digest;
+  impl_->digested[i] = 1;
+  return Status::Ok();
+}
+
 StatusOr<std::string> PatchWriter::Finish() {
   for (size_t i = 0; i < impl_->done.size(); ++i) {
     if (!impl_->done[i]) return FailedPreconditionError("chunk " + std::to_string(i) + " was never set");
+    if (gridded(i) && !impl_->digested[i]) {
+      return FailedPreconditionError("the tile digest of chunk " + std::to_string(i) + " was never set");
+    }
   }
   if (!impl_->checksums) return FailedPreconditionError("checksums were never set");
   return internal::Finish(impl_->c, impl_->tasks, impl_->encoded);

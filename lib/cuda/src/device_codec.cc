@@ -197,9 +197,13 @@ Status DeviceAvailable() {
   return Status::Ok();
 }
 
-// One tensor of an encode: where its device scratch lies, and its compact
-// change once copied to page-locked host memory.
-struct TensorChange {
+// One cell of an encode (a tensor without a grid is one cell): where its
+// elements lie on the device in the cell's row-major order, where its
+// scratch lies, and its compact change once copied to page-locked memory.
+struct CellChange {
+  size_t tensor = 0;
+  const void* base = nullptr;    // the cell's elements, in the tensor or gathered
+  const void* target = nullptr;
   std::vector<size_t> chunk_ids;  // the writer's chunk indices
   logic::Layout layout;
   size_t width = 0;
@@ -261,6 +265,7 @@ struct DeviceCodec::Impl {
   Scratch rank_mem;      // class counts and their scan, one tensor at a time
   Scratch digest_mem;    // digests
   Scratch staging;       // bases in host memory, a batch at a time
+  Scratch images;        // cells gathered out of their tensors, a batch at a time
   PinnedArena pinned;    // what the device copies back
   std::vector<Phase> phases;
   std::chrono::steady_clock::time_point mark;
@@ -386,12 +391,19 @@ struct DeviceCodec::Impl {
     return Status::Ok();
   }
 
-  // The device part of encoding tensors [t0, t0 + batch.size()): digests,
+  // Points cells[k], the writer's cell cell0 + k, at its elements: in the
+  // tensor when contiguous there, else gathered into `images` (a
+  // two-dimensional copy, after the tensor's snapshot landed). Enqueued on
+  // `compute`.
+  Status PlaceCells(const codec::staged::PatchWriter& writer, std::span<const TensorView> base,
+                    std::span<const TensorView> target, size_t cell0, std::span<CellChange> cells,
+                    std::span<cudaEvent_t> landed);
+
+  // The device part of encoding a batch of whole tensors' cells: digests,
   // compact changes, class choice (host, small) and ranks, with one
-  // synchronization per step for the whole batch.
-  Status CompactBatch(const codec::staged::PatchWriter& writer, std::span<const TensorView> base,
-                      std::span<const TensorView> target, size_t t0, std::span<TensorChange> batch,
-                      const codec::EncodeOptions& options, std::span<cudaEvent_t> landed);
+  // synchronization per step for the whole batch. specs: by writer chunk.
+  Status CompactBatch(const codec::staged::PatchWriter& writer, std::span<CellChange> batch,
+                      const codec::EncodeOptions& options, std::vector<ClassSpec>& specs);
 
   Status ApplyDelta(const codec::staged::PatchReader& r, std::span<const MutableTensorView> dst,
                     const std::vector<size_t>& match, const codec::ApplyOptions& options);
@@ -415,22 +427,71 @@ struct DeviceCodec::Impl {
                  const std::vector<size_t>& match, Status error);
 };
 
-Status DeviceCodec::Impl::CompactBatch(const codec::staged::PatchWriter& writer, std::span<const TensorView> base,
-                                       std::span<const TensorView> target, size_t t0, std::span<TensorChange> batch,
-                                       const codec::EncodeOptions& options, std::span<cudaEvent_t> landed) {
+Status DeviceCodec::Impl::PlaceCells(const codec::staged::PatchWriter& writer, std::span<const TensorView> base,
+                                     std::span<const TensorView> target, size_t cell0, std::span<CellChange> cells,
+                                     std::span<cudaEvent_t> landed) {
+  const auto& chunks = writer.chunks();
+  const std::span<const codec::staged::Cell> of(writer.cells().data() + cell0, cells.size());
+  size_t bytes = 0;
+  for (const codec::staged::Cell& cell : of) {
+    if (!cell.contiguous()) bytes += 2 * ((cell.elements() * chunks[cell.first_chunk].width + 255) / 256 * 256);
+  }
+  void* mem = nullptr;
+  if (bytes > 0) {
+    WSYNC_ASSIGN_OR_RETURN(mem, images.Get(bytes));
+  }
+  size_t at = 0;
+  size_t waited = SIZE_MAX;
+  for (size_t k = 0; k < cells.size(); ++k) {
+    CellChange& cc = cells[k];
+    const codec::staged::Cell& cell = of[k];
+    const size_t t = cell.tensor, w = chunks[cell.first_chunk].width;
+    cc.tensor = t;
+    cc.width = w;
+    cc.chunk_ids.resize(cell.chunks);
+    for (size_t c = 0; c < cell.chunks; ++c) cc.chunk_ids[c] = cell.first_chunk + c;
+    if (!landed.empty() && waited != t) {
+      WSYNC_RETURN_IF_ERROR(Check(cudaStreamWaitEvent(compute, landed[t], 0), "wait for snapshot"));
+      waited = t;
+    }
+    const size_t origin = (cell.row0 * cell.tensor_cols + cell.col0) * w;
+    const auto* b = static_cast<const uint8_t*>(base[t].data) + origin;
+    const auto* x = static_cast<const uint8_t*>(target[t].data) + origin;
+    if (cell.contiguous()) {
+      cc.base = b;
+      cc.target = x;
+      continue;
+    }
+    const size_t row = cell.cols * w, pitch = cell.tensor_cols * w, image = (cell.elements() * w + 255) / 256 * 256;
+    auto* bi = static_cast<uint8_t*>(mem) + at;
+    auto* xi = bi + image;
+    at += 2 * image;
+    WSYNC_RETURN_IF_ERROR(Check(cudaMemcpy2DAsync(bi, row, b, pitch, row, cell.rows, cudaMemcpyDeviceToDevice, compute),
+                                "gathering a cell"));
+    WSYNC_RETURN_IF_ERROR(Check(cudaMemcpy2DAsync(xi, row, x, pitch, row, cell.rows, cudaMemcpyDeviceToDevice, compute),
+                                "gathering a cell"));
+    cc.base = bi;
+    cc.target = xi;
+  }
+  if (bytes > 0) EndPhase("gather");
+  return Status::Ok();
+}
+
+Status DeviceCodec::Impl::CompactBatch(const codec::staged::PatchWriter& writer, std::span<CellChange> batch,
+                                       const codec::EncodeOptions& options, std::vector<ClassSpec>& specs) {
   // First pass: digests, block counts, their scan, chunk offsets, histograms.
   Carver carve;
-  for (size_t i = 0; i < batch.size(); ++i) {
-    TensorChange& tc = batch[i];
-    const TensorView& t = target[t0 + i];
-    tc.width = codec::DTypeWidth(t.dtype);
-    tc.layout = LayoutOf(t.NumElements(), tc.width, options.chunk_bytes);
+  for (CellChange& tc : batch) {
+    const codec::staged::Chunk& first = writer.chunks()[tc.chunk_ids.at(0)];
+    uint64_t n = 0;
+    for (size_t id : tc.chunk_ids) n += writer.chunks()[id].elements;
+    tc.layout = LayoutOf(n, tc.width, options.chunk_bytes);
     if (tc.empty()) continue;
-    tc.bins = codec::staged::HistogramBins(t.dtype);
+    tc.bins = codec::staged::HistogramBins(first.dtype);
     tc.conditioned = options.condition_on_base && tc.bins > 0;
     const uint64_t blocks = tc.layout.Blocks(), chunks = tc.layout.Chunks();
     tc.scan_bytes = ScanBytes(blocks + 1);
-    tc.ndigests = codec::ChecksumBlockCount(t.NumBytes());
+    tc.ndigests = codec::ChecksumBlockCount(n * tc.width);
     tc.o_counts = carve.Add<uint32_t>(blocks + 1);
     tc.o_offsets = carve.Add<uint32_t>(blocks + 1);
     tc.o_chunks = carve.Add<uint32_t>(chunks + 1);
@@ -443,29 +504,24 @@ Status DeviceCodec::Impl::CompactBatch(const codec::staged::PatchWriter& writer,
   WSYNC_ASSIGN_OR_RETURN(void* mem, scratch.Get(carve.bytes()));
   // Each step synchronizes once for the batch, so that the phases time apart.
   std::vector<DigestJob> jobs;
-  for (size_t i = 0; i < batch.size(); ++i) {
-    TensorChange& tc = batch[i];
+  for (CellChange& tc : batch) {
     if (tc.empty()) continue;
-    const size_t nbytes = target[t0 + i].NumBytes();
-    if (!landed.empty()) {
-      WSYNC_RETURN_IF_ERROR(Check(cudaStreamWaitEvent(compute, landed[t0 + i], 0), "wait for snapshot"));
-    }
-    jobs.push_back({base[t0 + i].data, nbytes, At<uint64_t>(mem, tc.o_bdig), 0});
-    jobs.push_back({target[t0 + i].data, nbytes, At<uint64_t>(mem, tc.o_tdig), 0});
+    const size_t nbytes = tc.layout.n * tc.width;
+    jobs.push_back({tc.base, nbytes, At<uint64_t>(mem, tc.o_bdig), 0});
+    jobs.push_back({tc.target, nbytes, At<uint64_t>(mem, tc.o_tdig), 0});
   }
   WSYNC_RETURN_IF_ERROR(EnqueueDigests(pinned, jobs, At<DigestJob>(mem, o_jobs), compute));
-  for (TensorChange& tc : batch) {
+  for (CellChange& tc : batch) {
     if (tc.empty()) continue;
     WSYNC_RETURN_IF_ERROR(CopyToPinned(pinned, &tc.base_digests, At<uint64_t>(mem, tc.o_bdig), tc.ndigests, compute));
     WSYNC_RETURN_IF_ERROR(CopyToPinned(pinned, &tc.target_digests, At<uint64_t>(mem, tc.o_tdig), tc.ndigests, compute));
   }
   WSYNC_RETURN_IF_ERROR(Check(cudaStreamSynchronize(compute), "digests"));
   EndPhase("digests");
-  for (size_t i = 0; i < batch.size(); ++i) {
-    TensorChange& tc = batch[i];
+  for (CellChange& tc : batch) {
     if (tc.empty()) continue;
     const logic::Layout& l = tc.layout;
-    WSYNC_RETURN_IF_ERROR(LaunchDiffCounts(base[t0 + i].data, target[t0 + i].data, static_cast<int>(tc.width), l,
+    WSYNC_RETURN_IF_ERROR(LaunchDiffCounts(tc.base, tc.target, static_cast<int>(tc.width), l,
                                            At<uint32_t>(mem, tc.o_counts), compute));
     size_t tb = tc.scan_bytes;
     WSYNC_RETURN_IF_ERROR(ExclusiveScan(At<void>(mem, tc.o_temp), &tb, At<uint32_t>(mem, tc.o_counts),
@@ -476,12 +532,10 @@ Status DeviceCodec::Impl::CompactBatch(const codec::staged::PatchWriter& writer,
   }
   WSYNC_RETURN_IF_ERROR(Check(cudaStreamSynchronize(compute), "diff"));
   EndPhase("diff");
-  for (size_t i = 0; i < batch.size(); ++i) {
-    TensorChange& tc = batch[i];
+  for (CellChange& tc : batch) {
     if (tc.empty() || !tc.conditioned) continue;
-    const TensorView& t = target[t0 + i];
-    const codec::ExponentField ef = codec::ExponentFieldOf(t.dtype);
-    WSYNC_RETURN_IF_ERROR(LaunchSampleHistogram(base[t0 + i].data, static_cast<int>(tc.width), tc.layout, ef.shift,
+    const codec::ExponentField ef = codec::ExponentFieldOf(writer.chunks()[tc.chunk_ids[0]].dtype);
+    WSYNC_RETURN_IF_ERROR(LaunchSampleHistogram(tc.base, static_cast<int>(tc.width), tc.layout, ef.shift,
                                                 ef.mask, static_cast<uint32_t>(tc.bins), At<uint32_t>(mem, tc.o_hist),
                                                 compute));
     WSYNC_RETURN_IF_ERROR(
@@ -492,7 +546,7 @@ Status DeviceCodec::Impl::CompactBatch(const codec::staged::PatchWriter& writer,
 
   // The compact changes: positions, deltas, old values (and ranks, later).
   Carver cc;
-  for (TensorChange& tc : batch) {
+  for (CellChange& tc : batch) {
     if (tc.empty()) continue;
     const size_t m = tc.changes();
     tc.o_pos = cc.Add<uint32_t>(m);
@@ -501,11 +555,10 @@ Status DeviceCodec::Impl::CompactBatch(const codec::staged::PatchWriter& writer,
     tc.o_rank = cc.Add<uint32_t>(m);
   }
   WSYNC_ASSIGN_OR_RETURN(void* cmem, changes.Get(cc.bytes()));
-  for (size_t i = 0; i < batch.size(); ++i) {
-    TensorChange& tc = batch[i];
+  for (CellChange& tc : batch) {
     if (tc.empty()) continue;
     const size_t m = tc.changes();
-    WSYNC_RETURN_IF_ERROR(LaunchDiffScatter(base[t0 + i].data, target[t0 + i].data, static_cast<int>(tc.width),
+    WSYNC_RETURN_IF_ERROR(LaunchDiffScatter(tc.base, tc.target, static_cast<int>(tc.width),
                                             tc.layout, At<uint32_t>(mem, tc.o_offsets), At<uint32_t>(cmem, tc.o_pos),
                                             At<uint8_t>(cmem, tc.o_delta), At<uint8_t>(cmem, tc.o_old), compute));
     WSYNC_RETURN_IF_ERROR(CopyToPinned(pinned, &tc.pos, At<uint32_t>(cmem, tc.o_pos), m, compute));
@@ -515,24 +568,28 @@ Status DeviceCodec::Impl::CompactBatch(const codec::staged::PatchWriter& writer,
   WSYNC_RETURN_IF_ERROR(Check(cudaStreamSynchronize(compute), "compaction"));
   EndPhase("compact");
 
-  // Classes on the host (small): the first chunk of every run chooses.
-  std::vector<std::pair<size_t, size_t>> sources;  // (tensor in batch, chunk)
+  // Classes on the host (small): the first chunk of every run of its
+  // tensor's chunks chooses (a batch holds whole tensors, every cell).
+  std::vector<std::pair<size_t, size_t>> sources;  // (cell in batch, chunk)
   for (size_t i = 0; i < batch.size(); ++i) {
-    TensorChange& tc = batch[i];
-    if (tc.empty()) continue;
-    tc.specs.assign(tc.layout.Chunks(), ClassSpec{});
-    for (uint64_t c = 0; c < tc.layout.Chunks(); c += codec::kClassRunChunks) sources.emplace_back(i, c);
-  }
-  ParallelFor(options.pool, sources.size(), [&](size_t s) {
-    TensorChange& tc = batch[sources[s].first];
-    const size_t c = sources[s].second;
-    tc.specs[c] = writer.ChooseClasses(tc.chunk_ids[c], tc.conditioned ? tc.hist + c * tc.bins : nullptr, tc.Change(c));
-  });
-  size_t rank_bytes = 0;
-  for (TensorChange& tc : batch) {
+    const CellChange& tc = batch[i];
     if (tc.empty()) continue;
     for (uint64_t c = 0; c < tc.layout.Chunks(); ++c) {
-      tc.specs[c] = tc.specs[codec::ClassSourceChunk(c)];
+      if (writer.ClassSource(tc.chunk_ids[c]) == tc.chunk_ids[c]) sources.emplace_back(i, c);
+    }
+  }
+  ParallelFor(options.pool, sources.size(), [&](size_t s) {
+    const CellChange& tc = batch[sources[s].first];
+    const size_t c = sources[s].second;
+    specs[tc.chunk_ids[c]] =
+        writer.ChooseClasses(tc.chunk_ids[c], tc.conditioned ? tc.hist + c * tc.bins : nullptr, tc.Change(c));
+  });
+  size_t rank_bytes = 0;
+  for (CellChange& tc : batch) {
+    if (tc.empty()) continue;
+    tc.specs.resize(tc.layout.Chunks());
+    for (uint64_t c = 0; c < tc.layout.Chunks(); ++c) {
+      tc.specs[c] = specs[writer.ClassSource(tc.chunk_ids[c])];
       tc.need_ranks = tc.need_ranks || writer.NeedsRanks(tc.chunk_ids[c], tc.Change(c).count, tc.specs[c]);
     }
     if (tc.need_ranks) rank_bytes = std::max(rank_bytes, RankScratchOf(tc.layout).bytes);
@@ -542,10 +599,9 @@ Status DeviceCodec::Impl::CompactBatch(const codec::staged::PatchWriter& writer,
 
   // Ranks on the device, one tensor after another in rank_mem.
   WSYNC_ASSIGN_OR_RETURN(void* rmem, rank_mem.Get(rank_bytes));
-  for (size_t i = 0; i < batch.size(); ++i) {
-    TensorChange& tc = batch[i];
+  for (CellChange& tc : batch) {
     if (!tc.need_ranks) continue;
-    const void* b = base[t0 + i].data;
+    const void* b = tc.base;
     const RankScratch rs = RankScratchOf(tc.layout);
     WSYNC_RETURN_IF_ERROR(RankPrefix(b, tc.width, tc.layout, tc.specs, rmem, rs));
     WSYNC_RETURN_IF_ERROR(LaunchRanks(b, static_cast<int>(tc.width), tc.layout, At<ClassSpec>(rmem, rs.o_specs),
@@ -639,7 +695,11 @@ StatusOr<std::string> DeviceCodec::Encode(std::span<const TensorView> live,
   const EndOfCall end{d.compute, d.pinned};
   WSYNC_RETURN_IF_ERROR(CheckPairs(previous, target, "base and target"));
   WSYNC_ASSIGN_OR_RETURN(auto writer, codec::staged::PatchWriter::Create(target, options));
-  const auto by_tensor = ChunksByTensor(writer.chunks(), target.size());
+  if (!options.grids.empty() && options.chunk_bytes != codec::kChecksumBlockBytes) {
+    return InvalidArgumentError("the device codec codes tile grids in chunks of " +
+                                std::to_string(codec::kChecksumBlockBytes) + " bytes only (chunk_bytes " +
+                                std::to_string(options.chunk_bytes) + ")");
+  }
   const bool snapshotting = !live.empty();
 
   // Copy stream: every tensor's snapshot, an event after each.
@@ -671,44 +731,73 @@ StatusOr<std::string> DeviceCodec::Encode(std::span<const TensorView> live,
     return Status::Ok();
   };
 
-  // Batch after batch: the device compacts, the host entropy-codes.
+  // Batch after batch of whole tensors (every cell of each): the device
+  // compacts, the host entropy-codes.
+  const auto& cells = writer.cells();
+  std::vector<size_t> first_cell(target.size() + 1, cells.size());  // cells of t: [first_cell[t], first_cell[t + 1])
+  for (size_t k = cells.size(); k-- > 0;) first_cell[cells[k].tensor] = k;
+  for (size_t t = target.size(); t-- > 0;) first_cell[t] = std::min(first_cell[t], first_cell[t + 1]);
+  auto gathered = [&](size_t t) {  // image bytes of tensor t's cells not contiguous in it
+    size_t bytes = 0;
+    for (size_t k = first_cell[t]; k < first_cell[t + 1]; ++k) {
+      if (!cells[k].contiguous()) bytes += 2 * codec::DTypeWidth(target[t].dtype) * cells[k].elements();
+    }
+    return bytes;
+  };
   std::vector<uint64_t> target_sums(target.size()), base_sums(target.size());
-  std::vector<TensorChange> changes(target.size());
+  std::vector<ClassSpec> specs(writer.chunks().size());
+  std::vector<CellChange> changes;
   Status status;
   // A base in host memory is staged on the device batch by batch.
   std::vector<TensorView> bases(previous.begin(), previous.end());
   for (size_t t0 = 0; t0 < target.size() && status.ok();) {
-    size_t t1 = t0, bytes = 0, staged = 0;
+    size_t t1 = t0, bytes = 0, staged = 0, images = 0;
     while (t1 < target.size() &&
            (t1 == t0 || (bytes + target[t1].NumElements() / 4 <= kBatchScratchBytes &&
+                         images + gathered(t1) <= kStagingBytes &&
                          (!base_on_host || staged + target[t1].NumBytes() <= kStagingBytes)))) {
       bytes += target[t1].NumElements() / 4;
       staged += (target[t1].NumBytes() + 255) / 256 * 256;
-      changes[t1].chunk_ids = by_tensor[t1];
+      images += gathered(t1);
       ++t1;
     }
-    const std::span<TensorChange> batch(changes.data() + t0, t1 - t0);
+    changes.assign(first_cell[t1] - first_cell[t0], CellChange{});
     d.pinned.Reset();
     if (base_on_host) status = d.StageBases(previous, t0, t1, staged, bases);
-    if (status.ok()) status = d.CompactBatch(writer, bases, target, t0, batch, options, landed);
+    if (status.ok()) status = d.PlaceCells(writer, bases, target, first_cell[t0], changes, landed);
+    if (status.ok()) status = d.CompactBatch(writer, changes, options, specs);
     // Once the copy stream is idle the trainer may go on; check as we go.
     if (status.ok() && !snapshot_reported && cudaStreamQuery(d.copy) == cudaSuccess) status = report_snapshot();
     if (!status.ok()) break;
-    std::vector<std::pair<size_t, size_t>> all;  // (tensor, chunk in tensor)
-    for (size_t t = t0; t < t1; ++t) {
-      base_sums[t] = codec::CombineBlockDigests(std::span(changes[t].base_digests, changes[t].ndigests));
-      target_sums[t] = codec::CombineBlockDigests(std::span(changes[t].target_digests, changes[t].ndigests));
-      if (changes[t].empty()) continue;
-      for (size_t c = 0; c < changes[t].chunk_ids.size(); ++c) all.emplace_back(t, c);
+    // Checksums over each tensor's cells in turn; a gridded chunk (1 MiB) is
+    // one checksum block of its cell, so its tile digest is that block's.
+    std::vector<std::pair<size_t, size_t>> all;  // (cell in batch, chunk in cell)
+    std::vector<uint64_t> bd, td;
+    for (size_t t = t0; t < t1 && status.ok(); ++t) {
+      bd.clear();
+      td.clear();
+      for (size_t k = first_cell[t] - first_cell[t0]; k < first_cell[t + 1] - first_cell[t0]; ++k) {
+        const CellChange& cc = changes[k];
+        bd.insert(bd.end(), cc.base_digests, cc.base_digests + cc.ndigests);
+        td.insert(td.end(), cc.target_digests, cc.target_digests + cc.ndigests);
+        for (size_t c = 0; c < cc.chunk_ids.size(); ++c) {
+          all.emplace_back(k, c);
+          if (writer.gridded(cc.chunk_ids[c]) && status.ok()) {
+            status = writer.SetTileDigest(cc.chunk_ids[c], cc.target_digests[c]);
+          }
+        }
+      }
+      base_sums[t] = codec::CombineBlockDigests(bd);
+      target_sums[t] = codec::CombineBlockDigests(td);
     }
+    if (!status.ok()) break;
     FirstError error;
     ParallelFor(options.pool, all.size(), [&](size_t i) {
-      const TensorChange& tc = changes[all[i].first];
+      const CellChange& tc = changes[all[i].first];
       const size_t c = all[i].second;
       error.Record(i, writer.SetChunk(tc.chunk_ids[c], tc.Change(c), tc.specs[c], tc.Ranks(c)));
     });
-    status = error.status();
-    for (size_t t = t0; t < t1; ++t) changes[t] = TensorChange{};  // its host memory is the next batch's
+    status = error.status();  // the cells' host memory is the next batch's
     d.EndPhase("entropy");
     t0 = t1;
   }

@@ -31,12 +31,27 @@ namespace wsync::codec::staged {
 
 // A chunk of a tensor set: the unit of coding.
 struct Chunk {
-  size_t tensor = 0;         // index in the set
-  size_t index = 0;          // chunk index in the tensor
-  uint64_t first_element = 0;
+  size_t tensor = 0;          // index in the set
+  size_t index = 0;           // chunk index in the tensor
+  uint64_t first_element = 0;  // in the tensor's chunk order (its cells in turn; flat order without a grid)
   size_t elements = 0;
   DType dtype = DType::kBF16;
   size_t width = 2;
+};
+
+// A cell of a tensor's tile grid (docs/patch-format.md, "Tiles"): the box
+// rows [row0, row0 + rows) x columns [col0, col0 + cols) of the tensor's
+// two-dimensional view (tensor_cols wide), coded as a flat run of its
+// elements in row-major order: its chunks are the writer's chunks
+// [first_chunk, first_chunk + chunks), each chunk_bytes but the last. A
+// tensor without a grid is one cell. The cell's bytes are contiguous in the
+// tensor when cols == tensor_cols.
+struct Cell {
+  size_t tensor = 0;
+  uint64_t row0 = 0, col0 = 0, rows = 0, cols = 0, tensor_cols = 0;
+  size_t first_chunk = 0, chunks = 0;
+  uint64_t elements() const { return rows * cols; }
+  bool contiguous() const { return cols == tensor_cols; }
 };
 
 // Bins of the sampled exponent histogram of a dtype (exponent mask + 1); 0
@@ -60,13 +75,22 @@ struct ChunkChange {
 class PatchWriter {
  public:
   // The layout of a patch from base to target tensors (names, dtypes,
-  // shapes; data is not read). InvalidArgument as EncodePatch.
+  // shapes; data is not read), with options.grids as EncodePatch lays
+  // them. InvalidArgument as EncodePatch.
   static StatusOr<PatchWriter> Create(std::span<const TensorView> tensors, const EncodeOptions& options);
   PatchWriter(PatchWriter&&) noexcept;
   PatchWriter& operator=(PatchWriter&&) noexcept;
   ~PatchWriter();
 
   const std::vector<Chunk>& chunks() const;
+  // Every tensor's cells, tensor after tensor, each tensor's in its chunk
+  // order: together they cover the chunks once, in order.
+  const std::vector<Cell>& cells() const;
+  // Whether chunk i is a tile of a gridded tensor (then SetTileDigest).
+  bool gridded(size_t i) const;
+  // The chunk whose classes chunk i takes (ClassSourceChunk within its
+  // tensor, as a writer index).
+  size_t ClassSource(size_t i) const;
 
   // The classes of chunk i. hist: the base's sampled histogram
   // (HistogramBins entries), or null for no conditioning. The change's
@@ -85,10 +109,17 @@ class PatchWriter {
   // (positions out of order or range, zero delta, missing old values/ranks).
   Status SetChunk(size_t i, const ChunkChange& change, const ClassSpec& spec, const uint32_t* rank);
 
-  // Tensor digests (checksum.h) of the target, and of the base.
+  // Tensor digests (checksum.h) of the target, and of the base; a gridded
+  // tensor's are taken over its cells in turn.
   Status SetChecksums(std::span<const uint64_t> target, std::span<const uint64_t> base);
 
-  // The patch. REQUIRES: every chunk and the checksums set.
+  // A gridded chunk's tile digest: XXH3_64 of its target bytes in chunk
+  // order (for 1 MiB chunks, the digest of the cell's checksum block that
+  // the chunk is). InvalidArgument for a chunk of an ungridded tensor.
+  Status SetTileDigest(size_t i, uint64_t digest);
+
+  // The patch. REQUIRES: every chunk, every tile digest and the checksums
+  // set.
   StatusOr<std::string> Finish();
 
  private:
