@@ -5,6 +5,7 @@
 #include <string_view>
 #include <unordered_map>
 
+#include "wsync/codec/checksum.h"
 #include "wsync/codec/codec.h"
 #include "wsync/util/text.h"
 
@@ -93,7 +94,12 @@ class DeviceStore : public WeightStore {
       parts = {joined};
     }
     if (DeviceAppliesDirectly(parts, tensors_.has_pieces())) {
-      return codec_->ApplyPatch(parts[0], tensors_.MutableViews(), options);
+      if (tensors_.has_pieces()) {
+        const auto runtime = tensors_.Runtime();
+        return parts.size() == 1 ? codec_->Apply(parts[0], runtime, options) : codec_->Apply(parts, runtime, options);
+      }
+      const auto views = tensors_.MutableViews();
+      return parts.size() == 1 ? codec_->Apply(parts[0], views, options) : codec_->Apply(parts, views, options);
     }
     return ApplyThroughHost(parts, options);
   }
@@ -119,10 +125,9 @@ class DeviceStore : public WeightStore {
   }
 
  private:
-  // Pieces, the parts of a version from several sources, or a gridded patch,
-  // in device memory: the device codec decodes flat chunks of one patch only
-  // (docs/gpu.md, "Known limits"), so the tensors are copied down,
-  // applied and verified on the host, and copied back up only when the
+  // What the device codec does not apply (DeviceAppliesDirectly: keyframes
+  // into pieces or beside other parts, cold starts): the tensors are copied
+  // down, applied and verified on the host, and copied back up only when the
   // whole apply succeeded. A copy-up that fails midway leaves torn device
   // tensors: DataLoss, and the next patch fails its checks (a keyframe).
   Status ApplyThroughHost(std::span<const std::string_view> parts, const codec::ApplyOptions& options) {
@@ -150,12 +155,16 @@ Status WeightStore::CheckWhole() const {
 }
 
 bool DeviceAppliesDirectly(std::span<const std::string_view> parts, bool pieces) {
-  if (parts.size() != 1 || pieces) return false;
-  auto info = codec::InspectPatch(parts[0], /*verify_patch_checksum=*/false);
-  if (!info.ok()) return true;
-  return std::none_of(info->tensors.begin(), info->tensors.end(), [](const codec::TensorInfo& t) {
-    return !t.row_cuts.empty() || !t.col_cuts.empty() || t.absent_chunks > 0;
-  });
+  for (std::string_view part : parts) {
+    auto info = codec::InspectPatch(part, /*verify_patch_checksum=*/false);
+    if (!info.ok()) continue;
+    const bool flat = std::none_of(info->tensors.begin(), info->tensors.end(), [](const codec::TensorInfo& t) {
+      return !t.row_cuts.empty() || !t.col_cuts.empty() || t.absent_chunks > 0;
+    });
+    if (info->kind == codec::PatchKind::kKeyframe && (parts.size() > 1 || pieces || !flat)) return false;
+    if (!flat && info->chunk_bytes != codec::kChecksumBlockBytes) return false;
+  }
+  return true;
 }
 
 StatusOr<uint64_t> DeviceSetChecksum(cuda::DeviceCodec& device, std::span<const codec::TensorView> tensors,

@@ -10,6 +10,7 @@
 #include <random>
 
 #include "../codec/test_tensors.h"
+#include "../codec/tp_model.h"
 #include "wsync/buffers/safetensors.h"
 #include "wsync/codec/bf16.h"
 #include "wsync/codec/checksum.h"
@@ -221,6 +222,67 @@ TEST_F(DeviceCodecTest, TileGridsGiveTheHostBytes) {
 
   o.chunk_bytes = 2u << 20;
   EXPECT_EQ(codec_->EncodePatch(b.Const(), trainer.Const(), o).status().code(), StatusCode::kInvalidArgument);
+}
+
+// Tensor-parallel ranks holding pieces in device memory: every rank of TP 2
+// and 4 from the whole gridded patch, its selection and the parts of two
+// sources, bit for bit as codec::Apply; pieces that do not hold the base are
+// refused and left as they were.
+TEST_F(DeviceCodecTest, PiecesGridsAndPartsApplyOnTheDevice) {
+  std::mt19937_64 rng(41);
+  const auto v0 = testing::CanonicalModel(rng);
+  std::vector<OwnedTensor> v1;
+  for (const auto& t : v0) v1.push_back(testing::PerturbByExponent(t, 0.05, 118, rng));
+  std::vector<testing::Rank> all = testing::MakeRanks(4);
+  codec::EncodeOptions o;
+  o.grids = codec::GridsFor(testing::Layouts(all), buffers::Views(v0));
+  auto patch = codec::EncodePatch(buffers::Views(v0), buffers::Views(v1), o);
+  ASSERT_TRUE(patch.ok());
+  std::vector<std::string> parts;
+  for (auto [b, e] : {std::pair<size_t, size_t>{0, 4}, {4, v0.size()}}) {
+    codec::EncodeOptions po;
+    for (const auto& g : o.grids) {
+      for (size_t t = b; t < e; ++t) {
+        if (v0[t].name == g.tensor) po.grids.push_back(g);
+      }
+    }
+    const auto bv = buffers::Views(v0), tv = buffers::Views(v1);
+    parts.push_back(*codec::EncodePatch(std::span(bv).subspan(b, e - b), std::span(tv).subspan(b, e - b), po));
+  }
+  const std::vector<std::string_view> part_views(parts.begin(), parts.end());
+  auto mixed = v0;
+  mixed.back() = v1.back();  // "down" (gridded) at another version than the base
+  for (uint64_t tp : {2, 4}) {
+    for (uint64_t r = 0; r < tp; ++r) {
+      SCOPED_TRACE("TP " + std::to_string(tp) + " rank " + std::to_string(r));
+      auto selection = codec::SelectForPieces(*patch, testing::MakeRank(tp, r).layout);
+      ASSERT_TRUE(selection.ok());
+      for (int form = 0; form < 4; ++form) {
+        testing::Rank rank = testing::MakeRank(tp, r);
+        testing::Fill(&rank, form == 3 ? mixed : v0);
+        DeviceSet dev = DeviceSet::Of(rank.tensors);
+        std::vector<codec::RuntimeTensor> layout = rank.layout;
+        for (size_t i = 0; i < layout.size(); ++i) layout[i].view.data = dev.views[i].data;
+        Status s;
+        if (form == 2) {
+          s = codec_->Apply(part_views, layout, {});
+        } else {
+          s = codec_->Apply(form == 1 ? *selection : *patch, layout, {});
+        }
+        if (form == 3) {
+          EXPECT_EQ(s.code(), StatusCode::kDataLoss) << s.ToString();
+          EXPECT_TRUE(testing::SameBits(dev.ToHost(rank.tensors), testing::Expected(tp, r, mixed)));
+          continue;
+        }
+        ASSERT_TRUE(s.ok()) << "form " << form << ": " << s.ToString();
+        EXPECT_TRUE(testing::SameBits(dev.ToHost(rank.tensors), testing::Expected(tp, r, v1))) << "form " << form;
+      }
+    }
+  }
+  // Whole tensors from the gridded patch.
+  DeviceSet whole = DeviceSet::Of(v0);
+  ASSERT_TRUE(codec_->ApplyPatch(*patch, whole.views, {}).ok());
+  EXPECT_TRUE(testing::SameBits(whole.ToHost(v0), v1));
 }
 
 TEST_F(DeviceCodecTest, CorruptPatchIsDataLossAndTheDestinationIsUnchanged) {

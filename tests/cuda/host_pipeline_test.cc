@@ -10,10 +10,12 @@
 #include <random>
 
 #include "../codec/test_tensors.h"
+#include "../codec/tp_model.h"
 #include "wsync/buffers/safetensors.h"
 #include "wsync/codec/checksum.h"
 #include "wsync/codec/staged.h"
 #include "wsync/cuda/logic.h"
+#include "wsync/cuda/placed.h"
 #include "wsync/cuda/sparse_plan.h"
 #include "wsync/util/first_error.h"
 
@@ -308,6 +310,172 @@ StatusOr<SparsePath> ApplySparseLikeTheDevice(const std::string& patch, std::vec
     }
   }
   return SparsePath{true, hdec.size()};
+}
+
+// The device's apply into pieces, tile grids and parts
+// (DeviceCodec::Apply, Impl::ApplyPlaced) run on the CPU: its plan, its
+// batches, each chunk gathered into its image slot by the kernel's body,
+// ranks resolved in the image by the kernels' search and select, the values,
+// the results' digests, the verdict, and only then the changes at their
+// placements. `budget`: image bytes per batch (small here, for several).
+template <typename T>
+Status ApplyPlacedLikeTheDevice(std::span<const std::string_view> parts, const codec::Destination& destination,
+                                bool as_parts, size_t budget) {
+  std::vector<codec::staged::PatchReader> readers;
+  for (std::string_view p : parts) {
+    WSYNC_ASSIGN_OR_RETURN(auto r, codec::staged::PatchReader::Open(p));
+    readers.push_back(std::move(r));
+  }
+  std::vector<const codec::staged::PatchReader*> refs;
+  for (const auto& r : readers) refs.push_back(&r);
+  WSYNC_ASSIGN_OR_RETURN(auto plans, codec::staged::PlanApply(refs, destination, {}, as_parts));
+  if (!cuda::placed::TilesAreBlocks(refs)) return UnimplementedError("tiles of more than a block");
+  std::vector<void*> dst;
+  if (destination.pieces()) {
+    for (const auto& rt : destination.runtime()) dst.push_back(rt.view.data);
+  } else {
+    for (const auto& t : destination.tensors()) dst.push_back(t.data);
+  }
+  std::vector<std::vector<codec::staged::DecodedChunk>> dec(plans.size());
+  std::vector<std::vector<std::vector<uint64_t>>> digests(plans.size());
+  for (size_t p = 0; p < plans.size(); ++p) {
+    dec[p].resize(plans[p].works.size());
+    digests[p].resize(plans[p].works.size());
+    for (size_t w = 0; w < plans[p].works.size(); ++w) {
+      WSYNC_RETURN_IF_ERROR(readers[p].DecodePositions(plans[p].works[w].chunk, &dec[p][w]));
+    }
+  }
+  std::vector<std::vector<uint64_t>> index(dst.size());
+  std::vector<std::vector<uint8_t>> delta(dst.size());
+  for (const cuda::placed::Batch& b : cuda::placed::Batches(refs, plans, budget)) {
+    EXPECT_EQ(b.width, sizeof(T));
+    const size_t n = b.works.size();
+    std::vector<T> image(n * b.slot, T{1});  // the kernel writes every element, padding included
+    std::vector<ClassSpec> specs(n);
+    for (size_t j = 0; j < n; ++j) {
+      const auto& work = plans[b.works[j].part].works[b.works[j].work];
+      const cuda::TileJob job{dst[work.dst], work.map};
+      for (uint64_t k = 0; k < b.slot; ++k) cuda::GatherTileElement(job, j, b.slot, k, image.data());
+      specs[j] = dec[b.works[j].part][b.works[j].work].spec;
+    }
+    const cuda::logic::Layout l{.n = n * b.slot, .chunk_elems = b.slot};
+    const auto prefix = Prefix(image.data(), l, specs);
+    for (size_t j = 0; j < n; ++j) {
+      const auto& ref = b.works[j];
+      const auto& work = plans[ref.part].works[ref.work];
+      auto& d = dec[ref.part][ref.work];
+      std::vector<uint8_t> old;
+      if (d.values_pending && d.spec.k > 1) {
+        if (d.ranked) {
+          std::vector<uint32_t> pos;
+          std::vector<T> o;
+          size_t at = 0;
+          for (int c = 0; c < d.spec.k; ++c) {
+            for (uint64_t i = 0; i < d.class_counts[c]; ++i, ++at) {
+              WSYNC_ASSIGN_OR_RETURN(const uint64_t e, RankedElement(image.data(), l, prefix, d.spec, j, c, d.ranks[at]));
+              pos.push_back(static_cast<uint32_t>(e - j * b.slot));
+              o.push_back(image[e]);
+            }
+          }
+          WSYNC_RETURN_IF_ERROR(codec::staged::MergeRankedPositions(pos.data(), o.data(), sizeof(T), &d, &old));
+          if (!d.pos.empty() && d.pos.back() >= work.map.n) return DataLossError("a rank beyond its elements");
+        } else {
+          for (uint32_t q : d.pos) {
+            const T v = image[j * b.slot + q];
+            old.insert(old.end(), reinterpret_cast<const uint8_t*>(&v), reinterpret_cast<const uint8_t*>(&v) + sizeof(T));
+          }
+        }
+      }
+      WSYNC_RETURN_IF_ERROR(readers[ref.part].DecodeValues(work.chunk, old.empty() ? nullptr : old.data(), &d));
+      const T* dl = reinterpret_cast<const T*>(d.delta.data());
+      for (size_t i = 0; i < d.pos.size(); ++i) image[j * b.slot + d.pos[i]] += dl[i];
+      const uint8_t* bytes = reinterpret_cast<const uint8_t*>(image.data() + j * b.slot);
+      const size_t len = work.map.n * sizeof(T);
+      for (size_t off = 0; off < len; off += codec::kChecksumBlockBytes) {
+        digests[ref.part][ref.work].push_back(cuda::logic::Xxh3(bytes + off, std::min(codec::kChecksumBlockBytes, len - off)));
+      }
+      cuda::placed::AppendChange(work, d, &index[work.dst], &delta[work.dst]);
+    }
+  }
+  if (auto bad = cuda::placed::Mismatch(refs, plans, digests)) return DataLossError(*bad + ": mismatch");
+  for (size_t k = 0; k < dst.size(); ++k) {
+    T* x = static_cast<T*>(dst[k]);
+    const T* dl = reinterpret_cast<const T*>(delta[k].data());
+    for (size_t i = 0; i < index[k].size(); ++i) x[index[k][i]] += dl[i];
+  }
+  return Status::Ok();
+}
+
+// Every rank of TP 1, 2 and 4 (replicated kv heads at 4, padded vocabulary,
+// column-parallel cells of several chunks) from the whole patch, from its
+// selection, and from the parts of two sources; whole tensors from a
+// gridded patch; each to codec::Apply's bits. A base the pieces do not hold
+// is refused and nothing is written.
+TEST(HostPlacedPath, PiecesGridsAndPartsApplyLikeTheHostCodec) {
+  using testing::Rank;
+  for (uint64_t tp : {1, 2, 4}) {
+    SCOPED_TRACE("TP " + std::to_string(tp));
+    std::mt19937_64 rng(40 + tp);
+    const auto v0 = testing::CanonicalModel(rng);
+    std::vector<OwnedTensor> v1;
+    for (const auto& t : v0) v1.push_back(testing::PerturbByExponent(t, 0.05, 118, rng));
+    std::vector<Rank> ranks = testing::MakeRanks(4);
+    codec::EncodeOptions o;
+    o.grids = codec::GridsFor(testing::Layouts(ranks), buffers::Views(v0));
+    auto patch = codec::EncodePatch(buffers::Views(v0), buffers::Views(v1), o);
+    ASSERT_TRUE(patch.ok()) << patch.status().ToString();
+    codec::EncodeOptions unconditioned = o;
+    unconditioned.condition_on_base = false;
+    auto plain = codec::EncodePatch(buffers::Views(v0), buffers::Views(v1), unconditioned);
+    ASSERT_TRUE(plain.ok());
+    // The parts of two sources: the first four tensors, and the rest.
+    std::vector<std::string> parts;
+    for (auto [b, e] : {std::pair<size_t, size_t>{0, 4}, {4, v0.size()}}) {
+      codec::EncodeOptions po;
+      for (const auto& g : o.grids) {
+        for (size_t t = b; t < e; ++t) {
+          if (v0[t].name == g.tensor) po.grids.push_back(g);
+        }
+      }
+      const auto bv = buffers::Views(v0), tv = buffers::Views(v1);
+      auto part = codec::EncodePatch(std::span(bv).subspan(b, e - b), std::span(tv).subspan(b, e - b), po);
+      ASSERT_TRUE(part.ok()) << part.status().ToString();
+      parts.push_back(*part);
+    }
+    const std::vector<std::string_view> part_views(parts.begin(), parts.end());
+    for (uint64_t r = 0; r < tp; ++r) {
+      const auto want = testing::Expected(tp, r, v1);
+      auto selection = codec::SelectForPieces(*patch, testing::MakeRank(tp, r).layout);
+      ASSERT_TRUE(selection.ok());
+      for (int form = 0; form < 3; ++form) {
+        Rank rank = testing::MakeRank(tp, r);
+        testing::Fill(&rank, v0);
+        std::string_view one = form == 1 ? std::string_view(*selection) : std::string_view(*patch);
+        const Status s = form == 2 ? ApplyPlacedLikeTheDevice<uint16_t>(part_views, rank.layout, true, 3 << 19)
+                                   : ApplyPlacedLikeTheDevice<uint16_t>(std::span(&one, 1), rank.layout, false, 3 << 19);
+        ASSERT_TRUE(s.ok()) << "rank " << r << " form " << form << ": " << s.ToString();
+        EXPECT_TRUE(testing::SameBits(rank.tensors, want)) << "rank " << r << " form " << form;
+      }
+      // Pieces whose gridded tensor "down" holds another version than the
+      // base: refused, nothing written; coded without conditioning on the
+      // base, only its tiles' digests can tell.
+      auto mixed = v0;
+      mixed.back() = v1.back();
+      ASSERT_EQ(mixed.back().name, "down");
+      for (const std::string& p : {*patch, *plain}) {
+        Rank stale = testing::MakeRank(tp, r);
+        testing::Fill(&stale, mixed);
+        const std::string_view one(p);
+        const Status s = ApplyPlacedLikeTheDevice<uint16_t>(std::span(&one, 1), stale.layout, false, 3 << 19);
+        EXPECT_EQ(s.code(), StatusCode::kDataLoss) << s.ToString();
+        EXPECT_TRUE(testing::SameBits(stale.tensors, testing::Expected(tp, r, mixed))) << "a refused apply wrote";
+      }
+    }
+    auto whole = v0;
+    const std::string_view one(*patch);
+    ASSERT_TRUE(ApplyPlacedLikeTheDevice<uint16_t>(std::span(&one, 1), buffers::MutableViews(whole), false, 3 << 19).ok());
+    EXPECT_TRUE(testing::SameBits(whole, v1));
+  }
 }
 
 struct Case {

@@ -504,7 +504,9 @@ TEST_F(SinkCoreTest, AChildLeavesARelayItCannotReachWithoutWaitingForItsTtl) {
   EXPECT_LT(clock_.NowMs() - t0, static_cast<int64_t>(kTtlMs)) << "reassigned by the TTL, not by the report";
   const v1::StatusResponse status = state_->GetStatus();
   for (const auto& n : status.nodes()) {
-    if (n.name() == "sink-a") EXPECT_EQ(n.state(), v1::NODE_ALIVE) << "the relay was not declared dead meanwhile";
+    if (n.name() == "sink-a") {
+      EXPECT_EQ(n.state(), v1::NODE_ALIVE) << "the relay was not declared dead meanwhile";
+    }
   }
 }
 

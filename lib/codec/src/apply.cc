@@ -66,6 +66,7 @@ struct Work {
   size_t chunk = 0;
   Placement at;
   size_t group = 0;   // ungridded tensors: the placed tensor its checksum verifies
+  size_t dst = 0;     // the destination (whole) or runtime (pieces) tensor
 };
 
 struct Plan {
@@ -81,13 +82,15 @@ struct Plan {
   }
 };
 
-Plan WholePlan(const Container& c, const std::vector<const MutableTensorView*>& dst) {
+// first: the caller's list of destinations (Work::dst indexes it).
+Plan WholePlan(const Container& c, const std::vector<const MutableTensorView*>& dst, const MutableTensorView* first) {
   Plan p;
   for (size_t t = 0; t < c.tensors.size(); ++t) {
     p.group_tensor.push_back(t);
     p.group_where.push_back("tensor " + Quoted(c.tensors[t].name));
     for (size_t k = 0; k < c.tensors[t].chunks.size(); ++k) {
-      p.works.push_back(Work{t, k, internal::Identity(c.tensors[t], dst[t]->data), t});
+      p.works.push_back(Work{t, k, internal::Identity(c.tensors[t], dst[t]->data), t,
+                             static_cast<size_t>(dst[t] - first)});
     }
   }
   return p;
@@ -187,7 +190,8 @@ StatusOr<Plan> PiecesPlan(const Container& c, std::span<const RuntimeTensor> run
   for (size_t t = 0; t < c.tensors.size(); ++t) index.emplace(c.tensors[t].name, t);
   Plan p;
   p.whole = false;
-  for (const RuntimeTensor& rt : runtime) {
+  for (size_t ri = 0; ri < runtime.size(); ++ri) {
+    const RuntimeTensor& rt = runtime[ri];
     if (need_data && rt.view.NumBytes() > 0 && rt.view.data == nullptr) {
       return InvalidArgumentError("runtime tensor " + Quoted(rt.view.name) + ": no data");
     }
@@ -223,7 +227,7 @@ StatusOr<Plan> PiecesPlan(const Container& c, std::span<const RuntimeTensor> run
       for (size_t k = 0; k < t.chunks.size(); ++k) {
         const Rect tile = TileRect(t.tiles[k]);
         if (cr.Contains(tile)) {
-          p.works.push_back(Work{it->second, k, at, group});
+          p.works.push_back(Work{it->second, k, at, group, ri});
         } else if (cr.Overlaps(tile)) {
           return FailedPreconditionError(PieceWhere(rt, j) + " holds " + cr.Text() + ", which cuts " +
                                          ChunkWhere(t, k) + " (" + tile.Text() +
@@ -466,7 +470,7 @@ struct PartApply {
 // its tensors' names. REQUIRES: *p stays where it is.
 Status PlanWholePart(std::span<const MutableTensorView> tensors, bool allow_extra, ThreadPool* pool, PartApply* p) {
   WSYNC_ASSIGN_OR_RETURN(auto dst, MatchTensors(p->c, tensors, allow_extra));
-  p->plan = WholePlan(p->c, dst);
+  p->plan = WholePlan(p->c, dst, tensors.data());
   WSYNC_RETURN_IF_ERROR(CheckPresent(p->c, p->plan));
   const Container* held = &p->c;
   p->holds_base = [held, dst, pool] { return HoldsBase(*held, dst, pool); };
@@ -595,11 +599,11 @@ Status ApplyPieces(std::string_view patch, std::span<const RuntimeTensor> runtim
 
 // Parts of one version hold disjoint tensors, which cover the destination
 // (unless allow_extra_tensors).
-Status CheckWholeParts(std::span<PartApply* const> parts, std::span<const MutableTensorView> tensors,
+Status CheckWholeParts(std::span<const Container* const> parts, std::span<const MutableTensorView> tensors,
                        const ApplyOptions& options) {
   std::unordered_map<std::string_view, size_t> part_of;
   for (size_t i = 0; i < parts.size(); ++i) {
-    for (const TensorEntry& e : parts[i]->c.tensors) {
+    for (const TensorEntry& e : parts[i]->tensors) {
       if (auto [it, fresh] = part_of.emplace(e.name, i); !fresh) {
         return FailedPreconditionError("tensor " + Quoted(e.name) + " is in parts " + std::to_string(it->second) +
                                        " and " + std::to_string(i) + " of the version");
@@ -617,10 +621,10 @@ Status CheckWholeParts(std::span<PartApply* const> parts, std::span<const Mutabl
 }
 
 // The same for pieces: every piece's tensor in exactly one part.
-Status CheckPiecesParts(std::span<PartApply* const> parts, std::span<const RuntimeTensor> runtime) {
+Status CheckPiecesParts(std::span<const Container* const> parts, std::span<const RuntimeTensor> runtime) {
   std::unordered_set<std::string_view> names;
-  for (PartApply* p : parts) {
-    for (const TensorEntry& e : p->c.tensors) {
+  for (const Container* c : parts) {
+    for (const TensorEntry& e : c->tensors) {
       if (!names.insert(e.name).second) {
         return FailedPreconditionError("tensor " + Quoted(e.name) + " is in two parts of the version");
       }
@@ -642,6 +646,12 @@ std::vector<PartApply*> Pointers(std::vector<PartApply>& parts) {
   return out;
 }
 
+std::vector<const Container*> Containers(std::span<PartApply* const> parts) {
+  std::vector<const Container*> out;
+  for (const PartApply* p : parts) out.push_back(&p->c);
+  return out;
+}
+
 Status ApplyWholeParts(std::span<const std::string_view> patches, std::span<const MutableTensorView> tensors,
                        const ApplyOptions& options) {
   if (patches.empty()) return InvalidArgumentError("no parts to apply");
@@ -650,7 +660,7 @@ Status ApplyWholeParts(std::span<const std::string_view> patches, std::span<cons
     WSYNC_RETURN_IF_ERROR(ReadWholePart(patches[i], tensors, /*allow_extra=*/true, options, &parts[i]));
   }
   const std::vector<PartApply*> all = Pointers(parts);
-  WSYNC_RETURN_IF_ERROR(CheckWholeParts(all, tensors, options));
+  WSYNC_RETURN_IF_ERROR(CheckWholeParts(Containers(all), tensors, options));
   return ApplyAll(all, options.pool);
 }
 
@@ -662,7 +672,7 @@ Status ApplyPiecesParts(std::span<const std::string_view> patches, std::span<con
     WSYNC_RETURN_IF_ERROR(ReadPiecesPart(patches[i], runtime, /*other_parts=*/true, options, &parts[i]));
   }
   const std::vector<PartApply*> all = Pointers(parts);
-  WSYNC_RETURN_IF_ERROR(CheckPiecesParts(all, runtime));
+  WSYNC_RETURN_IF_ERROR(CheckPiecesParts(Containers(all), runtime));
   return ApplyAll(all, options.pool);
 }
 
@@ -677,6 +687,44 @@ Status Apply(std::span<const std::string_view> parts, const Destination& destina
   return destination.pieces() ? ApplyPiecesParts(parts, destination.runtime(), options)
                               : ApplyWholeParts(parts, destination.tensors(), options);
 }
+
+namespace internal {
+
+StatusOr<std::vector<staged::ApplyPlan>> PlanApply(std::span<const Container* const> parts, const Destination& destination,
+                                            const ApplyOptions& options, bool as_parts) {
+  if (parts.empty()) return InvalidArgumentError("no parts to apply");
+  if (as_parts) {
+    WSYNC_RETURN_IF_ERROR(destination.pieces() ? CheckPiecesParts(parts, destination.runtime())
+                                               : CheckWholeParts(parts, destination.tensors(), options));
+  }
+  std::vector<staged::ApplyPlan> out;
+  for (const Container* c : parts) {
+    Plan plan;
+    if (destination.pieces()) {
+      WSYNC_ASSIGN_OR_RETURN(plan, PiecesPlan(*c, destination.runtime(), /*need_data=*/true, as_parts));
+    } else {
+      const auto tensors = destination.tensors();
+      WSYNC_ASSIGN_OR_RETURN(auto dst, MatchTensors(*c, tensors, as_parts || options.allow_extra_tensors));
+      plan = WholePlan(*c, dst, tensors.data());
+    }
+    WSYNC_RETURN_IF_ERROR(CheckPresent(*c, plan));
+    std::vector<size_t> first(c->tensors.size() + 1, 0);
+    for (size_t t = 0; t < c->tensors.size(); ++t) first[t + 1] = first[t] + c->tensors[t].chunks.size();
+    staged::ApplyPlan p;
+    p.whole = plan.whole;
+    p.group_tensor = std::move(plan.group_tensor);
+    p.group_where = std::move(plan.group_where);
+    for (const Work& w : plan.works) {
+      const internal::Tile& tile = c->tensors[w.tensor].tiles[w.chunk];
+      const TileMap map{tile.row0, tile.col0, tile.cell_cols, tile.first, tile.n, w.at.cols, w.at.drow, w.at.dcol};
+      p.works.push_back({first[w.tensor] + w.chunk, w.dst, w.group, map});
+    }
+    out.push_back(std::move(p));
+  }
+  return out;
+}
+
+}  // namespace internal
 
 // ---- ApplyAhead
 
@@ -817,9 +865,9 @@ Status ApplyAhead::Apply(std::string_view stream) {
     parts.push_back(&p);
   }
   if (m.pieces) {
-    WSYNC_RETURN_IF_ERROR(CheckPiecesParts(parts, m.runtime));
+    WSYNC_RETURN_IF_ERROR(CheckPiecesParts(Containers(parts), m.runtime));
   } else {
-    WSYNC_RETURN_IF_ERROR(CheckWholeParts(parts, m.tensors, m.options));
+    WSYNC_RETURN_IF_ERROR(CheckWholeParts(Containers(parts), m.tensors, m.options));
   }
   return ApplyAll(parts, m.options.pool);
 }

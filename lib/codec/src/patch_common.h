@@ -14,6 +14,7 @@
 #include "format.h"
 #include "wsync/codec/checksum.h"
 #include "wsync/codec/codec.h"
+#include "wsync/codec/staged.h"
 #include "wsync/util/first_error.h"
 #include "wsync/util/thread_pool.h"
 
@@ -232,6 +233,12 @@ StatusOr<std::vector<TensorEntry>> EntriesFor(std::span<const TensorView> set, c
 
 // FailedPrecondition: chunk `chunk` of t is not in this patch (a selection for other pieces).
 Status AbsentChunk(const TensorEntry& t, size_t chunk);
+
+// The works Apply would run for each part (chunk indices in task order),
+// with its checks and errors; as_parts: the containers are the parts of one
+// version (Apply's list form).
+StatusOr<std::vector<staged::ApplyPlan>> PlanApply(std::span<const Container* const> parts, const Destination& destination,
+                                            const ApplyOptions& options, bool as_parts);
 
 }  // namespace wsync::codec::internal
 

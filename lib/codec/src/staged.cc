@@ -256,17 +256,6 @@ PatchReader::~PatchReader() = default;
 StatusOr<PatchReader> PatchReader::Open(std::string_view patch, bool verify_checksum) {
   auto impl = std::make_unique<Impl>();
   WSYNC_ASSIGN_OR_RETURN(impl->c, internal::ReadContainer(patch, verify_checksum));
-  // The staged stages address chunks as flat ranges of whole patches.
-  for (const internal::TensorEntry& e : impl->c.tensors) {
-    if (e.gridded()) {
-      return UnimplementedError("tensor " + Quoted(e.name) +
-                                " has a tile grid; the staged (device) reader takes ungridded patches only");
-    }
-    for (const internal::ChunkEntry& ch : e.chunks) {
-      if (ch.absent) return FailedPreconditionError("the patch is a selection (tensor " + Quoted(e.name) +
-                                                    " lacks chunks); apply it into pieces (codec::Apply)");
-    }
-  }
   impl->tasks = internal::TasksOf(impl->c.tensors);
   impl->chunks = ChunksOf(impl->c, impl->tasks);
   return PatchReader(std::move(impl));
@@ -281,6 +270,26 @@ size_t PatchReader::tensor_count() const { return impl_->c.tensors.size(); }
 uint64_t PatchReader::target_checksum(size_t t) const { return impl_->c.tensors.at(t).target_checksum; }
 const std::string& PatchReader::tensor_name(size_t t) const { return impl_->c.tensors.at(t).name; }
 const std::vector<Chunk>& PatchReader::chunks() const { return impl_->chunks; }
+
+bool PatchReader::flat() const {
+  for (const internal::TensorEntry& e : impl_->c.tensors) {
+    if (e.gridded()) return false;
+    for (const internal::ChunkEntry& ch : e.chunks) {
+      if (ch.absent) return false;
+    }
+  }
+  return true;
+}
+
+bool PatchReader::gridded(size_t t) const { return impl_->c.tensors.at(t).gridded(); }
+uint64_t PatchReader::tile_digest(size_t i) const { return impl_->At(i).entry.digest; }
+
+StatusOr<std::vector<ApplyPlan>> PlanApply(std::span<const PatchReader* const> parts, const Destination& destination,
+                                           const ApplyOptions& options, bool as_parts) {
+  std::vector<const Container*> containers;
+  for (const PatchReader* r : parts) containers.push_back(&r->impl_->c);
+  return internal::PlanApply(containers, destination, options, as_parts);
+}
 
 StatusOr<std::vector<size_t>> PatchReader::Match(std::span<const MutableTensorView> dst, bool allow_extra) const {
   WSYNC_ASSIGN_OR_RETURN(auto matched, internal::MatchTensors(impl_->c, dst, allow_extra));

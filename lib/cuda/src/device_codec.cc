@@ -16,6 +16,7 @@
 #include "wsync/codec/checksum.h"
 #include "wsync/codec/staged.h"
 #include "wsync/cuda/kernels.h"
+#include "wsync/cuda/placed.h"
 #include "wsync/cuda/sparse_plan.h"
 #include "wsync/util/first_error.h"
 #include "wsync/util/thread_pool.h"
@@ -186,6 +187,9 @@ Status CopyToPinned(PinnedArena& pinned, const T** out, const T* src, size_t cou
 constexpr size_t kBatchScratchBytes = size_t{64} << 20;
 // A batch's bases staged from host memory stay under this, or one tensor.
 constexpr size_t kStagingBytes = size_t{256} << 20;
+// An apply into pieces or tile grids gathers chunks into images of at most
+// this (or one chunk) at a time.
+constexpr size_t kImageBytes = size_t{128} << 20;
 
 }  // namespace
 
@@ -419,6 +423,11 @@ struct DeviceCodec::Impl {
                           const std::vector<size_t>& match, const std::function<Status(bool undo)>& scatter);
   Status ApplyKeyframe(const codec::staged::PatchReader& r, std::span<const MutableTensorView> dst,
                        const std::vector<size_t>& match, const codec::ApplyOptions& options);
+  // Patches into pieces or tile grids (placed.h). dst: the destination
+  // tensors' data, as the plans' Work::dst index them.
+  Status ApplyPlaced(std::span<const codec::staged::PatchReader* const> readers,
+                     std::span<const codec::staged::ApplyPlan> plans, std::span<void* const> dst,
+                     const codec::ApplyOptions& options);
   StatusOr<bool> HoldsBase(const codec::staged::PatchReader& r, std::span<const MutableTensorView> dst,
                            const std::vector<size_t>& match);
   // What a failed apply reports: FailedPrecondition when the destination
@@ -1311,18 +1320,315 @@ Status DeviceCodec::Impl::ApplyDelta(const codec::staged::PatchReader& r, std::s
   return ScatterAndVerify(r, dst, match, scatter);
 }
 
+Status DeviceCodec::Impl::ApplyPlaced(std::span<const codec::staged::PatchReader* const> readers,
+                                      std::span<const codec::staged::ApplyPlan> plans, std::span<void* const> dst,
+                                      const codec::ApplyOptions& options) {
+  if (!placed::TilesAreBlocks(readers)) {
+    return UnimplementedError("the device applies tile grids coded in chunks of " +
+                              std::to_string(codec::kChecksumBlockBytes) + " bytes only");
+  }
+  // Every work's decoding state and result digests; errors ordered by work
+  // across the parts.
+  std::vector<size_t> first(plans.size() + 1, 0);
+  for (size_t p = 0; p < plans.size(); ++p) first[p + 1] = first[p] + plans[p].works.size();
+  std::vector<std::vector<DecodedChunk>> decoded(plans.size());
+  std::vector<std::vector<std::vector<uint64_t>>> digests(plans.size());
+  for (size_t p = 0; p < plans.size(); ++p) {
+    decoded[p].resize(plans[p].works.size());
+    digests[p].resize(plans[p].works.size());
+  }
+  auto where = [&](const placed::Ref& ref) {
+    const auto& r = *readers[ref.part];
+    const Chunk& c = r.chunks()[plans[ref.part].works[ref.work].chunk];
+    return "tensor " + Quoted(r.tensor_name(c.tensor)) + " chunk " + std::to_string(c.index);
+  };
+  auto fail = [&](const Status& s) {
+    if (s.code() != StatusCode::kDataLoss) return s;
+    return DataLossError(s.message() + " (the patch is corrupted or the destination does not hold its base); "
+                                       "destination unchanged");
+  };
+  FirstError error;
+  // Stage 1 on the host: positions (or ranks) of every work's chunk.
+  ParallelFor(options.pool, first.back(), [&](size_t g) {
+    const size_t p = std::upper_bound(first.begin(), first.end(), g) - first.begin() - 1;
+    const size_t w = g - first[p];
+    error.Record(g, readers[p]->DecodePositions(plans[p].works[w].chunk, &decoded[p][w]));
+  });
+  EndPhase("positions");
+  if (error.failed()) return fail(error.status());
+
+  // Batch after batch: gather the works' chunks into image slots, resolve
+  // ranks and old values there, decode the values on the host, add them in
+  // the image and digest the results. The destination is not touched.
+  struct Change {
+    size_t width = 0;
+    std::vector<uint64_t> index;
+    std::vector<uint8_t> delta;
+  };
+  std::vector<Change> commit(dst.size());
+  for (const placed::Batch& b : placed::Batches(readers, plans, kImageBytes)) {
+    pinned.Reset();
+    const size_t n = b.works.size(), width = b.width;
+    const int w = static_cast<int>(width);
+    const logic::Layout l = LayoutOf(n * b.slot, width, static_cast<uint32_t>(b.slot * width));
+    // Entries of ranked chunks (slot, class, rank) and old values to gather.
+    std::vector<ClassSpec> specs(n);
+    std::vector<size_t> e_start(n), g_start(n);
+    size_t me = 0, mg = 0;
+    for (size_t j = 0; j < n; ++j) {
+      const DecodedChunk& dc = decoded[b.works[j].part][b.works[j].work];
+      specs[j] = dc.spec;
+      e_start[j] = me;
+      g_start[j] = mg;
+      if (!dc.values_pending || dc.spec.k == 1) continue;
+      if (dc.ranked) {
+        uint64_t listed = 0;
+        for (int k = 0; k < dc.spec.k; ++k) listed += dc.class_counts[k];
+        if (listed != dc.ranks.size()) {
+          return fail(DataLossError(where(b.works[j]) + ": class counts do not sum to its ranks"));
+        }
+        me += dc.ranks.size();
+      } else {
+        mg += dc.pos.size();
+      }
+    }
+    Carver carve;
+    const size_t o_image = carve.Add<uint8_t>(n * b.slot * width);
+    const size_t o_jobs = carve.Add<TileJob>(n);
+    const size_t o_chunk = carve.Add<uint32_t>(me), o_cls = carve.Add<uint8_t>(me), o_rank = carve.Add<uint32_t>(me);
+    const size_t o_pos = carve.Add<uint32_t>(me), o_eold = carve.Add<uint8_t>(me * width);
+    const size_t o_err = carve.Add<uint32_t>(1);
+    const size_t o_gidx = carve.Add<uint64_t>(mg), o_gold = carve.Add<uint8_t>(mg * width);
+    const size_t o_djobs = carve.Add<DigestJob>(n);
+    size_t blocks = 0;
+    for (const placed::Ref& ref : b.works) {
+      blocks += codec::ChecksumBlockCount(plans[ref.part].works[ref.work].map.n * width);
+    }
+    const size_t o_digests = carve.Add<uint64_t>(blocks);
+    WSYNC_ASSIGN_OR_RETURN(void* mem, scratch.Get(carve.bytes()));
+    void* image = At<void>(mem, o_image);
+    WSYNC_ASSIGN_OR_RETURN(TileJob* jobs, pinned.Alloc<TileJob>(n));
+    for (size_t j = 0; j < n; ++j) {
+      const codec::staged::Work& work = plans[b.works[j].part].works[b.works[j].work];
+      jobs[j] = TileJob{dst[work.dst], work.map};
+    }
+    WSYNC_RETURN_IF_ERROR(CopyUp(At<void>(mem, o_jobs), jobs, n * sizeof(TileJob), compute));
+    WSYNC_RETURN_IF_ERROR(LaunchGatherTiles(At<TileJob>(mem, o_jobs), n, w, b.slot, image, compute));
+    EndPhase("gather");
+    const uint32_t* pos_back = nullptr;
+    const uint8_t* eold_back = nullptr;
+    const uint8_t* gold_back = nullptr;
+    const uint32_t* err_back = nullptr;
+    uint32_t* chunk_h = nullptr;
+    uint8_t* cls_h = nullptr;
+    uint32_t* rank_h = nullptr;
+    if (me > 0 || mg > 0) {
+      WSYNC_ASSIGN_OR_RETURN(chunk_h, pinned.Alloc<uint32_t>(me));
+      WSYNC_ASSIGN_OR_RETURN(cls_h, pinned.Alloc<uint8_t>(me));
+      WSYNC_ASSIGN_OR_RETURN(rank_h, pinned.Alloc<uint32_t>(me));
+      WSYNC_ASSIGN_OR_RETURN(uint64_t* gidx_h, pinned.Alloc<uint64_t>(mg));
+      for (size_t j = 0; j < n; ++j) {
+        const DecodedChunk& dc = decoded[b.works[j].part][b.works[j].work];
+        if (!dc.values_pending || dc.spec.k == 1) continue;
+        if (dc.ranked) {
+          size_t at = e_start[j];
+          for (int k = 0; k < dc.spec.k; ++k) {
+            for (uint64_t i = 0; i < dc.class_counts[k]; ++i, ++at) {
+              chunk_h[at] = static_cast<uint32_t>(j);
+              cls_h[at] = static_cast<uint8_t>(k);
+              rank_h[at] = dc.ranks[at - e_start[j]];
+            }
+          }
+        } else {
+          for (size_t i = 0; i < dc.pos.size(); ++i) gidx_h[g_start[j] + i] = j * b.slot + dc.pos[i];
+        }
+      }
+      if (me > 0) {
+        const RankScratch rs = RankScratchOf(l);
+        WSYNC_ASSIGN_OR_RETURN(void* rmem, rank_mem.Get(rs.bytes));
+        WSYNC_RETURN_IF_ERROR(RankPrefix(image, width, l, specs, rmem, rs));
+        WSYNC_RETURN_IF_ERROR(CopyUp(At<void>(mem, o_chunk), chunk_h, me * 4, compute));
+        WSYNC_RETURN_IF_ERROR(CopyUp(At<void>(mem, o_cls), cls_h, me, compute));
+        WSYNC_RETURN_IF_ERROR(CopyUp(At<void>(mem, o_rank), rank_h, me * 4, compute));
+        WSYNC_RETURN_IF_ERROR(Check(cudaMemsetAsync(At<void>(mem, o_err), 0, 4, compute), "memset"));
+        WSYNC_RETURN_IF_ERROR(LaunchRankPositions(image, w, l, At<ClassSpec>(rmem, rs.o_specs),
+                                                  At<uint32_t>(rmem, rs.o_prefix), At<uint32_t>(mem, o_chunk),
+                                                  At<uint8_t>(mem, o_cls), At<uint32_t>(mem, o_rank), me,
+                                                  At<uint32_t>(mem, o_pos), At<uint8_t>(mem, o_eold),
+                                                  At<uint32_t>(mem, o_err), compute));
+        WSYNC_RETURN_IF_ERROR(CopyToPinned(pinned, &pos_back, At<uint32_t>(mem, o_pos), me, compute));
+        WSYNC_RETURN_IF_ERROR(CopyToPinned(pinned, &eold_back, At<uint8_t>(mem, o_eold), me * width, compute));
+        WSYNC_RETURN_IF_ERROR(CopyToPinned(pinned, &err_back, At<uint32_t>(mem, o_err), 1, compute));
+      }
+      if (mg > 0) {
+        WSYNC_RETURN_IF_ERROR(CopyUp(At<void>(mem, o_gidx), gidx_h, mg * 8, compute));
+        WSYNC_RETURN_IF_ERROR(LaunchGather(image, w, At<uint64_t>(mem, o_gidx), mg, At<uint8_t>(mem, o_gold), compute));
+        WSYNC_RETURN_IF_ERROR(CopyToPinned(pinned, &gold_back, At<uint8_t>(mem, o_gold), mg * width, compute));
+      }
+      WSYNC_RETURN_IF_ERROR(Check(cudaStreamSynchronize(compute), "positions"));
+      if (err_back != nullptr && err_back[0] != 0) {
+        const size_t k = err_back[0] - 1;
+        return fail(DataLossError(where(b.works[chunk_h[k]]) + ": position stream: class " +
+                                  std::to_string(cls_h[k]) + " rank " + std::to_string(rank_h[k]) +
+                                  " beyond its elements"));
+      }
+    }
+    EndPhase("ranks");
+    // Stage 3 on the host: old values by position, then the values.
+    ParallelFor(options.pool, n, [&](size_t j) {
+      const placed::Ref& ref = b.works[j];
+      DecodedChunk& dc = decoded[ref.part][ref.work];
+      const size_t g = first[ref.part] + ref.work;
+      std::vector<uint8_t> old;
+      if (dc.values_pending && dc.spec.k > 1) {
+        if (dc.ranked) {
+          Status s = codec::staged::MergeRankedPositions(pos_back + e_start[j], eold_back + e_start[j] * width,
+                                                         width, &dc, &old);
+          if (s.ok() && !dc.pos.empty() && dc.pos.back() >= plans[ref.part].works[ref.work].map.n) {
+            s = DataLossError(where(ref) + ": position stream: a rank beyond its elements");
+          }
+          if (!s.ok()) return error.Record(g, s);
+        } else {
+          old.assign(gold_back + g_start[j] * width, gold_back + (g_start[j] + dc.pos.size()) * width);
+        }
+      }
+      error.Record(g, readers[ref.part]->DecodeValues(plans[ref.part].works[ref.work].chunk,
+                                                      old.empty() ? nullptr : old.data(), &dc));
+    });
+    EndPhase("values");
+    if (error.failed()) return fail(error.status());
+    // The results in the image, and their digests.
+    size_t m = 0;
+    for (const placed::Ref& ref : b.works) m += decoded[ref.part][ref.work].pos.size();
+    WSYNC_ASSIGN_OR_RETURN(uint64_t* idx_h, pinned.Alloc<uint64_t>(m));
+    WSYNC_ASSIGN_OR_RETURN(uint8_t* delta_h, pinned.Alloc<uint8_t>(m * width));
+    WSYNC_ASSIGN_OR_RETURN(DigestJob* djobs, pinned.Alloc<DigestJob>(n));
+    Carver sc;
+    const size_t o_idx = sc.Add<uint64_t>(m), o_delta = sc.Add<uint8_t>(m * width);
+    WSYNC_ASSIGN_OR_RETURN(void* smem, changes.Get(sc.bytes()));
+    size_t at = 0, nd = 0;
+    uint64_t block = 0;
+    for (size_t j = 0; j < n; ++j) {
+      const placed::Ref& ref = b.works[j];
+      const DecodedChunk& dc = decoded[ref.part][ref.work];
+      for (uint32_t p : dc.pos) idx_h[at++] = j * b.slot + p;
+      if (!dc.delta.empty()) std::memcpy(delta_h + (at - dc.pos.size()) * width, dc.delta.data(), dc.delta.size());
+      const uint64_t bytes = plans[ref.part].works[ref.work].map.n * width;
+      if (bytes == 0) continue;
+      djobs[nd++] = DigestJob{static_cast<uint8_t*>(image) + j * b.slot * width, bytes,
+                              At<uint64_t>(mem, o_digests) + block, block};
+      block += codec::ChecksumBlockCount(bytes);
+    }
+    WSYNC_RETURN_IF_ERROR(CopyUp(At<void>(smem, o_idx), idx_h, m * 8, compute));
+    WSYNC_RETURN_IF_ERROR(CopyUp(At<void>(smem, o_delta), delta_h, m * width, compute));
+    WSYNC_RETURN_IF_ERROR(LaunchScatterAdd(image, w, At<uint64_t>(smem, o_idx), At<uint8_t>(smem, o_delta), m,
+                                           /*undo=*/false, compute));
+    if (nd > 0) {
+      WSYNC_RETURN_IF_ERROR(CopyUp(At<void>(mem, o_djobs), djobs, nd * sizeof(DigestJob), compute));
+      WSYNC_RETURN_IF_ERROR(LaunchBlockDigests(At<DigestJob>(mem, o_djobs), nd, block, compute));
+    }
+    const uint64_t* sums = nullptr;
+    WSYNC_RETURN_IF_ERROR(CopyToPinned(pinned, &sums, At<uint64_t>(mem, o_digests), block, compute));
+    WSYNC_RETURN_IF_ERROR(Check(cudaStreamSynchronize(compute), "digests"));
+    block = 0;
+    for (const placed::Ref& ref : b.works) {
+      const codec::staged::Work& work = plans[ref.part].works[ref.work];
+      const uint64_t count = codec::ChecksumBlockCount(work.map.n * width);
+      digests[ref.part][ref.work].assign(sums + block, sums + block + count);
+      block += count;
+      Change& c = commit[work.dst];
+      c.width = width;
+      placed::AppendChange(work, decoded[ref.part][ref.work], &c.index, &c.delta);
+      decoded[ref.part][ref.work] = DecodedChunk{};
+    }
+    EndPhase("verify");
+  }
+  if (auto bad = placed::Mismatch(readers, plans, digests)) {
+    return DataLossError(*bad + ": result does not match the patch's checksum (the patch is corrupted or the "
+                                "destination does not hold its base); destination unchanged");
+  }
+  // Every work verified: the changes at their placements.
+  pinned.Reset();
+  Carver cc;
+  std::vector<size_t> o_idx(dst.size()), o_delta(dst.size());
+  for (size_t d = 0; d < dst.size(); ++d) {
+    o_idx[d] = cc.Add<uint64_t>(commit[d].index.size());
+    o_delta[d] = cc.Add<uint8_t>(commit[d].delta.size());
+  }
+  WSYNC_ASSIGN_OR_RETURN(void* cmem, changes.Get(cc.bytes()));
+  Status written;
+  for (size_t d = 0; d < dst.size() && written.ok(); ++d) {
+    const Change& c = commit[d];
+    if (c.index.empty()) continue;
+    written = CopyUp(At<void>(cmem, o_idx[d]), c.index.data(), c.index.size() * 8, compute);
+    if (written.ok()) written = CopyUp(At<void>(cmem, o_delta[d]), c.delta.data(), c.delta.size(), compute);
+    if (written.ok()) {
+      written = LaunchScatterAdd(dst[d], static_cast<int>(c.width), At<uint64_t>(cmem, o_idx[d]),
+                                 At<uint8_t>(cmem, o_delta[d]), c.index.size(), /*undo=*/false, compute);
+    }
+  }
+  if (written.ok()) written = Check(cudaStreamSynchronize(compute), "scatter");
+  EndPhase("scatter");
+  if (!written.ok()) {
+    return DataLossError("writing the verified change: " + written.ToString() + "; the destination may be torn");
+  }
+  return Status::Ok();
+}
+
 Status DeviceCodec::ApplyPatch(std::string_view patch, std::span<const MutableTensorView> tensors,
                                const codec::ApplyOptions& options) {
   impl_->StartPhases();
   WSYNC_RETURN_IF_ERROR(impl_->Activate());
   const EndOfCall end{impl_->compute, impl_->pinned};
   WSYNC_ASSIGN_OR_RETURN(auto reader, codec::staged::PatchReader::Open(patch, options.verify_patch_checksum));
+  if (!reader.flat()) return ApplyParts(std::span(&patch, 1), tensors, options, /*as_parts=*/false);
   WSYNC_ASSIGN_OR_RETURN(auto match, reader.Match(tensors, options.allow_extra_tensors));
   if (reader.kind() == codec::PatchKind::kKeyframe) return impl_->ApplyKeyframe(reader, tensors, match, options);
   impl_->pinned.Reset();
   WSYNC_ASSIGN_OR_RETURN(bool on_device, impl_->ApplySparse(patch, reader, tensors, match, options));
   if (on_device) return Status::Ok();
   return impl_->ApplyDelta(reader, tensors, match, options);
+}
+
+Status DeviceCodec::Apply(std::string_view patch, const codec::Destination& destination,
+                          const codec::ApplyOptions& options) {
+  return ApplyParts(std::span(&patch, 1), destination, options, /*as_parts=*/false);
+}
+
+Status DeviceCodec::Apply(std::span<const std::string_view> parts, const codec::Destination& destination,
+                          const codec::ApplyOptions& options) {
+  return ApplyParts(parts, destination, options, /*as_parts=*/true);
+}
+
+Status DeviceCodec::ApplyParts(std::span<const std::string_view> parts, const codec::Destination& destination,
+                               const codec::ApplyOptions& options, bool as_parts) {
+  std::vector<codec::staged::PatchReader> readers;
+  for (std::string_view p : parts) {
+    WSYNC_ASSIGN_OR_RETURN(auto r, codec::staged::PatchReader::Open(p, options.verify_patch_checksum));
+    readers.push_back(std::move(r));
+  }
+  if (!as_parts && readers.size() == 1 && !destination.pieces() && readers[0].flat()) {
+    return ApplyPatch(parts[0], destination.tensors(), options);
+  }
+  impl_->StartPhases();
+  WSYNC_RETURN_IF_ERROR(impl_->Activate());
+  const EndOfCall end{impl_->compute, impl_->pinned};
+  std::vector<const codec::staged::PatchReader*> refs;
+  for (const auto& r : readers) {
+    if (r.kind() == codec::PatchKind::kKeyframe) {
+      return UnimplementedError("the device codec applies keyframes into whole tensors of one patch only; "
+                                "decode this one on the host");
+    }
+    refs.push_back(&r);
+  }
+  WSYNC_ASSIGN_OR_RETURN(auto plans, codec::staged::PlanApply(refs, destination, options, as_parts));
+  std::vector<void*> dst;
+  if (destination.pieces()) {
+    for (const auto& rt : destination.runtime()) dst.push_back(rt.view.data);
+  } else {
+    for (const auto& t : destination.tensors()) dst.push_back(t.data);
+  }
+  return impl_->ApplyPlaced(refs, plans, dst, options);
 }
 
 const std::vector<DeviceCodec::Phase>& DeviceCodec::last_phases() const { return impl_->phases; }

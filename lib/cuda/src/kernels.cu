@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 
 #include <cub/device/device_scan.cuh>
+#include <algorithm>
 #include <string>
 
 #include "wsync/codec/bf16.h"
@@ -234,6 +235,15 @@ __global__ void RankPositionsKernel(const T* base, Layout l, const ClassSpec* sp
 }
 
 template <typename T>
+__global__ void GatherTilesKernel(const TileJob* jobs, uint64_t slot, T* image) {
+  const TileJob job = jobs[blockIdx.x];
+  for (uint64_t k = static_cast<uint64_t>(blockIdx.y) * blockDim.x + threadIdx.x; k < slot;
+       k += static_cast<uint64_t>(gridDim.y) * blockDim.x) {
+    GatherTileElement(job, blockIdx.x, slot, k, image);
+  }
+}
+
+template <typename T>
 __global__ void GatherKernel(const T* x, const uint64_t* index, size_t m, T* out) {
   const uint64_t i = blockIdx.x * static_cast<uint64_t>(blockDim.x) + threadIdx.x;
   if (i < m) out[i] = x[index[i]];
@@ -361,6 +371,18 @@ Status LaunchRankPositions(const void* base, int width, Layout l, const ClassSpe
     RankPositionsKernel<T><<<GridFor(m), kThreads, 0, S(s)>>>(static_cast<const T*>(base), l, specs, prefix, chunk,
                                                               cls, rank, m, pos, static_cast<T*>(old), error);
     return LastError("rank positions");
+  });
+}
+
+Status LaunchGatherTiles(const TileJob* jobs, size_t njobs, int width, uint64_t slot, void* image, Stream s) {
+  if (njobs == 0) return Status::Ok();
+  // A CTA row per job; enough CTAs along y that a slot is a few passes.
+  const dim3 grid(static_cast<unsigned>(njobs),
+                  static_cast<unsigned>(std::min<uint64_t>(16, (slot + kThreads - 1) / kThreads)));
+  return WithWidth(width, [&](auto zero) {
+    using T = decltype(zero);
+    GatherTilesKernel<T><<<grid, kThreads, 0, S(s)>>>(jobs, slot, static_cast<T*>(image));
+    return LastError("gather tiles");
   });
 }
 

@@ -27,6 +27,16 @@ StatusOr<std::string> DeviceCodec::EncodePatch(std::span<const codec::TensorView
 Status DeviceCodec::ApplyPatch(std::string_view, std::span<const codec::MutableTensorView>, const codec::ApplyOptions&) {
   return NotBuilt();
 }
+Status DeviceCodec::Apply(std::string_view, const codec::Destination&, const codec::ApplyOptions&) {
+  return NotBuilt();
+}
+Status DeviceCodec::Apply(std::span<const std::string_view>, const codec::Destination&, const codec::ApplyOptions&) {
+  return NotBuilt();
+}
+Status DeviceCodec::ApplyParts(std::span<const std::string_view>, const codec::Destination&,
+                               const codec::ApplyOptions&, bool) {
+  return NotBuilt();
+}
 const std::vector<DeviceCodec::Phase>& DeviceCodec::last_phases() const { return impl_->phases; }
 StatusOr<uint64_t> DeviceCodec::TensorChecksum(const void*, size_t) { return NotBuilt(); }
 Status DeviceCodec::CastFp32ToBf16(const uint32_t*, uint16_t*, size_t) { return NotBuilt(); }

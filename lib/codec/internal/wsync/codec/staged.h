@@ -26,6 +26,7 @@
 #include "wsync/codec/block_logic.h"
 #include "wsync/codec/codec.h"
 #include "wsync/codec/sparse_decode.h"
+#include "wsync/codec/tile_map.h"
 
 namespace wsync::codec::staged {
 
@@ -151,7 +152,33 @@ struct DecodedChunk {
   }
 };
 
-// Reads a patch or keyframe. The bytes must outlive the reader.
+// One chunk at one placement: what Apply runs for it.
+struct Work {
+  size_t chunk = 0;  // the reader's chunk index
+  size_t dst = 0;    // in the Destination's list: a whole tensor, or a runtime tensor holding pieces
+  size_t group = 0;  // the placed tensor it is part of (an ungridded tensor's checksum verifies its group)
+  TileMap map;       // where its elements lie in dst
+};
+
+// The works of one part, each group's in chunk order.
+struct ApplyPlan {
+  std::vector<Work> works;
+  std::vector<size_t> group_tensor;      // per group: its tensor in the patch
+  std::vector<std::string> group_where;  // per group: how errors name it
+  bool whole = true;                     // every tensor at its own destination
+};
+
+class PatchReader;
+
+// What codec::Apply would run to apply these parts of a version (as_parts:
+// Apply's list form, else one patch) into the destination, with its checks
+// and its errors (a piece cutting a chunk, a tensor in two parts, a chunk a
+// selection lacks, ...). Works hold no data pointers.
+StatusOr<std::vector<ApplyPlan>> PlanApply(std::span<const PatchReader* const> parts, const Destination& destination,
+                                           const ApplyOptions& options, bool as_parts);
+
+// Reads a patch or keyframe, gridded or a selection too. The bytes must
+// outlive the reader.
 class PatchReader {
  public:
   static StatusOr<PatchReader> Open(std::string_view patch, bool verify_checksum = true);
@@ -168,6 +195,12 @@ class PatchReader {
   uint64_t target_checksum(size_t tensor) const;
   const std::string& tensor_name(size_t tensor) const;
   const std::vector<Chunk>& chunks() const;
+  // No tensor has a tile grid and no chunk is absent (not a selection):
+  // every chunk is a flat range of a whole tensor.
+  bool flat() const;
+  bool gridded(size_t tensor) const;
+  // Chunk i of a gridded tensor: XXH3_64 of its target bytes in chunk order.
+  uint64_t tile_digest(size_t i) const;
 
   // For every tensor of the patch, the index of the destination tensor of
   // the same name, with checks and errors as Apply's.
@@ -189,6 +222,8 @@ class PatchReader {
   Status DecodeKeyframe(size_t i, void* out) const;
 
  private:
+  friend StatusOr<std::vector<ApplyPlan>> PlanApply(std::span<const PatchReader* const>, const Destination&,
+                                                    const ApplyOptions&, bool);
   struct Impl;
   explicit PatchReader(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;

@@ -45,6 +45,20 @@ class DeviceCodec {
   Status ApplyPatch(std::string_view patch, std::span<const codec::MutableTensorView> tensors,
                     const codec::ApplyOptions& options);
 
+  // codec::Apply of a patch, or of the parts of a version, into whole tensors
+  // or the pieces of runtime tensors in device memory, tile grids and
+  // selections included, with its checks, errors and all-or-nothing: every
+  // chunk a piece holds is copied on the device into scratch, decoded
+  // against it and its result verified there before the first byte of the
+  // destination is written; then only the changes are added in place. Only
+  // the patch and the compact changes cross PCIe. Keyframes other than one
+  // into whole tensors (ApplyPatch) are Unimplemented: they are decoded on
+  // the host (cold starts). Unimplemented too for a gridded patch whose
+  // chunks are not 1 MiB (a tile's digest is then not a block digest).
+  Status Apply(std::string_view patch, const codec::Destination& destination, const codec::ApplyOptions& options);
+  Status Apply(std::span<const std::string_view> parts, const codec::Destination& destination,
+               const codec::ApplyOptions& options);
+
   // A source's base without a second copy of the model on the trainer's
   // GPU. Both encode previous -> live (like EncodePatch), then make
   // `previous` equal to `live`, only once the patch is made (on an error
@@ -98,6 +112,8 @@ class DeviceCodec {
  private:
   struct Impl;
   explicit DeviceCodec(std::unique_ptr<Impl> impl);
+  Status ApplyParts(std::span<const std::string_view> parts, const codec::Destination& destination,
+                    const codec::ApplyOptions& options, bool as_parts);
   StatusOr<std::string> Encode(std::span<const codec::TensorView> live,
                                std::span<const codec::MutableTensorView> snapshot,
                                std::span<const codec::TensorView> previous, const codec::EncodeOptions& options,

@@ -15,6 +15,7 @@
 #include "wsync/codec/block_logic.h"
 #include "wsync/cuda/logic.h"
 #include "wsync/cuda/sparse_jobs.h"
+#include "wsync/cuda/tile_jobs.h"
 #include "wsync/util/status.h"
 
 namespace wsync::cuda {
@@ -100,6 +101,10 @@ Status LaunchSparseRanks(const SparseJob* jobs, size_t njobs, const uint8_t* pat
 Status LaunchSparseValues(const SparseJob* jobs, size_t njobs, const uint8_t* patch, const uint32_t* rank,
                           const uint64_t* counts, const uint32_t* pos, const uint8_t* old, uint32_t* mpos,
                           uint8_t* mold, uint64_t* index, uint8_t* delta, uint32_t* error, Stream stream);
+
+// Slot j of image (slot elements each) from jobs[j] (GatherTileElement),
+// j < njobs; jobs in device memory.
+Status LaunchGatherTiles(const TileJob* jobs, size_t njobs, int width, uint64_t slot, void* image, Stream stream);
 
 // out[i] = x[index[i]].
 Status LaunchGather(const void* x, int width, const uint64_t* index, size_t m, void* out, Stream stream);

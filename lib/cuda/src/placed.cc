@@ -1,0 +1,77 @@
+#include "wsync/cuda/placed.h"
+
+#include <map>
+#include <tuple>
+
+#include "wsync/codec/checksum.h"
+#include "wsync/util/text.h"
+
+namespace wsync::cuda::placed {
+
+std::vector<Batch> Batches(std::span<const codec::staged::PatchReader* const> readers,
+                           std::span<const codec::staged::ApplyPlan> plans, size_t budget) {
+  std::map<std::pair<size_t, uint64_t>, std::vector<Batch>> by_kind;  // (width, slot)
+  for (size_t p = 0; p < plans.size(); ++p) {
+    const auto& chunks = readers[p]->chunks();
+    for (size_t w = 0; w < plans[p].works.size(); ++w) {
+      const codec::staged::Chunk& c = chunks[plans[p].works[w].chunk];
+      const uint64_t slot = readers[p]->chunk_bytes() / c.width;
+      auto& batches = by_kind[{c.width, slot}];
+      if (batches.empty() || (batches.back().works.size() + 1) * slot * c.width > budget) {
+        batches.push_back(Batch{c.width, slot, {}});
+      }
+      batches.back().works.push_back({p, w});
+    }
+  }
+  std::vector<Batch> out;
+  for (auto& [kind, batches] : by_kind) {
+    for (auto& b : batches) out.push_back(std::move(b));
+  }
+  return out;
+}
+
+bool TilesAreBlocks(std::span<const codec::staged::PatchReader* const> readers) {
+  for (const codec::staged::PatchReader* r : readers) {
+    if (r->chunk_bytes() == codec::kChecksumBlockBytes) continue;
+    for (size_t t = 0; t < r->tensor_count(); ++t) {
+      if (r->gridded(t)) return false;
+    }
+  }
+  return true;
+}
+
+std::optional<std::string> Mismatch(std::span<const codec::staged::PatchReader* const> readers,
+                                    std::span<const codec::staged::ApplyPlan> plans,
+                                    const std::vector<std::vector<std::vector<uint64_t>>>& digests) {
+  for (size_t p = 0; p < plans.size(); ++p) {
+    const codec::staged::PatchReader& r = *readers[p];
+    const codec::staged::ApplyPlan& plan = plans[p];
+    std::vector<std::vector<uint64_t>> groups(plan.group_tensor.size());
+    for (size_t w = 0; w < plan.works.size(); ++w) {
+      const codec::staged::Work& work = plan.works[w];
+      const codec::staged::Chunk& c = r.chunks()[work.chunk];
+      if (!r.gridded(c.tensor)) {
+        auto& g = groups[work.group];
+        g.insert(g.end(), digests[p][w].begin(), digests[p][w].end());
+        continue;
+      }
+      if (digests[p][w].size() != 1 || digests[p][w][0] != r.tile_digest(work.chunk)) {
+        return "tensor " + Quoted(r.tensor_name(c.tensor)) + " chunk " + std::to_string(c.index) +
+               (plan.whole ? "" : " in " + plan.group_where[work.group]);
+      }
+    }
+    for (size_t g = 0; g < groups.size(); ++g) {
+      const size_t t = plan.group_tensor[g];
+      if (!r.gridded(t) && codec::CombineBlockDigests(groups[g]) != r.target_checksum(t)) return plan.group_where[g];
+    }
+  }
+  return std::nullopt;
+}
+
+void AppendChange(const codec::staged::Work& w, const codec::staged::DecodedChunk& dc, std::vector<uint64_t>* index,
+                  std::vector<uint8_t>* delta) {
+  for (uint32_t p : dc.pos) index->push_back(codec::PlacedElement(w.map, p));
+  delta->insert(delta->end(), dc.delta.begin(), dc.delta.end());
+}
+
+}  // namespace wsync::cuda::placed
