@@ -93,15 +93,12 @@ class DeviceStore : public WeightStore {
       WSYNC_ASSIGN_OR_RETURN(joined, codec::JoinSegments(parts, held));
       parts = {joined};
     }
-    if (DeviceAppliesDirectly(parts, tensors_.has_pieces())) {
-      if (tensors_.has_pieces()) {
-        const auto runtime = tensors_.Runtime();
-        return parts.size() == 1 ? codec_->Apply(parts[0], runtime, options) : codec_->Apply(parts, runtime, options);
-      }
-      const auto views = tensors_.MutableViews();
-      return parts.size() == 1 ? codec_->Apply(parts[0], views, options) : codec_->Apply(parts, views, options);
+    if (tensors_.has_pieces()) {
+      const auto runtime = tensors_.Runtime();
+      return parts.size() == 1 ? codec_->Apply(parts[0], runtime, options) : codec_->Apply(parts, runtime, options);
     }
-    return ApplyThroughHost(parts, options);
+    const auto views = tensors_.MutableViews();
+    return parts.size() == 1 ? codec_->Apply(parts[0], views, options) : codec_->Apply(parts, views, options);
   }
   StatusOr<std::vector<buffers::OwnedTensor>> HostCopy() const override {
     std::vector<buffers::OwnedTensor> out;
@@ -125,24 +122,6 @@ class DeviceStore : public WeightStore {
   }
 
  private:
-  // What the device codec does not apply (DeviceAppliesDirectly: keyframes
-  // into pieces or beside other parts, cold starts): the tensors are copied
-  // down, applied and verified on the host, and copied back up only when the
-  // whole apply succeeded. A copy-up that fails midway leaves torn device
-  // tensors: DataLoss, and the next patch fails its checks (a keyframe).
-  Status ApplyThroughHost(std::span<const std::string_view> parts, const codec::ApplyOptions& options) {
-    WSYNC_ASSIGN_OR_RETURN(auto host, HostCopy());
-    auto runtime = tensors_.Runtime();
-    for (size_t i = 0; i < runtime.size(); ++i) runtime[i].view.data = host[i].bytes.data();
-    WSYNC_RETURN_IF_ERROR(ApplyOnHost(parts, tensors_, std::move(runtime), options));
-    const auto device = tensors_.MutableViews();
-    for (size_t i = 0; i < host.size(); ++i) {
-      Status s = cuda::CopyHostToDevice(device[i].data, host[i].bytes.data(), host[i].bytes.size());
-      if (!s.ok()) return DataLossError("copying applied pieces up: " + s.ToString() + "; device tensors torn");
-    }
-    return Status::Ok();
-  }
-
   std::unique_ptr<cuda::DeviceCodec> codec_;
 };
 
@@ -152,19 +131,6 @@ class DeviceStore : public WeightStore {
 Status WeightStore::CheckWhole() const {
   if (tensors_.has_pieces()) return FailedPreconditionError("the tensors hold pieces: no keyframe can be made of them");
   return Status::Ok();
-}
-
-bool DeviceAppliesDirectly(std::span<const std::string_view> parts, bool pieces) {
-  for (std::string_view part : parts) {
-    auto info = codec::InspectPatch(part, /*verify_patch_checksum=*/false);
-    if (!info.ok()) continue;
-    const bool flat = std::none_of(info->tensors.begin(), info->tensors.end(), [](const codec::TensorInfo& t) {
-      return !t.row_cuts.empty() || !t.col_cuts.empty() || t.absent_chunks > 0;
-    });
-    if (info->kind == codec::PatchKind::kKeyframe && (parts.size() > 1 || pieces || !flat)) return false;
-    if (!flat && info->chunk_bytes != codec::kChecksumBlockBytes) return false;
-  }
-  return true;
 }
 
 StatusOr<uint64_t> DeviceSetChecksum(cuda::DeviceCodec& device, std::span<const codec::TensorView> tensors,

@@ -69,14 +69,6 @@ class WeightStore {
   const uint64_t layout_;
 };
 
-// Whether the device codec applies these parts itself: patches into whole
-// tensors or pieces, gridded or selected, one or the parts of a version
-// (their tiles of 1 MiB chunks, as sources code them), and a keyframe alone
-// into whole tensors, ungridded. A keyframe into pieces or beside other
-// parts (a cold start) goes through a host copy. A part that does not parse
-// goes to the device codec, whose reader names what is wrong.
-bool DeviceAppliesDirectly(std::span<const std::string_view> parts, bool pieces);
-
 // codec::SetChecksum of tensors in device memory coded with `grids`:
 // computed on the device, but for the gridded tensors, which the device
 // codec does not hash by cells: those from a host copy.

@@ -225,9 +225,10 @@ TEST_F(DeviceCodecTest, TileGridsGiveTheHostBytes) {
 }
 
 // Tensor-parallel ranks holding pieces in device memory: every rank of TP 2
-// and 4 from the whole gridded patch, its selection and the parts of two
-// sources, bit for bit as codec::Apply; pieces that do not hold the base are
-// refused and left as they were.
+// and 4 from the whole gridded patch, its selection, the parts of two
+// sources, a keyframe, and a keyframe part beside a patch part, bit for bit
+// as codec::Apply; pieces that do not hold the base are refused and left as
+// they were.
 TEST_F(DeviceCodecTest, PiecesGridsAndPartsApplyOnTheDevice) {
   std::mt19937_64 rng(41);
   const auto v0 = testing::CanonicalModel(rng);
@@ -238,7 +239,9 @@ TEST_F(DeviceCodecTest, PiecesGridsAndPartsApplyOnTheDevice) {
   o.grids = codec::GridsFor(testing::Layouts(all), buffers::Views(v0));
   auto patch = codec::EncodePatch(buffers::Views(v0), buffers::Views(v1), o);
   ASSERT_TRUE(patch.ok());
-  std::vector<std::string> parts;
+  auto keyframe = codec::EncodeKeyframe(buffers::Views(v1), o);
+  ASSERT_TRUE(keyframe.ok());
+  std::vector<std::string> parts, key_parts;
   for (auto [b, e] : {std::pair<size_t, size_t>{0, 4}, {4, v0.size()}}) {
     codec::EncodeOptions po;
     for (const auto& g : o.grids) {
@@ -248,7 +251,9 @@ TEST_F(DeviceCodecTest, PiecesGridsAndPartsApplyOnTheDevice) {
     }
     const auto bv = buffers::Views(v0), tv = buffers::Views(v1);
     parts.push_back(*codec::EncodePatch(std::span(bv).subspan(b, e - b), std::span(tv).subspan(b, e - b), po));
+    key_parts.push_back(*codec::EncodeKeyframe(std::span(tv).subspan(b, e - b), po));
   }
+  const std::vector<std::string_view> key_and_patch = {key_parts[0], parts[1]};
   const std::vector<std::string_view> part_views(parts.begin(), parts.end());
   auto mixed = v0;
   mixed.back() = v1.back();  // "down" (gridded) at another version than the base
@@ -257,7 +262,7 @@ TEST_F(DeviceCodecTest, PiecesGridsAndPartsApplyOnTheDevice) {
       SCOPED_TRACE("TP " + std::to_string(tp) + " rank " + std::to_string(r));
       auto selection = codec::SelectForPieces(*patch, testing::MakeRank(tp, r).layout);
       ASSERT_TRUE(selection.ok());
-      for (int form = 0; form < 4; ++form) {
+      for (int form = 0; form < 6; ++form) {
         testing::Rank rank = testing::MakeRank(tp, r);
         testing::Fill(&rank, form == 3 ? mixed : v0);
         DeviceSet dev = DeviceSet::Of(rank.tensors);
@@ -266,6 +271,10 @@ TEST_F(DeviceCodecTest, PiecesGridsAndPartsApplyOnTheDevice) {
         Status s;
         if (form == 2) {
           s = codec_->Apply(part_views, layout, {});
+        } else if (form == 4) {
+          s = codec_->Apply(*keyframe, layout, {});
+        } else if (form == 5) {
+          s = codec_->Apply(key_and_patch, layout, {});
         } else {
           s = codec_->Apply(form == 1 ? *selection : *patch, layout, {});
         }

@@ -328,21 +328,43 @@ Status ApplyPlacedLikeTheDevice(std::span<const std::string_view> parts, const c
   }
   std::vector<const codec::staged::PatchReader*> refs;
   for (const auto& r : readers) refs.push_back(&r);
-  WSYNC_ASSIGN_OR_RETURN(auto plans, codec::staged::PlanApply(refs, destination, {}, as_parts));
-  if (!cuda::placed::TilesAreBlocks(refs)) return UnimplementedError("tiles of more than a block");
+  WSYNC_ASSIGN_OR_RETURN(auto all_plans, codec::staged::PlanApply(refs, destination, {}, as_parts));
   std::vector<void*> dst;
   if (destination.pieces()) {
     for (const auto& rt : destination.runtime()) dst.push_back(rt.view.data);
   } else {
     for (const auto& t : destination.tensors()) dst.push_back(t.data);
   }
+  // Keyframes decoded and verified first, written last; patches between.
+  std::vector<const codec::staged::PatchReader*> key_refs;
+  std::vector<codec::staged::ApplyPlan> plans, key_plans;
+  std::vector<size_t> patch_parts;
+  for (size_t i = 0; i < refs.size(); ++i) {
+    if (refs[i]->kind() == codec::PatchKind::kKeyframe) {
+      key_refs.push_back(refs[i]);
+      key_plans.push_back(all_plans[i]);
+    } else {
+      patch_parts.push_back(i);
+      plans.push_back(all_plans[i]);
+    }
+  }
+  std::vector<cuda::placed::DecodedWorks> keyframes;
+  std::vector<std::vector<std::vector<uint64_t>>> key_digests;
+  for (size_t i = 0; i < key_refs.size(); ++i) {
+    WSYNC_ASSIGN_OR_RETURN(auto d, cuda::placed::DecodeKeyframeWorks(*key_refs[i], key_plans[i], nullptr));
+    key_digests.push_back(d.digests);
+    keyframes.push_back(std::move(d));
+  }
+  if (auto bad = cuda::placed::Mismatch(key_refs, key_plans, key_digests)) return DataLossError(*bad + ": keyframe");
+  refs.clear();
+  for (size_t i : patch_parts) refs.push_back(&readers[i]);
   std::vector<std::vector<codec::staged::DecodedChunk>> dec(plans.size());
   std::vector<std::vector<std::vector<uint64_t>>> digests(plans.size());
   for (size_t p = 0; p < plans.size(); ++p) {
     dec[p].resize(plans[p].works.size());
     digests[p].resize(plans[p].works.size());
     for (size_t w = 0; w < plans[p].works.size(); ++w) {
-      WSYNC_RETURN_IF_ERROR(readers[p].DecodePositions(plans[p].works[w].chunk, &dec[p][w]));
+      WSYNC_RETURN_IF_ERROR(refs[p]->DecodePositions(plans[p].works[w].chunk, &dec[p][w]));
     }
   }
   std::vector<std::vector<uint64_t>> index(dst.size());
@@ -386,13 +408,18 @@ Status ApplyPlacedLikeTheDevice(std::span<const std::string_view> parts, const c
           }
         }
       }
-      WSYNC_RETURN_IF_ERROR(readers[ref.part].DecodeValues(work.chunk, old.empty() ? nullptr : old.data(), &d));
+      WSYNC_RETURN_IF_ERROR(refs[ref.part]->DecodeValues(work.chunk, old.empty() ? nullptr : old.data(), &d));
       const T* dl = reinterpret_cast<const T*>(d.delta.data());
       for (size_t i = 0; i < d.pos.size(); ++i) image[j * b.slot + d.pos[i]] += dl[i];
       const uint8_t* bytes = reinterpret_cast<const uint8_t*>(image.data() + j * b.slot);
       const size_t len = work.map.n * sizeof(T);
-      for (size_t off = 0; off < len; off += codec::kChecksumBlockBytes) {
-        digests[ref.part][ref.work].push_back(cuda::logic::Xxh3(bytes + off, std::min(codec::kChecksumBlockBytes, len - off)));
+      if (refs[ref.part]->gridded(refs[ref.part]->chunks()[work.chunk].tensor) && len > codec::kChecksumBlockBytes) {
+        digests[ref.part][ref.work] = cuda::placed::ResultDigests(true, bytes, len);  // hashed whole on the host
+      } else {
+        for (size_t off = 0; off < len; off += codec::kChecksumBlockBytes) {  // the device's block digests
+          digests[ref.part][ref.work].push_back(
+              cuda::logic::Xxh3(bytes + off, std::min(codec::kChecksumBlockBytes, len - off)));
+        }
       }
       cuda::placed::AppendChange(work, d, &index[work.dst], &delta[work.dst]);
     }
@@ -403,12 +430,28 @@ Status ApplyPlacedLikeTheDevice(std::span<const std::string_view> parts, const c
     const T* dl = reinterpret_cast<const T*>(delta[k].data());
     for (size_t i = 0; i < index[k].size(); ++i) x[index[k][i]] += dl[i];
   }
+  for (size_t i = 0; i < key_refs.size(); ++i) {
+    const codec::staged::PatchReader* one[] = {key_refs[i]};
+    for (const cuda::placed::Batch& b : cuda::placed::Batches(one, std::span(&key_plans[i], 1), budget)) {
+      std::vector<T> image(b.works.size() * b.slot);
+      for (size_t j = 0; j < b.works.size(); ++j) {
+        const auto& v = keyframes[i].values[b.works[j].work];
+        std::memcpy(image.data() + j * b.slot, v.data(), v.size());
+      }
+      for (size_t j = 0; j < b.works.size(); ++j) {
+        const auto& work = key_plans[i].works[b.works[j].work];
+        const cuda::TileJob job{dst[work.dst], work.map};
+        for (uint64_t k = 0; k < b.slot; ++k) cuda::ScatterTileElement(job, j, b.slot, k, image.data());
+      }
+    }
+  }
   return Status::Ok();
 }
 
 // Every rank of TP 1, 2 and 4 (replicated kv heads at 4, padded vocabulary,
 // column-parallel cells of several chunks) from the whole patch, from its
-// selection, and from the parts of two sources; whole tensors from a
+// selection, from the parts of two sources, from a keyframe and from the
+// parts of a version one of which is a keyframe; whole tensors from a
 // gridded patch; each to codec::Apply's bits. A base the pieces do not hold
 // is refused and nothing is written.
 TEST(HostPlacedPath, PiecesGridsAndPartsApplyLikeTheHostCodec) {
@@ -428,8 +471,11 @@ TEST(HostPlacedPath, PiecesGridsAndPartsApplyLikeTheHostCodec) {
     unconditioned.condition_on_base = false;
     auto plain = codec::EncodePatch(buffers::Views(v0), buffers::Views(v1), unconditioned);
     ASSERT_TRUE(plain.ok());
-    // The parts of two sources: the first four tensors, and the rest.
-    std::vector<std::string> parts;
+    auto keyframe = codec::EncodeKeyframe(buffers::Views(v1), o);
+    ASSERT_TRUE(keyframe.ok());
+    // The parts of two sources: the first four tensors, and the rest (as
+    // patches, and as keyframes).
+    std::vector<std::string> parts, key_parts;
     for (auto [b, e] : {std::pair<size_t, size_t>{0, 4}, {4, v0.size()}}) {
       codec::EncodeOptions po;
       for (const auto& g : o.grids) {
@@ -441,18 +487,26 @@ TEST(HostPlacedPath, PiecesGridsAndPartsApplyLikeTheHostCodec) {
       auto part = codec::EncodePatch(std::span(bv).subspan(b, e - b), std::span(tv).subspan(b, e - b), po);
       ASSERT_TRUE(part.ok()) << part.status().ToString();
       parts.push_back(*part);
+      auto key = codec::EncodeKeyframe(std::span(tv).subspan(b, e - b), po);
+      ASSERT_TRUE(key.ok());
+      key_parts.push_back(*key);
     }
     const std::vector<std::string_view> part_views(parts.begin(), parts.end());
     for (uint64_t r = 0; r < tp; ++r) {
       const auto want = testing::Expected(tp, r, v1);
       auto selection = codec::SelectForPieces(*patch, testing::MakeRank(tp, r).layout);
       ASSERT_TRUE(selection.ok());
-      for (int form = 0; form < 3; ++form) {
+      for (int form = 0; form < 5; ++form) {
         Rank rank = testing::MakeRank(tp, r);
         testing::Fill(&rank, v0);
-        std::string_view one = form == 1 ? std::string_view(*selection) : std::string_view(*patch);
-        const Status s = form == 2 ? ApplyPlacedLikeTheDevice<uint16_t>(part_views, rank.layout, true, 3 << 19)
-                                   : ApplyPlacedLikeTheDevice<uint16_t>(std::span(&one, 1), rank.layout, false, 3 << 19);
+        std::string_view one = form == 1 ? std::string_view(*selection)
+                               : form == 3 ? std::string_view(*keyframe)
+                                           : std::string_view(*patch);
+        const std::vector<std::string_view> key_and_patch = {key_parts[0], parts[1]};
+        const Status s =
+            form == 2   ? ApplyPlacedLikeTheDevice<uint16_t>(part_views, rank.layout, true, 3 << 19)
+            : form == 4 ? ApplyPlacedLikeTheDevice<uint16_t>(key_and_patch, rank.layout, true, 3 << 19)
+                        : ApplyPlacedLikeTheDevice<uint16_t>(std::span(&one, 1), rank.layout, false, 3 << 19);
         ASSERT_TRUE(s.ok()) << "rank " << r << " form " << form << ": " << s.ToString();
         EXPECT_TRUE(testing::SameBits(rank.tensors, want)) << "rank " << r << " form " << form;
       }
@@ -476,6 +530,23 @@ TEST(HostPlacedPath, PiecesGridsAndPartsApplyLikeTheHostCodec) {
     ASSERT_TRUE(ApplyPlacedLikeTheDevice<uint16_t>(std::span(&one, 1), buffers::MutableViews(whole), false, 3 << 19).ok());
     EXPECT_TRUE(testing::SameBits(whole, v1));
   }
+  // Tiles of more than one checksum block (2 MiB chunks): their digests are
+  // of the whole tile.
+  std::mt19937_64 rng(49);
+  std::vector<OwnedTensor> b = {testing::RandomTensor("big", codec::DType::kBF16, {2048, 1024}, rng)};
+  std::vector<OwnedTensor> t = {testing::PerturbByExponent(b[0], 0.05, 118, rng)};
+  codec::EncodeOptions o;
+  o.chunk_bytes = 2u << 20;
+  o.grids = {{"big", {1024}, {}}};
+  auto patch = codec::EncodePatch(buffers::Views(b), buffers::Views(t), o);
+  ASSERT_TRUE(patch.ok());
+  const std::string_view one(*patch);
+  auto whole = b;
+  ASSERT_TRUE(ApplyPlacedLikeTheDevice<uint16_t>(std::span(&one, 1), buffers::MutableViews(whole), false, 8 << 20).ok());
+  EXPECT_TRUE(testing::SameBits(whole, t));
+  auto stale = t;
+  EXPECT_EQ(ApplyPlacedLikeTheDevice<uint16_t>(std::span(&one, 1), buffers::MutableViews(stale), false, 8 << 20).code(),
+            StatusCode::kDataLoss);
 }
 
 struct Case {

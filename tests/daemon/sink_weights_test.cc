@@ -183,41 +183,5 @@ TEST(SinkWeights, ClosedWeightsRefuseApplies) {
   EXPECT_EQ(w.applied(), 1u);
 }
 
-// A device store applies on the device every patch, into whole tensors or
-// pieces, gridded or selected, one part or several; keyframes into pieces or
-// beside other parts (cold starts) and tiles of other chunk sizes go
-// through a host copy.
-TEST(SinkWeights, DeviceStoresApplyPatchesOnTheDeviceAndColdStartsThroughTheHost) {
-  std::mt19937_64 rng(9);
-  std::vector<OwnedTensor> base = {testing::RandomTensor("m", codec::DType::kBF16, {1024, 1024}, rng)};
-  std::vector<OwnedTensor> target = {testing::Perturb(base[0], 0.1, rng)};
-  codec::EncodeOptions o;
-  const std::string flat = *codec::EncodePatch(buffers::Views(base), buffers::Views(target), o);
-  const std::string keyframe = *codec::EncodeKeyframe(buffers::Views(target), o);
-  o.grids = {{"m", {512}, {}}};
-  const std::string gridded = *codec::EncodePatch(buffers::Views(base), buffers::Views(target), o);
-  const std::string gridded_keyframe = *codec::EncodeKeyframe(buffers::Views(target), o);
-  std::vector<uint8_t> half(512 * 1024 * 2);
-  std::vector<codec::RuntimeTensor> layout = {
-      {{"h", codec::DType::kBF16, {512, 1024}, half.data()}, {{"m", {0, 0}, {512, 1024}, {0, 0}}}}};
-  const std::string selection = *codec::SelectForPieces(gridded, layout);
-  o.chunk_bytes = 2u << 20;
-  const std::string big_tiles = *codec::EncodePatch(buffers::Views(base), buffers::Views(target), o);
-  auto direct = [](std::vector<std::string_view> parts, bool pieces = false) {
-    return DeviceAppliesDirectly(parts, pieces);
-  };
-  EXPECT_TRUE(direct({flat}));
-  EXPECT_TRUE(direct({gridded}));
-  EXPECT_TRUE(direct({selection}, /*pieces=*/true));
-  EXPECT_TRUE(direct({flat, flat}));
-  EXPECT_TRUE(direct({flat}, /*pieces=*/true));
-  EXPECT_TRUE(direct({keyframe}));
-  EXPECT_FALSE(direct({keyframe}, /*pieces=*/true));
-  EXPECT_FALSE(direct({gridded_keyframe}));
-  EXPECT_FALSE(direct({keyframe, flat}));
-  EXPECT_FALSE(direct({big_tiles}));
-  EXPECT_TRUE(direct({"not a patch"})) << "the device codec's reader names what is wrong";
-}
-
 }  // namespace
 }  // namespace wsync::daemon

@@ -428,6 +428,10 @@ struct DeviceCodec::Impl {
   Status ApplyPlaced(std::span<const codec::staged::PatchReader* const> readers,
                      std::span<const codec::staged::ApplyPlan> plans, std::span<void* const> dst,
                      const codec::ApplyOptions& options);
+  // A keyframe part's decoded works (values[w]: its chunk's bytes) to their
+  // placements, batch by batch through the image scratch.
+  Status WriteTiles(const codec::staged::PatchReader& r, const codec::staged::ApplyPlan& plan,
+                    const std::vector<std::vector<uint8_t>>& values, std::span<void* const> dst);
   StatusOr<bool> HoldsBase(const codec::staged::PatchReader& r, std::span<const MutableTensorView> dst,
                            const std::vector<size_t>& match);
   // What a failed apply reports: FailedPrecondition when the destination
@@ -1323,10 +1327,6 @@ Status DeviceCodec::Impl::ApplyDelta(const codec::staged::PatchReader& r, std::s
 Status DeviceCodec::Impl::ApplyPlaced(std::span<const codec::staged::PatchReader* const> readers,
                                       std::span<const codec::staged::ApplyPlan> plans, std::span<void* const> dst,
                                       const codec::ApplyOptions& options) {
-  if (!placed::TilesAreBlocks(readers)) {
-    return UnimplementedError("the device applies tile grids coded in chunks of " +
-                              std::to_string(codec::kChecksumBlockBytes) + " bytes only");
-  }
   // Every work's decoding state and result digests; errors ordered by work
   // across the parts.
   std::vector<size_t> first(plans.size() + 1, 0);
@@ -1341,6 +1341,10 @@ Status DeviceCodec::Impl::ApplyPlaced(std::span<const codec::staged::PatchReader
     const auto& r = *readers[ref.part];
     const Chunk& c = r.chunks()[plans[ref.part].works[ref.work].chunk];
     return "tensor " + Quoted(r.tensor_name(c.tensor)) + " chunk " + std::to_string(c.index);
+  };
+  auto gridded = [&](const placed::Ref& ref) {
+    const auto& r = *readers[ref.part];
+    return r.gridded(r.chunks()[plans[ref.part].works[ref.work].chunk].tensor);
   };
   auto fail = [&](const Status& s) {
     if (s.code() != StatusCode::kDataLoss) return s;
@@ -1506,6 +1510,9 @@ Status DeviceCodec::Impl::ApplyPlaced(std::span<const codec::staged::PatchReader
     Carver sc;
     const size_t o_idx = sc.Add<uint64_t>(m), o_delta = sc.Add<uint8_t>(m * width);
     WSYNC_ASSIGN_OR_RETURN(void* smem, changes.Get(sc.bytes()));
+    // Digests on the device: a 1 MiB block each. A gridded chunk of more
+    // than one block is hashed whole on the host (its tile digest).
+    std::vector<const uint8_t*> whole(n, nullptr);
     size_t at = 0, nd = 0;
     uint64_t block = 0;
     for (size_t j = 0; j < n; ++j) {
@@ -1513,16 +1520,22 @@ Status DeviceCodec::Impl::ApplyPlaced(std::span<const codec::staged::PatchReader
       const DecodedChunk& dc = decoded[ref.part][ref.work];
       for (uint32_t p : dc.pos) idx_h[at++] = j * b.slot + p;
       if (!dc.delta.empty()) std::memcpy(delta_h + (at - dc.pos.size()) * width, dc.delta.data(), dc.delta.size());
-      const uint64_t bytes = plans[ref.part].works[ref.work].map.n * width;
-      if (bytes == 0) continue;
-      djobs[nd++] = DigestJob{static_cast<uint8_t*>(image) + j * b.slot * width, bytes,
-                              At<uint64_t>(mem, o_digests) + block, block};
-      block += codec::ChecksumBlockCount(bytes);
     }
     WSYNC_RETURN_IF_ERROR(CopyUp(At<void>(smem, o_idx), idx_h, m * 8, compute));
     WSYNC_RETURN_IF_ERROR(CopyUp(At<void>(smem, o_delta), delta_h, m * width, compute));
     WSYNC_RETURN_IF_ERROR(LaunchScatterAdd(image, w, At<uint64_t>(smem, o_idx), At<uint8_t>(smem, o_delta), m,
                                            /*undo=*/false, compute));
+    for (size_t j = 0; j < n; ++j) {
+      const placed::Ref& ref = b.works[j];
+      const uint64_t bytes = plans[ref.part].works[ref.work].map.n * width;
+      const uint8_t* slot = static_cast<const uint8_t*>(image) + j * b.slot * width;
+      if (gridded(ref) && bytes > codec::kChecksumBlockBytes) {
+        WSYNC_RETURN_IF_ERROR(CopyToPinned(pinned, &whole[j], slot, bytes, compute));
+        continue;
+      }
+      djobs[nd++] = DigestJob{slot, bytes, At<uint64_t>(mem, o_digests) + block, block};
+      block += codec::ChecksumBlockCount(bytes);
+    }
     if (nd > 0) {
       WSYNC_RETURN_IF_ERROR(CopyUp(At<void>(mem, o_djobs), djobs, nd * sizeof(DigestJob), compute));
       WSYNC_RETURN_IF_ERROR(LaunchBlockDigests(At<DigestJob>(mem, o_djobs), nd, block, compute));
@@ -1531,11 +1544,17 @@ Status DeviceCodec::Impl::ApplyPlaced(std::span<const codec::staged::PatchReader
     WSYNC_RETURN_IF_ERROR(CopyToPinned(pinned, &sums, At<uint64_t>(mem, o_digests), block, compute));
     WSYNC_RETURN_IF_ERROR(Check(cudaStreamSynchronize(compute), "digests"));
     block = 0;
-    for (const placed::Ref& ref : b.works) {
+    for (size_t j = 0; j < n; ++j) {
+      const placed::Ref& ref = b.works[j];
       const codec::staged::Work& work = plans[ref.part].works[ref.work];
-      const uint64_t count = codec::ChecksumBlockCount(work.map.n * width);
-      digests[ref.part][ref.work].assign(sums + block, sums + block + count);
-      block += count;
+      const uint64_t bytes = work.map.n * width;
+      if (whole[j] != nullptr) {
+        digests[ref.part][ref.work] = placed::ResultDigests(true, whole[j], bytes);
+      } else {
+        const uint64_t count = codec::ChecksumBlockCount(bytes);
+        digests[ref.part][ref.work].assign(sums + block, sums + block + count);
+        block += count;
+      }
       Change& c = commit[work.dst];
       c.width = width;
       placed::AppendChange(work, decoded[ref.part][ref.work], &c.index, &c.delta);
@@ -1572,6 +1591,33 @@ Status DeviceCodec::Impl::ApplyPlaced(std::span<const codec::staged::PatchReader
   if (!written.ok()) {
     return DataLossError("writing the verified change: " + written.ToString() + "; the destination may be torn");
   }
+  return Status::Ok();
+}
+
+Status DeviceCodec::Impl::WriteTiles(const codec::staged::PatchReader& r, const codec::staged::ApplyPlan& plan,
+                                     const std::vector<std::vector<uint8_t>>& values, std::span<void* const> dst) {
+  const codec::staged::PatchReader* readers[] = {&r};
+  for (const placed::Batch& b : placed::Batches(readers, std::span(&plan, 1), kImageBytes)) {
+    pinned.Reset();
+    const size_t n = b.works.size(), slot_bytes = b.slot * b.width;
+    WSYNC_ASSIGN_OR_RETURN(uint8_t* image_h, pinned.Alloc<uint8_t>(n * slot_bytes));
+    WSYNC_ASSIGN_OR_RETURN(TileJob* jobs, pinned.Alloc<TileJob>(n));
+    for (size_t j = 0; j < n; ++j) {
+      const codec::staged::Work& work = plan.works[b.works[j].work];
+      const auto& v = values[b.works[j].work];
+      std::memcpy(image_h + j * slot_bytes, v.data(), v.size());
+      jobs[j] = TileJob{dst[work.dst], work.map};
+    }
+    Carver carve;
+    const size_t o_image = carve.Add<uint8_t>(n * slot_bytes), o_jobs = carve.Add<TileJob>(n);
+    WSYNC_ASSIGN_OR_RETURN(void* mem, scratch.Get(carve.bytes()));
+    WSYNC_RETURN_IF_ERROR(CopyUp(At<void>(mem, o_image), image_h, n * slot_bytes, compute));
+    WSYNC_RETURN_IF_ERROR(CopyUp(At<void>(mem, o_jobs), jobs, n * sizeof(TileJob), compute));
+    WSYNC_RETURN_IF_ERROR(LaunchScatterTiles(At<TileJob>(mem, o_jobs), n, static_cast<int>(b.width), b.slot,
+                                             At<void>(mem, o_image), compute));
+    WSYNC_RETURN_IF_ERROR(Check(cudaStreamSynchronize(compute), "writing a keyframe"));
+  }
+  EndPhase("write");
   return Status::Ok();
 }
 
@@ -1614,13 +1660,7 @@ Status DeviceCodec::ApplyParts(std::span<const std::string_view> parts, const co
   WSYNC_RETURN_IF_ERROR(impl_->Activate());
   const EndOfCall end{impl_->compute, impl_->pinned};
   std::vector<const codec::staged::PatchReader*> refs;
-  for (const auto& r : readers) {
-    if (r.kind() == codec::PatchKind::kKeyframe) {
-      return UnimplementedError("the device codec applies keyframes into whole tensors of one patch only; "
-                                "decode this one on the host");
-    }
-    refs.push_back(&r);
-  }
+  for (const auto& r : readers) refs.push_back(&r);
   WSYNC_ASSIGN_OR_RETURN(auto plans, codec::staged::PlanApply(refs, destination, options, as_parts));
   std::vector<void*> dst;
   if (destination.pieces()) {
@@ -1628,7 +1668,34 @@ Status DeviceCodec::ApplyParts(std::span<const std::string_view> parts, const co
   } else {
     for (const auto& t : destination.tensors()) dst.push_back(t.data);
   }
-  return impl_->ApplyPlaced(refs, plans, dst, options);
+  // As codec::Apply: keyframes decoded and verified first (on the host:
+  // their bytes are there), then the patches applied, then the keyframes
+  // written.
+  std::vector<const codec::staged::PatchReader*> patch_refs, key_refs;
+  std::vector<codec::staged::ApplyPlan> patch_plans, key_plans;
+  for (size_t i = 0; i < refs.size(); ++i) {
+    const bool key = refs[i]->kind() == codec::PatchKind::kKeyframe;
+    (key ? key_refs : patch_refs).push_back(refs[i]);
+    (key ? key_plans : patch_plans).push_back(std::move(plans[i]));
+  }
+  std::vector<placed::DecodedWorks> keyframes;
+  std::vector<std::vector<std::vector<uint64_t>>> key_digests;
+  for (size_t i = 0; i < key_refs.size(); ++i) {
+    WSYNC_ASSIGN_OR_RETURN(auto d, placed::DecodeKeyframeWorks(*key_refs[i], key_plans[i], options.pool));
+    key_digests.push_back(std::move(d.digests));
+    keyframes.push_back(std::move(d));
+  }
+  impl_->EndPhase("keyframes");
+  if (auto bad = placed::Mismatch(key_refs, key_plans, key_digests)) {
+    return DataLossError(*bad + ": the keyframe's values do not match its checksum (a corrupt keyframe); "
+                                "destination unchanged");
+  }
+  if (!patch_refs.empty()) WSYNC_RETURN_IF_ERROR(impl_->ApplyPlaced(patch_refs, patch_plans, dst, options));
+  for (size_t i = 0; i < key_refs.size(); ++i) {
+    Status s = impl_->WriteTiles(*key_refs[i], key_plans[i], keyframes[i].values, dst);
+    if (!s.ok()) return DataLossError("writing a verified keyframe: " + s.ToString() + "; the destination may be torn");
+  }
+  return Status::Ok();
 }
 
 const std::vector<DeviceCodec::Phase>& DeviceCodec::last_phases() const { return impl_->phases; }

@@ -234,12 +234,17 @@ __global__ void RankPositionsKernel(const T* base, Layout l, const ClassSpec* sp
   old[i] = base[at];
 }
 
-template <typename T>
-__global__ void GatherTilesKernel(const TileJob* jobs, uint64_t slot, T* image) {
+// A CTA row per job (blockIdx.x), its columns striding over the slot.
+template <typename T, bool kGather>
+__global__ void TilesKernel(const TileJob* jobs, uint64_t slot, T* image) {
   const TileJob job = jobs[blockIdx.x];
   for (uint64_t k = static_cast<uint64_t>(blockIdx.y) * blockDim.x + threadIdx.x; k < slot;
        k += static_cast<uint64_t>(gridDim.y) * blockDim.x) {
-    GatherTileElement(job, blockIdx.x, slot, k, image);
+    if constexpr (kGather) {
+      GatherTileElement(job, blockIdx.x, slot, k, image);
+    } else {
+      ScatterTileElement(job, blockIdx.x, slot, k, static_cast<const T*>(image));
+    }
   }
 }
 
@@ -374,16 +379,25 @@ Status LaunchRankPositions(const void* base, int width, Layout l, const ClassSpe
   });
 }
 
-Status LaunchGatherTiles(const TileJob* jobs, size_t njobs, int width, uint64_t slot, void* image, Stream s) {
+template <bool kGather>
+Status LaunchTiles(const TileJob* jobs, size_t njobs, int width, uint64_t slot, void* image, Stream s) {
   if (njobs == 0) return Status::Ok();
-  // A CTA row per job; enough CTAs along y that a slot is a few passes.
+  // Enough CTAs along y that a slot takes a few passes.
   const dim3 grid(static_cast<unsigned>(njobs),
                   static_cast<unsigned>(std::min<uint64_t>(16, (slot + kThreads - 1) / kThreads)));
   return WithWidth(width, [&](auto zero) {
     using T = decltype(zero);
-    GatherTilesKernel<T><<<grid, kThreads, 0, S(s)>>>(jobs, slot, static_cast<T*>(image));
-    return LastError("gather tiles");
+    TilesKernel<T, kGather><<<grid, kThreads, 0, S(s)>>>(jobs, slot, static_cast<T*>(image));
+    return LastError(kGather ? "gather tiles" : "scatter tiles");
   });
+}
+
+Status LaunchGatherTiles(const TileJob* jobs, size_t njobs, int width, uint64_t slot, void* image, Stream s) {
+  return LaunchTiles<true>(jobs, njobs, width, slot, image, s);
+}
+
+Status LaunchScatterTiles(const TileJob* jobs, size_t njobs, int width, uint64_t slot, const void* image, Stream s) {
+  return LaunchTiles<false>(jobs, njobs, width, slot, const_cast<void*>(image), s);
 }
 
 Status LaunchGather(const void* x, int width, const uint64_t* index, size_t m, void* out, Stream s) {

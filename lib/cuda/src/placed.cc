@@ -1,9 +1,11 @@
 #include "wsync/cuda/placed.h"
 
+#include <algorithm>
 #include <map>
 #include <tuple>
 
 #include "wsync/codec/checksum.h"
+#include "wsync/util/first_error.h"
 #include "wsync/util/text.h"
 
 namespace wsync::cuda::placed {
@@ -30,14 +32,30 @@ std::vector<Batch> Batches(std::span<const codec::staged::PatchReader* const> re
   return out;
 }
 
-bool TilesAreBlocks(std::span<const codec::staged::PatchReader* const> readers) {
-  for (const codec::staged::PatchReader* r : readers) {
-    if (r->chunk_bytes() == codec::kChecksumBlockBytes) continue;
-    for (size_t t = 0; t < r->tensor_count(); ++t) {
-      if (r->gridded(t)) return false;
-    }
+std::vector<uint64_t> ResultDigests(bool gridded, const uint8_t* bytes, size_t nbytes) {
+  if (gridded) return {codec::BlockDigest(bytes, nbytes)};
+  std::vector<uint64_t> out;
+  for (size_t off = 0; off < nbytes; off += codec::kChecksumBlockBytes) {
+    out.push_back(codec::BlockDigest(bytes + off, std::min(codec::kChecksumBlockBytes, nbytes - off)));
   }
-  return true;
+  return out;
+}
+
+StatusOr<DecodedWorks> DecodeKeyframeWorks(const codec::staged::PatchReader& r, const codec::staged::ApplyPlan& plan,
+                                           ThreadPool* pool) {
+  DecodedWorks out;
+  out.values.resize(plan.works.size());
+  out.digests.resize(plan.works.size());
+  FirstError error;
+  ParallelFor(pool, plan.works.size(), [&](size_t w) {
+    const codec::staged::Chunk& c = r.chunks()[plan.works[w].chunk];
+    out.values[w].resize(c.elements * c.width);
+    Status s = r.DecodeKeyframe(plan.works[w].chunk, out.values[w].data());
+    if (!s.ok()) return error.Record(w, s);
+    out.digests[w] = ResultDigests(r.gridded(c.tensor), out.values[w].data(), out.values[w].size());
+  });
+  WSYNC_RETURN_IF_ERROR(error.status());
+  return out;
 }
 
 std::optional<std::string> Mismatch(std::span<const codec::staged::PatchReader* const> readers,

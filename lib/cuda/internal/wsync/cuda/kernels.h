@@ -105,6 +105,10 @@ Status LaunchSparseValues(const SparseJob* jobs, size_t njobs, const uint8_t* pa
 // Slot j of image (slot elements each) from jobs[j] (GatherTileElement),
 // j < njobs; jobs in device memory.
 Status LaunchGatherTiles(const TileJob* jobs, size_t njobs, int width, uint64_t slot, void* image, Stream stream);
+// The reverse (ScatterTileElement): every job's chunk from its slot to its
+// placement.
+Status LaunchScatterTiles(const TileJob* jobs, size_t njobs, int width, uint64_t slot, const void* image,
+                          Stream stream);
 
 // out[i] = x[index[i]].
 Status LaunchGather(const void* x, int width, const uint64_t* index, size_t m, void* out, Stream stream);

@@ -6,8 +6,10 @@
 // against it, its change added there and the result digested there. The
 // destination is written only once every work of every part verified, by
 // scatter-adding the changes at their placements: all or nothing, and only
-// the patch and the compact change cross PCIe. Host code; runs without a
-// GPU (the gather's per-element body is WSYNC_HD, for the kernel).
+// the patch and the compact change cross PCIe. Keyframe parts are decoded
+// and verified on the host, and their slots scattered to their placements
+// last. Host code; runs without a GPU (the kernels' per-element bodies are
+// tile_jobs.h's).
 #pragma once
 
 #include <cstddef>
@@ -20,6 +22,7 @@
 #include "wsync/codec/staged.h"
 #include "wsync/codec/tile_map.h"
 #include "wsync/cuda/tile_jobs.h"
+#include "wsync/util/thread_pool.h"
 
 namespace wsync::cuda::placed {
 
@@ -40,18 +43,27 @@ struct Batch {
 std::vector<Batch> Batches(std::span<const codec::staged::PatchReader* const> readers,
                            std::span<const codec::staged::ApplyPlan> plans, size_t budget);
 
+// The digests of a work's result (its chunk's n * width bytes) as Mismatch
+// takes them: a gridded chunk's tile digest (XXH3_64 of all its bytes), else
+// one per 1 MiB checksum block.
+std::vector<uint64_t> ResultDigests(bool gridded, const uint8_t* bytes, size_t nbytes);
+
 // The first work or group whose result differs from the patch, named as
-// codec::Apply names it, or nothing. digests[p][w]: the block digests of
-// work w of part p's result (one per 1 MiB of its chunk's bytes), in order.
-// REQUIRES: every gridded chunk of the parts is one block (chunk_bytes of
-// 1 MiB), so that its tile digest is that block's.
+// codec::Apply names it, or nothing. digests[p][w]: ResultDigests of work w
+// of part p.
 std::optional<std::string> Mismatch(std::span<const codec::staged::PatchReader* const> readers,
                                     std::span<const codec::staged::ApplyPlan> plans,
                                     const std::vector<std::vector<std::vector<uint64_t>>>& digests);
 
-// Whether every gridded tensor of the parts is coded in chunks of one
-// checksum block (1 MiB): what Mismatch needs.
-bool TilesAreBlocks(std::span<const codec::staged::PatchReader* const> readers);
+// A keyframe part's works decoded on the host (each its chunk's n * width
+// bytes) and their ResultDigests; DataLoss naming a chunk that does not
+// decode.
+struct DecodedWorks {
+  std::vector<std::vector<uint8_t>> values;
+  std::vector<std::vector<uint64_t>> digests;
+};
+StatusOr<DecodedWorks> DecodeKeyframeWorks(const codec::staged::PatchReader& r, const codec::staged::ApplyPlan& plan,
+                                           ThreadPool* pool);
 
 // Appends a decoded work's change at its placement: destination element
 // indices (PlacedElement) and deltas (width bytes each).
