@@ -120,4 +120,27 @@ inline std::vector<std::vector<RuntimeTensor>> Layouts(std::vector<Rank>& ranks)
   return out;
 }
 
+// A version of the model as the parts of two sources (tensors [0, 4) and
+// the rest), each coded with its tensors' grids: as patches v0 -> v1 and as
+// keyframes of v1.
+struct TwoParts {
+  std::vector<std::string> patches, keyframes;
+};
+inline TwoParts TwoSourceParts(const std::vector<OwnedTensor>& v0, const std::vector<OwnedTensor>& v1,
+                               const std::vector<codec::TileGrid>& grids) {
+  TwoParts out;
+  const auto bv = buffers::Views(v0), tv = buffers::Views(v1);
+  for (auto [b, e] : {std::pair<size_t, size_t>{0, 4}, {4, v0.size()}}) {
+    codec::EncodeOptions o;
+    for (const auto& g : grids) {
+      for (size_t t = b; t < e; ++t) {
+        if (v0[t].name == g.tensor) o.grids.push_back(g);
+      }
+    }
+    out.patches.push_back(*codec::EncodePatch(std::span(bv).subspan(b, e - b), std::span(tv).subspan(b, e - b), o));
+    out.keyframes.push_back(*codec::EncodeKeyframe(std::span(tv).subspan(b, e - b), o));
+  }
+  return out;
+}
+
 }  // namespace wsync::testing

@@ -241,18 +241,7 @@ TEST_F(DeviceCodecTest, PiecesGridsAndPartsApplyOnTheDevice) {
   ASSERT_TRUE(patch.ok());
   auto keyframe = codec::EncodeKeyframe(buffers::Views(v1), o);
   ASSERT_TRUE(keyframe.ok());
-  std::vector<std::string> parts, key_parts;
-  for (auto [b, e] : {std::pair<size_t, size_t>{0, 4}, {4, v0.size()}}) {
-    codec::EncodeOptions po;
-    for (const auto& g : o.grids) {
-      for (size_t t = b; t < e; ++t) {
-        if (v0[t].name == g.tensor) po.grids.push_back(g);
-      }
-    }
-    const auto bv = buffers::Views(v0), tv = buffers::Views(v1);
-    parts.push_back(*codec::EncodePatch(std::span(bv).subspan(b, e - b), std::span(tv).subspan(b, e - b), po));
-    key_parts.push_back(*codec::EncodeKeyframe(std::span(tv).subspan(b, e - b), po));
-  }
+  const auto [parts, key_parts] = testing::TwoSourceParts(v0, v1, o.grids);
   const std::vector<std::string_view> key_and_patch = {key_parts[0], parts[1]};
   const std::vector<std::string_view> part_views(parts.begin(), parts.end());
   auto mixed = v0;

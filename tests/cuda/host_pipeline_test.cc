@@ -473,24 +473,8 @@ TEST(HostPlacedPath, PiecesGridsAndPartsApplyLikeTheHostCodec) {
     ASSERT_TRUE(plain.ok());
     auto keyframe = codec::EncodeKeyframe(buffers::Views(v1), o);
     ASSERT_TRUE(keyframe.ok());
-    // The parts of two sources: the first four tensors, and the rest (as
-    // patches, and as keyframes).
-    std::vector<std::string> parts, key_parts;
-    for (auto [b, e] : {std::pair<size_t, size_t>{0, 4}, {4, v0.size()}}) {
-      codec::EncodeOptions po;
-      for (const auto& g : o.grids) {
-        for (size_t t = b; t < e; ++t) {
-          if (v0[t].name == g.tensor) po.grids.push_back(g);
-        }
-      }
-      const auto bv = buffers::Views(v0), tv = buffers::Views(v1);
-      auto part = codec::EncodePatch(std::span(bv).subspan(b, e - b), std::span(tv).subspan(b, e - b), po);
-      ASSERT_TRUE(part.ok()) << part.status().ToString();
-      parts.push_back(*part);
-      auto key = codec::EncodeKeyframe(std::span(tv).subspan(b, e - b), po);
-      ASSERT_TRUE(key.ok());
-      key_parts.push_back(*key);
-    }
+    // The parts of two sources (as patches, and as keyframes).
+    const auto [parts, key_parts] = testing::TwoSourceParts(v0, v1, o.grids);
     const std::vector<std::string_view> part_views(parts.begin(), parts.end());
     for (uint64_t r = 0; r < tp; ++r) {
       const auto want = testing::Expected(tp, r, v1);
