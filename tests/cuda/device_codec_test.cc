@@ -48,6 +48,24 @@ struct DeviceSet {
   }
 };
 
+// Page-locked host copies of a tensor set (a source's base in host memory).
+struct PinnedSet {
+  std::vector<cuda::PinnedBuffer> buffers;
+  std::vector<codec::MutableTensorView> views;
+
+  static PinnedSet Of(const std::vector<OwnedTensor>& host) {
+    PinnedSet s;
+    for (const auto& t : host) {
+      auto b = cuda::PinnedBuffer::Allocate(t.bytes.size());
+      EXPECT_TRUE(b.ok()) << b.status().ToString();
+      std::memcpy(b->data(), t.bytes.data(), t.bytes.size());
+      s.views.push_back({t.name, t.dtype, t.shape, static_cast<uint8_t*>(b->data())});
+      s.buffers.push_back(std::move(*b));
+    }
+    return s;
+  }
+};
+
 class DeviceCodecTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -155,15 +173,9 @@ TEST_F(DeviceCodecTest, EncodeAndAdvanceGiveTheHostBytesAndUpdateTheBase) {
   EXPECT_TRUE(*patch == *host);
   EXPECT_TRUE(testing::SameBits(prev.ToHost(base), live));
 
-  std::vector<cuda::PinnedBuffer> pinned;
-  std::vector<codec::MutableTensorView> host_prev;
-  for (const auto& t : base) {
-    auto b = cuda::PinnedBuffer::Allocate(t.bytes.size());
-    ASSERT_TRUE(b.ok()) << b.status().ToString();
-    std::memcpy(b->data(), t.bytes.data(), t.bytes.size());
-    host_prev.push_back({t.name, t.dtype, t.shape, static_cast<uint8_t*>(b->data())});
-    pinned.push_back(std::move(*b));
-  }
+  PinnedSet held = PinnedSet::Of(base);
+  const auto& pinned = held.buffers;
+  const auto& host_prev = held.views;
   auto renamed = trainer.Const();
   renamed[1].name = "other";
   EXPECT_FALSE(codec_->EncodeAndAdvanceFromHost(renamed, host_prev, {}).ok());
@@ -207,15 +219,8 @@ TEST_F(DeviceCodecTest, TileGridsGiveTheHostBytes) {
   EXPECT_TRUE(*patch == *host);
   EXPECT_TRUE(testing::SameBits(b.ToHost(base), live));
 
-  std::vector<cuda::PinnedBuffer> pinned;
-  std::vector<codec::MutableTensorView> host_prev;
-  for (const auto& t : base) {
-    auto p = cuda::PinnedBuffer::Allocate(t.bytes.size());
-    ASSERT_TRUE(p.ok()) << p.status().ToString();
-    std::memcpy(p->data(), t.bytes.data(), t.bytes.size());
-    host_prev.push_back({t.name, t.dtype, t.shape, static_cast<uint8_t*>(p->data())});
-    pinned.push_back(std::move(*p));
-  }
+  PinnedSet held = PinnedSet::Of(base);
+  const auto& host_prev = held.views;
   patch = codec_->EncodeAndAdvanceFromHost(trainer.Const(), host_prev, o);
   ASSERT_TRUE(patch.ok()) << patch.status().ToString();
   EXPECT_TRUE(*patch == *host);

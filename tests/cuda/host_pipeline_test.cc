@@ -183,6 +183,36 @@ std::string EncodeLikeTheDevice(const std::vector<OwnedTensor>& base, const std:
   return out.ok() ? *out : std::string();
 }
 
+// A decoded chunk's old values as the device finds them: ranked chunks'
+// positions from their ranks (RankPositionsKernel's search and select in
+// chunk `k` of x), merged by position; other conditioned chunks' gathered at
+// first + pos. Empty when the values need no base.
+template <typename T>
+StatusOr<std::vector<uint8_t>> OldValues(const T* x, cuda::logic::Layout l, const std::vector<uint32_t>& prefix,
+                                         uint64_t k, uint64_t first, codec::staged::DecodedChunk* d) {
+  std::vector<uint8_t> old;
+  if (!d->values_pending || d->spec.k == 1) return old;
+  if (!d->ranked) {
+    for (uint32_t p : d->pos) {
+      const T v = x[first + p];
+      old.insert(old.end(), reinterpret_cast<const uint8_t*>(&v), reinterpret_cast<const uint8_t*>(&v) + sizeof(T));
+    }
+    return old;
+  }
+  std::vector<uint32_t> pos;
+  std::vector<T> o;
+  size_t at = 0;
+  for (int c = 0; c < d->spec.k; ++c) {
+    for (uint64_t j = 0; j < d->class_counts[c]; ++j, ++at) {
+      WSYNC_ASSIGN_OR_RETURN(const uint64_t e, RankedElement(x, l, prefix, d->spec, k, c, d->ranks[at]));
+      pos.push_back(static_cast<uint32_t>(e - k * l.chunk_elems));
+      o.push_back(x[e]);
+    }
+  }
+  WSYNC_RETURN_IF_ERROR(codec::staged::MergeRankedPositions(pos.data(), o.data(), sizeof(T), d, &old));
+  return old;
+}
+
 // Applies with positions found from ranks by the kernels' search + select.
 template <typename T>
 Status ApplyLikeTheDevice(const std::string& patch, std::vector<OwnedTensor>* dst) {
@@ -204,25 +234,7 @@ Status ApplyLikeTheDevice(const std::string& patch, std::vector<OwnedTensor>* ds
     const auto prefix = Prefix(x, l, specs);
     for (size_t k = 0; k < ids.size(); ++k) {
       auto& d = dec[k];
-      std::vector<uint8_t> old;
-      if (d.ranked) {
-        std::vector<uint32_t> pos;
-        std::vector<T> o;
-        size_t at = 0;
-        for (int c = 0; c < d.spec.k; ++c) {
-          for (uint64_t j = 0; j < d.class_counts[c]; ++j, ++at) {
-            WSYNC_ASSIGN_OR_RETURN(const uint64_t at_x, RankedElement(x, l, prefix, d.spec, k, c, d.ranks[at]));
-            pos.push_back(static_cast<uint32_t>(at_x - k * l.chunk_elems));
-            o.push_back(x[at_x]);
-          }
-        }
-        WSYNC_RETURN_IF_ERROR(codec::staged::MergeRankedPositions(pos.data(), o.data(), sizeof(T), &d, &old));
-      } else if (d.values_pending && d.spec.k > 1) {
-        for (uint32_t p : d.pos) {
-          const T v = x[chunks[ids[k]].first_element + p];
-          old.insert(old.end(), reinterpret_cast<const uint8_t*>(&v), reinterpret_cast<const uint8_t*>(&v) + sizeof(T));
-        }
-      }
+      WSYNC_ASSIGN_OR_RETURN(auto old, OldValues(x, l, prefix, k, chunks[ids[k]].first_element, &d));
       WSYNC_RETURN_IF_ERROR(r.DecodeValues(ids[k], old.empty() ? nullptr : old.data(), &d));
     }
     for (size_t k = 0; k < ids.size(); ++k) {
@@ -386,28 +398,9 @@ Status ApplyPlacedLikeTheDevice(std::span<const std::string_view> parts, const c
       const auto& ref = b.works[j];
       const auto& work = plans[ref.part].works[ref.work];
       auto& d = dec[ref.part][ref.work];
-      std::vector<uint8_t> old;
-      if (d.values_pending && d.spec.k > 1) {
-        if (d.ranked) {
-          std::vector<uint32_t> pos;
-          std::vector<T> o;
-          size_t at = 0;
-          for (int c = 0; c < d.spec.k; ++c) {
-            for (uint64_t i = 0; i < d.class_counts[c]; ++i, ++at) {
-              WSYNC_ASSIGN_OR_RETURN(const uint64_t e, RankedElement(image.data(), l, prefix, d.spec, j, c, d.ranks[at]));
-              pos.push_back(static_cast<uint32_t>(e - j * b.slot));
-              o.push_back(image[e]);
-            }
-          }
-          WSYNC_RETURN_IF_ERROR(codec::staged::MergeRankedPositions(pos.data(), o.data(), sizeof(T), &d, &old));
-          if (!d.pos.empty() && d.pos.back() >= work.map.n) return DataLossError("a rank beyond its elements");
-        } else {
-          for (uint32_t q : d.pos) {
-            const T v = image[j * b.slot + q];
-            old.insert(old.end(), reinterpret_cast<const uint8_t*>(&v), reinterpret_cast<const uint8_t*>(&v) + sizeof(T));
-          }
-        }
-      }
+      const bool ranked = d.ranked && d.values_pending && d.spec.k > 1;
+      WSYNC_ASSIGN_OR_RETURN(auto old, OldValues(image.data(), l, prefix, j, j * b.slot, &d));
+      if (ranked && !d.pos.empty() && d.pos.back() >= work.map.n) return DataLossError("a rank beyond its elements");
       WSYNC_RETURN_IF_ERROR(refs[ref.part]->DecodeValues(work.chunk, old.empty() ? nullptr : old.data(), &d));
       const T* dl = reinterpret_cast<const T*>(d.delta.data());
       for (size_t i = 0; i < d.pos.size(); ++i) image[j * b.slot + d.pos[i]] += dl[i];
