@@ -3,8 +3,9 @@
 // / SplitSegments / ApplyAhead must give an error or a result, ApplyAhead
 // fed it in slices exactly Apply's, the device's sparse-chunk decoders
 // (sparse_decode.h, run here on the CPU) accepting and decoding exactly
-// what the host decoder does, never a crash, a hang or an out-of-bounds
-// access. The whole-patch checksum
+// what the host decoder does, the device's apply plan never placing an
+// element outside its destination, never a crash, a hang or an
+// out-of-bounds access. The whole-patch checksum
 // is turned off so the fuzzer reaches the structural checks behind it.
 #include <algorithm>
 #include <cstdint>
@@ -60,6 +61,25 @@ void CompareSparseDecoders(const wsync::codec::staged::PatchReader& r, size_t i)
   if (host_values && std::memcmp(dc.delta.data(), delta.data(), changed * sizeof(T)) != 0) __builtin_trap();
 }
 
+// The device's plan of an apply (staged::PlanApply): every work's elements
+// inside its destination tensor (the kernels write where the plan says,
+// unchecked).
+void CheckPlan(std::string_view in, const wsync::codec::Destination& d, std::span<const uint64_t> numel) {
+  using namespace wsync;
+  auto r = codec::staged::PatchReader::Open(in, /*verify_checksum=*/false);
+  if (!r.ok()) return;
+  const codec::staged::PatchReader* parts[] = {&*r};
+  auto plans = codec::staged::PlanApply(parts, d, {}, /*as_parts=*/false);
+  if (!plans.ok()) return;
+  for (const codec::staged::Work& w : (*plans)[0].works) {
+    if (w.dst >= numel.size() || w.map.n == 0) __builtin_trap();
+    const uint64_t row_end = w.map.cell_cols - w.map.first % w.map.cell_cols - 1;
+    for (uint64_t k : {uint64_t{0}, w.map.n - 1, std::min(row_end, w.map.n - 1)}) {
+      if (codec::PlacedElement(w.map, k) >= numel[w.dst]) __builtin_trap();
+    }
+  }
+}
+
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
@@ -98,6 +118,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   }
   const auto before = dst;
   auto views = buffers::MutableViews(dst);
+  std::vector<uint64_t> numel;
+  for (const auto& v : views) numel.push_back(v.NumElements());
+  CheckPlan(in, views, numel);
   codec::ApplyOptions options;
   options.verify_patch_checksum = false;
   Status s = codec::Apply(in, views, options);
@@ -139,6 +162,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   for (size_t i = 0; i < held.size(); ++i) {
     layout[i].view = {held[i].name, held[i].dtype, held[i].shape, held[i].bytes.data()};
   }
+  std::vector<uint64_t> held_numel;
+  for (const auto& rt : layout) held_numel.push_back(rt.view.NumElements());
+  CheckPlan(in, layout, held_numel);
   const auto held_before = held;
   if (!codec::Apply(in, layout, options).ok()) {
     for (size_t i = 0; i < held.size(); ++i) {
