@@ -8,6 +8,7 @@
 #include <cstring>
 
 #include "measure.h"
+#include "tp_bench.h"
 #include "wsync/codec/codec.h"
 #include "wsync/cuda/device_codec.h"
 #include "wsync/util/thread_pool.h"
@@ -103,6 +104,26 @@ int RunGpuBench(const GpuBenchOptions& o) {
     pinned.push_back(std::move(*b));
   }
   bool identical = true;
+  // Tensor-parallel: the grid of TP o.tp's layouts coded on the device, and
+  // rank 0 applying its selection into its pieces in GPU memory.
+  std::vector<double> enc_tp, app_tp, rank_bytes;
+  PhaseTimes tp_phases;
+  bool identical_tp = true, exact_tp = true;
+  std::vector<TpRank> ranks;
+  std::vector<codec::TileGrid> grids;
+  for (int r = 0; r < o.tp && o.tp > 1; ++r) {
+    auto rank = MakeTpRank(prev, o.tp, r);
+    if (!rank.ok()) {
+      spdlog::error("TP {}: {}", o.tp, rank.status().ToString());
+      return 1;
+    }
+    ranks.push_back(std::move(*rank));
+  }
+  if (!ranks.empty()) {
+    std::vector<std::vector<codec::RuntimeTensor>> layouts;
+    for (const auto& r : ranks) layouts.push_back(r.layout);
+    grids = codec::GridsFor(layouts, buffers::Views(prev));
+  }
   for (int s = 1; s <= o.steps; ++s) {
     model.Step();
     model.CastTo(&cur);
@@ -162,6 +183,54 @@ int RunGpuBench(const GpuBenchOptions& o) {
     auto host = codec::EncodePatch(buffers::Views(prev), buffers::Views(cur), eo);
     host_enc.push_back(Since(t0));
     identical = identical && host.ok() && *host == patch;
+    if (!ranks.empty()) {
+      codec::EncodeOptions go = eo;
+      go.grids = grids;
+      std::string gridded;
+      for (int r = 0; r < o.repeat; ++r) {
+        t0 = Clock::now();
+        auto p = (*dc)->EncodePatch(base->Const(), target->Const(), go);
+        enc_tp.push_back(Since(t0));
+        if (!p.ok()) {
+          spdlog::error("gridded encode: {}", p.status().ToString());
+          return 1;
+        }
+        gridded = std::move(*p);
+      }
+      auto host_gridded = codec::EncodePatch(buffers::Views(prev), buffers::Views(cur), go);
+      identical_tp = identical_tp && host_gridded.ok() && *host_gridded == gridded;
+      TpRank& rank = ranks[0];
+      FillTpRank(&rank, prev);
+      auto selection = codec::SelectForPieces(gridded, rank.layout);
+      if (!selection.ok()) {
+        spdlog::error("{}", selection.status().ToString());
+        return 1;
+      }
+      rank_bytes.push_back(static_cast<double>(selection->size()));
+      for (int r = 0; r < o.repeat; ++r) {
+        auto pieces = Upload(rank.tensors);
+        if (!pieces.ok()) return 1;
+        std::vector<codec::RuntimeTensor> layout = rank.layout;
+        for (size_t i = 0; i < layout.size(); ++i) layout[i].view.data = pieces->views[i].data;
+        t0 = Clock::now();
+        const Status a = (*dc)->Apply(*selection, layout, ao);
+        app_tp.push_back(Since(t0));
+        tp_phases.Add((*dc)->last_phases());
+        if (!a.ok()) {
+          spdlog::error("rank 0's apply: {}", a.ToString());
+          return 1;
+        }
+        if (r == 0) {
+          TpRank want = rank;
+          FillTpRank(&want, cur);
+          for (size_t i = 0; i < want.tensors.size(); ++i) {
+            std::vector<uint8_t> got(want.tensors[i].bytes.size());
+            if (!pieces->buffers[i].CopyToHost(got.data(), got.size()).ok()) return 1;
+            exact_tp = exact_tp && got == want.tensors[i].bytes;
+          }
+        }
+      }
+    }
     ratio.push_back(dense / patch.size());
     std::swap(prev, cur);
   }
@@ -186,7 +255,16 @@ int RunGpuBench(const GpuBenchOptions& o) {
   std::printf("  host encode                 %10.2f GB/s\n", dense / Median(host_enc) / 1e9);
   std::printf("  device / host encode        %10.2fx\n", Median(host_enc) / Median(enc));
   std::printf("  patch bytes identical to the host codec: %s\n", identical ? "yes" : "NO");
-  return identical ? 0 : 1;
+  if (!ranks.empty()) {
+    std::printf("  TP %d grid: device encode %.2f GB/s (%.2fx the flat encode), bytes identical to the host "
+                "codec: %s\n",
+                o.tp, dense / Median(enc_tp) / 1e9, Median(enc) / Median(enc_tp), identical_tp ? "yes" : "NO");
+    std::printf("  TP %d rank 0: applies its %.2f MB selection into its pieces in %.1f ms (the whole model's "
+                "apply: %.1f ms), bit-exact: %s\n",
+                o.tp, Median(rank_bytes) / 1e6, Median(app_tp) * 1e3, Median(app) * 1e3, exact_tp ? "yes" : "NO");
+    tp_phases.Print("rank 0 apply");
+  }
+  return identical && identical_tp && exact_tp ? 0 : 1;
 }
 
 }  // namespace wsync::bench

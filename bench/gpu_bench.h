@@ -11,6 +11,7 @@ struct GpuBenchOptions {
   int steps = 2;
   int repeat = 3;
   int host_threads = 2;
+  int tp = 4;  // also the tile grid of TP `tp`'s layouts and rank 0's apply of its pieces (0: not)
 };
 
 // Prints figures; returns the process exit code (2 without a GPU).

@@ -26,16 +26,10 @@ bool EndsWith(const std::string& s, const std::string& tail) {
   return s.size() >= tail.size() && s.compare(s.size() - tail.size(), tail.size(), tail) == 0;
 }
 
-// One rank's runtime tensors: their storage and pieces.
-struct Rank {
-  std::vector<OwnedTensor> tensors;
-  std::vector<codec::RuntimeTensor> layout;
-  std::vector<OwnedTensor> pristine;  // the base version, to reset to between timed applies
-};
+}  // namespace
 
-// Rank r of `tp`, laid out as vLLM lays out Llama-style checkpoints.
-StatusOr<Rank> MakeRank(const std::vector<OwnedTensor>& canonical, int tp, int r) {
-  Rank rank;
+StatusOr<TpRank> MakeTpRank(const std::vector<OwnedTensor>& canonical, int tp, int r) {
+  TpRank rank;
   // Runtime tensor name -> (shape, pieces), in first-seen order.
   std::vector<std::string> order;
   std::map<std::string, std::pair<std::vector<uint64_t>, std::vector<codec::Piece>>> rt;
@@ -112,8 +106,7 @@ StatusOr<Rank> MakeRank(const std::vector<OwnedTensor>& canonical, int tp, int r
   return rank;
 }
 
-// Copies the pieces of `canonical` into the rank's tensors (2-D views).
-void Fill(Rank* rank, const std::vector<OwnedTensor>& canonical) {
+void FillTpRank(TpRank* rank, const std::vector<OwnedTensor>& canonical) {
   std::map<std::string, const OwnedTensor*> by_name;
   for (const auto& t : canonical) by_name[t.name] = &t;
   for (const codec::RuntimeTensor& rt : rank->layout) {
@@ -135,6 +128,8 @@ void Fill(Rank* rank, const std::vector<OwnedTensor>& canonical) {
     }
   }
 }
+
+namespace {
 
 double Seconds(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
@@ -165,17 +160,17 @@ Encoded EncodeBoth(const std::vector<OwnedTensor>& base, const std::vector<Owned
   return e;
 }
 
-std::vector<std::vector<codec::RuntimeTensor>> LayoutsOf(const std::vector<Rank>& ranks) {
+std::vector<std::vector<codec::RuntimeTensor>> LayoutsOf(const std::vector<TpRank>& ranks) {
   std::vector<std::vector<codec::RuntimeTensor>> out;
   for (const auto& r : ranks) out.push_back(r.layout);
   return out;
 }
 
-StatusOr<std::vector<Rank>> Ranks(const std::vector<OwnedTensor>& canonical, const std::vector<int>& degrees) {
-  std::vector<Rank> ranks;
+StatusOr<std::vector<TpRank>> Ranks(const std::vector<OwnedTensor>& canonical, const std::vector<int>& degrees) {
+  std::vector<TpRank> ranks;
   for (int tp : degrees) {
     for (int r = 0; r < tp; ++r) {
-      WSYNC_ASSIGN_OR_RETURN(Rank rank, MakeRank(canonical, tp, r));
+      WSYNC_ASSIGN_OR_RETURN(TpRank rank, MakeTpRank(canonical, tp, r));
       ranks.push_back(std::move(rank));
     }
   }
@@ -298,7 +293,7 @@ int RunTpBench(const TpBenchOptions& o) {
   std::vector<std::vector<double>> rank_s(ranks->size());
   std::vector<std::string> selections;
   for (auto& r : *ranks) {
-    Fill(&r, v1);
+    FillTpRank(&r, v1);
     r.pristine = buffers::CopyTensors(buffers::Views(r.tensors));
     selections.push_back(*codec::SelectForPieces(e.gridded, r.layout));
   }
@@ -311,7 +306,7 @@ int RunTpBench(const TpBenchOptions& o) {
     exact &= codec::Apply(e.gridded, buffers::MutableViews(whole), ao).ok();
     whole_s.push_back(Seconds(t0));
     for (size_t r = 0; r < ranks->size(); ++r) {
-      Rank& rank = (*ranks)[r];
+      TpRank& rank = (*ranks)[r];
       (void)buffers::CopyInto(buffers::Views(rank.pristine), rank.tensors, &pool);
       t0 = Clock::now();
       exact &= codec::Apply(selections[r], rank.layout, ao).ok();

@@ -14,8 +14,23 @@
 #include <vector>
 
 #include "synth.h"
+#include "wsync/buffers/safetensors.h"
+#include "wsync/codec/codec.h"
 
 namespace wsync::bench {
+
+// One rank's runtime tensors: their storage and pieces.
+struct TpRank {
+  std::vector<buffers::OwnedTensor> tensors;
+  std::vector<codec::RuntimeTensor> layout;
+  std::vector<buffers::OwnedTensor> pristine;  // the base version, to reset to between timed applies
+};
+
+// Rank r of `tp` of these canonical tensors, laid out as vLLM lays out
+// Llama-style checkpoints; its tensors zeroed.
+StatusOr<TpRank> MakeTpRank(const std::vector<buffers::OwnedTensor>& canonical, int tp, int r);
+// Copies the pieces of `canonical` into the rank's tensors.
+void FillTpRank(TpRank* rank, const std::vector<buffers::OwnedTensor>& canonical);
 
 struct TpBenchOptions {
   SynthOptions synth;       // the model when `dir` is empty

@@ -287,6 +287,8 @@ int main(int argc, char** argv) {
   gpu->add_option("--steps", go.steps, "optimizer steps (pairs measured)")->capture_default_str();
   gpu->add_option("--repeat", go.repeat, "repeats per pair")->capture_default_str();
   gpu->add_option("--host-threads", go.host_threads, "threads of the host codec compared")->capture_default_str();
+  gpu->add_option("--tp", go.tp, "also code the grid of this degree's layouts and apply rank 0's pieces (0: not)")
+      ->capture_default_str();
   gpu->callback([&] { rc = RunGpuBench(go); });
   auto* synth = app.add_subcommand("synth", "generated FP32-master Adam-like steps cast to BF16");
   SynthOptions so;

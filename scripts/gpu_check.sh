@@ -52,7 +52,7 @@ step faults_gpu 300 env WSYNC_TEST_DEVICE=0 "$py" "$src/tests/python/system_faul
 echo "== wsync-bench gpu" >&2
 for f in "$logs"/bench_*.log; do
   echo "-- $(basename "$f" .log)" >&2
-  grep -A18 "^device codec" "$f" | grep -v "^device codec" >&2
+  grep -A24 "^device codec" "$f" | grep -v "^device codec" >&2
 done
 echo "== results ($(head -1 "$logs/device.txt"))" >&2
 printf '%s\n' "${results[@]}" >&2
