@@ -171,7 +171,7 @@ int RunGpuBench(const GpuBenchOptions& o) {
       }
       d2h.push_back(Since(t0));
       t0 = Clock::now();
-      const Status a = (*dc)->ApplyPatch(patch, work->views, ao);
+      const Status a = (*dc)->Apply(patch, work->views, ao);
       app.push_back(Since(t0));
       app_phases.Add((*dc)->last_phases());
       if (!a.ok()) {

@@ -149,7 +149,7 @@ StatusOr<uint64_t> TensorsSetChecksum(const buffers::MappedTensors& tensors, std
   const auto views = tensors.Views();
   if (!tensors.on_device()) return codec::SetChecksum(views, grids, pool);
   WSYNC_ASSIGN_OR_RETURN(auto dc, cuda::DeviceCodec::Create(tensors.device()));
-  return DeviceSetChecksum(*dc, views, grids);
+  return dc->SetChecksum(views, grids);
 }
 
 }  // namespace wsync::daemon

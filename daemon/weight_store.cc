@@ -89,7 +89,7 @@ class DeviceStore : public WeightStore {
       // byte for byte the source's whole patch; when not, the apply fails its
       // checks and is undone (named a corrupt patch rather than a wrong base:
       // the sink takes a keyframe either way).
-      WSYNC_ASSIGN_OR_RETURN(uint64_t held, DeviceSetChecksum(*codec_, Views()));
+      WSYNC_ASSIGN_OR_RETURN(uint64_t held, codec_->SetChecksum(Views(), {}));
       WSYNC_ASSIGN_OR_RETURN(joined, codec::JoinSegments(parts, held));
       parts = {joined};
     }
@@ -110,7 +110,7 @@ class DeviceStore : public WeightStore {
     return out;
   }
   StatusOr<uint64_t> SetChecksum(std::span<const codec::TileGrid> grids, ThreadPool*) const override {
-    return DeviceSetChecksum(*codec_, Views(), grids);
+    return codec_->SetChecksum(Views(), grids);
   }
   // The keyframe is encoded on the host from a copy (a late sink's, rare).
   StatusOr<std::string> EncodeKeyframe(const codec::EncodeOptions& options,
@@ -131,33 +131,6 @@ class DeviceStore : public WeightStore {
 Status WeightStore::CheckWhole() const {
   if (tensors_.has_pieces()) return FailedPreconditionError("the tensors hold pieces: no keyframe can be made of them");
   return Status::Ok();
-}
-
-StatusOr<uint64_t> DeviceSetChecksum(cuda::DeviceCodec& device, std::span<const codec::TensorView> tensors,
-                                     std::span<const codec::TileGrid> grids) {
-  std::unordered_map<std::string_view, const codec::TileGrid*> by_name;
-  for (const auto& g : grids) by_name.emplace(g.tensor, &g);
-  std::vector<uint64_t> sums;
-  for (const auto& t : tensors) {
-    auto grid = by_name.find(t.name);
-    if (grid == by_name.end()) {
-      WSYNC_ASSIGN_OR_RETURN(uint64_t sum, device.TensorChecksum(t.data, t.NumBytes()));
-      sums.push_back(sum);
-      continue;
-    }
-    std::vector<uint8_t> host(t.NumBytes());
-    WSYNC_RETURN_IF_ERROR(cuda::CopyDeviceToHost(host.data(), t.data, host.size()));
-    codec::TensorView copy = t;
-    copy.data = host.data();
-    WSYNC_ASSIGN_OR_RETURN(uint64_t sum, codec::TensorChecksumOf(copy, grid->second));
-    sums.push_back(sum);
-    by_name.erase(grid);
-  }
-  if (!by_name.empty()) {
-    return InvalidArgumentError("tile grid for tensor " + Quoted(by_name.begin()->second->tensor) +
-                                ", which the set lacks");
-  }
-  return codec::SetChecksumOf(sums);
 }
 
 StatusOr<std::unique_ptr<WeightStore>> WeightStore::Open(buffers::MappedTensors tensors) {

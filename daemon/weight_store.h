@@ -69,10 +69,5 @@ class WeightStore {
   const uint64_t layout_;
 };
 
-// codec::SetChecksum of tensors in device memory coded with `grids`:
-// computed on the device, but for the gridded tensors, which the device
-// codec does not hash by cells: those from a host copy.
-StatusOr<uint64_t> DeviceSetChecksum(cuda::DeviceCodec& device, std::span<const codec::TensorView> tensors,
-                                     std::span<const codec::TileGrid> grids = {});
 
 }  // namespace wsync::daemon

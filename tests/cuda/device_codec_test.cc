@@ -86,7 +86,7 @@ class DeviceCodecTest : public ::testing::Test {
     ASSERT_TRUE(dev.ok()) << dev.status().ToString();
     EXPECT_EQ(dev->size(), host->size());
     EXPECT_TRUE(*dev == *host) << "device patch differs from the host codec's";
-    ASSERT_TRUE(codec_->ApplyPatch(*host, b.views, {}).ok());
+    ASSERT_TRUE(codec_->Apply(*host, b.views, {}).ok());
     EXPECT_TRUE(testing::SameBits(b.ToHost(base), target));
   }
 
@@ -282,10 +282,18 @@ TEST_F(DeviceCodecTest, PiecesGridsAndPartsApplyOnTheDevice) {
       }
     }
   }
-  // Whole tensors from the gridded patch.
+  // Whole tensors from the gridded patch; whole tensors at another version
+  // than its base: FailedPrecondition, as codec::Apply says, unchanged.
   DeviceSet whole = DeviceSet::Of(v0);
-  ASSERT_TRUE(codec_->ApplyPatch(*patch, whole.views, {}).ok());
+  ASSERT_TRUE(codec_->Apply(*patch, whole.views, {}).ok());
   EXPECT_TRUE(testing::SameBits(whole.ToHost(v0), v1));
+  DeviceSet other = DeviceSet::Of(mixed);
+  auto host_other = mixed;
+  const Status host_says = codec::Apply(*patch, buffers::MutableViews(host_other), {});
+  const Status s = codec_->Apply(*patch, other.views, {});
+  EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition) << s.ToString();
+  EXPECT_EQ(s.code(), host_says.code());
+  EXPECT_TRUE(testing::SameBits(other.ToHost(v0), mixed));
 }
 
 TEST_F(DeviceCodecTest, CorruptPatchIsDataLossAndTheDestinationIsUnchanged) {
@@ -301,7 +309,7 @@ TEST_F(DeviceCodecTest, CorruptPatchIsDataLossAndTheDestinationIsUnchanged) {
     DeviceSet d = DeviceSet::Of(base);
     codec::ApplyOptions o;
     o.verify_patch_checksum = false;  // reach the stream decoders and the tensor checksums
-    const Status s = codec_->ApplyPatch(bad, d.views, o);
+    const Status s = codec_->Apply(bad, d.views, o);
     const auto after = d.ToHost(base);
     if (s.ok()) {
       EXPECT_TRUE(testing::SameBits(after, target)) << "accepted a flip at " << at << " with wrong bits";
@@ -320,7 +328,7 @@ TEST_F(DeviceCodecTest, WrongBaseIsFailedPrecondition) {
   auto patch = codec::EncodePatch(buffers::Views(base), buffers::Views(target), {});
   ASSERT_TRUE(patch.ok());
   DeviceSet d = DeviceSet::Of(target);  // already at the target, not the base
-  const Status s = codec_->ApplyPatch(*patch, d.views, {});
+  const Status s = codec_->Apply(*patch, d.views, {});
   EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition) << s.ToString();
   EXPECT_TRUE(testing::SameBits(d.ToHost(target), target));
 }
@@ -333,7 +341,7 @@ TEST_F(DeviceCodecTest, KeyframeAppliesIntoDeviceMemory) {
   std::vector<OwnedTensor> zero = target;
   std::fill(zero[0].bytes.begin(), zero[0].bytes.end(), 0);
   DeviceSet d = DeviceSet::Of(zero);
-  ASSERT_TRUE(codec_->ApplyPatch(*kf, d.views, {}).ok());
+  ASSERT_TRUE(codec_->Apply(*kf, d.views, {}).ok());
   EXPECT_TRUE(testing::SameBits(d.ToHost(target), target));
 }
 
@@ -357,6 +365,17 @@ TEST_F(DeviceCodecTest, ChecksumAndCastMatchTheHost) {
     auto sum = codec_->TensorChecksum(src->data(), len);
     ASSERT_TRUE(sum.ok());
     EXPECT_EQ(*sum, codec::TensorChecksum(f32.data(), len)) << len;
+  }
+  // Set checksums on tile grids: cells of whole rows and cells gathered.
+  std::vector<OwnedTensor> set = {testing::RandomTensor("a", codec::DType::kBF16, {1500, 1100}, rng),
+                                  testing::RandomTensor("b", codec::DType::kF32, {7}, rng),
+                                  testing::RandomTensor("c", codec::DType::kU8, {300, 9000}, rng)};
+  const std::vector<codec::TileGrid> grids = {{"a", {700}, {550, 551}}, {"c", {150}, {}}};
+  const DeviceSet dev = DeviceSet::Of(set);
+  for (const auto& g : {std::vector<codec::TileGrid>{}, grids}) {
+    auto sum = codec_->SetChecksum(dev.Const(), g);
+    ASSERT_TRUE(sum.ok()) << sum.status().ToString();
+    EXPECT_EQ(*sum, *codec::SetChecksum(buffers::Views(set), g));
   }
 }
 

@@ -71,7 +71,7 @@ TEST(CudaIpc, TwoProcessesShareAndPatchOneAllocation) {
     codec::TensorView tv{"shared", codec::DType::kU8, {n}, target.data()};
     auto patch = codec::EncodePatch({&bv, 1}, {&tv, 1}, {});
     ASSERT_TRUE(patch.ok());
-    ASSERT_TRUE((*codec)->ApplyPatch(*patch, {&view, 1}, {}).ok());
+    ASSERT_TRUE((*codec)->Apply(*patch, std::span(&view, 1), {}).ok());
     EXPECT_TRUE(mapper.Unmap(*handle).ok());
     EXPECT_TRUE(mapper.Unmap(*handle).ok());
     EXPECT_EQ(mapper.open_allocations(), 0u);

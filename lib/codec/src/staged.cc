@@ -282,6 +282,14 @@ bool PatchReader::flat() const {
 }
 
 bool PatchReader::gridded(size_t t) const { return impl_->c.tensors.at(t).gridded(); }
+
+std::vector<TileGrid> PatchReader::grids() const {
+  std::vector<TileGrid> out;
+  for (const internal::TensorEntry& e : impl_->c.tensors) {
+    if (e.gridded()) out.push_back({e.name, e.row_cuts, e.col_cuts});
+  }
+  return out;
+}
 uint64_t PatchReader::tile_digest(size_t i) const { return impl_->At(i).entry.digest; }
 
 StatusOr<std::vector<ApplyPlan>> PlanApply(std::span<const PatchReader* const> parts, const Destination& destination,

@@ -425,9 +425,11 @@ struct DeviceCodec::Impl {
                        const std::vector<size_t>& match, const codec::ApplyOptions& options);
   // Patches into pieces or tile grids (placed.h). dst: the destination
   // tensors' data, as the plans' Work::dst index them.
+  // unwritten: what a DataLoss before the first write becomes (a wrong
+  // base told apart where it can be).
   Status ApplyPlaced(std::span<const codec::staged::PatchReader* const> readers,
                      std::span<const codec::staged::ApplyPlan> plans, std::span<void* const> dst,
-                     const codec::ApplyOptions& options);
+                     const codec::ApplyOptions& options, const std::function<Status(Status)>& unwritten);
   // A keyframe part's decoded works (values[w]: its chunk's bytes) to their
   // placements, batch by batch through the image scratch.
   Status WriteTiles(const codec::staged::PatchReader& r, const codec::staged::ApplyPlan& plan,
@@ -1326,7 +1328,8 @@ Status DeviceCodec::Impl::ApplyDelta(const codec::staged::PatchReader& r, std::s
 
 Status DeviceCodec::Impl::ApplyPlaced(std::span<const codec::staged::PatchReader* const> readers,
                                       std::span<const codec::staged::ApplyPlan> plans, std::span<void* const> dst,
-                                      const codec::ApplyOptions& options) {
+                                      const codec::ApplyOptions& options,
+                                      const std::function<Status(Status)>& unwritten) {
   // Every work's decoding state and result digests; errors ordered by work
   // across the parts.
   std::vector<size_t> first(plans.size() + 1, 0);
@@ -1348,8 +1351,8 @@ Status DeviceCodec::Impl::ApplyPlaced(std::span<const codec::staged::PatchReader
   };
   auto fail = [&](const Status& s) {
     if (s.code() != StatusCode::kDataLoss) return s;
-    return DataLossError(s.message() + " (the patch is corrupted or the destination does not hold its base); "
-                                       "destination unchanged");
+    return unwritten(DataLossError(s.message() + " (the patch is corrupted or the destination does not hold its "
+                                                 "base); destination unchanged"));
   };
   FirstError error;
   // Stage 1 on the host: positions (or ranks) of every work's chunk.
@@ -1563,8 +1566,8 @@ Status DeviceCodec::Impl::ApplyPlaced(std::span<const codec::staged::PatchReader
     EndPhase("verify");
   }
   if (auto bad = placed::Mismatch(readers, plans, digests)) {
-    return DataLossError(*bad + ": result does not match the patch's checksum (the patch is corrupted or the "
-                                "destination does not hold its base); destination unchanged");
+    return unwritten(DataLossError(*bad + ": result does not match the patch's checksum (the patch is corrupted or "
+                                          "the destination does not hold its base); destination unchanged"));
   }
   // Every work verified: the changes at their placements.
   pinned.Reset();
@@ -1621,13 +1624,8 @@ Status DeviceCodec::Impl::WriteTiles(const codec::staged::PatchReader& r, const 
   return Status::Ok();
 }
 
-Status DeviceCodec::ApplyPatch(std::string_view patch, std::span<const MutableTensorView> tensors,
-                               const codec::ApplyOptions& options) {
-  impl_->StartPhases();
-  WSYNC_RETURN_IF_ERROR(impl_->Activate());
-  const EndOfCall end{impl_->compute, impl_->pinned};
-  WSYNC_ASSIGN_OR_RETURN(auto reader, codec::staged::PatchReader::Open(patch, options.verify_patch_checksum));
-  if (!reader.flat()) return ApplyParts(std::span(&patch, 1), tensors, options, /*as_parts=*/false);
+Status DeviceCodec::ApplyFlat(const codec::staged::PatchReader& reader, std::string_view patch,
+                               std::span<const MutableTensorView> tensors, const codec::ApplyOptions& options) {
   WSYNC_ASSIGN_OR_RETURN(auto match, reader.Match(tensors, options.allow_extra_tensors));
   if (reader.kind() == codec::PatchKind::kKeyframe) return impl_->ApplyKeyframe(reader, tensors, match, options);
   impl_->pinned.Reset();
@@ -1653,12 +1651,12 @@ Status DeviceCodec::ApplyParts(std::span<const std::string_view> parts, const co
     WSYNC_ASSIGN_OR_RETURN(auto r, codec::staged::PatchReader::Open(p, options.verify_patch_checksum));
     readers.push_back(std::move(r));
   }
-  if (!as_parts && readers.size() == 1 && !destination.pieces() && readers[0].flat()) {
-    return ApplyPatch(parts[0], destination.tensors(), options);
-  }
   impl_->StartPhases();
   WSYNC_RETURN_IF_ERROR(impl_->Activate());
   const EndOfCall end{impl_->compute, impl_->pinned};
+  if (!as_parts && readers.size() == 1 && !destination.pieces() && readers[0].flat()) {
+    return ApplyFlat(readers[0], parts[0], destination.tensors(), options);
+  }
   std::vector<const codec::staged::PatchReader*> refs;
   for (const auto& r : readers) refs.push_back(&r);
   WSYNC_ASSIGN_OR_RETURN(auto plans, codec::staged::PlanApply(refs, destination, options, as_parts));
@@ -1690,7 +1688,23 @@ Status DeviceCodec::ApplyParts(std::span<const std::string_view> parts, const co
     return DataLossError(*bad + ": the keyframe's values do not match its checksum (a corrupt keyframe); "
                                 "destination unchanged");
   }
-  if (!patch_refs.empty()) WSYNC_RETURN_IF_ERROR(impl_->ApplyPlaced(patch_refs, patch_plans, dst, options));
+  // As codec::Apply: into whole tensors, a failure of a part whose base the
+  // tensors do not hold is that (FailedPrecondition); pieces cannot tell.
+  auto unwritten = [&](Status s) -> Status {
+    if (destination.pieces()) return s;
+    for (const codec::staged::PatchReader* r : patch_refs) {
+      auto match = r->Match(destination.tensors(), /*allow_extra=*/true);
+      if (!match.ok()) return s;
+      std::vector<TensorView> held;
+      for (size_t i : *match) held.push_back(destination.tensors()[i].AsConst());
+      auto sum = SetChecksum(held, r->grids());
+      if (sum.ok() && *sum != r->base_set_checksum()) return WrongBase(*r);
+    }
+    return s;
+  };
+  if (!patch_refs.empty()) {
+    WSYNC_RETURN_IF_ERROR(impl_->ApplyPlaced(patch_refs, patch_plans, dst, options, unwritten));
+  }
   for (size_t i = 0; i < key_refs.size(); ++i) {
     Status s = impl_->WriteTiles(*key_refs[i], key_plans[i], keyframes[i].values, dst);
     if (!s.ok()) return DataLossError("writing a verified keyframe: " + s.ToString() + "; the destination may be torn");
@@ -1699,6 +1713,69 @@ Status DeviceCodec::ApplyParts(std::span<const std::string_view> parts, const co
 }
 
 const std::vector<DeviceCodec::Phase>& DeviceCodec::last_phases() const { return impl_->phases; }
+
+StatusOr<uint64_t> DeviceCodec::SetChecksum(std::span<const TensorView> tensors,
+                                            std::span<const codec::TileGrid> grids) {
+  Impl& d = *impl_;
+  WSYNC_RETURN_IF_ERROR(d.Activate());
+  const EndOfCall end{d.compute, d.pinned};
+  codec::EncodeOptions o;
+  o.grids.assign(grids.begin(), grids.end());
+  WSYNC_ASSIGN_OR_RETURN(auto writer, codec::staged::PatchWriter::Create(tensors, o));
+  const auto& cells = writer.cells();
+  std::vector<std::vector<uint64_t>> blocks(tensors.size());
+  // Cells batch by batch: whole rows hashed in place, the others gathered
+  // first (at most kStagingBytes of them at a time, or one).
+  for (size_t k0 = 0; k0 < cells.size();) {
+    d.pinned.Reset();
+    size_t k1 = k0, gathered = 0, nblocks = 0;
+    while (k1 < cells.size()) {
+      const codec::staged::Cell& c = cells[k1];
+      const size_t bytes = c.elements() * codec::DTypeWidth(tensors[c.tensor].dtype);
+      const size_t more = c.contiguous() ? 0 : (bytes + 255) / 256 * 256;
+      if (k1 > k0 && gathered + more > kStagingBytes) break;
+      gathered += more;
+      nblocks += codec::ChecksumBlockCount(bytes);
+      ++k1;
+    }
+    Carver carve;
+    const size_t o_image = carve.Add<uint8_t>(gathered), o_jobs = carve.Add<DigestJob>(k1 - k0);
+    const size_t o_sums = carve.Add<uint64_t>(nblocks);
+    WSYNC_ASSIGN_OR_RETURN(void* mem, d.images.Get(carve.bytes()));
+    std::vector<DigestJob> jobs;
+    size_t at = 0;
+    uint64_t block = 0;
+    for (size_t k = k0; k < k1; ++k) {
+      const codec::staged::Cell& c = cells[k];
+      const size_t w = codec::DTypeWidth(tensors[c.tensor].dtype), bytes = c.elements() * w;
+      const auto* src = static_cast<const uint8_t*>(tensors[c.tensor].data) + (c.row0 * c.tensor_cols + c.col0) * w;
+      if (!c.contiguous()) {
+        uint8_t* dst = At<uint8_t>(mem, o_image) + at;
+        WSYNC_RETURN_IF_ERROR(Check(cudaMemcpy2DAsync(dst, c.cols * w, src, c.tensor_cols * w, c.cols * w, c.rows,
+                                                      cudaMemcpyDeviceToDevice, d.compute),
+                                    "gathering a cell"));
+        src = dst;
+        at += (bytes + 255) / 256 * 256;
+      }
+      jobs.push_back({src, bytes, At<uint64_t>(mem, o_sums) + block, 0});
+      block += codec::ChecksumBlockCount(bytes);
+    }
+    WSYNC_RETURN_IF_ERROR(EnqueueDigests(d.pinned, jobs, At<DigestJob>(mem, o_jobs), d.compute));
+    const uint64_t* sums = nullptr;
+    WSYNC_RETURN_IF_ERROR(CopyToPinned(d.pinned, &sums, At<uint64_t>(mem, o_sums), nblocks, d.compute));
+    WSYNC_RETURN_IF_ERROR(Check(cudaStreamSynchronize(d.compute), "checksums"));
+    block = 0;
+    for (size_t k = k0; k < k1; ++k) {
+      const size_t n = codec::ChecksumBlockCount(cells[k].elements() * codec::DTypeWidth(tensors[cells[k].tensor].dtype));
+      blocks[cells[k].tensor].insert(blocks[cells[k].tensor].end(), sums + block, sums + block + n);
+      block += n;
+    }
+    k0 = k1;
+  }
+  std::vector<uint64_t> sums;
+  for (const auto& b : blocks) sums.push_back(codec::CombineBlockDigests(b));
+  return codec::SetChecksumOf(sums);
+}
 
 StatusOr<uint64_t> DeviceCodec::TensorChecksum(const void* data, size_t nbytes) {
   WSYNC_RETURN_IF_ERROR(impl_->Activate());

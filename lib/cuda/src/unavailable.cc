@@ -24,9 +24,6 @@ StatusOr<std::string> DeviceCodec::EncodePatch(std::span<const codec::TensorView
                                                const codec::EncodeOptions&) {
   return NotBuilt();
 }
-Status DeviceCodec::ApplyPatch(std::string_view, std::span<const codec::MutableTensorView>, const codec::ApplyOptions&) {
-  return NotBuilt();
-}
 Status DeviceCodec::Apply(std::string_view, const codec::Destination&, const codec::ApplyOptions&) {
   return NotBuilt();
 }
@@ -39,6 +36,9 @@ Status DeviceCodec::ApplyParts(std::span<const std::string_view>, const codec::D
 }
 const std::vector<DeviceCodec::Phase>& DeviceCodec::last_phases() const { return impl_->phases; }
 StatusOr<uint64_t> DeviceCodec::TensorChecksum(const void*, size_t) { return NotBuilt(); }
+StatusOr<uint64_t> DeviceCodec::SetChecksum(std::span<const codec::TensorView>, std::span<const codec::TileGrid>) {
+  return NotBuilt();
+}
 Status DeviceCodec::CastFp32ToBf16(const uint32_t*, uint16_t*, size_t) { return NotBuilt(); }
 StatusOr<std::string> DeviceCodec::SnapshotAndEncode(std::span<const codec::TensorView>,
                                                      std::span<const codec::MutableTensorView>,

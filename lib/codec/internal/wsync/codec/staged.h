@@ -199,6 +199,8 @@ class PatchReader {
   // every chunk is a flat range of a whole tensor.
   bool flat() const;
   bool gridded(size_t tensor) const;
+  // The tile grids of its gridded tensors (as EncodeOptions::grids).
+  std::vector<TileGrid> grids() const;
   // Chunk i of a gridded tensor: XXH3_64 of its target bytes in chunk order.
   uint64_t tile_digest(size_t i) const;
 

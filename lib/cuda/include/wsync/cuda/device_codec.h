@@ -21,6 +21,10 @@
 #include "wsync/codec/codec.h"
 #include "wsync/util/status.h"
 
+namespace wsync::codec::staged {
+class PatchReader;
+}
+
 namespace wsync::cuda {
 
 // Ok when this build has CUDA and a device can be used; else Unavailable
@@ -41,20 +45,17 @@ class DeviceCodec {
   StatusOr<std::string> EncodePatch(std::span<const codec::TensorView> base,
                                     std::span<const codec::TensorView> target, const codec::EncodeOptions& options);
 
-  // codec::Apply (patches and keyframes) into whole tensors in device memory.
-  Status ApplyPatch(std::string_view patch, std::span<const codec::MutableTensorView> tensors,
-                    const codec::ApplyOptions& options);
-
-  // codec::Apply of a patch, or of the parts of a version, into whole tensors
-  // or the pieces of runtime tensors in device memory, tile grids and
-  // selections included, with its checks, errors and all-or-nothing: every
-  // chunk a piece holds is copied on the device into scratch, decoded
-  // against it and its result verified there before the first byte of the
-  // destination is written; then only the changes are added in place. Only
-  // the patch and the compact changes cross PCIe. Keyframes other than one
-  // into whole tensors (ApplyPatch) are Unimplemented: they are decoded on
-  // the host (cold starts). Unimplemented too for a gridded patch whose
-  // chunks are not 1 MiB (a tile's digest is then not a block digest).
+  // codec::Apply of a patch or keyframe, or of the parts of a version, into
+  // whole tensors or the pieces of runtime tensors in device memory (tile
+  // grids and selections included), with its checks, errors and
+  // all-or-nothing. One flat patch into whole tensors is decoded on the
+  // device where its chunks are sparse-coded, scattered in place, verified
+  // and undone on a mismatch. Otherwise every chunk a destination holds is
+  // copied on the device into scratch, decoded against it and its result
+  // verified there before the first byte of the destination is written;
+  // then only the changes are added in place. Keyframes are decoded and
+  // verified on the host (where their bytes are) and copied up. Only the
+  // patch and the compact changes cross PCIe.
   Status Apply(std::string_view patch, const codec::Destination& destination, const codec::ApplyOptions& options);
   Status Apply(std::span<const std::string_view> parts, const codec::Destination& destination,
                const codec::ApplyOptions& options);
@@ -92,6 +93,10 @@ class DeviceCodec {
   // codec::TensorChecksum of nbytes of device memory.
   StatusOr<uint64_t> TensorChecksum(const void* data, size_t nbytes);
 
+  // codec::SetChecksum of tensors in device memory on tile grids: a gridded
+  // tensor hashed by cells (those not whole rows gathered into scratch).
+  StatusOr<uint64_t> SetChecksum(std::span<const codec::TensorView> tensors, std::span<const codec::TileGrid> grids);
+
   // codec::CastFp32ToBf16 on device memory; returns when done.
   Status CastFp32ToBf16(const uint32_t* src, uint16_t* dst, size_t n);
 
@@ -114,6 +119,8 @@ class DeviceCodec {
   explicit DeviceCodec(std::unique_ptr<Impl> impl);
   Status ApplyParts(std::span<const std::string_view> parts, const codec::Destination& destination,
                     const codec::ApplyOptions& options, bool as_parts);
+  Status ApplyFlat(const codec::staged::PatchReader& reader, std::string_view patch,
+                   std::span<const codec::MutableTensorView> tensors, const codec::ApplyOptions& options);
   StatusOr<std::string> Encode(std::span<const codec::TensorView> live,
                                std::span<const codec::MutableTensorView> snapshot,
                                std::span<const codec::TensorView> previous, const codec::EncodeOptions& options,
