@@ -189,7 +189,7 @@ constexpr size_t kBatchScratchBytes = size_t{64} << 20;
 constexpr size_t kStagingBytes = size_t{256} << 20;
 // An apply into pieces or tile grids gathers chunks into images of at most
 // this (or one chunk) at a time.
-constexpr size_t kImageBytes = size_t{128} << 20;
+constexpr size_t kImageBytes = size_t{64} << 20;
 
 }  // namespace
 
