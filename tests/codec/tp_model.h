@@ -92,7 +92,8 @@ inline void Fill(Rank* rank, const std::vector<OwnedTensor>& canonical) {
                                            [&](const OwnedTensor& t) { return t.name == p.canonical; });
       const uint64_t ccols = c.shape.size() > 1 ? c.shape[1] : 1;
       const uint64_t rows = p.extent[0], cols = p.extent.size() > 1 ? p.extent[1] : 1;
-      const uint64_t c0 = p.start.size() > 1 ? p.start[1] : 0, rc0 = p.runtime_start.size() > 1 ? p.runtime_start[1] : 0;
+      const uint64_t c0 = p.start.size() > 1 ? p.start[1] : 0;
+      const uint64_t rc0 = p.runtime_start.size() > 1 ? p.runtime_start[1] : 0;
       for (uint64_t i = 0; i < rows; ++i) {
         std::memcpy(rt.view.data + ((p.runtime_start[0] + i) * rcols + rc0) * 2,
                     c.bytes.data() + ((p.start[0] + i) * ccols + c0) * 2, cols * 2);

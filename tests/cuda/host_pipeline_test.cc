@@ -504,7 +504,8 @@ TEST(HostPlacedPath, PiecesGridsAndPartsApplyLikeTheHostCodec) {
     }
     auto whole = v0;
     const std::string_view one(*patch);
-    ASSERT_TRUE(ApplyPlacedLikeTheDevice<uint16_t>(std::span(&one, 1), buffers::MutableViews(whole), false, 3 << 19).ok());
+    ASSERT_TRUE(
+        ApplyPlacedLikeTheDevice<uint16_t>(std::span(&one, 1), buffers::MutableViews(whole), false, 3 << 19).ok());
     EXPECT_TRUE(testing::SameBits(whole, v1));
   }
   // Tiles of more than one checksum block (2 MiB chunks): their digests are
@@ -519,7 +520,8 @@ TEST(HostPlacedPath, PiecesGridsAndPartsApplyLikeTheHostCodec) {
   ASSERT_TRUE(patch.ok());
   const std::string_view one(*patch);
   auto whole = b;
-  ASSERT_TRUE(ApplyPlacedLikeTheDevice<uint16_t>(std::span(&one, 1), buffers::MutableViews(whole), false, 8 << 20).ok());
+  ASSERT_TRUE(
+      ApplyPlacedLikeTheDevice<uint16_t>(std::span(&one, 1), buffers::MutableViews(whole), false, 8 << 20).ok());
   EXPECT_TRUE(testing::SameBits(whole, t));
   auto stale = t;
   EXPECT_EQ(ApplyPlacedLikeTheDevice<uint16_t>(std::span(&one, 1), buffers::MutableViews(stale), false, 8 << 20).code(),

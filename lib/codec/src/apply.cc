@@ -690,8 +690,9 @@ Status Apply(std::span<const std::string_view> parts, const Destination& destina
 
 namespace internal {
 
-StatusOr<std::vector<staged::ApplyPlan>> PlanApply(std::span<const Container* const> parts, const Destination& destination,
-                                            const ApplyOptions& options, bool as_parts) {
+StatusOr<std::vector<staged::ApplyPlan>> PlanApply(std::span<const Container* const> parts,
+                                                   const Destination& destination, const ApplyOptions& options,
+                                                   bool as_parts) {
   if (parts.empty()) return InvalidArgumentError("no parts to apply");
   if (as_parts) {
     WSYNC_RETURN_IF_ERROR(destination.pieces() ? CheckPiecesParts(parts, destination.runtime())
@@ -715,8 +716,7 @@ StatusOr<std::vector<staged::ApplyPlan>> PlanApply(std::span<const Container* co
     p.group_tensor = std::move(plan.group_tensor);
     p.group_where = std::move(plan.group_where);
     for (const Work& w : plan.works) {
-      const internal::Tile& tile = c->tensors[w.tensor].tiles[w.chunk];
-      const TileMap map{tile.row0, tile.col0, tile.cell_cols, tile.first, tile.n, w.at.cols, w.at.drow, w.at.dcol};
+      const TileMap map = internal::MapOf(c->tensors[w.tensor].tiles[w.chunk], w.at);
       p.works.push_back({first[w.tensor] + w.chunk, w.dst, w.group, map});
     }
     out.push_back(std::move(p));

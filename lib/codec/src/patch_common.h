@@ -60,26 +60,28 @@ inline Placement Identity(const TensorEntry& e, const uint8_t* data) {
   return Placement{const_cast<uint8_t*>(data), e.cols, 0, 0};
 }
 
+// The chunk at the placement as tile_map.h has it: PlacedElement says where
+// each of its elements lies.
+inline TileMap MapOf(const Tile& t, const Placement& p) {
+  return TileMap{t.row0, t.col0, t.cell_cols, t.first, t.n, p.cols, p.drow, p.dcol};
+}
+
 // Calls f(element, chunk_offset, len) for each maximal run of the chunk's
 // elements that is contiguous at the placement, in chunk order.
 template <typename F>
 void ForEachRun(const Tile& t, const Placement& p, F&& f) {
+  const TileMap m = MapOf(t, p);
   if (p.cols == t.cell_cols && static_cast<int64_t>(t.col0) + p.dcol == 0) {
     // The cell's rows are whole rows at the placement (every ungridded
     // tensor, 1-D ones included, and every row band): one run, found in
     // O(1) rather than a row at a time.
-    const uint64_t r = t.row0 + t.first / t.cell_cols;
-    f(static_cast<uint64_t>(static_cast<int64_t>(r) + p.drow) * p.cols + t.first % t.cell_cols, 0, t.n);
+    f(PlacedElement(m, 0), 0, t.n);
     return;
   }
-  const uint64_t end = t.first + t.n;
-  uint64_t run_at = 0, run_k = 0, run_len = 0, k = 0;
-  for (uint64_t idx = t.first; idx < end;) {
-    const uint64_t in_row = idx % t.cell_cols;
-    const uint64_t len = std::min(t.cell_cols - in_row, end - idx);
-    const uint64_t r = t.row0 + idx / t.cell_cols, c = t.col0 + in_row;
-    const uint64_t at = static_cast<uint64_t>(static_cast<int64_t>(r) + p.drow) * p.cols +
-                        static_cast<uint64_t>(static_cast<int64_t>(c) + p.dcol);
+  uint64_t run_at = 0, run_k = 0, run_len = 0;
+  for (uint64_t k = 0; k < t.n;) {
+    const uint64_t len = std::min(t.cell_cols - (t.first + k) % t.cell_cols, t.n - k);
+    const uint64_t at = PlacedElement(m, k);
     if (run_len > 0 && run_at + run_len == at) {
       run_len += len;
     } else {
@@ -88,7 +90,6 @@ void ForEachRun(const Tile& t, const Placement& p, F&& f) {
       run_k = k;
       run_len = len;
     }
-    idx += len;
     k += len;
   }
   if (run_len > 0) f(run_at, run_k, run_len);
@@ -237,8 +238,9 @@ Status AbsentChunk(const TensorEntry& t, size_t chunk);
 // The works Apply would run for each part (chunk indices in task order),
 // with its checks and errors; as_parts: the containers are the parts of one
 // version (Apply's list form).
-StatusOr<std::vector<staged::ApplyPlan>> PlanApply(std::span<const Container* const> parts, const Destination& destination,
-                                            const ApplyOptions& options, bool as_parts);
+StatusOr<std::vector<staged::ApplyPlan>> PlanApply(std::span<const Container* const> parts,
+                                                   const Destination& destination, const ApplyOptions& options,
+                                                   bool as_parts);
 
 }  // namespace wsync::codec::internal
 

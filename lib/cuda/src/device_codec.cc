@@ -1766,8 +1766,9 @@ StatusOr<uint64_t> DeviceCodec::SetChecksum(std::span<const TensorView> tensors,
     WSYNC_RETURN_IF_ERROR(Check(cudaStreamSynchronize(d.compute), "checksums"));
     block = 0;
     for (size_t k = k0; k < k1; ++k) {
-      const size_t n = codec::ChecksumBlockCount(cells[k].elements() * codec::DTypeWidth(tensors[cells[k].tensor].dtype));
-      blocks[cells[k].tensor].insert(blocks[cells[k].tensor].end(), sums + block, sums + block + n);
+      const codec::staged::Cell& c = cells[k];
+      const size_t n = codec::ChecksumBlockCount(c.elements() * codec::DTypeWidth(tensors[c.tensor].dtype));
+      blocks[c.tensor].insert(blocks[c.tensor].end(), sums + block, sums + block + n);
       block += n;
     }
     k0 = k1;
