@@ -191,6 +191,25 @@ constexpr size_t kStagingBytes = size_t{256} << 20;
 // this (or one chunk) at a time.
 constexpr size_t kImageBytes = size_t{64} << 20;
 
+// Scratch bytes a cell takes when gathered out of its tensor (256-byte
+// aligned); 0 when its elements are contiguous there.
+size_t GatheredBytes(const codec::staged::Cell& c, size_t width) {
+  return c.contiguous() ? 0 : (c.elements() * width + 255) / 256 * 256;
+}
+
+// A cell's elements in its row-major order: where they start in the
+// tensor's data when contiguous there, else copied into `scratch`
+// (GatheredBytes of it) by a two-dimensional copy enqueued on `s`.
+StatusOr<const uint8_t*> CellElements(const codec::staged::Cell& c, const void* data, size_t width, uint8_t* scratch,
+                                      cudaStream_t s) {
+  const auto* at = static_cast<const uint8_t*>(data) + (c.row0 * c.tensor_cols + c.col0) * width;
+  if (c.contiguous()) return at;
+  WSYNC_RETURN_IF_ERROR(Check(cudaMemcpy2DAsync(scratch, c.cols * width, at, c.tensor_cols * width, c.cols * width,
+                                                c.rows, cudaMemcpyDeviceToDevice, s),
+                              "gathering a cell"));
+  return scratch;
+}
+
 }  // namespace
 
 Status DeviceAvailable() {
@@ -206,6 +225,7 @@ Status DeviceAvailable() {
 // scratch lies, and its compact change once copied to page-locked memory.
 struct CellChange {
   size_t tensor = 0;
+  uint64_t n = 0;                // the cell's elements
   const void* base = nullptr;    // the cell's elements, in the tensor or gathered
   const void* target = nullptr;
   std::vector<size_t> chunk_ids;  // the writer's chunk indices
@@ -448,45 +468,29 @@ Status DeviceCodec::Impl::PlaceCells(const codec::staged::PatchWriter& writer, s
   const auto& chunks = writer.chunks();
   const std::span<const codec::staged::Cell> of(writer.cells().data() + cell0, cells.size());
   size_t bytes = 0;
-  for (const codec::staged::Cell& cell : of) {
-    if (!cell.contiguous()) bytes += 2 * ((cell.elements() * chunks[cell.first_chunk].width + 255) / 256 * 256);
-  }
+  for (const codec::staged::Cell& cell : of) bytes += 2 * GatheredBytes(cell, chunks[cell.first_chunk].width);
   void* mem = nullptr;
   if (bytes > 0) {
     WSYNC_ASSIGN_OR_RETURN(mem, images.Get(bytes));
   }
-  size_t at = 0;
+  uint8_t* at = static_cast<uint8_t*>(mem);
   size_t waited = SIZE_MAX;
   for (size_t k = 0; k < cells.size(); ++k) {
     CellChange& cc = cells[k];
     const codec::staged::Cell& cell = of[k];
-    const size_t t = cell.tensor, w = chunks[cell.first_chunk].width;
+    const size_t t = cell.tensor, w = chunks[cell.first_chunk].width, image = GatheredBytes(cell, w);
     cc.tensor = t;
     cc.width = w;
+    cc.n = cell.elements();
     cc.chunk_ids.resize(cell.chunks);
     for (size_t c = 0; c < cell.chunks; ++c) cc.chunk_ids[c] = cell.first_chunk + c;
     if (!landed.empty() && waited != t) {
       WSYNC_RETURN_IF_ERROR(Check(cudaStreamWaitEvent(compute, landed[t], 0), "wait for snapshot"));
       waited = t;
     }
-    const size_t origin = (cell.row0 * cell.tensor_cols + cell.col0) * w;
-    const auto* b = static_cast<const uint8_t*>(base[t].data) + origin;
-    const auto* x = static_cast<const uint8_t*>(target[t].data) + origin;
-    if (cell.contiguous()) {
-      cc.base = b;
-      cc.target = x;
-      continue;
-    }
-    const size_t row = cell.cols * w, pitch = cell.tensor_cols * w, image = (cell.elements() * w + 255) / 256 * 256;
-    auto* bi = static_cast<uint8_t*>(mem) + at;
-    auto* xi = bi + image;
+    WSYNC_ASSIGN_OR_RETURN(cc.base, CellElements(cell, base[t].data, w, at, compute));
+    WSYNC_ASSIGN_OR_RETURN(cc.target, CellElements(cell, target[t].data, w, at + image, compute));
     at += 2 * image;
-    WSYNC_RETURN_IF_ERROR(Check(cudaMemcpy2DAsync(bi, row, b, pitch, row, cell.rows, cudaMemcpyDeviceToDevice, compute),
-                                "gathering a cell"));
-    WSYNC_RETURN_IF_ERROR(Check(cudaMemcpy2DAsync(xi, row, x, pitch, row, cell.rows, cudaMemcpyDeviceToDevice, compute),
-                                "gathering a cell"));
-    cc.base = bi;
-    cc.target = xi;
   }
   if (bytes > 0) EndPhase("gather");
   return Status::Ok();
@@ -498,15 +502,13 @@ Status DeviceCodec::Impl::CompactBatch(const codec::staged::PatchWriter& writer,
   Carver carve;
   for (CellChange& tc : batch) {
     const codec::staged::Chunk& first = writer.chunks()[tc.chunk_ids.at(0)];
-    uint64_t n = 0;
-    for (size_t id : tc.chunk_ids) n += writer.chunks()[id].elements;
-    tc.layout = LayoutOf(n, tc.width, options.chunk_bytes);
+    tc.layout = LayoutOf(tc.n, tc.width, options.chunk_bytes);
     if (tc.empty()) continue;
     tc.bins = codec::staged::HistogramBins(first.dtype);
     tc.conditioned = options.condition_on_base && tc.bins > 0;
     const uint64_t blocks = tc.layout.Blocks(), chunks = tc.layout.Chunks();
     tc.scan_bytes = ScanBytes(blocks + 1);
-    tc.ndigests = codec::ChecksumBlockCount(n * tc.width);
+    tc.ndigests = codec::ChecksumBlockCount(tc.n * tc.width);
     tc.o_counts = carve.Add<uint32_t>(blocks + 1);
     tc.o_offsets = carve.Add<uint32_t>(blocks + 1);
     tc.o_chunks = carve.Add<uint32_t>(chunks + 1);
@@ -752,10 +754,10 @@ StatusOr<std::string> DeviceCodec::Encode(std::span<const TensorView> live,
   std::vector<size_t> first_cell(target.size() + 1, cells.size());  // cells of t: [first_cell[t], first_cell[t + 1])
   for (size_t k = cells.size(); k-- > 0;) first_cell[cells[k].tensor] = k;
   for (size_t t = target.size(); t-- > 0;) first_cell[t] = std::min(first_cell[t], first_cell[t + 1]);
-  auto gathered = [&](size_t t) {  // image bytes of tensor t's cells not contiguous in it
+  auto gathered = [&](size_t t) {  // scratch for tensor t's cells gathered out of it (base and target)
     size_t bytes = 0;
     for (size_t k = first_cell[t]; k < first_cell[t + 1]; ++k) {
-      if (!cells[k].contiguous()) bytes += 2 * codec::DTypeWidth(target[t].dtype) * cells[k].elements();
+      bytes += 2 * GatheredBytes(cells[k], codec::DTypeWidth(target[t].dtype));
     }
     return bytes;
   };
@@ -1731,11 +1733,10 @@ StatusOr<uint64_t> DeviceCodec::SetChecksum(std::span<const TensorView> tensors,
     size_t k1 = k0, gathered = 0, nblocks = 0;
     while (k1 < cells.size()) {
       const codec::staged::Cell& c = cells[k1];
-      const size_t bytes = c.elements() * codec::DTypeWidth(tensors[c.tensor].dtype);
-      const size_t more = c.contiguous() ? 0 : (bytes + 255) / 256 * 256;
-      if (k1 > k0 && gathered + more > kStagingBytes) break;
-      gathered += more;
-      nblocks += codec::ChecksumBlockCount(bytes);
+      const size_t w = codec::DTypeWidth(tensors[c.tensor].dtype);
+      if (k1 > k0 && gathered + GatheredBytes(c, w) > kStagingBytes) break;
+      gathered += GatheredBytes(c, w);
+      nblocks += codec::ChecksumBlockCount(c.elements() * w);
       ++k1;
     }
     Carver carve;
@@ -1743,20 +1744,13 @@ StatusOr<uint64_t> DeviceCodec::SetChecksum(std::span<const TensorView> tensors,
     const size_t o_sums = carve.Add<uint64_t>(nblocks);
     WSYNC_ASSIGN_OR_RETURN(void* mem, d.images.Get(carve.bytes()));
     std::vector<DigestJob> jobs;
-    size_t at = 0;
+    uint8_t* at = At<uint8_t>(mem, o_image);
     uint64_t block = 0;
     for (size_t k = k0; k < k1; ++k) {
       const codec::staged::Cell& c = cells[k];
       const size_t w = codec::DTypeWidth(tensors[c.tensor].dtype), bytes = c.elements() * w;
-      const auto* src = static_cast<const uint8_t*>(tensors[c.tensor].data) + (c.row0 * c.tensor_cols + c.col0) * w;
-      if (!c.contiguous()) {
-        uint8_t* dst = At<uint8_t>(mem, o_image) + at;
-        WSYNC_RETURN_IF_ERROR(Check(cudaMemcpy2DAsync(dst, c.cols * w, src, c.tensor_cols * w, c.cols * w, c.rows,
-                                                      cudaMemcpyDeviceToDevice, d.compute),
-                                    "gathering a cell"));
-        src = dst;
-        at += (bytes + 255) / 256 * 256;
-      }
+      WSYNC_ASSIGN_OR_RETURN(const uint8_t* src, CellElements(c, tensors[c.tensor].data, w, at, d.compute));
+      at += GatheredBytes(c, w);
       jobs.push_back({src, bytes, At<uint64_t>(mem, o_sums) + block, 0});
       block += codec::ChecksumBlockCount(bytes);
     }
