@@ -191,6 +191,19 @@ constexpr size_t kStagingBytes = size_t{256} << 20;
 // this (or one chunk) at a time.
 constexpr size_t kImageBytes = size_t{64} << 20;
 
+// A ranked chunk's entries for LaunchRankPositions, class after class: each
+// rank's chunk (in the layout the kernel resolves it in), class and rank.
+void RankEntries(const DecodedChunk& dc, uint32_t chunk, uint32_t* chunk_out, uint8_t* cls_out, uint32_t* rank_out) {
+  size_t at = 0;
+  for (int k = 0; k < dc.spec.k; ++k) {
+    for (uint64_t j = 0; j < dc.class_counts[k]; ++j, ++at) {
+      chunk_out[at] = chunk;
+      cls_out[at] = static_cast<uint8_t>(k);
+      rank_out[at] = dc.ranks[at];
+    }
+  }
+}
+
 // Scratch bytes a cell takes when gathered out of its tensor (256-byte
 // aligned); 0 when its elements are contiguous there.
 size_t GatheredBytes(const codec::staged::Cell& c, size_t width) {
@@ -1192,14 +1205,8 @@ Status DeviceCodec::Impl::ApplyDelta(const codec::staged::PatchReader& r, std::s
       if (!dc.values_pending || dc.spec.k == 1) return;
       Entries& e = entries[tensor_of[i]];
       if (dc.ranked) {
-        size_t at = e_start[i];
-        for (int k = 0; k < dc.spec.k; ++k) {
-          for (uint64_t j = 0; j < dc.class_counts[k]; ++j, ++at) {
-            e.chunk[at] = static_cast<uint32_t>(in_tensor[i]);
-            e.cls[at] = static_cast<uint8_t>(k);
-            e.rank[at] = dc.ranks[at - e_start[i]];
-          }
-        }
+        RankEntries(dc, static_cast<uint32_t>(in_tensor[i]), e.chunk + e_start[i], e.cls + e_start[i],
+                    e.rank + e_start[i]);
       } else {
         for (size_t j = 0; j < dc.pos.size(); ++j) e.gather[g_start[i] + j] = chunks[i].first_element + dc.pos[j];
       }
@@ -1440,14 +1447,7 @@ Status DeviceCodec::Impl::ApplyPlaced(std::span<const codec::staged::PatchReader
         const DecodedChunk& dc = decoded[b.works[j].part][b.works[j].work];
         if (!dc.values_pending || dc.spec.k == 1) continue;
         if (dc.ranked) {
-          size_t at = e_start[j];
-          for (int k = 0; k < dc.spec.k; ++k) {
-            for (uint64_t i = 0; i < dc.class_counts[k]; ++i, ++at) {
-              chunk_h[at] = static_cast<uint32_t>(j);
-              cls_h[at] = static_cast<uint8_t>(k);
-              rank_h[at] = dc.ranks[at - e_start[j]];
-            }
-          }
+          RankEntries(dc, static_cast<uint32_t>(j), chunk_h + e_start[j], cls_h + e_start[j], rank_h + e_start[j]);
         } else {
           for (size_t i = 0; i < dc.pos.size(); ++i) gidx_h[g_start[j] + i] = j * b.slot + dc.pos[i];
         }
