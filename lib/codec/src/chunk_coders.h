@@ -83,44 +83,9 @@ std::vector<uint8_t> ClassesOf(const T* old, size_t m, const ClassSpec& spec) {
 
 // ---- values (coder_values.cc)
 
-// A delta d != 0, read as a signed w-bit number, is one rANS symbol (its
-// sign and magnitude bucket, tables per class) plus the magnitude's offset
-// in its bucket as plain bits:
-//   |d| 1..5: symbol 2(|d|-1) + negative
-//   |d| 6..9: symbol 10 + negative, 2 bits of |d| - 6
-//   |d| 10..17: symbol 12 + negative, 3 bits of |d| - 10
-//   |d| >= 18: symbol 14, the sign bit, Elias gamma of |d| - 18
-// Symbol 15 does not occur. At RL learning rates almost every change is one
-// unit in the last place.
-struct ValueSymbol {
-  uint8_t sym;
-  uint8_t extra_bits;  // of `extra`, except for the escape
-  uint64_t extra;
-};
-
+// A delta's symbol and bits: sparse_encode.h (ValueSymbol, PutValueBits).
 using sparse::kValueEscape;
-inline constexpr int kValueFirstWithBits = 10;  // symbols below have no bits
-// The tables of the functions in sparse_decode.h, which the device reads.
-template <typename F>
-constexpr std::array<uint8_t, kRansSymbols> SymbolTable(F f) {
-  std::array<uint8_t, kRansSymbols> t{};
-  for (int s = 0; s < kRansSymbols; ++s) t[s] = static_cast<uint8_t>(f(s));
-  return t;
-}
-inline constexpr auto kValueBase = SymbolTable(sparse::ValueBase);
-inline constexpr auto kValueExtra = SymbolTable(sparse::ValueExtra);
-
-// The encoder's side of kValueBase / kValueExtra (the decoder reads them).
-template <typename T>
-__attribute__((always_inline)) inline ValueSymbol ValueSymbolOf(T delta) {
-  const int neg = static_cast<int>((delta >> (kBits<T> - 1)) & 1);
-  const uint64_t mag = static_cast<uint64_t>(neg ? static_cast<T>(T{0} - delta) : delta);
-  if (mag >= kValueBase[kValueEscape]) return {kValueEscape, 0, mag - kValueBase[kValueEscape]};
-  const int sym = mag < kValueBase[kValueFirstWithBits]        ? static_cast<int>(2 * (mag - 1)) + neg
-                  : mag < kValueBase[kValueFirstWithBits + 2] ? kValueFirstWithBits + neg
-                                                              : kValueFirstWithBits + 2 + neg;
-  return {static_cast<uint8_t>(sym), kValueExtra[sym], mag - kValueBase[sym]};
-}
+using sparse::kValueFirstWithBits;
 
 // Prepares a chunk's value stream: each change's symbol (value_sym; coded
 // with its class's table) and the bits that refine the rarer, larger ones.

@@ -12,97 +12,23 @@
 namespace wsync::codec::internal {
 namespace {
 
-// Gaps between the ranks of a class's changes: with the class's shift r,
-// the quotient q = gap >> r is one rANS symbol (table per class), the rest
-// plain bits:
-//   q 0..7: symbol q
-//   q 8..127: symbols 8..14 by bit length and next bit (buckets [8,12),
-//     [12,16), [16,24), [24,32), [32,48), [48,64), [64,128)), then q's
-//     offset in its bucket (2, 2, 3, 3, 4, 4, 6 bits)
-//   q >= 128: symbol 15, Elias gamma of q - 128
-// followed by the r low bits of the gap. r is chosen per class, so a class
-// changing with probability p costs close to H(p) per element, a dense one
-// well under a bit per change.
+// Gaps and their symbols: sparse_encode.h (GapSymbol, PutGapBits,
+// ChooseShift), the device's encoder's own functions.
 using sparse::kGapEscape;
-using sparse::kMaxShift;
-inline constexpr auto kGapBase = SymbolTable(sparse::GapBase);
-inline constexpr auto kGapExtra = SymbolTable(sparse::GapExtra);
-static_assert(kGapBase[8] == 8 && kGapBase[14] == 64 && kGapBase[15] == 128 && kGapExtra[14] == 6);
 
-// The symbol of quotient q (< 128: the table; else the escape).
+// GapSymbol of quotients below 128 (else the escape), looked up.
 constexpr std::array<uint8_t, 128> kGapSymbol = [] {
   std::array<uint8_t, 128> t{};
-  int s = 0;
-  for (int q = 0; q < 128; ++q) {
-    while (s + 1 < kGapEscape && q >= kGapBase[s + 1]) ++s;
-    t[q] = static_cast<uint8_t>(s);
-  }
+  for (int q = 0; q < 128; ++q) t[q] = static_cast<uint8_t>(sparse::GapSymbol(static_cast<uint64_t>(q)));
   return t;
 }();
 
 uint8_t GapSymbol(uint64_t q) { return q < 128 ? kGapSymbol[q] : kGapEscape; }
 
-// A histogram of gaps by bit length and leading three bits: it tells a
-// gap's symbol at every shift (the quotient's bits are the gap's leading
-// ones), so one pass serves every candidate shift.
+// A class's gaps by sparse::GapBin.
 struct GapHistogram {
-  static constexpr int kBins = 33 * 8;
-  // bin = bit_width(g) * 8 + g's three leading bits (g itself below 8).
-  static int Bin(uint32_t g) {
-    // bit_width(g) from an operand that is never zero: std::bit_width
-    // branches on zero, and zero gaps are common and unpredictable in a
-    // class that changes often.
-    const int w = 63 - std::countl_zero((uint64_t{g} << 1) | 1);
-    return w * 8 + static_cast<int>(g >> std::max(w - 3, 0));
-  }
-  uint32_t n[kBins] = {};
+  uint32_t n[sparse::kGapBins] = {};
 };
-
-// The symbol (below the escape) of the gaps in histogram bin b at shift r,
-// or kGapEscape for quotients of 128 and more.
-uint8_t BinSymbol(int b, int r) {
-  const int w = b / 8, lead = b % 8;
-  const int qw = w - r;  // the quotient's bit length
-  if (qw <= 0) return 0;
-  if (qw >= 8) return kGapEscape;
-  // Below 8 the quotient is its leading bits; above, its symbol depends on
-  // its length and the bit after the leading one only.
-  const int q = w <= 3 ? lead >> r : qw <= 3 ? lead >> (3 - qw) : lead << (qw - 3);
-  return kGapSymbol[q];
-}
-
-// Symbol counts of a class's gaps at three consecutive shifts r0, r0+1,
-// r0+2, and the estimated bits of coding them at each.
-struct GapCosts {
-  uint32_t counts[3][kRansSymbols] = {};
-  double bits[3] = {};
-};
-
-GapCosts CountGaps(const uint32_t* gaps, size_t count, const GapHistogram& hist, int r0) {
-  GapCosts g;
-  for (int b = 0; b < GapHistogram::kBins; ++b) {
-    if (hist.n[b] == 0) continue;
-    for (int t = 0; t < 3; ++t) g.counts[t][BinSymbol(b, r0 + t)] += hist.n[b];
-  }
-  // Escapes (rare: 32 times the mean gap and more) cost their gamma codes.
-  uint64_t escape_bits[3] = {};
-  if (g.counts[0][kGapEscape] != 0) {
-    const uint64_t escape_at = uint64_t{kGapBase[kGapEscape]} << r0;
-    for (size_t i = 0; i < count; ++i) {
-      if (gaps[i] < escape_at) continue;
-      for (int t = 0; t < 3; ++t) {
-        const uint64_t q = uint64_t{gaps[i]} >> (r0 + t);
-        if (q >= kGapBase[kGapEscape]) escape_bits[t] += static_cast<uint64_t>(GammaBits(q - kGapBase[kGapEscape]));
-      }
-    }
-  }
-  for (int t = 0; t < 3; ++t) {
-    uint64_t extra = escape_bits[t] + static_cast<uint64_t>(count) * static_cast<uint64_t>(r0 + t);
-    for (int s = 0; s < kRansSymbols; ++s) extra += uint64_t{g.counts[t][s]} * kGapExtra[s];
-    g.bits[t] = static_cast<double>(extra) + RansCostBits(g.counts[t]);
-  }
-  return g;
-}
 
 // Elements of class c in a chunk (for error messages).
 template <typename T>
@@ -188,9 +114,9 @@ void PreparePositions(const ClassRanks& ranks, const ClassSpec& spec, CoderScrat
     for (size_t i = 0; i < count; ++i) {
       g[i] = r[i] - (i == 0 ? 0 : r[i - 1] + 1);
       total += g[i];
-      ++(i % 2 ? odd : even).n[GapHistogram::Bin(g[i])];
+      ++(i % 2 ? odd : even).n[sparse::GapBin(g[i])];
     }
-    for (int b = 0; b < GapHistogram::kBins; ++b) even.n[b] += odd.n[b];
+    for (int b = 0; b < sparse::kGapBins; ++b) even.n[b] += odd.n[b];
     sum[c] = total;
   }
 
@@ -203,15 +129,12 @@ void PreparePositions(const ClassRanks& ranks, const ClassSpec& spec, CoderScrat
   for (int c = 0; c < spec.k; ++c) {
     const size_t count = ranks.count[c];
     if (count == 0) continue;
-    // The shift that puts the mean quotient near 4, or a neighbour.
-    const uint64_t mean = sum[c] / count;
-    const int r0 = std::clamp(static_cast<int>(std::bit_width(mean / 4)) - 2, 0, kMaxShift - 2);
-    const GapCosts costs = CountGaps(gaps.data() + start[c], count, hist[2 * c], r0);
-    const int best = static_cast<int>(std::min_element(costs.bits, costs.bits + 3) - costs.bits);
-    shift[c] = r0 + best;
-    const uint32_t* best_counts = costs.counts[best];
+    const uint32_t* g = gaps.data() + start[c];
+    const sparse::ShiftChoice sc =
+        sparse::ChooseShift(hist[2 * c].n, count, sum[c], [g](size_t j) { return g[j]; }, RansLog2());
+    shift[c] = sc.shift;
     bits.Put(static_cast<uint64_t>(shift[c]), 5);
-    tables[c] = ChooseRansTable(best_counts, &bits);
+    tables[c] = ChooseRansTable(sc.counts, &bits);
   }
   // The refining bits in order, and each gap's rANS symbol with its table.
   std::vector<const RansEncSymbol*>& coded = scratch->gap_coded;
@@ -226,13 +149,7 @@ void PreparePositions(const ClassRanks& ranks, const ClassSpec& spec, CoderScrat
       const uint64_t q = g >> r;
       const uint8_t s = GapSymbol(q);
       coded[i] = enc + s;
-      const uint64_t low = g & ((uint64_t{1} << r) - 1);
-      if (s == kGapEscape) {
-        fields.PutGamma(q - kGapBase[kGapEscape]);
-        fields.Put(low, r);
-      } else {
-        fields.Put(((q - kGapBase[s]) << r) | low, kGapExtra[s] + r);
-      }
+      sparse::PutGapBits(g, r, s, fields);
     }
   }
   bits.Close(fields);

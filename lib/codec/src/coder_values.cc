@@ -15,7 +15,7 @@ void PrepareValues(const SparseDelta<T>& d, const std::vector<uint8_t>& cls, Cod
   // change is +-1) then do not chain their increments through memory.
   uint32_t counts[2][kMaxClasses][kRansSymbols] = {};
   for (size_t i = 0; i < m; ++i) {
-    sym[i] = ValueSymbolOf(d.delta[i]).sym;
+    sym[i] = static_cast<uint8_t>(sparse::ValueSymbol(d.delta[i]));
     ++counts[i & 1][cls[i]][sym[i]];
   }
   PendingStream& out = scratch->values;
@@ -34,13 +34,7 @@ void PrepareValues(const SparseDelta<T>& d, const std::vector<uint8_t>& cls, Cod
     BitWriter::Cursor fields = out.bits.Open(m * 128);
     for (size_t i = 0; i < m; ++i) {
       if (sym[i] < kValueFirstWithBits) continue;  // |d| <= 5: nearly every change at RL rates
-      const ValueSymbol v = ValueSymbolOf(d.delta[i]);
-      if (v.sym == kValueEscape) {
-        fields.Put(static_cast<uint64_t>((d.delta[i] >> (kBits<T> - 1)) & 1), 1);
-        fields.PutGamma(v.extra);
-      } else {
-        fields.Put(v.extra, v.extra_bits);
-      }
+      sparse::PutValueBits(d.delta[i], sym[i], fields);
     }
     out.bits.Close(fields);
   }

@@ -8,8 +8,9 @@
 // bits that refine a symbol (low bits of a gap, the tail of a magnitude) go
 // to a plain bit stream beside the rANS words and cost no coding step.
 //
-// The decoder is written once for the host and the device:
-// wsync/codec/sparse_decode.h (BitIn, ReadTable, RansIn).
+// The coder's decisions and steps are written once for the host and the
+// device: wsync/codec/sparse_encode.h (BitOut, ChooseTable, RansPut) and,
+// for the decoder, wsync/codec/sparse_decode.h (BitIn, ReadTable, RansIn).
 #pragma once
 
 #include <algorithm>
@@ -23,6 +24,7 @@
 #include <vector>
 
 #include "wsync/codec/sparse_decode.h"
+#include "wsync/codec/sparse_encode.h"
 
 namespace wsync::codec::internal {
 
@@ -35,57 +37,15 @@ inline constexpr uint32_t kRansLow = sparse::kLow;  // states live in [2^16, 2^3
 
 // ------------------------------------------------------------ bit stream
 
-// Bits of BitWriter::PutGamma(v).
-inline int GammaBits(uint64_t v) { return 2 * (std::bit_width(v + 1) - 1) + 1; }
+using sparse::GammaBits;
 
-// Bits are packed least significant first: bit i of the stream is bit
-// i % 8 of byte i / 8, and an n-bit field has its low bit first.
+// A growing bit stream (sparse::BitOut's format: least significant first).
 class BitWriter {
  public:
   // The fields of a coding loop: a local cursor keeps its pending bits and
   // its place in registers (the writer's own members would be reloaded after
   // every store to the buffer, which may alias them).
-  class Cursor {
-   public:
-    // n <= 64.
-    __attribute__((always_inline)) void Put(uint64_t v, int n) {
-      if (n > 32) {
-        Put32(v & 0xFFFFFFFFu, 32);
-        Put32(v >> 32, n - 32);
-      } else {
-        Put32(v, n);
-      }
-    }
-    // Elias gamma of v + 1: k = bitlen(v + 1) - 1 zeros, a one, then the k
-    // low bits of v + 1 (at most 127 bits). REQUIRES: v < 2^64 - 1.
-    __attribute__((always_inline)) void PutGamma(uint64_t v) {
-      const uint64_t u = v + 1;
-      const int k = std::bit_width(u) - 1;
-      Put(uint64_t{1} << k, k + 1);
-      Put(u, k);
-    }
-
-   private:
-    friend class BitWriter;
-    // Bits gather in a register and leave 32 at a time: a store per field
-    // that the next field's load overlaps at another offset would miss
-    // store-to-load forwarding, a stall per field.
-    __attribute__((always_inline)) void Put32(uint64_t v, int n) {  // n <= 32, fill_ < 32
-      acc_ |= (v & ~(~uint64_t{0} << n)) << fill_;
-      fill_ += n;
-      if (fill_ >= 32) {
-        const uint32_t word = static_cast<uint32_t>(acc_);
-        std::memcpy(out_, &word, 4);
-        out_ += 4;
-        acc_ >>= 32;
-        fill_ -= 32;
-      }
-    }
-    Cursor(uint8_t* out, uint64_t acc, int fill) : out_(out), acc_(acc), fill_(fill) {}
-    uint8_t* out_;
-    uint64_t acc_;
-    int fill_;
-  };
+  using Cursor = sparse::BitOut;
 
   // A cursor with room for max_bits more bits; Close it before any other
   // use of the writer.
@@ -94,12 +54,12 @@ class BitWriter {
     const size_t need = byte + max_bits / 8 + 16;
     if (need > buf_.size()) buf_.resize(std::max(need, 2 * buf_.size()), 0);
     const int fill = static_cast<int>(pos_ & 7);
-    return Cursor(buf_.data() + byte, fill == 0 ? 0 : buf_[byte] & ((1u << fill) - 1), fill);
+    open_byte_ = byte;
+    return Cursor(buf_.data() + byte, buf_.size() - byte, fill == 0 ? 0 : buf_[byte] & ((1u << fill) - 1), fill);
   }
-  void Close(const Cursor& c) {
-    // The bits still in the register (fewer than 32), then zeros.
-    std::memcpy(c.out_, &c.acc_, 8);
-    pos_ = static_cast<uint64_t>(c.out_ - buf_.data()) * 8 + static_cast<uint64_t>(c.fill_);
+  void Close(Cursor& c) {
+    pos_ = uint64_t{open_byte_} * 8 + c.bits();
+    c.Close();
   }
 
   // One field (n <= 64) or one gamma code.
@@ -124,19 +84,12 @@ class BitWriter {
  private:
   std::vector<uint8_t> buf_;
   uint64_t pos_ = 0;
+  size_t open_byte_ = 0;
 };
 
 // ---------------------------------------------------------------- tables
 
-// What the encoder needs of a symbol: x' = x + bias + q * cmpl with
-// q = floor(x / freq) = (x * rcp) >> 63, exact for every 32-bit state
-// (rcp = ceil(2^63 / freq), and rcp * freq - 2^63 < freq <= 2^31).
-struct RansEncSymbol {
-  uint64_t rcp = 0;
-  uint32_t freq = 0;
-  uint32_t bias = 0;  // start
-  uint32_t cmpl = 0;  // 2^10 - freq
-};
+using RansEncSymbol = sparse::EncSymbol;
 
 // A frequency table: freq[s] of 2^kRansPrecision (0: s never occurs),
 // start[s] the cumulative sum before s.
@@ -156,6 +109,9 @@ RansTable ChooseRansTable(const uint32_t* counts, BitWriter* w);
 // Estimated bits of coding symbols with these counts by ChooseRansTable's
 // table, its header included (0 when every count is zero).
 double RansCostBits(const uint32_t* counts);
+
+// The sparse coder's log2 table (sparse::kLog2Table).
+inline const uint32_t* RansLog2() { return sparse::kLog2Table.data(); }
 
 // ----------------------------------------------------------------- coder
 
@@ -229,20 +185,7 @@ class RansEncoder {
   };
 
   __attribute__((always_inline)) static void Step(uint32_t& x, const RansEncSymbol& s, uint16_t** out) {
-    // Renormalize so that the coded state stays below 2^32 (a symbol of
-    // probability 1 never needs it: its bound is 2^32).
-    // Without a branch: the word is stored either way and kept when the
-    // state had to shrink (about one symbol in several, at random). The
-    // shift by 0 or 16 is what keeps it branch-free: GCC 12 compiled the
-    // select form (shrink ? x >> 16 : x) to a conditional jump on the
-    // state, which no predictor can learn.
-    const uint64_t x_max = uint64_t{(kRansLow >> kRansPrecision) << 16} * s.freq;
-    const uint32_t shrink = x >= x_max ? 1u : 0u;
-    **out = static_cast<uint16_t>(x & 0xFFFF);
-    *out += shrink;
-    x >>= 16 * shrink;
-    const uint32_t q = static_cast<uint32_t>((static_cast<unsigned __int128>(x) * s.rcp) >> 63);
-    x += s.bias + q * s.cmpl;
+    sparse::RansPut(x, s, *out);
   }
 
   uint32_t state_[2] = {kRansLow, kRansLow};
