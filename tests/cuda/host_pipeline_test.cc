@@ -1,6 +1,7 @@
 // The device codec's data flow run on the CPU: the kernels' per-block logic
-// (wsync/cuda/logic.h) in plain loops, feeding the staged codec exactly as
-// cuda/src/device_codec.cc does. The patch must be byte-identical to
+// (wsync/cuda/logic.h) in plain loops and their jobs (the entropy stage's
+// included), feeding the staged codec exactly as cuda/src/device_codec.cc
+// does. The patch must be byte-identical to
 // codec::EncodePatch and applying through the ranked-position path must
 // equal codec::Apply. Runs without a GPU.
 #include <gtest/gtest.h>
@@ -14,6 +15,7 @@
 #include "wsync/buffers/safetensors.h"
 #include "wsync/codec/checksum.h"
 #include "wsync/codec/staged.h"
+#include "wsync/cuda/encode_plan.h"
 #include "wsync/cuda/logic.h"
 #include "wsync/cuda/placed.h"
 #include "wsync/cuda/sparse_plan.h"
@@ -107,9 +109,14 @@ std::vector<uint8_t> CellImage(const OwnedTensor& t, const codec::staged::Cell& 
   return out;
 }
 
+// Changed chunks the device's coder coded, and those left to the host.
+struct CoderStats {
+  size_t device_coded = 0, host_coded = 0;
+};
+
 template <typename T>
 std::string EncodeLikeTheDevice(const std::vector<OwnedTensor>& base, const std::vector<OwnedTensor>& target,
-                                const codec::EncodeOptions& options) {
+                                const codec::EncodeOptions& options, CoderStats* stats) {
   auto tv = buffers::Views(target);
   auto writer = codec::staged::PatchWriter::Create(tv, options);
   EXPECT_TRUE(writer.ok()) << writer.status().ToString();
@@ -163,10 +170,36 @@ std::string EncodeLikeTheDevice(const std::vector<OwnedTensor>& base, const std:
       bblocks[t].push_back(cuda::logic::Xxh3(bimg.data() + off, len));
     }
     tblocks[t].insert(tblocks[t].end(), xd.begin(), xd.end());
+    // The entropy stage: the device's coder takes what it can
+    // (encode_plan.h, the jobs run here on the CPU), the host the rest.
+    std::vector<cuda::EncodeInput> inputs;
+    for (uint64_t k = 0; k < l.Chunks(); ++k) {
+      const auto& ch = changes[k];
+      cuda::EncodeInput in{cell.first_chunk + k, writer->chunks()[cell.first_chunk + k].elements, ch.count, ch.pos,
+                           ch.delta, ch.old, rank.data() + c.chunk_off[k], specs[k], static_cast<int>(sizeof(T))};
+      if (cuda::MaySparseEncode(in.elements, in.changed)) inputs.push_back(in);
+    }
+    std::vector<uint64_t> arena((cuda::PlanSparseEncode(inputs, nullptr).bytes + 7) / 8);
+    const cuda::EncodePlan plan = cuda::PlanSparseEncode(inputs, reinterpret_cast<uint8_t*>(arena.data()));
+    std::vector<codec::sparse::SparseEncodeResult> results;
+    for (const cuda::SparseEncodeJob& job : plan.jobs) {
+      results.push_back(cuda::RunSparseEncodeJob(job, codec::sparse::kLog2Table.data()));
+    }
+    const cuda::Packing packing = cuda::PackSparseEncoded(plan, results);
+    std::vector<uint8_t> packed(packing.bytes);
+    for (const cuda::PackSegment& seg : packing.segments) std::memcpy(packed.data() + seg.at, seg.src, seg.bytes);
+    std::vector<uint8_t> coded(writer->chunks().size(), 0);
+    const Status set = cuda::SetSparseEncoded(plan, results, packed.data(), *writer, &coded);
+    EXPECT_TRUE(set.ok()) << set.ToString();
     for (uint64_t k = 0; k < l.Chunks(); ++k) {
       const size_t id = cell.first_chunk + k;
-      const Status s = writer->SetChunk(id, changes[k], specs[k], rank.data() + c.chunk_off[k]);
-      EXPECT_TRUE(s.ok()) << s.ToString();
+      if (coded[id]) {
+        ++stats->device_coded;
+      } else {
+        const Status s = writer->SetChunk(id, changes[k], specs[k], rank.data() + c.chunk_off[k]);
+        EXPECT_TRUE(s.ok()) << s.ToString();
+        stats->host_coded += changes[k].count > 0 ? 1 : 0;
+      }
       if (writer->gridded(id)) {
         EXPECT_TRUE(writer->SetTileDigest(id, xd[k]).ok());
       }
@@ -549,14 +582,23 @@ void RunCase(const Case& c, bool condition) {
   o.condition_on_base = condition;
   auto host = codec::EncodePatch(buffers::Views(base), buffers::Views(target), o);
   ASSERT_TRUE(host.ok()) << host.status().ToString();
-  EXPECT_TRUE(EncodeLikeTheDevice<T>(base, target, o) == *host) << "the device data flow gives other bytes";
+  CoderStats stats;
+  EXPECT_TRUE(EncodeLikeTheDevice<T>(base, target, o, &stats) == *host) << "the device data flow gives other bytes";
+  // At RL change rates the device's coder codes the chunks; dense ones are
+  // the host's.
+  if (c.density > 0 && c.density <= 1e-2) {
+    EXPECT_GT(stats.device_coded, 0u) << "the device's coder coded no chunk";
+  }
+  if (c.density >= 0.5) {
+    EXPECT_EQ(stats.device_coded, 0u);
+  }
   // Gridded as a source serving tensor-parallel layouts codes them: cells
   // gathered out of their tensors, classes chosen across cells.
   codec::EncodeOptions gridded = o;
   gridded.grids = {{"t0", {1}, {100, 350000, 350001}}, {"t4", {100000, 300000}, {}}};
   auto host_gridded = codec::EncodePatch(buffers::Views(base), buffers::Views(target), gridded);
   ASSERT_TRUE(host_gridded.ok()) << host_gridded.status().ToString();
-  EXPECT_TRUE(EncodeLikeTheDevice<T>(base, target, gridded) == *host_gridded)
+  EXPECT_TRUE(EncodeLikeTheDevice<T>(base, target, gridded, &stats) == *host_gridded)
       << "the device data flow gives other bytes with tile grids";
   std::vector<OwnedTensor> out = base;
   ASSERT_TRUE(ApplyLikeTheDevice<T>(*host, &out).ok());
@@ -605,6 +647,11 @@ void CheckRealSnapshots(const std::string& run, bool all_sparse) {
       [&](const std::vector<OwnedTensor>& base, const std::vector<OwnedTensor>& target, const std::string& name) {
         auto patch = codec::EncodePatch(buffers::Views(base), buffers::Views(target), {});
         ASSERT_TRUE(patch.ok());
+        CoderStats stats;
+        EXPECT_TRUE(EncodeLikeTheDevice<uint16_t>(base, target, {}, &stats) == *patch)
+            << name << ": the device data flow gives other bytes";
+        std::printf("%s %s: device coded %zu changed chunks, the host %zu\n", run.c_str(), name.c_str(),
+                    stats.device_coded, stats.host_coded);
         auto out = base;
         auto path = ApplySparseLikeTheDevice<uint16_t>(*patch, &out);
         ASSERT_TRUE(path.ok()) << path.status().ToString();

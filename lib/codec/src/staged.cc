@@ -196,6 +196,26 @@ Status PatchWriter::SetChunk(size_t i, const ChunkChange& change, const ClassSpe
   });
 }
 
+Status PatchWriter::SetSparseChunk(size_t i, uint64_t changed, std::string_view pos, std::string_view val) {
+  if (i >= impl_->chunks.size()) return InvalidArgumentError("chunk " + std::to_string(i) + " out of range");
+  const Chunk& ch = impl_->chunks[i];
+  const std::string where = internal::ChunkWhere(impl_->c.tensors[ch.tensor], ch.index);
+  if (changed == 0 || changed > ch.elements) {
+    return InvalidArgumentError(where + ": " + std::to_string(changed) + " changes in a sparse-coded chunk of " +
+                                std::to_string(ch.elements) + " elements");
+  }
+  sparse::ChunkStreams streams;
+  WSYNC_RETURN_IF_ERROR(
+      internal::LocateSparseStreams(pos, val, ExponentFieldOf(ch.dtype), &streams).WithContext(where));
+  internal::EncodedChunk& e = impl_->encoded[i];
+  e.mode = internal::ChunkMode::kSparse;
+  e.changed = changed;
+  e.pos.assign(pos);
+  e.val.assign(val);
+  impl_->done[i] = 1;
+  return Status::Ok();
+}
+
 Status PatchWriter::SetChecksums(std::span<const uint64_t> target, std::span<const uint64_t> base) {
   Container& c = impl_->c;
   if (target.size() != c.tensors.size() || base.size() != c.tensors.size()) {

@@ -15,6 +15,7 @@
 
 #include "wsync/codec/checksum.h"
 #include "wsync/codec/staged.h"
+#include "wsync/cuda/encode_plan.h"
 #include "wsync/cuda/kernels.h"
 #include "wsync/cuda/placed.h"
 #include "wsync/cuda/sparse_plan.h"
@@ -251,6 +252,11 @@ struct CellChange {
   size_t o_counts = 0, o_offsets = 0, o_chunks = 0, o_hist = 0, o_temp = 0, scan_bytes = 0, o_bdig = 0, o_tdig = 0;
   size_t ndigests = 0;
   size_t o_pos = 0, o_delta = 0, o_old = 0, o_rank = 0;  // in the compact scratch
+  // The compact change on the device (ranks when computed).
+  const uint32_t* d_pos = nullptr;
+  const uint8_t* d_delta = nullptr;
+  const uint8_t* d_old = nullptr;
+  const uint32_t* d_rank = nullptr;
   // Host (page-locked).
   const uint32_t* chunk_off = nullptr;  // changes of chunk c: [chunk_off[c], chunk_off[c + 1])
   const uint32_t* hist = nullptr;       // bins per chunk, when conditioned
@@ -303,6 +309,8 @@ struct DeviceCodec::Impl {
   Scratch digest_mem;    // digests
   Scratch staging;       // bases in host memory, a batch at a time
   Scratch images;        // cells gathered out of their tensors, a batch at a time
+  Scratch coder_mem;     // encode: the entropy stage's jobs, scratch and streams, a batch at a time
+  Scratch packed_mem;    // encode: the coded streams packed for the copy to the host
   PinnedArena pinned;    // what the device copies back
   std::vector<Phase> phases;
   std::chrono::steady_clock::time_point mark;
@@ -441,6 +449,13 @@ struct DeviceCodec::Impl {
   // synchronization per step for the whole batch. specs: by writer chunk.
   Status CompactBatch(const codec::staged::PatchWriter& writer, std::span<CellChange> batch,
                       const codec::EncodeOptions& options, std::vector<ClassSpec>& specs);
+
+  // The entropy stage on the device: codes the batch's chunks that
+  // MaySparseEncode (encode_plan.h), one per thread, and hands their
+  // streams to the writer; coded[chunk] marks those it coded. The rest
+  // (other modes, or streams past their room) are left for the host.
+  Status CodeOnDevice(codec::staged::PatchWriter& writer, std::span<const CellChange> batch,
+                      std::vector<uint8_t>& coded);
 
   Status ApplyDelta(const codec::staged::PatchReader& r, std::span<const MutableTensorView> dst,
                     const std::vector<size_t>& match, const codec::ApplyOptions& options);
@@ -591,6 +606,9 @@ Status DeviceCodec::Impl::CompactBatch(const codec::staged::PatchWriter& writer,
     WSYNC_RETURN_IF_ERROR(LaunchDiffScatter(tc.base, tc.target, static_cast<int>(tc.width),
                                             tc.layout, At<uint32_t>(mem, tc.o_offsets), At<uint32_t>(cmem, tc.o_pos),
                                             At<uint8_t>(cmem, tc.o_delta), At<uint8_t>(cmem, tc.o_old), compute));
+    tc.d_pos = At<uint32_t>(cmem, tc.o_pos);
+    tc.d_delta = At<uint8_t>(cmem, tc.o_delta);
+    tc.d_old = At<uint8_t>(cmem, tc.o_old);
     WSYNC_RETURN_IF_ERROR(CopyToPinned(pinned, &tc.pos, At<uint32_t>(cmem, tc.o_pos), m, compute));
     WSYNC_RETURN_IF_ERROR(CopyToPinned(pinned, &tc.delta, At<uint8_t>(cmem, tc.o_delta), m * tc.width, compute));
     WSYNC_RETURN_IF_ERROR(CopyToPinned(pinned, &tc.old, At<uint8_t>(cmem, tc.o_old), m * tc.width, compute));
@@ -638,10 +656,77 @@ Status DeviceCodec::Impl::CompactBatch(const codec::staged::PatchWriter& writer,
                                       At<uint32_t>(rmem, rs.o_prefix), At<uint32_t>(mem, tc.o_chunks),
                                       At<uint32_t>(cmem, tc.o_pos), At<uint8_t>(cmem, tc.o_old), tc.changes(),
                                       At<uint32_t>(cmem, tc.o_rank), compute));
+    tc.d_rank = At<uint32_t>(cmem, tc.o_rank);
     WSYNC_RETURN_IF_ERROR(CopyToPinned(pinned, &tc.rank, At<uint32_t>(cmem, tc.o_rank), tc.changes(), compute));
   }
   WSYNC_RETURN_IF_ERROR(Check(cudaStreamSynchronize(compute), "ranks"));
   EndPhase("ranks");
+  return Status::Ok();
+}
+
+Status DeviceCodec::Impl::CodeOnDevice(codec::staged::PatchWriter& writer, std::span<const CellChange> batch,
+                                       std::vector<uint8_t>& coded) {
+  std::vector<EncodeInput> inputs;
+  for (const CellChange& tc : batch) {
+    if (tc.empty()) continue;
+    for (uint64_t c = 0; c < tc.layout.Chunks(); ++c) {
+      const size_t off = tc.chunk_off[c];
+      EncodeInput in;
+      in.chunk = tc.chunk_ids[c];
+      in.elements = writer.chunks()[in.chunk].elements;
+      in.changed = tc.chunk_off[c + 1] - off;
+      in.pos = tc.d_pos + off;
+      in.delta = tc.d_delta + off * tc.width;
+      in.old = tc.conditioned ? tc.d_old + off * tc.width : nullptr;
+      in.rank = tc.d_rank == nullptr ? nullptr : tc.d_rank + off;
+      in.spec = tc.specs[c];
+      in.width = static_cast<int>(tc.width);
+      if (MaySparseEncode(in.elements, in.changed)) inputs.push_back(in);
+    }
+  }
+  if (inputs.empty()) return Status::Ok();
+  const size_t arena_bytes = PlanSparseEncode(inputs, nullptr).bytes;
+  const size_t o_lg = (arena_bytes + 255) / 256 * 256;
+  WSYNC_ASSIGN_OR_RETURN(void* mem, coder_mem.Get(o_lg + sizeof(codec::sparse::Log2Table)));
+  auto* arena = static_cast<uint8_t*>(mem);
+  const EncodePlan plan = PlanSparseEncode(inputs, arena);
+  const size_t njobs = plan.jobs.size();
+  WSYNC_ASSIGN_OR_RETURN(SparseEncodeJob * jobs, pinned.Alloc<SparseEncodeJob>(njobs));
+  std::copy(plan.jobs.begin(), plan.jobs.end(), jobs);
+  WSYNC_ASSIGN_OR_RETURN(uint32_t * lg, pinned.Alloc<uint32_t>(codec::sparse::kLog2Table.size()));
+  std::copy(codec::sparse::kLog2Table.begin(), codec::sparse::kLog2Table.end(), lg);
+  WSYNC_RETURN_IF_ERROR(Check(cudaMemcpyAsync(arena + plan.o_jobs, jobs, njobs * sizeof(SparseEncodeJob),
+                                              cudaMemcpyHostToDevice, compute),
+                              "copy to device"));
+  WSYNC_RETURN_IF_ERROR(Check(cudaMemcpyAsync(arena + o_lg, lg, sizeof(codec::sparse::Log2Table),
+                                              cudaMemcpyHostToDevice, compute),
+                              "copy to device"));
+  auto* results_dev = At<codec::sparse::SparseEncodeResult>(arena, plan.o_results);
+  WSYNC_RETURN_IF_ERROR(LaunchSparseEncode(At<SparseEncodeJob>(arena, plan.o_jobs), njobs, At<uint32_t>(arena, o_lg),
+                                           results_dev, compute));
+  const codec::sparse::SparseEncodeResult* results = nullptr;
+  WSYNC_RETURN_IF_ERROR(CopyToPinned(pinned, &results, results_dev, njobs, compute));
+  WSYNC_RETURN_IF_ERROR(Check(cudaStreamSynchronize(compute), "sparse encode"));
+  EndPhase("device entropy");
+
+  // Only the streams cross to the host, packed back to back.
+  const std::span<const codec::sparse::SparseEncodeResult> rs(results, njobs);
+  const Packing packing = PackSparseEncoded(plan, rs);
+  if (packing.segments.empty()) return Status::Ok();
+  const size_t o_packed = (packing.segments.size() * sizeof(PackSegment) + 255) / 256 * 256;
+  WSYNC_ASSIGN_OR_RETURN(void* pmem, packed_mem.Get(o_packed + packing.bytes));
+  WSYNC_ASSIGN_OR_RETURN(PackSegment * segs, pinned.Alloc<PackSegment>(packing.segments.size()));
+  std::copy(packing.segments.begin(), packing.segments.end(), segs);
+  WSYNC_RETURN_IF_ERROR(Check(cudaMemcpyAsync(pmem, segs, packing.segments.size() * sizeof(PackSegment),
+                                              cudaMemcpyHostToDevice, compute),
+                              "copy to device"));
+  WSYNC_RETURN_IF_ERROR(LaunchPackSegments(static_cast<const PackSegment*>(pmem), packing.segments.size(),
+                                           At<uint8_t>(pmem, o_packed), compute));
+  const uint8_t* packed = nullptr;
+  WSYNC_RETURN_IF_ERROR(CopyToPinned(pinned, &packed, At<uint8_t>(pmem, o_packed), packing.bytes, compute));
+  WSYNC_RETURN_IF_ERROR(Check(cudaStreamSynchronize(compute), "packing the coded streams"));
+  WSYNC_RETURN_IF_ERROR(SetSparseEncoded(plan, rs, packed, writer, &coded));
+  EndPhase("streams to host");
   return Status::Ok();
 }
 
@@ -762,7 +847,8 @@ StatusOr<std::string> DeviceCodec::Encode(std::span<const TensorView> live,
   };
 
   // Batch after batch of whole tensors (every cell of each): the device
-  // compacts, the host entropy-codes.
+  // compacts and entropy-codes the chunks its coder takes (sparse-coded at
+  // RL change rates), the host codes the rest.
   const auto& cells = writer.cells();
   std::vector<size_t> first_cell(target.size() + 1, cells.size());  // cells of t: [first_cell[t], first_cell[t + 1])
   for (size_t k = cells.size(); k-- > 0;) first_cell[cells[k].tensor] = k;
@@ -776,6 +862,7 @@ StatusOr<std::string> DeviceCodec::Encode(std::span<const TensorView> live,
   };
   std::vector<uint64_t> target_sums(target.size()), base_sums(target.size());
   std::vector<ClassSpec> specs(writer.chunks().size());
+  std::vector<uint8_t> coded(writer.chunks().size(), 0);  // chunks the device coded
   std::vector<CellChange> changes;
   Status status;
   // A base in host memory is staged on the device batch by batch.
@@ -820,11 +907,13 @@ StatusOr<std::string> DeviceCodec::Encode(std::span<const TensorView> live,
       base_sums[t] = codec::CombineBlockDigests(bd);
       target_sums[t] = codec::CombineBlockDigests(td);
     }
+    if (status.ok()) status = d.CodeOnDevice(writer, changes, coded);
     if (!status.ok()) break;
     FirstError error;
     ParallelFor(options.pool, all.size(), [&](size_t i) {
       const CellChange& tc = changes[all[i].first];
       const size_t c = all[i].second;
+      if (coded[tc.chunk_ids[c]]) return;
       error.Record(i, writer.SetChunk(tc.chunk_ids[c], tc.Change(c), tc.specs[c], tc.Ranks(c)));
     });
     status = error.status();  // the cells' host memory is the next batch's

@@ -286,6 +286,18 @@ __global__ void SparseValuesKernel(const SparseJob* jobs, size_t njobs, const ui
   error[j] = SparseValuesJob(jobs[j], patch, rank, counts + j * kMaxClasses, pos, old, mpos, mold, index, delta);
 }
 
+__global__ void SparseEncodeKernel(const SparseEncodeJob* jobs, size_t njobs, const uint32_t* lg,
+                                   codec::sparse::SparseEncodeResult* results) {
+  const size_t j = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (j < njobs) results[j] = RunSparseEncodeJob(jobs[j], lg);
+}
+
+// A block per segment.
+__global__ void PackSegmentsKernel(const PackSegment* segments, uint8_t* out) {
+  const PackSegment seg = segments[blockIdx.x];
+  for (uint64_t i = threadIdx.x; i < seg.bytes; i += blockDim.x) out[seg.at + i] = seg.src[i];
+}
+
 }  // namespace
 
 Status LaunchDiffCounts(const void* base, const void* target, int width, Layout l, uint32_t* counts, Stream s) {
@@ -441,6 +453,21 @@ Status LaunchSparseValues(const SparseJob* jobs, size_t njobs, const uint8_t* pa
   SparseValuesKernel<<<grid, kSparseThreads, 0, S(s)>>>(jobs, njobs, patch, rank, counts, pos, old, mpos, mold, index,
                                                         delta, error);
   return LastError("sparse values");
+}
+
+Status LaunchSparseEncode(const SparseEncodeJob* jobs, size_t njobs, const uint32_t* lg,
+                          codec::sparse::SparseEncodeResult* results, Stream s) {
+  if (njobs == 0) return Status::Ok();
+  const unsigned grid = static_cast<unsigned>((njobs + kSparseThreads - 1) / kSparseThreads);
+  SparseEncodeKernel<<<grid, kSparseThreads, 0, S(s)>>>(jobs, njobs, lg, results);
+  return LastError("sparse encode");
+}
+
+Status LaunchPackSegments(const PackSegment* segments, size_t nsegments, uint8_t* out, Stream s) {
+  if (nsegments == 0) return Status::Ok();
+  if (nsegments > 0x7FFFFFFFu) return InvalidArgumentError("too many segments to pack");
+  PackSegmentsKernel<<<static_cast<unsigned>(nsegments), 128, 0, S(s)>>>(segments, out);
+  return LastError("pack segments");
 }
 
 }  // namespace wsync::cuda

@@ -110,6 +110,12 @@ class PatchWriter {
   // (positions out of order or range, zero delta, missing old values/ranks).
   Status SetChunk(size_t i, const ChunkChange& change, const ClassSpec& spec, const uint32_t* rank);
 
+  // Sets chunk i coded elsewhere in mode 1 (sparse_encode.h's
+  // EncodeSparseChunk, which gives SetChunk's bytes for the chunks it
+  // codes): `changed` changes, the position and value streams. The streams'
+  // framing is checked (class header, word counts), not their content.
+  Status SetSparseChunk(size_t i, uint64_t changed, std::string_view pos, std::string_view val);
+
   // Tensor digests (checksum.h) of the target, and of the base; a gridded
   // tensor's are taken over its cells in turn.
   Status SetChecksums(std::span<const uint64_t> target, std::span<const uint64_t> base);

@@ -13,6 +13,7 @@
 #include <cstdint>
 
 #include "wsync/codec/block_logic.h"
+#include "wsync/cuda/encode_jobs.h"
 #include "wsync/cuda/logic.h"
 #include "wsync/cuda/sparse_jobs.h"
 #include "wsync/cuda/tile_jobs.h"
@@ -101,6 +102,15 @@ Status LaunchSparseRanks(const SparseJob* jobs, size_t njobs, const uint8_t* pat
 Status LaunchSparseValues(const SparseJob* jobs, size_t njobs, const uint8_t* patch, const uint32_t* rank,
                           const uint64_t* counts, const uint32_t* pos, const uint8_t* old, uint32_t* mpos,
                           uint8_t* mold, uint64_t* index, uint8_t* delta, uint32_t* error, Stream stream);
+
+// Codes every job's chunk in mode 1 (RunSparseEncodeJob; lg: the
+// codec::sparse::kLog2Table in device memory): results[job] says whether it
+// did and the bytes of its streams.
+Status LaunchSparseEncode(const SparseEncodeJob* jobs, size_t njobs, const uint32_t* lg,
+                          codec::sparse::SparseEncodeResult* results, Stream stream);
+
+// Copies every segment's bytes to out + at (segments in device memory).
+Status LaunchPackSegments(const PackSegment* segments, size_t nsegments, uint8_t* out, Stream stream);
 
 // Slot j of image (slot elements each) from jobs[j] (GatherTileElement),
 // j < njobs; jobs in device memory.

@@ -1,0 +1,67 @@
+// The host's half of the device's entropy stage of encoding: which changed
+// chunks go to the device's coder (encode_jobs.h), where each job's scratch
+// and streams lie in one arena, how the coded streams are packed for the
+// copy to the host, and their hand-over to the patch writer. Host code
+// only; runs without a GPU (the tests run the whole stage on the CPU).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "wsync/codec/staged.h"
+#include "wsync/cuda/encode_jobs.h"
+#include "wsync/util/status.h"
+
+namespace wsync::cuda {
+
+// A changed chunk of the writer's and its compact change (in the memory
+// the jobs run in); old and rank are needed when spec.k > 1.
+struct EncodeInput {
+  size_t chunk = 0;
+  uint64_t elements = 0, changed = 0;
+  const uint32_t* pos = nullptr;
+  const void* delta = nullptr;
+  const void* old = nullptr;
+  const uint32_t* rank = nullptr;
+  codec::ClassSpec spec;
+  int width = 2;
+};
+
+// Whether a chunk may be coded by the device: the conditions of
+// codec::sparse::SparseOnly that its change count alone decides (the job
+// checks the position runs).
+bool MaySparseEncode(uint64_t elements, uint64_t changed);
+
+// Room for a job's streams. A chunk that does not fit (deltas far larger
+// than an optimizer step's) is reported full and coded on the host.
+uint64_t SparsePosRoom(uint64_t changed);
+uint64_t SparseValRoom(uint64_t changed);
+
+struct EncodePlan {
+  std::vector<SparseEncodeJob> jobs;
+  std::vector<size_t> job_chunk;  // the writer's chunk of each job
+  size_t o_jobs = 0, o_results = 0;  // the job list and the results, in the arena
+  size_t bytes = 0;                  // of the arena
+};
+
+// A job per input that MaySparseEncode, its scratch and streams carved out
+// of an arena of plan.bytes at `arena` (null: the sizes alone, no jobs).
+EncodePlan PlanSparseEncode(std::span<const EncodeInput> inputs, uint8_t* arena);
+
+// The coded streams of the jobs that coded their chunk (results: one per
+// job), each job's position stream then its value stream, back to back.
+struct Packing {
+  std::vector<PackSegment> segments;
+  uint64_t bytes = 0;
+};
+Packing PackSparseEncoded(const EncodePlan& plan, std::span<const codec::sparse::SparseEncodeResult> results);
+
+// Hands the packed streams (Packing's bytes, on the host) to the writer;
+// *coded[job_chunk] is set for each chunk it took. InvalidArgument if a
+// stream's framing is malformed (a fault of the device's coder).
+Status SetSparseEncoded(const EncodePlan& plan, std::span<const codec::sparse::SparseEncodeResult> results,
+                        const uint8_t* packed, codec::staged::PatchWriter& writer, std::vector<uint8_t>* coded);
+
+}  // namespace wsync::cuda

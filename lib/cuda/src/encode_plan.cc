@@ -1,0 +1,107 @@
+#include "wsync/cuda/encode_plan.h"
+
+#include <string_view>
+
+namespace wsync::cuda {
+namespace {
+
+namespace sparse = codec::sparse;
+
+// Carves aligned regions out of an arena (or only sizes it).
+class ArenaCarver {
+ public:
+  explicit ArenaCarver(uint8_t* base) : base_(base) {}
+  template <typename T>
+  T* Take(size_t count, size_t* offset = nullptr) {
+    at_ = (at_ + 15) / 16 * 16;
+    if (offset != nullptr) *offset = at_;
+    T* p = base_ == nullptr ? nullptr : reinterpret_cast<T*>(base_ + at_);
+    at_ += count * sizeof(T);
+    return p;
+  }
+  size_t bytes() const { return (at_ + 15) / 16 * 16; }
+
+ private:
+  uint8_t* base_;
+  size_t at_ = 0;
+};
+
+}  // namespace
+
+bool MaySparseEncode(uint64_t elements, uint64_t changed) { return changed > 0 && changed * 32 <= elements; }
+
+// A gap costs its rANS word (2 bytes at most, well under 1 at RL rates)
+// and its bits (a few: its quotient's offset and the shift's low bits); a
+// delta one word and, past a magnitude of 9, a few bits. The fixed parts:
+// the class header, word counts and states, 8 tables of at most 44 bytes.
+uint64_t SparsePosRoom(uint64_t changed) { return 512 + 6 * changed; }
+uint64_t SparseValRoom(uint64_t changed) { return 512 + 4 * changed; }
+
+EncodePlan PlanSparseEncode(std::span<const EncodeInput> inputs, uint8_t* arena) {
+  EncodePlan plan;
+  size_t njobs = 0;
+  for (const EncodeInput& in : inputs) njobs += MaySparseEncode(in.elements, in.changed) ? 1 : 0;
+  ArenaCarver carve(arena);
+  carve.Take<SparseEncodeJob>(njobs, &plan.o_jobs);
+  carve.Take<sparse::SparseEncodeResult>(njobs, &plan.o_results);
+  if (arena != nullptr) {
+    plan.jobs.reserve(njobs);
+    plan.job_chunk.reserve(njobs);
+  }
+  for (const EncodeInput& in : inputs) {
+    if (!MaySparseEncode(in.elements, in.changed)) continue;
+    SparseEncodeJob job;
+    job.pos = in.pos;
+    job.delta = in.delta;
+    job.old = in.spec.k > 1 ? in.old : nullptr;
+    job.rank = in.spec.k > 1 ? in.rank : nullptr;
+    job.work = carve.Take<sparse::SparseEncodeWork>(1);
+    job.grouped = carve.Take<uint32_t>(in.spec.k > 1 ? in.changed : 0);
+    job.words = carve.Take<uint16_t>(in.changed + 1);
+    job.pos_room = SparsePosRoom(in.changed);
+    job.val_room = SparseValRoom(in.changed);
+    job.pos_out = carve.Take<uint8_t>(job.pos_room);
+    job.val_out = carve.Take<uint8_t>(job.val_room);
+    job.elements = in.elements;
+    job.changed = in.changed;
+    job.spec = in.spec;
+    job.width = in.width;
+    if (arena != nullptr) {
+      plan.jobs.push_back(job);
+      plan.job_chunk.push_back(in.chunk);
+    }
+  }
+  plan.bytes = carve.bytes();
+  return plan;
+}
+
+Packing PackSparseEncoded(const EncodePlan& plan, std::span<const sparse::SparseEncodeResult> results) {
+  Packing p;
+  for (size_t j = 0; j < plan.jobs.size(); ++j) {
+    const sparse::SparseEncodeResult& r = results[j];
+    if (r.code != sparse::kSparseEncoded) continue;
+    p.segments.push_back({plan.jobs[j].pos_out, r.pos_bytes, p.bytes});
+    p.bytes += r.pos_bytes;
+    p.segments.push_back({plan.jobs[j].val_out, r.val_bytes, p.bytes});
+    p.bytes += r.val_bytes;
+  }
+  return p;
+}
+
+Status SetSparseEncoded(const EncodePlan& plan, std::span<const sparse::SparseEncodeResult> results,
+                        const uint8_t* packed, codec::staged::PatchWriter& writer, std::vector<uint8_t>* coded) {
+  uint64_t at = 0;
+  for (size_t j = 0; j < plan.jobs.size(); ++j) {
+    const sparse::SparseEncodeResult& r = results[j];
+    if (r.code != sparse::kSparseEncoded) continue;
+    const char* p = reinterpret_cast<const char*>(packed + at);
+    WSYNC_RETURN_IF_ERROR(writer.SetSparseChunk(plan.job_chunk[j], plan.jobs[j].changed,
+                                                std::string_view(p, r.pos_bytes),
+                                                std::string_view(p + r.pos_bytes, r.val_bytes)));
+    (*coded)[plan.job_chunk[j]] = 1;
+    at += r.pos_bytes + r.val_bytes;
+  }
+  return Status::Ok();
+}
+
+}  // namespace wsync::cuda
