@@ -2,9 +2,11 @@
 // device runs it (one chunk per thread, a bounded output, its tables of
 // frequencies and starts) against the host codec's chunk coder: random
 // chunks of every width, density and class count that the host codes in
-// mode 1 without weighing another mode give the same bytes; every other
-// chunk is refused; too little room is reported, with nothing written past
-// it; and the fixed-point costs and symbol functions are the format's.
+// mode 1 without weighing another mode give the same bytes, those where it
+// weighs others give the same chunk once they are weighed (ChooseMode),
+// chunks it never codes sparse are refused; too little room is reported,
+// with nothing written past it; and the fixed-point costs and symbol
+// functions are the format's.
 #include "wsync/codec/sparse_encode.h"
 
 #include <gtest/gtest.h>
@@ -84,9 +86,9 @@ template <typename T>
 void CheckRandomChunks(DType dtype, uint32_t seed) {
   std::mt19937_64 rng(seed);
   const ExponentField ef = ExponentFieldOf(dtype);
-  int encoded = 0, conditioned = 0, refused = 0;
+  int encoded = 0, conditioned = 0, refused = 0, weighed = 0, weighed_sparse = 0;
   for (size_t n : {1, 40, 1000, 5000, 70000, 300000}) {
-    for (double density : {0.0005, 0.004, 0.02, 0.04, 0.2}) {
+    for (double density : {0.0005, 0.004, 0.02, 0.04, 0.2, 0.7}) {
       for (bool runs : {false, true}) {
         std::vector<T> base;
         SparseDelta<T> d;
@@ -107,23 +109,37 @@ void CheckRandomChunks(DType dtype, uint32_t seed) {
                                   (runs ? " runs" : "") + " k " + std::to_string(spec.k);
         const size_t m = d.pos.size();
         const AgentOut agent = RunAgent<T>(n, d, old, rank, spec, 1024 + 16 * m, 1024 + 16 * m);
-        const bool sparse_only = sparse::SparseOnly(n, m, CountRuns(d.pos));
-        if (!sparse_only) {
-          EXPECT_EQ(agent.result.code, sparse::kNotSparseOnly) << where;
+        if (!sparse::SparseTried(n, m)) {
+          EXPECT_EQ(agent.result.code, sparse::kSparseNotTried) << where;
           ++refused;
           continue;
         }
         ASSERT_EQ(agent.result.code, sparse::kSparseEncoded) << where;
-        ASSERT_EQ(host.mode, ChunkMode::kSparse) << where;
-        ASSERT_EQ(agent.pos, host.pos) << where;
-        ASSERT_EQ(agent.val, host.val) << where;
+        const bool sparse_only = sparse::SparseOnly(n, m, CountRuns(d.pos));
+        ASSERT_EQ(agent.result.sparse_only != 0, sparse_only) << where;
+        if (sparse_only) {
+          ASSERT_EQ(host.mode, ChunkMode::kSparse) << where;
+          ASSERT_EQ(agent.pos, host.pos) << where;
+          ASSERT_EQ(agent.val, host.val) << where;
+        } else {
+          // The other modes weighed against the agent's streams.
+          const EncodedChunk chosen = ChooseMode<T>(n, d, spec, options.zstd_level, agent.pos, agent.val);
+          ASSERT_EQ(chosen.mode, host.mode) << where;
+          ASSERT_EQ(chosen.pos, host.pos) << where;
+          ASSERT_EQ(chosen.val, host.val) << where;
+          ++weighed;
+          weighed_sparse += host.mode == ChunkMode::kSparse ? 1 : 0;
+        }
         ++encoded;
         conditioned += spec.k > 1 ? 1 : 0;
       }
     }
   }
   EXPECT_GE(encoded, 8);
-  EXPECT_GE(refused, 8);
+  EXPECT_GE(refused, 4);
+  EXPECT_GE(weighed, 4);
+  EXPECT_GE(weighed_sparse, 1) << "no weighed chunk stayed sparse";
+  EXPECT_GT(weighed, weighed_sparse) << "no weighed chunk took another mode";
   if (ef.mask != 0) {
     EXPECT_GE(conditioned, 4);
   }

@@ -73,44 +73,22 @@ void SampleHistogram(const T* base, size_t n, ExponentField exponent, uint32_t* 
 
 bool NeedsRanks(size_t n, size_t m, const ClassSpec& spec) { return m > 0 && m * 2 <= n && spec.k > 1; }
 
-namespace {
-
-// Codes the change in the smallest mode, from each change's class (in
-// position order) and, when sparse mode is tried (m * 2 <= n), the ranks
-// grouped by class.
+// The smallest of the modes the change is weighed in, given its value
+// stream and, when sparse mode is tried (m * 2 <= n), its sparse position
+// stream: runs, a bitmap and byte planes are coded here as the change calls
+// for them, and the first of the smallest wins.
 template <typename T>
-EncodedChunk EncodeChunkCoded(size_t n, const SparseDelta<T>& d, const std::vector<uint8_t>& cls,
-                              const ClassRanks& ranks, const ClassSpec& spec, int zstd_level) {
+EncodedChunk ChooseMode(size_t n, const SparseDelta<T>& d, const ClassSpec& spec, int zstd_level, std::string sparse,
+                        std::string val) {
   EncodedChunk best;
   const size_t m = d.pos.size();
   best.changed = m;
   if (m == 0) return best;
-
   const size_t runs = CountRuns(d.pos);
   const bool try_sparse = m * 2 <= n;
   const bool try_runs = runs * 4 <= m || !try_sparse;
   const bool try_bitmap = m * 32 > n;
   const bool try_dense = m * 4 > n;
-
-  // Every mode but dense codes the values in the same stream.
-  CoderScratch& scratch = ThreadCoderScratch();
-  PrepareValues(d, cls, &scratch);
-  PendingStream& values = scratch.values;
-  const uint8_t* sym = scratch.value_sym.data();
-  auto value_symbol = [&](size_t i) -> const RansEncSymbol& { return values.tables[cls[i]].enc[sym[i]]; };
-  std::string val, sparse;
-  if (try_sparse) {
-    // Both streams' rANS passes at once (their dependency chains overlap).
-    PreparePositions(ranks, spec, &scratch, &sparse);
-    const RansEncSymbol* const* gap = scratch.gap_coded.data();
-    RansEncoder::EncodePair(&values.rans, m, value_symbol, &scratch.positions.rans, scratch.gap_coded.size(),
-                            [&](size_t i) -> const RansEncSymbol& { return *gap[i]; });
-    scratch.positions.AppendTo(&sparse);
-  } else {
-    values.rans.Encode(m, value_symbol);
-  }
-  values.AppendTo(&val);
-
   size_t best_size = 0;
   auto consider = [&](ChunkMode mode, std::string pos, size_t val_size) {
     if (best.mode == ChunkMode::kEmpty || pos.size() + val_size < best_size) {
@@ -137,6 +115,37 @@ EncodedChunk EncodeChunkCoded(size_t n, const SparseDelta<T>& d, const std::vect
   }
   if (best.mode != ChunkMode::kDense) best.val = std::move(val);
   return best;
+}
+
+namespace {
+
+// Codes the change in the smallest mode, from each change's class (in
+// position order) and, when sparse mode is tried (m * 2 <= n), the ranks
+// grouped by class.
+template <typename T>
+EncodedChunk EncodeChunkCoded(size_t n, const SparseDelta<T>& d, const std::vector<uint8_t>& cls,
+                              const ClassRanks& ranks, const ClassSpec& spec, int zstd_level) {
+  const size_t m = d.pos.size();
+  if (m == 0) return EncodedChunk{};
+  // Every mode but dense codes the values in the same stream.
+  CoderScratch& scratch = ThreadCoderScratch();
+  PrepareValues(d, cls, &scratch);
+  PendingStream& values = scratch.values;
+  const uint8_t* sym = scratch.value_sym.data();
+  auto value_symbol = [&](size_t i) -> const RansEncSymbol& { return values.tables[cls[i]].enc[sym[i]]; };
+  std::string val, sparse;
+  if (m * 2 <= n) {
+    // Both streams' rANS passes at once (their dependency chains overlap).
+    PreparePositions(ranks, spec, &scratch, &sparse);
+    const RansEncSymbol* const* gap = scratch.gap_coded.data();
+    RansEncoder::EncodePair(&values.rans, m, value_symbol, &scratch.positions.rans, scratch.gap_coded.size(),
+                            [&](size_t i) -> const RansEncSymbol& { return *gap[i]; });
+    scratch.positions.AppendTo(&sparse);
+  } else {
+    values.rans.Encode(m, value_symbol);
+  }
+  values.AppendTo(&val);
+  return ChooseMode(n, d, spec, zstd_level, std::move(sparse), std::move(val));
 }
 
 // One class: the positions are the ranks.
@@ -318,6 +327,7 @@ void ScatterAdd(T* x, const SparseDelta<T>& d, bool undo) {
    template void DiffChunk<T>(const T*, const T*, size_t, SparseDelta<T>*); \
    template void SampleHistogram<T>(const T*, size_t, ExponentField, uint32_t*); \
    template EncodedChunk EncodeChunkStaged<T>(size_t, const SparseDelta<T>&, const T*, const ClassSpec&, const uint32_t*, int); \
+   template EncodedChunk ChooseMode<T>(size_t, const SparseDelta<T>&, const ClassSpec&, int, std::string, std::string); \
    template EncodedChunk EncodeChunk<T>(const T*, size_t, const SparseDelta<T>&, const ChunkCodecOptions&); \
    template ClassSpec ChooseChunkClasses<T>(const T*, const T*, size_t, const ChunkCodecOptions&); \
    template EncodedChunk EncodeChunkPair<T>(const T*, const T*, size_t, const ChunkCodecOptions&, const ClassSpec*, const std::function<void(size_t, size_t)>&); \

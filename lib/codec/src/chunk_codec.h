@@ -81,6 +81,14 @@ template <typename T>
 ClassSpec ChooseClasses(size_t n, const uint32_t* sample_hist, const SparseDelta<T>& d, const T* old,
                         const ChunkCodecOptions& options);
 
+// The chunk in the smallest mode the host coder weighs for its change,
+// given the value stream and, when sparse mode is tried (m * 2 <= n), the
+// sparse position stream, both as the host codes them (the device's coder,
+// sparse_encode.h, makes them too): the other modes' streams are coded here.
+template <typename T>
+EncodedChunk ChooseMode(size_t n, const SparseDelta<T>& d, const ClassSpec& spec, int zstd_level, std::string sparse,
+                        std::string val);
+
 // Whether EncodeChunkStaged needs the per-class ranks of the changes.
 bool NeedsRanks(size_t n, size_t m, const ClassSpec& spec);
 

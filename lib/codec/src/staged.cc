@@ -7,6 +7,7 @@
 #include "chunk_codec.h"
 #include "format.h"
 #include "patch_common.h"
+#include "wsync/codec/sparse_encode.h"
 #include "wsync/util/text.h"
 
 namespace wsync::codec::staged {
@@ -163,10 +164,12 @@ bool PatchWriter::NeedsRanks(size_t i, size_t count, const ClassSpec& spec) cons
   return internal::NeedsRanks(impl_->chunks.at(i).elements, count, spec);
 }
 
-Status PatchWriter::SetChunk(size_t i, const ChunkChange& change, const ClassSpec& spec, const uint32_t* rank) {
-  if (i >= impl_->chunks.size()) return InvalidArgumentError("chunk " + std::to_string(i) + " out of range");
-  const Chunk& ch = impl_->chunks[i];
-  const std::string where = internal::ChunkWhere(impl_->c.tensors[ch.tensor], ch.index);
+namespace {
+
+// A chunk's change as SetChunk and SetSparseChunk take it, checked: into d.
+template <typename T>
+Status ChangeOf(const Chunk& ch, const std::string& where, const ChunkChange& change, const ClassSpec& spec,
+                SparseDelta<T>* d) {
   WSYNC_RETURN_IF_ERROR(CheckSpec(spec, ch.dtype).WithContext(where));
   if (change.count > ch.elements) return InvalidArgumentError(where + ": more changes than elements");
   if (change.count > 0 && (change.pos == nullptr || change.delta == nullptr)) {
@@ -175,20 +178,29 @@ Status PatchWriter::SetChunk(size_t i, const ChunkChange& change, const ClassSpe
   if (spec.k > 1 && change.count > 0 && change.old == nullptr) {
     return InvalidArgumentError(where + ": conditioned chunk without old values");
   }
+  d->pos.assign(change.pos, change.pos + change.count);
+  const T* delta = static_cast<const T*>(change.delta);
+  d->delta.assign(delta, delta + change.count);
+  for (size_t j = 0; j < change.count; ++j) {
+    if (d->pos[j] >= ch.elements || (j > 0 && d->pos[j] <= d->pos[j - 1]) || d->delta[j] == 0) {
+      return InvalidArgumentError(where + ": change " + std::to_string(j) + " is out of order, out of range or zero");
+    }
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status PatchWriter::SetChunk(size_t i, const ChunkChange& change, const ClassSpec& spec, const uint32_t* rank) {
+  if (i >= impl_->chunks.size()) return InvalidArgumentError("chunk " + std::to_string(i) + " out of range");
+  const Chunk& ch = impl_->chunks[i];
+  const std::string where = internal::ChunkWhere(impl_->c.tensors[ch.tensor], ch.index);
   const bool needs_ranks = internal::NeedsRanks(ch.elements, change.count, spec);
   if (needs_ranks && rank == nullptr) return InvalidArgumentError(where + ": ranks needed");
   return WithWidth(ch.width, [&](auto zero) -> Status {
     using T = decltype(zero);
     SparseDelta<T> d;
-    d.pos.assign(change.pos, change.pos + change.count);
-    const T* delta = static_cast<const T*>(change.delta);
-    d.delta.assign(delta, delta + change.count);
-    for (size_t j = 0; j < change.count; ++j) {
-      if (d.pos[j] >= ch.elements || (j > 0 && d.pos[j] <= d.pos[j - 1]) || d.delta[j] == 0) {
-        return InvalidArgumentError(where + ": change " + std::to_string(j) +
-                                    " is out of order, out of range or zero");
-      }
-    }
+    WSYNC_RETURN_IF_ERROR(ChangeOf(ch, where, change, spec, &d));
     impl_->encoded[i] = internal::EncodeChunkStaged<T>(ch.elements, d, static_cast<const T*>(change.old), spec,
                                                        needs_ranks ? rank : nullptr, impl_->options.zstd_level);
     impl_->done[i] = 1;
@@ -196,24 +208,35 @@ Status PatchWriter::SetChunk(size_t i, const ChunkChange& change, const ClassSpe
   });
 }
 
-Status PatchWriter::SetSparseChunk(size_t i, uint64_t changed, std::string_view pos, std::string_view val) {
+Status PatchWriter::SetSparseChunk(size_t i, const ChunkChange& change, const ClassSpec& spec, std::string_view pos,
+                                   std::string_view val) {
   if (i >= impl_->chunks.size()) return InvalidArgumentError("chunk " + std::to_string(i) + " out of range");
   const Chunk& ch = impl_->chunks[i];
   const std::string where = internal::ChunkWhere(impl_->c.tensors[ch.tensor], ch.index);
-  if (changed == 0 || changed > ch.elements) {
-    return InvalidArgumentError(where + ": " + std::to_string(changed) + " changes in a sparse-coded chunk of " +
-                                std::to_string(ch.elements) + " elements");
+  if (!sparse::SparseTried(ch.elements, change.count)) {
+    return InvalidArgumentError(where + ": " + std::to_string(change.count) + " changes of " +
+                                std::to_string(ch.elements) + " elements are not coded in sparse mode");
   }
   sparse::ChunkStreams streams;
   WSYNC_RETURN_IF_ERROR(
       internal::LocateSparseStreams(pos, val, ExponentFieldOf(ch.dtype), &streams).WithContext(where));
-  internal::EncodedChunk& e = impl_->encoded[i];
-  e.mode = internal::ChunkMode::kSparse;
-  e.changed = changed;
-  e.pos.assign(pos);
-  e.val.assign(val);
-  impl_->done[i] = 1;
-  return Status::Ok();
+  return WithWidth(ch.width, [&](auto zero) -> Status {
+    using T = decltype(zero);
+    SparseDelta<T> d;
+    WSYNC_RETURN_IF_ERROR(ChangeOf(ch, where, change, spec, &d));
+    internal::EncodedChunk& e = impl_->encoded[i];
+    if (sparse::SparseOnly(ch.elements, change.count, sparse::PositionRuns(change.pos, change.count))) {
+      e.mode = internal::ChunkMode::kSparse;
+      e.changed = change.count;
+      e.pos.assign(pos);
+      e.val.assign(val);
+    } else {
+      e = internal::ChooseMode<T>(ch.elements, d, spec, impl_->options.zstd_level, std::string(pos),
+                                  std::string(val));
+    }
+    impl_->done[i] = 1;
+    return Status::Ok();
+  });
 }
 
 Status PatchWriter::SetChecksums(std::span<const uint64_t> target, std::span<const uint64_t> base) {

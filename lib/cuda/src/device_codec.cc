@@ -188,6 +188,10 @@ Status CopyToPinned(PinnedArena& pinned, const T** out, const T* src, size_t cou
 constexpr size_t kBatchScratchBytes = size_t{64} << 20;
 // A batch's bases staged from host memory stay under this, or one tensor.
 constexpr size_t kStagingBytes = size_t{256} << 20;
+// The device's coder takes a batch's chunks while its jobs' scratch and
+// streams stay under this (about 16 bytes per change); the host codes the
+// rest.
+constexpr size_t kCoderArenaBytes = size_t{256} << 20;
 // An apply into pieces or tile grids gathers chunks into images of at most
 // this (or one chunk) at a time.
 constexpr size_t kImageBytes = size_t{64} << 20;
@@ -455,7 +459,7 @@ struct DeviceCodec::Impl {
   // streams to the writer; coded[chunk] marks those it coded. The rest
   // (other modes, or streams past their room) are left for the host.
   Status CodeOnDevice(codec::staged::PatchWriter& writer, std::span<const CellChange> batch,
-                      std::vector<uint8_t>& coded);
+                      const codec::EncodeOptions& options, std::vector<uint8_t>& coded);
 
   Status ApplyDelta(const codec::staged::PatchReader& r, std::span<const MutableTensorView> dst,
                     const std::vector<size_t>& match, const codec::ApplyOptions& options);
@@ -665,11 +669,14 @@ Status DeviceCodec::Impl::CompactBatch(const codec::staged::PatchWriter& writer,
 }
 
 Status DeviceCodec::Impl::CodeOnDevice(codec::staged::PatchWriter& writer, std::span<const CellChange> batch,
-                                       std::vector<uint8_t>& coded) {
+                                       const codec::EncodeOptions& options, std::vector<uint8_t>& coded) {
   std::vector<EncodeInput> inputs;
-  for (const CellChange& tc : batch) {
+  std::unordered_map<size_t, std::pair<size_t, size_t>> where;  // writer chunk -> (cell in batch, chunk in cell)
+  for (size_t k = 0; k < batch.size(); ++k) {
+    const CellChange& tc = batch[k];
     if (tc.empty()) continue;
     for (uint64_t c = 0; c < tc.layout.Chunks(); ++c) {
+      where[tc.chunk_ids[c]] = {k, c};
       const size_t off = tc.chunk_off[c];
       EncodeInput in;
       in.chunk = tc.chunk_ids[c];
@@ -685,12 +692,13 @@ Status DeviceCodec::Impl::CodeOnDevice(codec::staged::PatchWriter& writer, std::
     }
   }
   if (inputs.empty()) return Status::Ok();
-  const size_t arena_bytes = PlanSparseEncode(inputs, nullptr).bytes;
+  const size_t arena_bytes = PlanSparseEncode(inputs, nullptr, kCoderArenaBytes).bytes;
   const size_t o_lg = (arena_bytes + 255) / 256 * 256;
   WSYNC_ASSIGN_OR_RETURN(void* mem, coder_mem.Get(o_lg + sizeof(codec::sparse::Log2Table)));
   auto* arena = static_cast<uint8_t*>(mem);
-  const EncodePlan plan = PlanSparseEncode(inputs, arena);
+  const EncodePlan plan = PlanSparseEncode(inputs, arena, kCoderArenaBytes);
   const size_t njobs = plan.jobs.size();
+  if (njobs == 0) return Status::Ok();
   WSYNC_ASSIGN_OR_RETURN(SparseEncodeJob * jobs, pinned.Alloc<SparseEncodeJob>(njobs));
   std::copy(plan.jobs.begin(), plan.jobs.end(), jobs);
   WSYNC_ASSIGN_OR_RETURN(uint32_t * lg, pinned.Alloc<uint32_t>(codec::sparse::kLog2Table.size()));
@@ -725,8 +733,13 @@ Status DeviceCodec::Impl::CodeOnDevice(codec::staged::PatchWriter& writer, std::
   const uint8_t* packed = nullptr;
   WSYNC_RETURN_IF_ERROR(CopyToPinned(pinned, &packed, At<uint8_t>(pmem, o_packed), packing.bytes, compute));
   WSYNC_RETURN_IF_ERROR(Check(cudaStreamSynchronize(compute), "packing the coded streams"));
-  WSYNC_RETURN_IF_ERROR(SetSparseEncoded(plan, rs, packed, writer, &coded));
   EndPhase("streams to host");
+  auto change_of = [&](size_t chunk) {
+    const auto [k, c] = where.at(chunk);
+    return batch[k].Change(c);
+  };
+  WSYNC_RETURN_IF_ERROR(SetSparseEncoded(plan, rs, packed, change_of, options.pool, writer, &coded));
+  EndPhase("modes weighed");
   return Status::Ok();
 }
 
@@ -907,7 +920,7 @@ StatusOr<std::string> DeviceCodec::Encode(std::span<const TensorView> live,
       base_sums[t] = codec::CombineBlockDigests(bd);
       target_sums[t] = codec::CombineBlockDigests(td);
     }
-    if (status.ok()) status = d.CodeOnDevice(writer, changes, coded);
+    if (status.ok()) status = d.CodeOnDevice(writer, changes, options, coded);
     if (!status.ok()) break;
     FirstError error;
     ParallelFor(options.pool, all.size(), [&](size_t i) {

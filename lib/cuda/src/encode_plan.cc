@@ -2,6 +2,8 @@
 
 #include <string_view>
 
+#include "wsync/util/first_error.h"
+
 namespace wsync::cuda {
 namespace {
 
@@ -28,7 +30,7 @@ class ArenaCarver {
 
 }  // namespace
 
-bool MaySparseEncode(uint64_t elements, uint64_t changed) { return changed > 0 && changed * 32 <= elements; }
+bool MaySparseEncode(uint64_t elements, uint64_t changed) { return sparse::SparseTried(elements, changed); }
 
 // A gap costs its rANS word (2 bytes at most, well under 1 at RL rates)
 // and its bits (a few: its quotient's offset and the shift's low bits); a
@@ -37,10 +39,26 @@ bool MaySparseEncode(uint64_t elements, uint64_t changed) { return changed > 0 &
 uint64_t SparsePosRoom(uint64_t changed) { return 512 + 6 * changed; }
 uint64_t SparseValRoom(uint64_t changed) { return 512 + 4 * changed; }
 
-EncodePlan PlanSparseEncode(std::span<const EncodeInput> inputs, uint8_t* arena) {
+EncodePlan PlanSparseEncode(std::span<const EncodeInput> inputs, uint8_t* arena, size_t max_bytes) {
   EncodePlan plan;
+  // The jobs that fit: the arena holds the job list and results, then each
+  // job's work area, scratch and streams.
+  std::vector<uint8_t> take(inputs.size(), 0);
   size_t njobs = 0;
-  for (const EncodeInput& in : inputs) njobs += MaySparseEncode(in.elements, in.changed) ? 1 : 0;
+  {
+    size_t bytes = 0;
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      const EncodeInput& in = inputs[i];
+      if (!MaySparseEncode(in.elements, in.changed)) continue;
+      const size_t job = sizeof(SparseEncodeJob) + sizeof(sparse::SparseEncodeResult) + 6 * 16 +
+                         sizeof(sparse::SparseEncodeWork) + (in.spec.k > 1 ? 4 * in.changed : 0) +
+                         2 * (in.changed + 1) + SparsePosRoom(in.changed) + SparseValRoom(in.changed);
+      if (bytes + job > max_bytes) continue;
+      bytes += job;
+      take[i] = 1;
+      ++njobs;
+    }
+  }
   ArenaCarver carve(arena);
   carve.Take<SparseEncodeJob>(njobs, &plan.o_jobs);
   carve.Take<sparse::SparseEncodeResult>(njobs, &plan.o_results);
@@ -48,8 +66,9 @@ EncodePlan PlanSparseEncode(std::span<const EncodeInput> inputs, uint8_t* arena)
     plan.jobs.reserve(njobs);
     plan.job_chunk.reserve(njobs);
   }
-  for (const EncodeInput& in : inputs) {
-    if (!MaySparseEncode(in.elements, in.changed)) continue;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    if (!take[i]) continue;
+    const EncodeInput& in = inputs[i];
     SparseEncodeJob job;
     job.pos = in.pos;
     job.delta = in.delta;
@@ -89,19 +108,30 @@ Packing PackSparseEncoded(const EncodePlan& plan, std::span<const sparse::Sparse
 }
 
 Status SetSparseEncoded(const EncodePlan& plan, std::span<const sparse::SparseEncodeResult> results,
-                        const uint8_t* packed, codec::staged::PatchWriter& writer, std::vector<uint8_t>* coded) {
-  uint64_t at = 0;
+                        const uint8_t* packed, const std::function<codec::staged::ChunkChange(size_t)>& change_of,
+                        ThreadPool* pool, codec::staged::PatchWriter& writer, std::vector<uint8_t>* coded) {
+  std::vector<size_t> jobs;
+  std::vector<uint64_t> at;
+  uint64_t next = 0;
   for (size_t j = 0; j < plan.jobs.size(); ++j) {
-    const sparse::SparseEncodeResult& r = results[j];
-    if (r.code != sparse::kSparseEncoded) continue;
-    const char* p = reinterpret_cast<const char*>(packed + at);
-    WSYNC_RETURN_IF_ERROR(writer.SetSparseChunk(plan.job_chunk[j], plan.jobs[j].changed,
-                                                std::string_view(p, r.pos_bytes),
-                                                std::string_view(p + r.pos_bytes, r.val_bytes)));
-    (*coded)[plan.job_chunk[j]] = 1;
-    at += r.pos_bytes + r.val_bytes;
+    if (results[j].code != sparse::kSparseEncoded) continue;
+    jobs.push_back(j);
+    at.push_back(next);
+    next += results[j].pos_bytes + results[j].val_bytes;
   }
-  return Status::Ok();
+  FirstError error;
+  ParallelFor(pool, jobs.size(), [&](size_t i) {
+    const size_t j = jobs[i];
+    const sparse::SparseEncodeResult& r = results[j];
+    const char* p = reinterpret_cast<const char*>(packed + at[i]);
+    const size_t chunk = plan.job_chunk[j];
+    const Status s = writer.SetSparseChunk(chunk, change_of(chunk), plan.jobs[j].spec,
+                                           std::string_view(p, r.pos_bytes),
+                                           std::string_view(p + r.pos_bytes, r.val_bytes));
+    if (s.ok()) (*coded)[chunk] = 1;
+    error.Record(i, s);
+  });
+  return error.status();
 }
 
 }  // namespace wsync::cuda

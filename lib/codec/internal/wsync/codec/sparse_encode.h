@@ -4,9 +4,10 @@
 // makes every decision of its coders with these functions (each change's
 // value symbol and bits, each gap's symbol and bits at a class's shift, the
 // choice of shift, every frequency table and its header, each rANS step and
-// the layout of a stream); EncodeSparseChunk composes them into a whole
-// chunk for the device codec, one chunk per thread. The host tests check
-// EncodeSparseChunk against the host's chunk coder bit for bit.
+// the layout of a stream); EncodeSparseChunk composes them into a chunk's
+// sparse position and value streams for the device codec, one chunk per
+// thread. The host tests check EncodeSparseChunk against the host's chunk
+// coder bit for bit.
 //
 // Costs are fixed-point integers (2^-16 bits, from one log2 table), not
 // floating point: the host and the device compare the same numbers and so
@@ -489,11 +490,12 @@ WSYNC_HD inline void PutClassHeader(const ClassSpec& spec, ByteOut& out) {
   for (int t = 0; t < spec.k - 1; ++t) out.Varint(spec.thr[t]);
 }
 
-// Whether the host's chunk coder codes a change of m elements with these
-// position runs in mode 1 without trying another mode: sparse is tried
-// (m * 2 <= n) and runs, a bitmap and planes are not.
+// Whether the host's chunk coder weighs sparse mode for a change of m of n
+// elements (m * 2 <= n), and whether it weighs no other mode (sparse only:
+// also position runs * 4 > m and m * 32 <= n, no runs, bitmap or planes).
+WSYNC_HD inline bool SparseTried(uint64_t n, uint64_t m) { return m > 0 && m * 2 <= n; }
 WSYNC_HD inline bool SparseOnly(uint64_t n, uint64_t m, uint64_t runs) {
-  return m > 0 && m * 32 <= n && runs * 4 > m;
+  return SparseTried(n, m) && m * 32 <= n && runs * 4 > m;
 }
 
 // Maximal runs of consecutive positions.
@@ -519,13 +521,13 @@ struct SparseChunkIn {
 
 enum SparseEncodeCode : uint32_t {
   kSparseEncoded = 0,
-  kNotSparseOnly = 1,  // the host's coder would weigh other modes (SparseOnly)
-  kOutputFull = 2,     // the streams do not fit the room given
+  kSparseNotTried = 1,  // the host's coder would not weigh sparse mode (SparseTried)
+  kOutputFull = 2,      // the streams do not fit the room given
 };
 
 struct SparseEncodeResult {
   uint32_t code = kSparseEncoded;
-  uint32_t pad = 0;
+  uint32_t sparse_only = 0;  // SparseOnly: the streams are the chunk's; else other modes are to be weighed
   uint64_t pos_bytes = 0, val_bytes = 0;
 };
 
@@ -565,18 +567,21 @@ struct SparseEncodeScratch {
 };
 
 // Encodes a chunk in mode 1 into the position stream (at most pos_cap
-// bytes at pos_out) and the value stream (val_cap at val_out): the bytes
-// of the host's chunk coder, whenever the chunk is SparseOnly.
+// bytes at pos_out) and the value stream (val_cap at val_out), the host
+// chunk coder's sparse streams, whenever SparseTried: the chunk's bytes when
+// SparseOnly, else the candidates the host weighs the other modes against
+// (codec's ChooseMode).
 template <typename T>
 WSYNC_HD inline SparseEncodeResult EncodeSparseChunk(const SparseChunkIn<T>& in, const SparseEncodeScratch& scratch,
                                                      uint8_t* pos_out, uint64_t pos_cap, uint8_t* val_out,
                                                      uint64_t val_cap, const uint32_t* lg) {
   SparseEncodeResult result;
   const uint64_t m = in.m;
-  if (!SparseOnly(in.n, m, PositionRuns(in.pos, m))) {
-    result.code = kNotSparseOnly;
+  if (!SparseTried(in.n, m)) {
+    result.code = kSparseNotTried;
     return result;
   }
+  result.sparse_only = SparseOnly(in.n, m, PositionRuns(in.pos, m)) ? 1 : 0;
   const ClassSpec& spec = in.spec;
   const int k = spec.k;
   SparseEncodeWork& work = *scratch.work;

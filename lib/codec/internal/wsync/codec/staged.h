@@ -110,11 +110,16 @@ class PatchWriter {
   // (positions out of order or range, zero delta, missing old values/ranks).
   Status SetChunk(size_t i, const ChunkChange& change, const ClassSpec& spec, const uint32_t* rank);
 
-  // Sets chunk i coded elsewhere in mode 1 (sparse_encode.h's
-  // EncodeSparseChunk, which gives SetChunk's bytes for the chunks it
-  // codes): `changed` changes, the position and value streams. The streams'
-  // framing is checked (class header, word counts), not their content.
-  Status SetSparseChunk(size_t i, uint64_t changed, std::string_view pos, std::string_view val);
+  // Codes chunk i given its sparse position and value streams made
+  // elsewhere (sparse_encode.h's EncodeSparseChunk makes those SetChunk
+  // would): the chunk is them when the host coder weighs no other mode
+  // (sparse::SparseOnly), else the smallest of them and the other modes
+  // SetChunk weighs, coded here from the change. Gives SetChunk's bytes.
+  // InvalidArgument as SetChunk, when sparse mode is not tried
+  // (sparse::SparseTried), or when the streams' framing (class header, word
+  // counts) is malformed; their content is not checked.
+  Status SetSparseChunk(size_t i, const ChunkChange& change, const ClassSpec& spec, std::string_view pos,
+                        std::string_view val);
 
   // Tensor digests (checksum.h) of the target, and of the base; a gridded
   // tensor's are taken over its cells in turn.

@@ -7,12 +7,14 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <span>
 #include <vector>
 
 #include "wsync/codec/staged.h"
 #include "wsync/cuda/encode_jobs.h"
 #include "wsync/util/status.h"
+#include "wsync/util/thread_pool.h"
 
 namespace wsync::cuda {
 
@@ -29,9 +31,8 @@ struct EncodeInput {
   int width = 2;
 };
 
-// Whether a chunk may be coded by the device: the conditions of
-// codec::sparse::SparseOnly that its change count alone decides (the job
-// checks the position runs).
+// Whether a chunk goes to the device's coder: whether the host's coder
+// weighs sparse mode for it (codec::sparse::SparseTried).
 bool MaySparseEncode(uint64_t elements, uint64_t changed);
 
 // Room for a job's streams. A chunk that does not fit (deltas far larger
@@ -47,8 +48,10 @@ struct EncodePlan {
 };
 
 // A job per input that MaySparseEncode, its scratch and streams carved out
-// of an arena of plan.bytes at `arena` (null: the sizes alone, no jobs).
-EncodePlan PlanSparseEncode(std::span<const EncodeInput> inputs, uint8_t* arena);
+// of an arena of plan.bytes at `arena` (null: the sizes alone, no jobs),
+// in order while the arena stays within max_bytes (the rest are left to
+// the host).
+EncodePlan PlanSparseEncode(std::span<const EncodeInput> inputs, uint8_t* arena, size_t max_bytes);
 
 // The coded streams of the jobs that coded their chunk (results: one per
 // job), each job's position stream then its value stream, back to back.
@@ -58,10 +61,14 @@ struct Packing {
 };
 Packing PackSparseEncoded(const EncodePlan& plan, std::span<const codec::sparse::SparseEncodeResult> results);
 
-// Hands the packed streams (Packing's bytes, on the host) to the writer;
-// *coded[job_chunk] is set for each chunk it took. InvalidArgument if a
-// stream's framing is malformed (a fault of the device's coder).
+// Hands the packed streams (Packing's bytes, on the host) to the writer
+// (PatchWriter::SetSparseChunk, which weighs the other modes where the host
+// coder would, from change_of(chunk): the change in host memory), chunks in
+// parallel on pool; (*coded)[chunk] is set for each chunk coded.
+// InvalidArgument if a stream's framing is malformed (a fault of the
+// device's coder).
 Status SetSparseEncoded(const EncodePlan& plan, std::span<const codec::sparse::SparseEncodeResult> results,
-                        const uint8_t* packed, codec::staged::PatchWriter& writer, std::vector<uint8_t>* coded);
+                        const uint8_t* packed, const std::function<codec::staged::ChunkChange(size_t)>& change_of,
+                        ThreadPool* pool, codec::staged::PatchWriter& writer, std::vector<uint8_t>* coded);
 
 }  // namespace wsync::cuda
