@@ -652,6 +652,19 @@ void CheckRealSnapshots(const std::string& run, bool all_sparse) {
         // The device's coder takes every changed chunk the host would weigh
         // sparse mode for: all at lr 1e-6, all but a bias or two at 1e-5.
         EXPECT_GE(stats.device_coded, 10 * stats.host_coded) << name;
+        // What the patch codes in modes other than sparse (zstd-coded bitmaps
+        // and planes, runs) is negligible: the device needs no coder for it.
+        auto reader = codec::staged::PatchReader::Open(*patch);
+        ASSERT_TRUE(reader.ok());
+        uint64_t changed = 0, other = 0;
+        for (size_t i = 0; i < reader->chunks().size(); ++i) {
+          codec::sparse::ChunkStreams streams;
+          auto sparse = reader->LocateSparse(i, &streams);
+          ASSERT_TRUE(sparse.ok());
+          changed += reader->changed(i);
+          other += *sparse ? 0 : reader->changed(i);
+        }
+        EXPECT_LE(other * 1000, changed) << name << ": more than 0.1% of the changes in other modes than sparse";
         auto out = base;
         auto path = ApplySparseLikeTheDevice<uint16_t>(*patch, &out);
         ASSERT_TRUE(path.ok()) << path.status().ToString();
