@@ -190,8 +190,19 @@ std::string EncodeLikeTheDevice(const std::vector<OwnedTensor>& base, const std:
     const cuda::Packing packing = cuda::PackSparseEncoded(plan, results);
     std::vector<uint8_t> packed(packing.bytes);
     for (const cuda::PackSegment& seg : packing.segments) std::memcpy(packed.data() + seg.at, seg.src, seg.bytes);
+    // The host reads a change only where the device fetches it: the class
+    // sources' (above) and ChunksForTheHost.
+    std::vector<size_t> changed;
+    for (uint64_t k = 0; k < l.Chunks(); ++k) {
+      if (changes[k].count > 0) changed.push_back(cell.first_chunk + k);
+    }
+    std::vector<uint8_t> fetched(writer->chunks().size(), 0);
+    for (size_t id : cuda::ChunksForTheHost(plan, results, changed)) fetched[id] = 1;
     std::vector<uint8_t> coded(writer->chunks().size(), 0);
-    auto change_of = [&](size_t chunk) { return changes[chunk - cell.first_chunk]; };
+    auto change_of = [&](size_t chunk) {
+      EXPECT_TRUE(fetched[chunk]) << "chunk " << chunk << "'s change read without being fetched";
+      return changes[chunk - cell.first_chunk];
+    };
     const Status set = cuda::SetSparseEncoded(plan, results, packed.data(), change_of, nullptr, *writer, &coded);
     EXPECT_TRUE(set.ok()) << set.ToString();
     for (uint64_t k = 0; k < l.Chunks(); ++k) {
@@ -199,6 +210,7 @@ std::string EncodeLikeTheDevice(const std::vector<OwnedTensor>& base, const std:
       if (coded[id]) {
         ++stats->device_coded;
       } else {
+        EXPECT_TRUE(changes[k].count == 0 || fetched[id]) << "chunk " << id << " coded on the host without its change";
         const Status s = writer->SetChunk(id, changes[k], specs[k], rank.data() + c.chunk_off[k]);
         EXPECT_TRUE(s.ok()) << s.ToString();
         stats->host_coded += changes[k].count > 0 ? 1 : 0;

@@ -208,6 +208,30 @@ Status PatchWriter::SetChunk(size_t i, const ChunkChange& change, const ClassSpe
   });
 }
 
+Status PatchWriter::SetSparseCoded(size_t i, uint64_t changed, const ClassSpec& spec, std::string_view pos,
+                                   std::string_view val) {
+  if (i >= impl_->chunks.size()) return InvalidArgumentError("chunk " + std::to_string(i) + " out of range");
+  const Chunk& ch = impl_->chunks[i];
+  const std::string where = internal::ChunkWhere(impl_->c.tensors[ch.tensor], ch.index);
+  if (!sparse::SparseTried(ch.elements, changed) || changed * 32 > ch.elements) {
+    return InvalidArgumentError(where + ": " + std::to_string(changed) + " changes of " +
+                                std::to_string(ch.elements) + " elements are not coded in sparse mode alone");
+  }
+  sparse::ChunkStreams streams;
+  WSYNC_RETURN_IF_ERROR(
+      internal::LocateSparseStreams(pos, val, ExponentFieldOf(ch.dtype), &streams).WithContext(where));
+  bool same = streams.spec.k == spec.k;
+  for (int t = 0; same && t < spec.k - 1; ++t) same = streams.spec.thr[t] == spec.thr[t];
+  if (!same) return InvalidArgumentError(where + ": the position stream's classes are not the chunk's");
+  internal::EncodedChunk& e = impl_->encoded[i];
+  e.mode = internal::ChunkMode::kSparse;
+  e.changed = changed;
+  e.pos.assign(pos);
+  e.val.assign(val);
+  impl_->done[i] = 1;
+  return Status::Ok();
+}
+
 Status PatchWriter::SetSparseChunk(size_t i, const ChunkChange& change, const ClassSpec& spec, std::string_view pos,
                                    std::string_view val) {
   if (i >= impl_->chunks.size()) return InvalidArgumentError("chunk " + std::to_string(i) + " out of range");

@@ -266,23 +266,30 @@ struct CellChange {
   const uint32_t* hist = nullptr;       // bins per chunk, when conditioned
   const uint64_t* base_digests = nullptr;
   const uint64_t* target_digests = nullptr;
-  const uint32_t* pos = nullptr;
-  const uint32_t* rank = nullptr;
-  const uint8_t* delta = nullptr;
-  const uint8_t* old = nullptr;
+  // The compact changes of the chunks the host reads (FetchChanges): a
+  // run's first chunk for the class choice, and those the device's coder
+  // leaves to the host; null elsewhere.
+  struct Fetched {
+    const uint32_t* pos = nullptr;
+    const uint8_t* delta = nullptr;
+    const uint8_t* old = nullptr;
+    const uint32_t* rank = nullptr;
+  };
+  std::vector<Fetched> fetched;  // per chunk
   std::vector<ClassSpec> specs;
 
   bool empty() const { return layout.n == 0; }
   uint64_t changes() const { return empty() ? 0 : chunk_off[layout.Chunks()]; }
+  uint64_t count(size_t c) const { return chunk_off[c + 1] - chunk_off[c]; }
   ChunkChange Change(size_t c) const {
     ChunkChange ch;
-    ch.count = chunk_off[c + 1] - chunk_off[c];
-    ch.pos = pos + chunk_off[c];
-    ch.delta = delta + size_t{chunk_off[c]} * width;
-    ch.old = conditioned ? old + size_t{chunk_off[c]} * width : nullptr;
+    ch.count = count(c);
+    ch.pos = fetched[c].pos;
+    ch.delta = fetched[c].delta;
+    ch.old = conditioned ? fetched[c].old : nullptr;
     return ch;
   }
-  const uint32_t* Ranks(size_t c) const { return rank == nullptr ? nullptr : rank + chunk_off[c]; }
+  const uint32_t* Ranks(size_t c) const { return fetched[c].rank; }
 };
 
 // Enqueues the digests of many regions in one launch: the job list goes
@@ -315,6 +322,7 @@ struct DeviceCodec::Impl {
   Scratch images;        // cells gathered out of their tensors, a batch at a time
   Scratch coder_mem;     // encode: the entropy stage's jobs, scratch and streams, a batch at a time
   Scratch packed_mem;    // encode: the coded streams packed for the copy to the host
+  Scratch fetch_mem;     // encode: the compact changes the host reads, packed for the copy
   PinnedArena pinned;    // what the device copies back
   std::vector<Phase> phases;
   std::chrono::steady_clock::time_point mark;
@@ -454,11 +462,18 @@ struct DeviceCodec::Impl {
   Status CompactBatch(const codec::staged::PatchWriter& writer, std::span<CellChange> batch,
                       const codec::EncodeOptions& options, std::vector<ClassSpec>& specs);
 
+  // Copies the compact changes of these chunks (cell in batch, chunk in
+  // cell) that are not on the host yet, with their ranks where computed,
+  // packed into one copy; their `fetched` pointers then point at them.
+  // Synchronizes.
+  Status FetchChanges(std::span<CellChange> batch, std::span<const std::pair<size_t, size_t>> which);
+
   // The entropy stage on the device: codes the batch's chunks that
   // MaySparseEncode (encode_plan.h), one per thread, and hands their
   // streams to the writer; coded[chunk] marks those it coded. The rest
   // (other modes, or streams past their room) are left for the host.
-  Status CodeOnDevice(codec::staged::PatchWriter& writer, std::span<const CellChange> batch,
+  // Then fetches the changes of the chunks it leaves to the host.
+  Status CodeOnDevice(codec::staged::PatchWriter& writer, std::span<CellChange> batch,
                       const codec::EncodeOptions& options, std::vector<uint8_t>& coded);
 
   Status ApplyDelta(const codec::staged::PatchReader& r, std::span<const MutableTensorView> dst,
@@ -606,22 +621,17 @@ Status DeviceCodec::Impl::CompactBatch(const codec::staged::PatchWriter& writer,
   WSYNC_ASSIGN_OR_RETURN(void* cmem, changes.Get(cc.bytes()));
   for (CellChange& tc : batch) {
     if (tc.empty()) continue;
-    const size_t m = tc.changes();
     WSYNC_RETURN_IF_ERROR(LaunchDiffScatter(tc.base, tc.target, static_cast<int>(tc.width),
                                             tc.layout, At<uint32_t>(mem, tc.o_offsets), At<uint32_t>(cmem, tc.o_pos),
                                             At<uint8_t>(cmem, tc.o_delta), At<uint8_t>(cmem, tc.o_old), compute));
     tc.d_pos = At<uint32_t>(cmem, tc.o_pos);
     tc.d_delta = At<uint8_t>(cmem, tc.o_delta);
     tc.d_old = At<uint8_t>(cmem, tc.o_old);
-    WSYNC_RETURN_IF_ERROR(CopyToPinned(pinned, &tc.pos, At<uint32_t>(cmem, tc.o_pos), m, compute));
-    WSYNC_RETURN_IF_ERROR(CopyToPinned(pinned, &tc.delta, At<uint8_t>(cmem, tc.o_delta), m * tc.width, compute));
-    WSYNC_RETURN_IF_ERROR(CopyToPinned(pinned, &tc.old, At<uint8_t>(cmem, tc.o_old), m * tc.width, compute));
+    tc.fetched.assign(tc.layout.Chunks(), {});
   }
-  WSYNC_RETURN_IF_ERROR(Check(cudaStreamSynchronize(compute), "compaction"));
-  EndPhase("compact");
-
   // Classes on the host (small): the first chunk of every run of its
-  // tensor's chunks chooses (a batch holds whole tensors, every cell).
+  // tensor's chunks chooses (a batch holds whole tensors, every cell), from
+  // its change, the only ones fetched here.
   std::vector<std::pair<size_t, size_t>> sources;  // (cell in batch, chunk)
   for (size_t i = 0; i < batch.size(); ++i) {
     const CellChange& tc = batch[i];
@@ -630,6 +640,9 @@ Status DeviceCodec::Impl::CompactBatch(const codec::staged::PatchWriter& writer,
       if (writer.ClassSource(tc.chunk_ids[c]) == tc.chunk_ids[c]) sources.emplace_back(i, c);
     }
   }
+  WSYNC_RETURN_IF_ERROR(FetchChanges(batch, sources));
+  EndPhase("compact");
+
   ParallelFor(options.pool, sources.size(), [&](size_t s) {
     const CellChange& tc = batch[sources[s].first];
     const size_t c = sources[s].second;
@@ -661,22 +674,83 @@ Status DeviceCodec::Impl::CompactBatch(const codec::staged::PatchWriter& writer,
                                       At<uint32_t>(cmem, tc.o_pos), At<uint8_t>(cmem, tc.o_old), tc.changes(),
                                       At<uint32_t>(cmem, tc.o_rank), compute));
     tc.d_rank = At<uint32_t>(cmem, tc.o_rank);
-    WSYNC_RETURN_IF_ERROR(CopyToPinned(pinned, &tc.rank, At<uint32_t>(cmem, tc.o_rank), tc.changes(), compute));
   }
   WSYNC_RETURN_IF_ERROR(Check(cudaStreamSynchronize(compute), "ranks"));
   EndPhase("ranks");
   return Status::Ok();
 }
 
-Status DeviceCodec::Impl::CodeOnDevice(codec::staged::PatchWriter& writer, std::span<const CellChange> batch,
+Status DeviceCodec::Impl::FetchChanges(std::span<CellChange> batch,
+                                       std::span<const std::pair<size_t, size_t>> which) {
+  std::vector<PackSegment> segments;
+  uint64_t bytes = 0;
+  auto add = [&](const void* src, uint64_t n) {
+    const uint64_t at = bytes;
+    segments.push_back({static_cast<const uint8_t*>(src), n, at});
+    bytes = (bytes + n + 7) / 8 * 8;
+    return at;
+  };
+  struct Where {
+    size_t cell, chunk;
+    uint64_t pos, delta, old, rank;
+  };
+  std::vector<Where> where;
+  constexpr uint64_t kNone = UINT64_MAX;
+  for (const auto& [k, c] : which) {
+    CellChange& tc = batch[k];
+    const uint64_t m = tc.count(c), off = tc.chunk_off[c];
+    if (m == 0) continue;
+    Where w{k, c, kNone, kNone, kNone, kNone};
+    if (tc.fetched[c].pos == nullptr) {
+      w.pos = add(tc.d_pos + off, 4 * m);
+      w.delta = add(tc.d_delta + off * tc.width, m * tc.width);
+      if (tc.conditioned) w.old = add(tc.d_old + off * tc.width, m * tc.width);
+    }
+    if (tc.d_rank != nullptr && tc.fetched[c].rank == nullptr) w.rank = add(tc.d_rank + off, 4 * m);
+    if (w.pos != kNone || w.rank != kNone) where.push_back(w);
+  }
+  if (segments.empty()) return Status::Ok();
+  const size_t o_packed = (segments.size() * sizeof(PackSegment) + 255) / 256 * 256;
+  WSYNC_ASSIGN_OR_RETURN(void* mem, fetch_mem.Get(o_packed + bytes));
+  WSYNC_ASSIGN_OR_RETURN(PackSegment * segs, pinned.Alloc<PackSegment>(segments.size()));
+  std::copy(segments.begin(), segments.end(), segs);
+  WSYNC_RETURN_IF_ERROR(Check(
+      cudaMemcpyAsync(mem, segs, segments.size() * sizeof(PackSegment), cudaMemcpyHostToDevice, compute),
+      "copy to device"));
+  WSYNC_RETURN_IF_ERROR(
+      LaunchPackSegments(static_cast<const PackSegment*>(mem), segments.size(), At<uint8_t>(mem, o_packed), compute));
+  const uint8_t* host = nullptr;
+  WSYNC_RETURN_IF_ERROR(CopyToPinned(pinned, &host, At<uint8_t>(mem, o_packed), bytes, compute));
+  WSYNC_RETURN_IF_ERROR(Check(cudaStreamSynchronize(compute), "fetching changes"));
+  for (const Where& w : where) {
+    CellChange::Fetched& f = batch[w.cell].fetched[w.chunk];
+    if (w.pos != kNone) {
+      f.pos = reinterpret_cast<const uint32_t*>(host + w.pos);
+      f.delta = host + w.delta;
+      if (w.old != kNone) f.old = host + w.old;
+    }
+    if (w.rank != kNone) f.rank = reinterpret_cast<const uint32_t*>(host + w.rank);
+  }
+  return Status::Ok();
+}
+
+Status DeviceCodec::Impl::CodeOnDevice(codec::staged::PatchWriter& writer, std::span<CellChange> batch,
                                        const codec::EncodeOptions& options, std::vector<uint8_t>& coded) {
   std::vector<EncodeInput> inputs;
+  std::vector<size_t> changed;                                    // writer chunks with changes
   std::unordered_map<size_t, std::pair<size_t, size_t>> where;  // writer chunk -> (cell in batch, chunk in cell)
+  // The changes of these chunks to the host, for it to code or weigh.
+  auto fetch = [&](std::span<const size_t> chunks) {
+    std::vector<std::pair<size_t, size_t>> which;
+    for (size_t chunk : chunks) which.push_back(where.at(chunk));
+    return FetchChanges(batch, which);
+  };
   for (size_t k = 0; k < batch.size(); ++k) {
     const CellChange& tc = batch[k];
     if (tc.empty()) continue;
     for (uint64_t c = 0; c < tc.layout.Chunks(); ++c) {
       where[tc.chunk_ids[c]] = {k, c};
+      if (tc.count(c) > 0) changed.push_back(tc.chunk_ids[c]);
       const size_t off = tc.chunk_off[c];
       EncodeInput in;
       in.chunk = tc.chunk_ids[c];
@@ -691,14 +765,14 @@ Status DeviceCodec::Impl::CodeOnDevice(codec::staged::PatchWriter& writer, std::
       if (MaySparseEncode(in.elements, in.changed)) inputs.push_back(in);
     }
   }
-  if (inputs.empty()) return Status::Ok();
+  if (inputs.empty()) return fetch(changed);
   const size_t arena_bytes = PlanSparseEncode(inputs, nullptr, kCoderArenaBytes).bytes;
   const size_t o_lg = (arena_bytes + 255) / 256 * 256;
   WSYNC_ASSIGN_OR_RETURN(void* mem, coder_mem.Get(o_lg + sizeof(codec::sparse::Log2Table)));
   auto* arena = static_cast<uint8_t*>(mem);
   const EncodePlan plan = PlanSparseEncode(inputs, arena, kCoderArenaBytes);
   const size_t njobs = plan.jobs.size();
-  if (njobs == 0) return Status::Ok();
+  if (njobs == 0) return fetch(changed);
   WSYNC_ASSIGN_OR_RETURN(SparseEncodeJob * jobs, pinned.Alloc<SparseEncodeJob>(njobs));
   std::copy(plan.jobs.begin(), plan.jobs.end(), jobs);
   WSYNC_ASSIGN_OR_RETURN(uint32_t * lg, pinned.Alloc<uint32_t>(codec::sparse::kLog2Table.size()));
@@ -717,8 +791,10 @@ Status DeviceCodec::Impl::CodeOnDevice(codec::staged::PatchWriter& writer, std::
   WSYNC_RETURN_IF_ERROR(Check(cudaStreamSynchronize(compute), "sparse encode"));
   EndPhase("device entropy");
 
-  // Only the streams cross to the host, packed back to back.
+  // The streams cross to the host, packed back to back, and the changes
+  // of the chunks the host still weighs or codes (none at RL rates).
   const std::span<const codec::sparse::SparseEncodeResult> rs(results, njobs);
+  WSYNC_RETURN_IF_ERROR(fetch(ChunksForTheHost(plan, rs, changed)));
   const Packing packing = PackSparseEncoded(plan, rs);
   if (packing.segments.empty()) return Status::Ok();
   const size_t o_packed = (packing.segments.size() * sizeof(PackSegment) + 255) / 256 * 256;

@@ -107,6 +107,22 @@ Packing PackSparseEncoded(const EncodePlan& plan, std::span<const sparse::Sparse
   return p;
 }
 
+std::vector<size_t> ChunksForTheHost(const EncodePlan& plan, std::span<const sparse::SparseEncodeResult> results,
+                                     std::span<const size_t> changed) {
+  std::vector<uint8_t> alone;
+  for (size_t j = 0; j < plan.jobs.size(); ++j) {
+    if (results[j].code != sparse::kSparseEncoded || !results[j].sparse_only) continue;
+    const size_t chunk = plan.job_chunk[j];
+    if (chunk >= alone.size()) alone.resize(chunk + 1, 0);
+    alone[chunk] = 1;
+  }
+  std::vector<size_t> out;
+  for (size_t chunk : changed) {
+    if (chunk >= alone.size() || !alone[chunk]) out.push_back(chunk);
+  }
+  return out;
+}
+
 Status SetSparseEncoded(const EncodePlan& plan, std::span<const sparse::SparseEncodeResult> results,
                         const uint8_t* packed, const std::function<codec::staged::ChunkChange(size_t)>& change_of,
                         ThreadPool* pool, codec::staged::PatchWriter& writer, std::vector<uint8_t>* coded) {
@@ -125,9 +141,9 @@ Status SetSparseEncoded(const EncodePlan& plan, std::span<const sparse::SparseEn
     const sparse::SparseEncodeResult& r = results[j];
     const char* p = reinterpret_cast<const char*>(packed + at[i]);
     const size_t chunk = plan.job_chunk[j];
-    const Status s = writer.SetSparseChunk(chunk, change_of(chunk), plan.jobs[j].spec,
-                                           std::string_view(p, r.pos_bytes),
-                                           std::string_view(p + r.pos_bytes, r.val_bytes));
+    const std::string_view pos(p, r.pos_bytes), val(p + r.pos_bytes, r.val_bytes);
+    const Status s = r.sparse_only ? writer.SetSparseCoded(chunk, plan.jobs[j].changed, plan.jobs[j].spec, pos, val)
+                                   : writer.SetSparseChunk(chunk, change_of(chunk), plan.jobs[j].spec, pos, val);
     if (s.ok()) (*coded)[chunk] = 1;
     error.Record(i, s);
   });

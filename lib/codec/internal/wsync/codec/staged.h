@@ -110,6 +110,15 @@ class PatchWriter {
   // (positions out of order or range, zero delta, missing old values/ranks).
   Status SetChunk(size_t i, const ChunkChange& change, const ClassSpec& spec, const uint32_t* rank);
 
+  // Sets chunk i to sparse position and value streams made elsewhere for a
+  // change of `changed` elements that the host coder codes in sparse mode
+  // alone (sparse::SparseOnly, which the caller decided: the change itself
+  // is not needed); sparse_encode.h's EncodeSparseChunk makes the streams
+  // SetChunk would. InvalidArgument when the count rules sparse mode alone
+  // out, or the streams' framing is malformed or their classes not spec's.
+  Status SetSparseCoded(size_t i, uint64_t changed, const ClassSpec& spec, std::string_view pos,
+                        std::string_view val);
+
   // Codes chunk i given its sparse position and value streams made
   // elsewhere (sparse_encode.h's EncodeSparseChunk makes those SetChunk
   // would): the chunk is them when the host coder weighs no other mode

@@ -61,10 +61,18 @@ struct Packing {
 };
 Packing PackSparseEncoded(const EncodePlan& plan, std::span<const codec::sparse::SparseEncodeResult> results);
 
-// Hands the packed streams (Packing's bytes, on the host) to the writer
-// (PatchWriter::SetSparseChunk, which weighs the other modes where the host
-// coder would, from change_of(chunk): the change in host memory), chunks in
-// parallel on pool; (*coded)[chunk] is set for each chunk coded.
+// The changed chunks (of `changed`, writer indices) whose change the host
+// needs once the jobs ran: all but those the device coded in sparse mode
+// alone (the host weighs other modes for the rest, or codes them).
+std::vector<size_t> ChunksForTheHost(const EncodePlan& plan,
+                                     std::span<const codec::sparse::SparseEncodeResult> results,
+                                     std::span<const size_t> changed);
+
+// Hands the packed streams (Packing's bytes, on the host) to the writer,
+// chunks in parallel on pool: PatchWriter::SetSparseCoded where the device
+// coded a chunk in sparse mode alone, else SetSparseChunk, which weighs
+// the other modes from change_of(chunk) (the change in host memory; asked
+// only for ChunksForTheHost). (*coded)[chunk] is set for each chunk coded.
 // InvalidArgument if a stream's framing is malformed (a fault of the
 // device's coder).
 Status SetSparseEncoded(const EncodePlan& plan, std::span<const codec::sparse::SparseEncodeResult> results,
