@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "chunk_codec.h"
+#include "random_chunk.h"
 
 namespace wsync::codec::internal {
 namespace {
@@ -78,28 +79,6 @@ std::optional<Decoded> AgentDecode(const EncodedChunk& e, const std::vector<T>& 
   return out;
 }
 
-// A random chunk of n elements of width sizeof(T): base values spread over
-// the exponent range (so that classes form), changes at `density` whose
-// probability falls with the exponent, mostly unit deltas, some large.
-template <typename T>
-void RandomChunk(size_t n, double density, ExponentField ef, std::mt19937_64& rng, std::vector<T>* base,
-                 SparseDelta<T>* d) {
-  base->resize(n);
-  d->Clear();
-  std::uniform_real_distribution<double> u(0, 1);
-  for (size_t p = 0; p < n; ++p) {
-    (*base)[p] = static_cast<T>(rng());
-    const double e = ef.mask == 0 ? 0.5 : static_cast<double>(((*base)[p] >> ef.shift) & ef.mask) / ef.mask;
-    if (u(rng) >= density * 2 * (1 - e)) continue;
-    T delta = static_cast<T>(1 + rng() % 3);
-    if (rng() % 16 == 0) delta = static_cast<T>(rng());
-    if (delta == 0) delta = 1;
-    if (rng() % 2) delta = static_cast<T>(T{0} - delta);
-    d->pos.push_back(static_cast<uint32_t>(p));
-    d->delta.push_back(delta);
-  }
-}
-
 template <typename T>
 void CheckRandomChunks(DType dtype, uint32_t seed) {
   std::mt19937_64 rng(seed);
@@ -109,7 +88,7 @@ void CheckRandomChunks(DType dtype, uint32_t seed) {
     for (double density : {0.001, 0.01, 0.05, 0.2}) {
       std::vector<T> base;
       SparseDelta<T> d;
-      RandomChunk<T>(n, density, ef, rng, &base, &d);
+      RandomChunk<T>(n, density, false, ef, rng, &base, &d);
       if (d.pos.empty()) continue;
       ChunkCodecOptions options;
       options.exponent = ef;
@@ -132,12 +111,7 @@ void CheckRandomChunks(DType dtype, uint32_t seed) {
 }
 
 TEST(SparseDecodeAgents, DecodeRandomChunksAsTheHostCodecDoes) {
-  CheckRandomChunks<uint16_t>(DType::kBF16, 1);
-  CheckRandomChunks<uint16_t>(DType::kF16, 2);
-  CheckRandomChunks<uint16_t>(DType::kI16, 3);
-  CheckRandomChunks<uint32_t>(DType::kF32, 4);
-  CheckRandomChunks<uint8_t>(DType::kF8E4M3, 5);
-  CheckRandomChunks<uint64_t>(DType::kF64, 6);
+  ForEachCodedDType([](auto zero, DType dtype, uint32_t seed) { CheckRandomChunks<decltype(zero)>(dtype, seed); });
 }
 
 // Every single-byte corruption and truncation of a chunk's streams: the
@@ -149,7 +123,7 @@ void CheckCorruptions(DType dtype, double density, uint32_t seed) {
   const ExponentField ef = ExponentFieldOf(dtype);
   std::vector<T> base;
   SparseDelta<T> d;
-  RandomChunk<T>(20000, density, ef, rng, &base, &d);
+  RandomChunk<T>(20000, density, false, ef, rng, &base, &d);
   ChunkCodecOptions options;
   options.exponent = ef;
   const EncodedChunk clean = EncodeChunk<T>(base.data(), base.size(), d, options);

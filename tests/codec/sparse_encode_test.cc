@@ -18,33 +18,10 @@
 
 #include "chunk_codec.h"
 #include "chunk_coders.h"
+#include "random_chunk.h"
 
 namespace wsync::codec::internal {
 namespace {
-
-// A random chunk: base values spread over the exponent range (so that
-// classes form), changes at `density` whose probability falls with the
-// exponent, mostly unit deltas, some large; runs of neighbours when `runs`.
-template <typename T>
-void RandomChunk(size_t n, double density, bool runs, ExponentField ef, std::mt19937_64& rng, std::vector<T>* base,
-                 SparseDelta<T>* d) {
-  base->resize(n);
-  d->Clear();
-  std::uniform_real_distribution<double> u(0, 1);
-  for (size_t p = 0; p < n; ++p) {
-    (*base)[p] = static_cast<T>(rng());
-    const double e = ef.mask == 0 ? 0.5 : static_cast<double>(((*base)[p] >> ef.shift) & ef.mask) / ef.mask;
-    const bool after = runs && !d->pos.empty() && d->pos.back() + 1 == p && u(rng) < 0.7;
-    if (!after && u(rng) >= density * 2 * (1 - e)) continue;
-    T delta = static_cast<T>(1 + rng() % 3);
-    if (rng() % 16 == 0) delta = static_cast<T>(rng());
-    if (rng() % 64 == 0) delta = static_cast<T>(7 + rng() % 12);
-    if (delta == 0) delta = 1;
-    if (rng() % 2) delta = static_cast<T>(T{0} - delta);
-    d->pos.push_back(static_cast<uint32_t>(p));
-    d->delta.push_back(delta);
-  }
-}
 
 struct AgentOut {
   sparse::SparseEncodeResult result;
@@ -146,12 +123,7 @@ void CheckRandomChunks(DType dtype, uint32_t seed) {
 }
 
 TEST(SparseEncodeAgent, EncodesRandomChunksAsTheHostCodecDoes) {
-  CheckRandomChunks<uint16_t>(DType::kBF16, 1);
-  CheckRandomChunks<uint16_t>(DType::kF16, 2);
-  CheckRandomChunks<uint16_t>(DType::kI16, 3);
-  CheckRandomChunks<uint32_t>(DType::kF32, 4);
-  CheckRandomChunks<uint8_t>(DType::kF8E4M3, 5);
-  CheckRandomChunks<uint64_t>(DType::kF64, 6);
+  ForEachCodedDType([](auto zero, DType dtype, uint32_t seed) { CheckRandomChunks<decltype(zero)>(dtype, seed); });
 }
 
 // Too little room for either stream is reported at any size, and nothing
