@@ -15,6 +15,7 @@
 
 #include "wsync/codec/checksum.h"
 #include "wsync/codec/staged.h"
+#include "wsync/cuda/carver.h"
 #include "wsync/cuda/encode_plan.h"
 #include "wsync/cuda/kernels.h"
 #include "wsync/cuda/placed.h"
@@ -64,27 +65,6 @@ class Scratch {
   void* ptr_ = nullptr;
   size_t size_ = 0;
 };
-
-// Carves aligned pieces out of one scratch block.
-class Carver {
- public:
-  template <typename T>
-  size_t Add(size_t count) {
-    offset_ = (offset_ + 255) / 256 * 256;
-    const size_t at = offset_;
-    offset_ += count * sizeof(T) + 8;
-    return at;
-  }
-  size_t bytes() const { return offset_ + 256; }
-
- private:
-  size_t offset_ = 0;
-};
-
-template <typename T>
-T* At(void* base, size_t offset) {
-  return reinterpret_cast<T*>(static_cast<uint8_t*>(base) + offset);
-}
 
 Status CopyUp(void* dst, const void* src, size_t bytes, cudaStream_t s) {
   if (bytes == 0) return Status::Ok();
@@ -462,6 +442,12 @@ struct DeviceCodec::Impl {
   Status CompactBatch(const codec::staged::PatchWriter& writer, std::span<CellChange> batch,
                       const codec::EncodeOptions& options, std::vector<ClassSpec>& specs);
 
+  // Copies the segments' bytes (device memory) back to back into
+  // page-locked memory: the segment list up, one packing kernel into `mem`,
+  // one copy down. Synchronizes.
+  StatusOr<const uint8_t*> PackToHost(std::span<const PackSegment> segments, uint64_t bytes, Scratch& mem,
+                                      const char* what);
+
   // Copies the compact changes of these chunks (cell in batch, chunk in
   // cell) that are not on the host yet, with their ranks where computed,
   // packed into one copy; their `fetched` pointers then point at them.
@@ -680,6 +666,21 @@ Status DeviceCodec::Impl::CompactBatch(const codec::staged::PatchWriter& writer,
   return Status::Ok();
 }
 
+StatusOr<const uint8_t*> DeviceCodec::Impl::PackToHost(std::span<const PackSegment> segments, uint64_t bytes,
+                                                       Scratch& mem, const char* what) {
+  const size_t o_packed = (segments.size() * sizeof(PackSegment) + 255) / 256 * 256;
+  WSYNC_ASSIGN_OR_RETURN(void* dev, mem.Get(o_packed + bytes));
+  WSYNC_ASSIGN_OR_RETURN(PackSegment * list, pinned.Alloc<PackSegment>(segments.size()));
+  std::copy(segments.begin(), segments.end(), list);
+  WSYNC_RETURN_IF_ERROR(CopyUp(dev, list, segments.size() * sizeof(PackSegment), compute));
+  WSYNC_RETURN_IF_ERROR(
+      LaunchPackSegments(static_cast<const PackSegment*>(dev), segments.size(), At<uint8_t>(dev, o_packed), compute));
+  const uint8_t* host = nullptr;
+  WSYNC_RETURN_IF_ERROR(CopyToPinned(pinned, &host, At<uint8_t>(dev, o_packed), bytes, compute));
+  WSYNC_RETURN_IF_ERROR(Check(cudaStreamSynchronize(compute), what));
+  return host;
+}
+
 Status DeviceCodec::Impl::FetchChanges(std::span<CellChange> batch,
                                        std::span<const std::pair<size_t, size_t>> which) {
   std::vector<PackSegment> segments;
@@ -710,18 +711,7 @@ Status DeviceCodec::Impl::FetchChanges(std::span<CellChange> batch,
     if (w.pos != kNone || w.rank != kNone) where.push_back(w);
   }
   if (segments.empty()) return Status::Ok();
-  const size_t o_packed = (segments.size() * sizeof(PackSegment) + 255) / 256 * 256;
-  WSYNC_ASSIGN_OR_RETURN(void* mem, fetch_mem.Get(o_packed + bytes));
-  WSYNC_ASSIGN_OR_RETURN(PackSegment * segs, pinned.Alloc<PackSegment>(segments.size()));
-  std::copy(segments.begin(), segments.end(), segs);
-  WSYNC_RETURN_IF_ERROR(Check(
-      cudaMemcpyAsync(mem, segs, segments.size() * sizeof(PackSegment), cudaMemcpyHostToDevice, compute),
-      "copy to device"));
-  WSYNC_RETURN_IF_ERROR(
-      LaunchPackSegments(static_cast<const PackSegment*>(mem), segments.size(), At<uint8_t>(mem, o_packed), compute));
-  const uint8_t* host = nullptr;
-  WSYNC_RETURN_IF_ERROR(CopyToPinned(pinned, &host, At<uint8_t>(mem, o_packed), bytes, compute));
-  WSYNC_RETURN_IF_ERROR(Check(cudaStreamSynchronize(compute), "fetching changes"));
+  WSYNC_ASSIGN_OR_RETURN(const uint8_t* host, PackToHost(segments, bytes, fetch_mem, "fetching changes"));
   for (const Where& w : where) {
     CellChange::Fetched& f = batch[w.cell].fetched[w.chunk];
     if (w.pos != kNone) {
@@ -797,18 +787,8 @@ Status DeviceCodec::Impl::CodeOnDevice(codec::staged::PatchWriter& writer, std::
   WSYNC_RETURN_IF_ERROR(fetch(ChunksForTheHost(plan, rs, changed)));
   const Packing packing = PackSparseEncoded(plan, rs);
   if (packing.segments.empty()) return Status::Ok();
-  const size_t o_packed = (packing.segments.size() * sizeof(PackSegment) + 255) / 256 * 256;
-  WSYNC_ASSIGN_OR_RETURN(void* pmem, packed_mem.Get(o_packed + packing.bytes));
-  WSYNC_ASSIGN_OR_RETURN(PackSegment * segs, pinned.Alloc<PackSegment>(packing.segments.size()));
-  std::copy(packing.segments.begin(), packing.segments.end(), segs);
-  WSYNC_RETURN_IF_ERROR(Check(cudaMemcpyAsync(pmem, segs, packing.segments.size() * sizeof(PackSegment),
-                                              cudaMemcpyHostToDevice, compute),
-                              "copy to device"));
-  WSYNC_RETURN_IF_ERROR(LaunchPackSegments(static_cast<const PackSegment*>(pmem), packing.segments.size(),
-                                           At<uint8_t>(pmem, o_packed), compute));
-  const uint8_t* packed = nullptr;
-  WSYNC_RETURN_IF_ERROR(CopyToPinned(pinned, &packed, At<uint8_t>(pmem, o_packed), packing.bytes, compute));
-  WSYNC_RETURN_IF_ERROR(Check(cudaStreamSynchronize(compute), "packing the coded streams"));
+  WSYNC_ASSIGN_OR_RETURN(const uint8_t* packed,
+                         PackToHost(packing.segments, packing.bytes, packed_mem, "packing the coded streams"));
   EndPhase("streams to host");
   auto change_of = [&](size_t chunk) {
     const auto [k, c] = where.at(chunk);

@@ -2,33 +2,11 @@
 
 #include <string_view>
 
+#include "wsync/cuda/carver.h"
 #include "wsync/util/first_error.h"
 
 namespace wsync::cuda {
-namespace {
-
 namespace sparse = codec::sparse;
-
-// Carves aligned regions out of an arena (or only sizes it).
-class ArenaCarver {
- public:
-  explicit ArenaCarver(uint8_t* base) : base_(base) {}
-  template <typename T>
-  T* Take(size_t count, size_t* offset = nullptr) {
-    at_ = (at_ + 15) / 16 * 16;
-    if (offset != nullptr) *offset = at_;
-    T* p = base_ == nullptr ? nullptr : reinterpret_cast<T*>(base_ + at_);
-    at_ += count * sizeof(T);
-    return p;
-  }
-  size_t bytes() const { return (at_ + 15) / 16 * 16; }
-
- private:
-  uint8_t* base_;
-  size_t at_ = 0;
-};
-
-}  // namespace
 
 bool MaySparseEncode(uint64_t elements, uint64_t changed) { return sparse::SparseTried(elements, changed); }
 
@@ -41,8 +19,9 @@ uint64_t SparseValRoom(uint64_t changed) { return 512 + 4 * changed; }
 
 EncodePlan PlanSparseEncode(std::span<const EncodeInput> inputs, uint8_t* arena, size_t max_bytes) {
   EncodePlan plan;
-  // The jobs that fit: the arena holds the job list and results, then each
-  // job's work area, scratch and streams.
+  // The jobs that fit (the bound counts each piece's alignment): the arena
+  // holds the job list and results, then each job's work area, scratch and
+  // streams.
   std::vector<uint8_t> take(inputs.size(), 0);
   size_t njobs = 0;
   {
@@ -50,7 +29,7 @@ EncodePlan PlanSparseEncode(std::span<const EncodeInput> inputs, uint8_t* arena,
     for (size_t i = 0; i < inputs.size(); ++i) {
       const EncodeInput& in = inputs[i];
       if (!MaySparseEncode(in.elements, in.changed)) continue;
-      const size_t job = sizeof(SparseEncodeJob) + sizeof(sparse::SparseEncodeResult) + 6 * 16 +
+      const size_t job = sizeof(SparseEncodeJob) + sizeof(sparse::SparseEncodeResult) + 7 * 264 +
                          sizeof(sparse::SparseEncodeWork) + (in.spec.k > 1 ? 4 * in.changed : 0) +
                          2 * (in.changed + 1) + SparsePosRoom(in.changed) + SparseValRoom(in.changed);
       if (bytes + job > max_bytes) continue;
@@ -59,9 +38,9 @@ EncodePlan PlanSparseEncode(std::span<const EncodeInput> inputs, uint8_t* arena,
       ++njobs;
     }
   }
-  ArenaCarver carve(arena);
-  carve.Take<SparseEncodeJob>(njobs, &plan.o_jobs);
-  carve.Take<sparse::SparseEncodeResult>(njobs, &plan.o_results);
+  Carver carve;
+  plan.o_jobs = carve.Add<SparseEncodeJob>(njobs);
+  plan.o_results = carve.Add<sparse::SparseEncodeResult>(njobs);
   if (arena != nullptr) {
     plan.jobs.reserve(njobs);
     plan.job_chunk.reserve(njobs);
@@ -74,18 +53,23 @@ EncodePlan PlanSparseEncode(std::span<const EncodeInput> inputs, uint8_t* arena,
     job.delta = in.delta;
     job.old = in.spec.k > 1 ? in.old : nullptr;
     job.rank = in.spec.k > 1 ? in.rank : nullptr;
-    job.work = carve.Take<sparse::SparseEncodeWork>(1);
-    job.grouped = carve.Take<uint32_t>(in.spec.k > 1 ? in.changed : 0);
-    job.words = carve.Take<uint16_t>(in.changed + 1);
     job.pos_room = SparsePosRoom(in.changed);
     job.val_room = SparseValRoom(in.changed);
-    job.pos_out = carve.Take<uint8_t>(job.pos_room);
-    job.val_out = carve.Take<uint8_t>(job.val_room);
+    const size_t o_work = carve.Add<sparse::SparseEncodeWork>(1);
+    const size_t o_grouped = carve.Add<uint32_t>(in.spec.k > 1 ? in.changed : 0);
+    const size_t o_words = carve.Add<uint16_t>(in.changed + 1);
+    const size_t o_pos = carve.Add<uint8_t>(job.pos_room);
+    const size_t o_val = carve.Add<uint8_t>(job.val_room);
     job.elements = in.elements;
     job.changed = in.changed;
     job.spec = in.spec;
     job.width = in.width;
     if (arena != nullptr) {
+      job.work = At<sparse::SparseEncodeWork>(arena, o_work);
+      job.grouped = At<uint32_t>(arena, o_grouped);
+      job.words = At<uint16_t>(arena, o_words);
+      job.pos_out = At<uint8_t>(arena, o_pos);
+      job.val_out = At<uint8_t>(arena, o_val);
       plan.jobs.push_back(job);
       plan.job_chunk.push_back(in.chunk);
     }

@@ -49,8 +49,8 @@ struct EncodePlan {
 
 // A job per input that MaySparseEncode, its scratch and streams carved out
 // of an arena of plan.bytes at `arena` (null: the sizes alone, no jobs),
-// in order while the arena stays within max_bytes (the rest are left to
-// the host).
+// in order while the arena stays within about max_bytes (the rest are left
+// to the host).
 EncodePlan PlanSparseEncode(std::span<const EncodeInput> inputs, uint8_t* arena, size_t max_bytes);
 
 // The coded streams of the jobs that coded their chunk (results: one per
