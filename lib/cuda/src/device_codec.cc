@@ -767,12 +767,8 @@ Status DeviceCodec::Impl::CodeOnDevice(codec::staged::PatchWriter& writer, std::
   std::copy(plan.jobs.begin(), plan.jobs.end(), jobs);
   WSYNC_ASSIGN_OR_RETURN(uint32_t * lg, pinned.Alloc<uint32_t>(codec::sparse::kLog2Table.size()));
   std::copy(codec::sparse::kLog2Table.begin(), codec::sparse::kLog2Table.end(), lg);
-  WSYNC_RETURN_IF_ERROR(Check(cudaMemcpyAsync(arena + plan.o_jobs, jobs, njobs * sizeof(SparseEncodeJob),
-                                              cudaMemcpyHostToDevice, compute),
-                              "copy to device"));
-  WSYNC_RETURN_IF_ERROR(Check(cudaMemcpyAsync(arena + o_lg, lg, sizeof(codec::sparse::Log2Table),
-                                              cudaMemcpyHostToDevice, compute),
-                              "copy to device"));
+  WSYNC_RETURN_IF_ERROR(CopyUp(arena + plan.o_jobs, jobs, njobs * sizeof(SparseEncodeJob), compute));
+  WSYNC_RETURN_IF_ERROR(CopyUp(arena + o_lg, lg, sizeof(codec::sparse::Log2Table), compute));
   auto* results_dev = At<codec::sparse::SparseEncodeResult>(arena, plan.o_results);
   WSYNC_RETURN_IF_ERROR(LaunchSparseEncode(At<SparseEncodeJob>(arena, plan.o_jobs), njobs, At<uint32_t>(arena, o_lg),
                                            results_dev, compute));
