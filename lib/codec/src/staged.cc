@@ -189,6 +189,19 @@ Status ChangeOf(const Chunk& ch, const std::string& where, const ChunkChange& ch
   return Status::Ok();
 }
 
+// Sparse streams made elsewhere for a chunk: their framing (class header,
+// word counts) well formed and their classes spec's.
+Status CheckSparseStreams(const Chunk& ch, const std::string& where, const ClassSpec& spec, std::string_view pos,
+                          std::string_view val) {
+  sparse::ChunkStreams streams;
+  WSYNC_RETURN_IF_ERROR(
+      internal::LocateSparseStreams(pos, val, ExponentFieldOf(ch.dtype), &streams).WithContext(where));
+  bool same = streams.spec.k == spec.k;
+  for (int t = 0; same && t < spec.k - 1; ++t) same = streams.spec.thr[t] == spec.thr[t];
+  if (!same) return InvalidArgumentError(where + ": the position stream's classes are not the chunk's");
+  return Status::Ok();
+}
+
 }  // namespace
 
 Status PatchWriter::SetChunk(size_t i, const ChunkChange& change, const ClassSpec& spec, const uint32_t* rank) {
@@ -217,12 +230,7 @@ Status PatchWriter::SetSparseCoded(size_t i, uint64_t changed, const ClassSpec& 
     return InvalidArgumentError(where + ": " + std::to_string(changed) + " changes of " +
                                 std::to_string(ch.elements) + " elements are not coded in sparse mode alone");
   }
-  sparse::ChunkStreams streams;
-  WSYNC_RETURN_IF_ERROR(
-      internal::LocateSparseStreams(pos, val, ExponentFieldOf(ch.dtype), &streams).WithContext(where));
-  bool same = streams.spec.k == spec.k;
-  for (int t = 0; same && t < spec.k - 1; ++t) same = streams.spec.thr[t] == spec.thr[t];
-  if (!same) return InvalidArgumentError(where + ": the position stream's classes are not the chunk's");
+  WSYNC_RETURN_IF_ERROR(CheckSparseStreams(ch, where, spec, pos, val));
   internal::EncodedChunk& e = impl_->encoded[i];
   e.mode = internal::ChunkMode::kSparse;
   e.changed = changed;
@@ -241,23 +249,14 @@ Status PatchWriter::SetSparseChunk(size_t i, const ChunkChange& change, const Cl
     return InvalidArgumentError(where + ": " + std::to_string(change.count) + " changes of " +
                                 std::to_string(ch.elements) + " elements are not coded in sparse mode");
   }
-  sparse::ChunkStreams streams;
-  WSYNC_RETURN_IF_ERROR(
-      internal::LocateSparseStreams(pos, val, ExponentFieldOf(ch.dtype), &streams).WithContext(where));
+  WSYNC_RETURN_IF_ERROR(CheckSparseStreams(ch, where, spec, pos, val));
   return WithWidth(ch.width, [&](auto zero) -> Status {
     using T = decltype(zero);
     SparseDelta<T> d;
     WSYNC_RETURN_IF_ERROR(ChangeOf(ch, where, change, spec, &d));
-    internal::EncodedChunk& e = impl_->encoded[i];
-    if (sparse::SparseOnly(ch.elements, change.count, sparse::PositionRuns(change.pos, change.count))) {
-      e.mode = internal::ChunkMode::kSparse;
-      e.changed = change.count;
-      e.pos.assign(pos);
-      e.val.assign(val);
-    } else {
-      e = internal::ChooseMode<T>(ch.elements, d, spec, impl_->options.zstd_level, std::string(pos),
-                                  std::string(val));
-    }
+    // ChooseMode weighs no other mode where the coder would weigh none.
+    impl_->encoded[i] = internal::ChooseMode<T>(ch.elements, d, spec, impl_->options.zstd_level, std::string(pos),
+                                                std::string(val));
     impl_->done[i] = 1;
     return Status::Ok();
   });

@@ -17,11 +17,29 @@ bool MaySparseEncode(uint64_t elements, uint64_t changed) { return sparse::Spars
 uint64_t SparsePosRoom(uint64_t changed) { return 512 + 6 * changed; }
 uint64_t SparseValRoom(uint64_t changed) { return 512 + 4 * changed; }
 
+namespace {
+
+// Where a job's work area, scratch and streams lie in the arena.
+struct JobPieces {
+  size_t work, grouped, words, pos, val;
+};
+
+JobPieces CarveJob(const EncodeInput& in, Carver& carve) {
+  JobPieces p;
+  p.work = carve.Add<sparse::SparseEncodeWork>(1);
+  p.grouped = carve.Add<uint32_t>(in.spec.k > 1 ? in.changed : 0);
+  p.words = carve.Add<uint16_t>(in.changed + 1);
+  p.pos = carve.Add<uint8_t>(SparsePosRoom(in.changed));
+  p.val = carve.Add<uint8_t>(SparseValRoom(in.changed));
+  return p;
+}
+
+}  // namespace
+
 EncodePlan PlanSparseEncode(std::span<const EncodeInput> inputs, uint8_t* arena, size_t max_bytes) {
   EncodePlan plan;
-  // The jobs that fit (the bound counts each piece's alignment): the arena
-  // holds the job list and results, then each job's work area, scratch and
-  // streams.
+  // The jobs that fit: the arena holds the job list and results, then each
+  // job's pieces (CarveJob).
   std::vector<uint8_t> take(inputs.size(), 0);
   size_t njobs = 0;
   {
@@ -29,9 +47,9 @@ EncodePlan PlanSparseEncode(std::span<const EncodeInput> inputs, uint8_t* arena,
     for (size_t i = 0; i < inputs.size(); ++i) {
       const EncodeInput& in = inputs[i];
       if (!MaySparseEncode(in.elements, in.changed)) continue;
-      const size_t job = sizeof(SparseEncodeJob) + sizeof(sparse::SparseEncodeResult) + 7 * 264 +
-                         sizeof(sparse::SparseEncodeWork) + (in.spec.k > 1 ? 4 * in.changed : 0) +
-                         2 * (in.changed + 1) + SparsePosRoom(in.changed) + SparseValRoom(in.changed);
+      Carver alone;
+      CarveJob(in, alone);
+      const size_t job = sizeof(SparseEncodeJob) + sizeof(sparse::SparseEncodeResult) + alone.bytes();
       if (bytes + job > max_bytes) continue;
       bytes += job;
       take[i] = 1;
@@ -48,31 +66,26 @@ EncodePlan PlanSparseEncode(std::span<const EncodeInput> inputs, uint8_t* arena,
   for (size_t i = 0; i < inputs.size(); ++i) {
     if (!take[i]) continue;
     const EncodeInput& in = inputs[i];
+    const JobPieces p = CarveJob(in, carve);
+    if (arena == nullptr) continue;
     SparseEncodeJob job;
     job.pos = in.pos;
     job.delta = in.delta;
     job.old = in.spec.k > 1 ? in.old : nullptr;
     job.rank = in.spec.k > 1 ? in.rank : nullptr;
+    job.work = At<sparse::SparseEncodeWork>(arena, p.work);
+    job.grouped = At<uint32_t>(arena, p.grouped);
+    job.words = At<uint16_t>(arena, p.words);
     job.pos_room = SparsePosRoom(in.changed);
     job.val_room = SparseValRoom(in.changed);
-    const size_t o_work = carve.Add<sparse::SparseEncodeWork>(1);
-    const size_t o_grouped = carve.Add<uint32_t>(in.spec.k > 1 ? in.changed : 0);
-    const size_t o_words = carve.Add<uint16_t>(in.changed + 1);
-    const size_t o_pos = carve.Add<uint8_t>(job.pos_room);
-    const size_t o_val = carve.Add<uint8_t>(job.val_room);
+    job.pos_out = At<uint8_t>(arena, p.pos);
+    job.val_out = At<uint8_t>(arena, p.val);
     job.elements = in.elements;
     job.changed = in.changed;
     job.spec = in.spec;
     job.width = in.width;
-    if (arena != nullptr) {
-      job.work = At<sparse::SparseEncodeWork>(arena, o_work);
-      job.grouped = At<uint32_t>(arena, o_grouped);
-      job.words = At<uint16_t>(arena, o_words);
-      job.pos_out = At<uint8_t>(arena, o_pos);
-      job.val_out = At<uint8_t>(arena, o_val);
-      plan.jobs.push_back(job);
-      plan.job_chunk.push_back(in.chunk);
-    }
+    plan.jobs.push_back(job);
+    plan.job_chunk.push_back(in.chunk);
   }
   plan.bytes = carve.bytes();
   return plan;

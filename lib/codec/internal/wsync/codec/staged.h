@@ -126,7 +126,8 @@ class PatchWriter {
   // SetChunk weighs, coded here from the change. Gives SetChunk's bytes.
   // InvalidArgument as SetChunk, when sparse mode is not tried
   // (sparse::SparseTried), or when the streams' framing (class header, word
-  // counts) is malformed; their content is not checked.
+  // counts) is malformed or their classes not spec's; their content is not
+  // checked.
   Status SetSparseChunk(size_t i, const ChunkChange& change, const ClassSpec& spec, std::string_view pos,
                         std::string_view val);
 
