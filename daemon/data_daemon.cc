@@ -59,16 +59,38 @@ StatusOr<buffers::TensorEntry> EntryOf(const v1::TensorSpec& t) {
   return e;
 }
 
-// The layouts a source serves (runtime tensors without data).
-StatusOr<std::vector<std::vector<codec::RuntimeTensor>>> ServedLayouts(const v1::RegisterTensorsRequest& req) {
+// The layouts a source serves (runtime tensors without data): those the
+// request names and, with serve_offered_layouts, those sinks offered.
+StatusOr<std::vector<std::vector<codec::RuntimeTensor>>> ServedLayouts(const v1::RegisterTensorsRequest& req,
+                                                                      control::CoordinatorClient* coordinator) {
+  std::vector<v1::ServedLayout> layouts(req.serve_layouts().begin(), req.serve_layouts().end());
+  if (req.serve_offered_layouts()) {
+    auto offered = coordinator->ListOfferedLayouts();
+    if (!offered.ok()) return offered.status().WithContext("the layouts sinks offered (serve_offered_layouts)");
+    layouts.insert(layouts.end(), offered->begin(), offered->end());
+  }
   std::vector<std::vector<codec::RuntimeTensor>> out;
-  for (int i = 0; i < req.serve_layouts_size(); ++i) {
+  for (size_t i = 0; i < layouts.size(); ++i) {
     auto& layout = out.emplace_back();
-    for (const auto& t : req.serve_layouts(i).tensors()) {
+    for (const auto& t : layouts[i].tensors()) {
       auto e = EntryOf(t);
       if (!e.ok()) return e.status().WithContext("served layout " + std::to_string(i));
       layout.push_back({{e->name, e->dtype, e->shape, nullptr}, std::move(e->pieces)});
     }
+  }
+  return out;
+}
+
+// What a sink registering pieces offers the coordinator: its runtime tensors
+// and their pieces (no memory).
+v1::ServedLayout OfferedLayout(const v1::RegisterTensorsRequest& req) {
+  v1::ServedLayout out;
+  for (const auto& t : req.tensors()) {
+    v1::TensorSpec* spec = out.add_tensors();
+    spec->set_name(t.name());
+    spec->set_dtype(t.dtype());
+    *spec->mutable_shape() = t.shape();
+    *spec->mutable_pieces() = t.pieces();
   }
   return out;
 }
@@ -155,6 +177,8 @@ class Node : public DataDaemon {
 
     ::unlink(config_.local_socket.c_str());
     grpc::ServerBuilder builder;
+    // A rank of a large mixture of experts registers tens of thousands of pieces.
+    builder.SetMaxReceiveMessageSize(control::kMaxMessageBytes);
     builder.AddListeningPort("unix:" + config_.local_socket, grpc::InsecureServerCredentials());
     builder.RegisterService(local_service);
     local_ = builder.BuildAndStart();
@@ -243,7 +267,7 @@ class Source : public Node, public v1::Local::Service {
     auto reg = OpenRegistered(*req);
     if (!reg.ok()) return ToGrpc(reg.status());
     if (reg->has_pieces()) return ToGrpc(InvalidArgumentError("a source registers published tensors, not pieces"));
-    auto served = ServedLayouts(*req);
+    auto served = ServedLayouts(*req, coordinator_.get());
     if (!served.ok()) return ToGrpc(served.status());
     auto r = core_->RegisterTensors(std::move(*reg), *served, req->part(), req->parts());
     if (!r.ok()) return ToGrpc(r.status());
@@ -324,6 +348,17 @@ class Sink : public Node, public v1::Local::Service {
     }
     auto reg = OpenRegistered(*req);
     if (!reg.ok()) return ToGrpc(reg.status());
+    if (reg->has_pieces()) {
+      // Offered first: a source registering with serve_offered_layouts then
+      // serves it, also when the grid published now does not hold it yet.
+      auto n = coordinator_->OfferLayout(config_.name, OfferedLayout(*req));
+      if (n.ok()) {
+        spdlog::info("sink {}: its layout offered to the coordinator ({} distinct layouts offered)", config_.name, *n);
+      } else {
+        spdlog::warn("sink {}: its layout was not offered (a source serves it only if named in serve_layouts): {}",
+                     config_.name, n.status().ToString());
+      }
+    }
     auto head = core_->RegisterTensors(std::move(*reg), req->applied_version());
     if (!head.ok()) return ToGrpc(head.status());
     resp->set_head_version(*head);

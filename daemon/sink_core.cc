@@ -577,7 +577,8 @@ Status SinkCore::CheckPublishedLayout(const buffers::MappedTensors& tensors, con
     WSYNC_ASSIGN_OR_RETURN(CanonicalLayout canonical, CanonicalOf(published->layout()));
     return codec::ValidatePieces(tensors.Runtime(), canonical.tensors, canonical.grids)
         .WithContext("the registered pieces cannot take the published versions (the source serves the layouts "
-                     "given as serve_layouts when it registers)");
+                     "given as serve_layouts, and with serve_offered_layouts those sinks offered, when it registers: register "
+                     "the source again)");
   }
   // Whole tensors take patches of any grid (CheckLayout compares no grids).
   return control::CheckLayout(published->layout(), LayoutOf(tensors.Views(), false), "the registered tensors")

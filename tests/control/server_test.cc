@@ -103,6 +103,48 @@ TEST(CoordinatorServer, ServesOnPortZeroAndUnixSocket) {
   r.server->Shutdown();
 }
 
+// A rank of a large mixture of experts offers tens of thousands of pieces:
+// past gRPC's default 4 MiB, both ways. A deregistered sink's offer goes.
+TEST(CoordinatorServer, LargeLayoutsAreOfferedAndListedAndGoWithTheirNode) {
+  ServerOptions o;
+  o.listen = {"127.0.0.1:0"};
+  Running r = StartServer(o);
+  auto c = Client(r.tcp);
+  v1::RegisterRequest reg;
+  reg.set_name("rank-0");
+  reg.set_role(v1::ROLE_SINK);
+  ASSERT_TRUE(c->Register(reg).ok());
+  v1::ServedLayout layout;
+  for (int e = 0; e < 60000; ++e) {
+    v1::TensorSpec* t = layout.add_tensors();
+    t->set_name("model.layers." + std::to_string(e / 256) + ".mlp.experts.w13_weight[" + std::to_string(e % 256) + "]");
+    t->set_dtype("BF16");
+    t->add_shape(3072);
+    t->add_shape(7168);
+    for (int half = 0; half < 2; ++half) {
+      v1::PieceSpec* p = t->add_pieces();
+      p->set_canonical("model.layers." + std::to_string(e / 256) + ".mlp.experts." + std::to_string(e % 256) +
+                       (half ? ".up_proj.weight" : ".gate_proj.weight"));
+      p->add_start(0), p->add_start(0);
+      p->add_extent(1536), p->add_extent(7168);
+      p->add_at(half * 1536), p->add_at(0);
+    }
+  }
+  ASSERT_GT(layout.ByteSizeLong(), 4u << 20);
+  auto n = c->OfferLayout("rank-0", layout);
+  ASSERT_TRUE(n.ok()) << n.status().ToString();
+  EXPECT_EQ(*n, 1u);
+  auto listed = c->ListOfferedLayouts();
+  ASSERT_TRUE(listed.ok()) << listed.status().ToString();
+  ASSERT_EQ(listed->size(), 1u);
+  EXPECT_EQ((*listed)[0].SerializeAsString(), layout.SerializeAsString());
+  ASSERT_TRUE(c->Deregister("rank-0").ok());
+  listed = c->ListOfferedLayouts();
+  ASSERT_TRUE(listed.ok());
+  EXPECT_TRUE(listed->empty());
+  r.server->Shutdown();
+}
+
 TEST(CoordinatorServer, TokenIsRequiredExceptForHealth) {
   ServerOptions o;
   o.listen = {"127.0.0.1:0"};

@@ -157,6 +157,22 @@ class GrpcClient : public CoordinatorClient {
              return stub->SetLayout(c, req, r);
            }).status();
   }
+  StatusOr<uint32_t> OfferLayout(const std::string& node, const v1::ServedLayout& layout) override {
+    v1::OfferLayoutRequest req;
+    req.set_node(node);
+    *req.mutable_layout() = layout;
+    WSYNC_ASSIGN_OR_RETURN(auto resp, Call<v1::OfferLayoutResponse>("OfferLayout", [&](v1::Coordinator::Stub* stub, grpc::ClientContext* c, v1::OfferLayoutResponse* r) {
+                             return stub->OfferLayout(c, req, r);
+                           }));
+    return resp.layouts();
+  }
+  StatusOr<std::vector<v1::ServedLayout>> ListOfferedLayouts() override {
+    v1::ListOfferedLayoutsRequest req;
+    WSYNC_ASSIGN_OR_RETURN(auto resp, Call<v1::ListOfferedLayoutsResponse>("ListOfferedLayouts", [&](v1::Coordinator::Stub* stub, grpc::ClientContext* c, v1::ListOfferedLayoutsResponse* r) {
+                             return stub->ListOfferedLayouts(c, req, r);
+                           }));
+    return std::vector<v1::ServedLayout>(resp.layouts().begin(), resp.layouts().end());
+  }
   void Cancel() override {
     std::lock_guard<std::mutex> lock(mu_);
     cancelled_ = true;
@@ -294,6 +310,9 @@ StatusOr<std::unique_ptr<CoordinatorClient>> NewCoordinatorClient(const ClientOp
                                                        options.tls_key_file));
   grpc::ChannelArguments args;
   ReconnectQuickly(&args, 2000);
+  // Layouts offered by the ranks of a large mixture of experts run to megabytes.
+  args.SetMaxReceiveMessageSize(kMaxMessageBytes);
+  args.SetMaxSendMessageSize(kMaxMessageBytes);
   if (!options.tls_ca_file.empty() && !options.tls_server_name.empty()) {
     args.SetSslTargetNameOverride(options.tls_server_name);
   }

@@ -300,6 +300,7 @@ Status CoordinatorState::Deregister(const std::string& name) {
   r.set_node_deregistered(name);
   WSYNC_RETURN_IF_ERROR(Log(r));
   AssignParentsLocked();
+  offers_.Forget(name);
   spdlog::info("node {} deregistered", name);
   return Status::Ok();
 }

@@ -97,6 +97,16 @@ StatusOr<v1::GetLayoutResponse> InProcessClient::GetLayout() {
   return state_->GetLayout();
 }
 
+StatusOr<uint32_t> InProcessClient::OfferLayout(const std::string& node, const v1::ServedLayout& layout) {
+  WSYNC_RETURN_IF_ERROR(Reach());
+  return state_->offers().Offer(node, layout);
+}
+
+StatusOr<std::vector<v1::ServedLayout>> InProcessClient::ListOfferedLayouts() {
+  WSYNC_RETURN_IF_ERROR(Reach());
+  return state_->offers().List();
+}
+
 Status InProcessClient::SetLayout(const v1::Layout& layout) {
   WSYNC_RETURN_IF_ERROR(Reach());
   return state_->SetLayout(layout);

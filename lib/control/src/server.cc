@@ -1,5 +1,7 @@
 #include "wsync/control/server.h"
 
+#include "wsync/control/client.h"
+
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
@@ -182,6 +184,21 @@ class Service final : public v1::Coordinator::Service {
       return wsync::Status::Ok();
     });
   }
+  grpc::Status OfferLayout(ServerContext* ctx, const v1::OfferLayoutRequest* req,
+                           v1::OfferLayoutResponse* resp) override {
+    return Handle("OfferLayout", ctx, [&](CoordinatorState* state) {
+      WSYNC_ASSIGN_OR_RETURN(uint32_t n, state->offers().Offer(req->node(), req->layout()));
+      resp->set_layouts(n);
+      return wsync::Status::Ok();
+    });
+  }
+  grpc::Status ListOfferedLayouts(ServerContext* ctx, const v1::ListOfferedLayoutsRequest*,
+                                  v1::ListOfferedLayoutsResponse* resp) override {
+    return Handle("ListOfferedLayouts", ctx, [&](CoordinatorState* state) {
+      for (auto& l : state->offers().List()) *resp->add_layouts() = std::move(l);
+      return wsync::Status::Ok();
+    });
+  }
   grpc::Status Status(ServerContext* ctx, const v1::StatusRequest*, v1::StatusResponse* resp) override {
     return Handle("Status", ctx, [&](CoordinatorState* state) {
       *resp = state->GetStatus();
@@ -327,6 +344,7 @@ StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(const Serv
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
+  builder.SetMaxReceiveMessageSize(kMaxMessageBytes);  // layouts offered by large models' ranks
   if (!options.reflection) builder.SetOption(std::make_unique<WithoutReflection>());
   std::vector<std::unique_ptr<int>> bound;
   for (const auto& addr : options.listen) {

@@ -7,11 +7,16 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "wsync/util/status.h"
 #include "wsync/v1/coordinator.pb.h"
 
 namespace wsync::control {
+
+// The largest message a coordinator, its clients and a daemon's local API
+// take (gRPC's default is 4 MiB; a layout of a large model's rank is more).
+inline constexpr int kMaxMessageBytes = 256 << 20;
 
 struct ClientOptions {
   // "host:port" or "unix:PATH"; replicas (wsyncd coordinator --etcd): a
@@ -50,6 +55,10 @@ class CoordinatorClient {
   virtual StatusOr<wsync::v1::StatusResponse> GetStatus() = 0;
   virtual StatusOr<wsync::v1::GetLayoutResponse> GetLayout() = 0;
   virtual Status SetLayout(const wsync::v1::Layout& layout) = 0;
+  // A sink's runtime layout, for sources to serve (LayoutOffers); returns the
+  // number of distinct layouts offered.
+  virtual StatusOr<uint32_t> OfferLayout(const std::string& node, const wsync::v1::ServedLayout& layout) = 0;
+  virtual StatusOr<std::vector<wsync::v1::ServedLayout>> ListOfferedLayouts() = 0;
   // For shutdown: ends every call in flight (a Watch, a MayPublish that
   // waits) and every later Watch at once; later unary calls still run but
   // fail at once instead of waiting for an unreachable coordinator.

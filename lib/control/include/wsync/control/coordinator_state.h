@@ -21,6 +21,7 @@
 #include <string>
 
 #include "wsync/control/clock.h"
+#include "wsync/control/layout_offers.h"
 #include "wsync/control/store.h"
 #include "wsync/util/status.h"
 #include "wsync/v1/coordinator.pb.h"
@@ -75,6 +76,8 @@ class CoordinatorState {
   Status SetLayout(const wsync::v1::Layout& layout);
   // The layout; `set` false before any SetLayout.
   wsync::v1::GetLayoutResponse GetLayout() const;
+  // The layouts sinks offer (soft state; a deregistered node's goes).
+  LayoutOffers& offers() { return offers_; }
 
   // Expires nodes and leases whose TTL passed; reassigns parents.
   void Tick();
@@ -160,7 +163,8 @@ class CoordinatorState {
   uint64_t version_floor_ = 0;  // no version at or below it is published (Recovered::version_floor)
   uint64_t next_lease_id_ = 1;
   uint64_t next_incarnation_ = 1;
-  bool tree_dirty_ = false;  // a report may change the relay tree: AssignParentsLocked at the next Tick
+  bool tree_dirty_ = false;
+  LayoutOffers offers_;  // a report may change the relay tree: AssignParentsLocked at the next Tick
 };
 
 }  // namespace wsync::control

@@ -42,6 +42,8 @@ class InProcessClient : public CoordinatorClient {
   StatusOr<wsync::v1::StatusResponse> GetStatus() override;
   StatusOr<wsync::v1::GetLayoutResponse> GetLayout() override;
   Status SetLayout(const wsync::v1::Layout& layout) override;
+  StatusOr<uint32_t> OfferLayout(const std::string& node, const wsync::v1::ServedLayout& layout) override;
+  StatusOr<std::vector<wsync::v1::ServedLayout>> ListOfferedLayouts() override;
   void Cancel() override { cancelled_ = true; }
 
  private:
