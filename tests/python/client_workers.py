@@ -171,7 +171,7 @@ def tp_inference(a):
     layout = layouts.tp_layout(tiny_config(), a.tp, a.rank)
     canonical = {k: v.to(torch.bfloat16) for k, v in LlamaForCausalLM().state_dict().items()}
     runtime = layouts.shard(canonical, layout)  # the engine's parameters
-    rank = RankSync(runtime, tiny_config(), a.tp, a.rank, a.local, timeout=120)
+    rank = RankSync(runtime, layout, a.local, timeout=120)
     say(event="registered", tensors=len(runtime))
     version = 0
     while version < a.until:

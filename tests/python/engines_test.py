@@ -51,8 +51,8 @@ class Recorder:
     """Stands in for RankSync: what the adapters hand it."""
     made = []
 
-    def __init__(self, params, config, tp_size, tp_rank, address, timeout=60.0):
-        self.args = dict(params=params, config=config, tp_size=tp_size, tp_rank=tp_rank, address=address)
+    def __init__(self, params, layout, address, timeout=60.0, what=""):
+        self.args = dict(params=params, layout=layout, address=address, what=what)
         self.synced = []
         self.version = 0
         Recorder.made.append(self)
@@ -89,7 +89,7 @@ def main():
         model.config = types.SimpleNamespace(to_dict=lambda: dict(CONFIG))
         engines.sglang_load(model, engines.sglang_request(3))
         first = Recorder.made[-1]
-        check(first.args["tp_size"] == 2 and first.args["tp_rank"] == 1 and
+        check(first.args["layout"] == layouts.tp_layout(CONFIG, 2, 1) and first.args["what"] == "rank 1 of 2" and
               first.args["address"] == "unix:/tmp/y/sink-1.sock", "SGLang: rank, degree and address")
         engines.sglang_load(model, engines.sglang_request())
         check(Recorder.made[-1] is first and first.synced == [3, None],
@@ -104,13 +104,11 @@ def main():
 
     print("== RankSync refuses what its layout does not describe, before registering")
     params = dict(Engine(2, 0).named_parameters())
-    bad = dict(params)
-    bad["model.layers.0.mlp.extra.weight"] = torch.zeros(3)
-    for what, p in [("an extra parameter", bad),
-                    ("a missing parameter", {k: v for k, v in params.items() if "o_proj" not in k}),
+    layout = layouts.tp_layout(CONFIG, 2, 0)
+    for what, p in [("a missing parameter", {k: v for k, v in params.items() if "o_proj" not in k}),
                     ("another shape", {**params, "model.norm.weight": torch.zeros(5)})]:
         try:
-            engines.RankSync(p, CONFIG, 2, 0, "unix:/nonexistent/sink.sock")
+            engines.RankSync(p, layout, "unix:/nonexistent/sink.sock")
             check(False, what)
         except ValueError as e:
             check(True, f"{what}: {e}")

@@ -6,13 +6,21 @@ import contextlib
 import os
 import threading
 import time
-from typing import Dict, Iterator, Optional, Sequence
+from dataclasses import dataclass
+from typing import Any, Dict, Iterator, Optional, Sequence, Tuple
 
 import grpc
 
 from ._rpc import Local, again_if_forgotten, pb
 from ._tensors import Registration, TensorsLike, attach_layout, share
 from .errors import FailedPreconditionError, UnavailableError, from_rpc_error
+
+
+@dataclass(frozen=True)
+class Hold:
+    """A hold taken by Sink.acquire: its id at the sink and its call."""
+    id: int
+    call: Any
 
 
 class Sink:
@@ -99,12 +107,14 @@ class Sink:
                     raise
                 time.sleep(0.1)
 
-    @contextlib.contextmanager
-    def hold(self, ttl: Optional[float] = None) -> Iterator[int]:
-        """Holds the weights stable; yields the version they hold. The sink
-        applies new versions only between holds."""
+    def acquire(self, ttl: Optional[float] = None) -> Tuple[int, "Hold"]:
+        """Takes a hold: the weights stay as they are (the sink applies new
+        versions only between holds) until :meth:`release`. Returns the
+        version held and the hold. The client renews it in the background;
+        it also ends when this process dies or its TTL passes unrenewed."""
         ttl_ms = int(ttl * 1000) if ttl else self._hold_ttl_ms
         req = pb.HoldRequest(ttl_ms=ttl_ms, holder=f"pid {os.getpid()}")
+
         def start():
             call = self._local.stub.Hold(req, timeout=None)
             try:
@@ -114,15 +124,26 @@ class Sink:
         call, first = self._through_restart(lambda: self._again(start), time.monotonic() + self._local.timeout)
         self._held = first.version
         self._track(first.hold_id, first.ttl_ms / 3000.0)
+        return first.version, Hold(first.hold_id, call)
+
+    def release(self, hold: "Hold") -> None:
+        """Ends a hold (at most once; one that ended already is no error)."""
+        self._untrack(hold.id)
         try:
-            yield first.version
+            self._local.stub.Release(pb.ReleaseRequest(hold_id=hold.id), timeout=self._local.timeout)
+        except grpc.RpcError:
+            pass  # ended already (TTL, shutdown): nothing is held
+        hold.call.cancel()
+
+    @contextlib.contextmanager
+    def hold(self, ttl: Optional[float] = None) -> Iterator[int]:
+        """Holds the weights stable for a ``with`` block; yields the version
+        they hold (acquire, then release at the block's end)."""
+        version, hold = self.acquire(ttl)
+        try:
+            yield version
         finally:
-            self._untrack(first.hold_id)
-            try:
-                self._local.stub.Release(pb.ReleaseRequest(hold_id=first.hold_id), timeout=self._local.timeout)
-            except grpc.RpcError:
-                pass  # ended already (TTL, shutdown): nothing is held
-            call.cancel()
+            self.release(hold)
 
     def wait(self, version: int, timeout: float = 30.0) -> int:
         """Blocks until `version` (or a later one) is applied; returns the

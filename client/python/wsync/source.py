@@ -72,7 +72,7 @@ class Source:
         self._next_version = 1
 
     def register(self, model: TensorsLike, *, pack: bool = True, serve: Sequence[Sequence] = (),
-                 part: Optional[Tuple[int, int]] = None) -> RegisterInfo:
+                 serve_offered: bool = False, part: Optional[Tuple[int, int]] = None) -> RegisterInfo:
         """Registers a module's state_dict tensors (or a dict of tensors).
 
         CPU tensors are moved into shared memory owned by this client (one
@@ -84,8 +84,12 @@ class Source:
         pieces (one list of wsync.layouts.RuntimeTensor per rank, e.g.
         ``[tp_layout(config, 4, r) for r in range(4)]``, several TP degrees
         at once if need be). Versions are then coded so that each rank's
-        sink decodes and verifies its own shard alone. Host memory only for
-        now (a CUDA source with `serve` is refused).
+        sink decodes and verifies its own shard alone.
+
+        `serve_offered`: also serve every layout the sinks registered so far
+        offered to the coordinator (a sink registering pieces offers its
+        layout: wsync.vllm's workers derive theirs from vLLM's own loader).
+        Register again to serve layouts offered later.
 
         `part=(i, n)`: this source is one of n (trainer ranks or pipeline
         stages), each registering a disjoint subset of the tensors and
@@ -104,6 +108,7 @@ class Source:
         reg = share(model, "source", pack)
         if part is not None:
             reg.request.part, reg.request.parts = int(part[0]), int(part[1])
+        reg.request.serve_offered_layouts = bool(serve_offered)
         if serve:
             published = {s.name: ("BF16" if s.dtype == "F32" else s.dtype) for s in reg.request.tensors}
             reg.request.serve_layouts.extend(served_layout(layout, published) for layout in serve)

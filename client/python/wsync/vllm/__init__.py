@@ -17,20 +17,23 @@ point), so a framework that speaks that API switches to wsync by naming it::
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
     from wsync.vllm import LLMClient, WsyncTrainerInitInfo
     engine = WeightTransferTrainerFactory.trainer_init(
-        WsyncTrainerInitInfo(rank=0, sink_address="unix:/run/wsync/sink-tp{tp_size}-{tp_rank}.sock",
-                             serve_tp=[2]),
+        WsyncTrainerInitInfo(rank=0, sink_address="unix:/run/wsync/sink-tp{tp_size}-{tp_rank}.sock"),
         client=LLMClient(llm),            # or vLLM's HTTPVLLMWeightSyncClient / RayVLLMWeightSyncClient
         source=ModuleSource(model))
     for step in ...:
         ...; optimizer.step()
         engine.send_weights()             # publish a patch, every rank applies it between engine steps
 
-What each side does: the trainer's engine registers the model with its
-``wsyncd source`` and publishes a version per ``send_weights``; each worker's
-engine registers its parameters in place with its ``wsyncd sink`` (holding
+What each side does: each worker's engine derives what its parameters hold
+from vLLM's own loader (wsync.vllm.loader: any model vLLM loads, no table of
+model families) and registers them in place with its ``wsyncd sink``, which
+offers that layout to the coordinator; the trainer's engine then registers
+the model with its ``wsyncd source``, serving every layout offered, and
+publishes a version per ``send_weights``. Each worker's sink (holding
 them, so nothing is applied while the engine generates) and, in
-``update_weights``, lets the sink apply up to the published version, then
-holds again. ``update_weights`` runs in vLLM's engine loop between model
+``update_weights``, lets the sink apply up to the published version, re-runs
+the layers that derive weights from what it wrote (MLA's absorbed
+projections), then holds again. ``update_weights`` runs in vLLM's engine loop between model
 steps, so no forward pass ever sees part of a version; the ``finish`` of
 :class:`LLMClient` resets the prefix cache, whose KV entries the old weights
 computed (an ``AsyncLLM`` caller pauses generation with
@@ -51,18 +54,19 @@ pass.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar, Optional
 
 import torch
 
-from .engines import DEFAULT_ADDRESS, RankSync, vllm_rank_sync
-from .layouts import canonical_tensors, tp_layout
-from .source import PublishStats, Source
+from ..checkpoint import CheckpointTensors, checkpoint_tensors
+from ..engines import RankSync
+from ..source import PublishStats, Source
+from .worker import DEFAULT_ADDRESS, VllmWorkerExtension, vllm_rank_sync
 
 BACKEND = "wsync"
 
-__all__ = ["BACKEND", "register", "LLMClient", "WsyncInitInfo", "WsyncUpdateInfo", "WsyncTrainerInitInfo",
+__all__ = ["BACKEND", "register", "LLMClient", "VllmWorkerExtension", "WsyncInitInfo", "WsyncUpdateInfo", "WsyncTrainerInitInfo",
            "WsyncWeightTransferEngine", "WsyncTrainerWeightTransferEngine"]
 
 try:
@@ -70,7 +74,7 @@ try:
                                                        WeightTransferEngine, WeightTransferInitInfo,
                                                        WeightTransferUpdateInfo)
     HAS_WEIGHT_TRANSFER = True
-except ImportError:  # vLLM before the weight-transfer API: wsync.engines.VllmWorkerExtension
+except ImportError:  # vLLM before the weight-transfer API: wsync.vllm.VllmWorkerExtension
     HAS_WEIGHT_TRANSFER = False
 
 
@@ -130,7 +134,7 @@ def _keep_cpu_moe_weights() -> None:
     loading. When wsync is configured, the tensor in the checkpoint's layout
     is kept beside it (``param.wsync_unpacked``: the tensor and the kernel's
     ISA): the sink writes that one, and the parameter is repacked from it
-    after every version (wsync.engines.RankSync)."""
+    after every version (wsync.engines.RankSync, from wsync.vllm.worker)."""
     import sys
     from vllm.platforms import current_platform
     if not current_platform.is_cpu():
@@ -151,28 +155,6 @@ def _keep_cpu_moe_weights() -> None:
     module = sys.modules.get("vllm.model_executor.layers.fused_moe.experts.cpu_moe")
     if module is not None:
         module.cpu_prepack_moe_weight = prepack
-
-
-def repack_cpu_moe(param: torch.Tensor) -> None:
-    """Rebuilds a repacked CPU MoE parameter from the tensor the sink writes."""
-    unpacked, isa = param.wsync_unpacked
-    torch.ops._C.prepack_moe_weight(unpacked, param.data, isa)
-
-
-def served_layouts(config: dict, engines, dp_size: int = 1) -> list:
-    """The layouts of every rank of engines at these TP degrees (or ``(tp,
-    expert_parallel)``), `dp_size` replicas each (vLLM splits MoE layers
-    over all of their ranks), each layout once."""
-    out = []
-    for spec in engines:
-        tp, expert_parallel = (spec, False) if isinstance(spec, int) else spec
-        for dp_rank in range(dp_size):
-            for r in range(tp):
-                layout = tp_layout(config, tp, r, moe_size=tp * dp_size, moe_rank=dp_rank * tp + r,
-                                   expert_parallel=expert_parallel)
-                if layout not in out:
-                    out.append(layout)
-    return out
 
 
 class LLMClient:
@@ -255,18 +237,13 @@ if HAS_WEIGHT_TRANSFER:
     @dataclass
     class WsyncTrainerInitInfo(TrainerInitInfo):
         """Trainer side. `source_address`: this trainer's wsyncd source;
-        `sink_address`: the workers' template (WsyncInitInfo); `serve_tp`:
-        the tensor-parallel degrees of the engines (their layouts are served
-        to their sinks), ``(tp, True)`` for an engine with expert
-        parallelism; `serve_dp`: the engines' data-parallel size (vLLM splits
-        MoE layers over every replica's ranks); `config`: the model's
-        config.json as a dict (default: the module's ``config``)."""
+        `sink_address`: the workers' template (WsyncInitInfo). The engines'
+        layouts need no description: each worker derives its own from
+        vLLM's loader and its sink offers it to the coordinator; the source
+        serves every layout offered when the trainer engine registers it."""
         backend: ClassVar[str] = BACKEND
         source_address: str = "unix:/run/wsync/source.sock"
         sink_address: str = DEFAULT_ADDRESS
-        serve_tp: list = field(default_factory=lambda: [1])
-        serve_dp: int = 1
-        config: Optional[dict] = None
         timeout: float = 60.0
 
     class WsyncTrainerWeightTransferEngine(TrainerWeightTransferEngine[WsyncTrainerInitInfo]):
@@ -281,11 +258,16 @@ if HAS_WEIGHT_TRANSFER:
             super().__init__(client=client, source=source, is_sender=is_sender)
             self.wsync: Optional[Source] = None
             self._buffers: Optional[dict] = None
+            self._checkpoint: Optional[CheckpointTensors] = None
             self.timeout = 60.0
             self.last: Optional[PublishStats] = None
 
         @classmethod
         def trainer_init(cls, init_info: WsyncTrainerInitInfo, *, client, source=None):
+            """Initializes the workers' engines first (each derives its
+            layout from vLLM's loader and registers with its sink, which
+            offers it), then registers the model with the trainer's source,
+            serving every layout offered."""
             if source is None:
                 raise ValueError("the wsync trainer engine needs the model: source=ModuleSource(model)")
             engine = cls(client=client, source=source, is_sender=init_info.is_sender)
@@ -299,19 +281,16 @@ if HAS_WEIGHT_TRANSFER:
                 engine._copy_in()
             if not engine.is_sender:
                 return engine
-            config = init_info.config
-            if config is None:
-                hf = getattr(module, "config", None)
-                if hf is None:
-                    raise ValueError("WsyncTrainerInitInfo.config: the model's config.json as a dict is needed "
-                                     "to serve the engines' tensor-parallel layouts")
-                config = hf.to_dict()
-            # The checkpoint's tensors (one per expert), as views of the module's or the buffers.
-            tensors = canonical_tensors(dict(module.named_parameters()) if in_place else engine._buffers, config)
-            engine.wsync = Source(init_info.source_address, timeout=init_info.timeout)
-            engine.wsync.register(tensors, serve=served_layouts(config, init_info.serve_tp, init_info.serve_dp))
+            if in_place:
+                # The checkpoint's tensors (one per expert), as views of the module's where they can be.
+                engine._checkpoint = checkpoint_tensors(module)
+                tensors = engine._checkpoint.tensors
+            else:
+                tensors = engine._buffers
             client.init_weight_transfer_engine(dataclasses.asdict(
                 WsyncInitInfo(sink_address=init_info.sink_address, timeout=init_info.timeout)))
+            engine.wsync = Source(init_info.source_address, timeout=init_info.timeout)
+            engine.wsync.register(tensors, serve_offered=True)
             return engine
 
         def _copy_in(self) -> None:
@@ -328,6 +307,8 @@ if HAS_WEIGHT_TRANSFER:
                 self._copy_in()  # every rank: materializing may be collective
             if not self.is_sender:
                 return None
+            if self._checkpoint is not None:
+                self._checkpoint.refresh()
             assert self.wsync is not None
             self.last = self.wsync.publish(version)
             self.client.start_weight_update()

@@ -1,0 +1,139 @@
+"""A vLLM worker's side: its parameters registered in place with its sink,
+laid out as vLLM's own loader lays them out (wsync.vllm.loader), and the
+layers that derive weights from them re-run after every version."""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import time
+from typing import Optional
+
+import torch
+
+from ..engines import RankSync, _address
+from .loader import LoaderLayout, checkpoint_shapes, derive_layout
+
+__all__ = ["DEFAULT_ADDRESS", "VllmWorkerExtension", "check_vllm_memory", "check_vllm_quantization",
+           "rank_layout", "vllm_rank_sync"]
+
+DEFAULT_ADDRESS = "unix:/run/wsync/sink-{rank}.sock"
+log = logging.getLogger("wsync.vllm")
+
+
+def rank_layout(model: torch.nn.Module, vllm_config) -> LoaderLayout:
+    """This rank's layout, from vLLM's loader over the checkpoint it loaded."""
+    start = time.perf_counter()
+    layout = derive_layout(model, checkpoint_shapes(vllm_config))
+    log.info("wsync: layout of %d runtime tensors derived from vLLM's loader in %.2f s (%d derived layers, "
+             "%d constant parameters)", len(layout.tensors), time.perf_counter() - start, len(layout.derived),
+             len(layout.constants))
+    return layout
+
+
+def vllm_rank_sync(model: torch.nn.Module, vllm_config, address: str = DEFAULT_ADDRESS,
+                   timeout: float = 60.0) -> RankSync:
+    """The RankSync of one vLLM worker: its model's parameters registered in
+    place with the sink at `address` (a template with {rank}/{tp_rank},
+    {tp_size}, {dp_rank}), laid out as vLLM's loader places the checkpoint
+    (the sink offers that layout to the coordinator, for the source to
+    serve). Refuses, naming the setting, an engine whose weights wsync
+    could not keep exact: pipeline parallelism, quantization, expert load
+    balancing, sleep mode, CUDA expandable segments, inductor freezing, on
+    CPU parameters vLLM repacked for its GEMM kernels, and parameters the
+    loader writes other than as copies of the checkpoint."""
+    from vllm.distributed import parallel_state as ps
+    if ps.get_pp_group().world_size != 1:
+        raise ValueError("wsync's vLLM integration supports tensor, data and expert parallelism, not pipeline "
+                         f"parallelism (pipeline_parallel_size={ps.get_pp_group().world_size})")
+    check_vllm_quantization(vllm_config)
+    check_vllm_memory(model, vllm_config)
+    _check_moe(model)
+    tp = ps.get_tp_group()
+    # A dense model's replicas run as independent engines (data_parallel_rank 0 in each);
+    # data_parallel_index keeps the replica's rank (vLLM 0.11 and later).
+    pc = vllm_config.parallel_config
+    dp_rank = int(getattr(pc, "data_parallel_index", None) or getattr(pc, "data_parallel_rank", 0) or 0)
+    target = _address(address, tp_rank=tp.rank_in_group, tp_size=tp.world_size, dp_rank=dp_rank)
+    layout = rank_layout(model, vllm_config)
+    params = dict(model.named_parameters())
+    unpacked = {n: (p.wsync_unpacked[0], functools.partial(_repack_cpu_moe, p))
+                for n, p in params.items() if hasattr(p, "wsync_unpacked")}
+    act_dtype = vllm_config.model_config.dtype
+    derived = [functools.partial(d.recompute, act_dtype) for d in layout.derived]
+    return RankSync(params, layout.tensors, target, timeout, unpacked=unpacked, after_version=derived,
+                    what=f"rank {tp.rank_in_group} of {tp.world_size}")
+
+
+def _repack_cpu_moe(param: torch.Tensor) -> None:
+    unpacked, isa = param.wsync_unpacked
+    torch.ops._C.prepack_moe_weight(unpacked, param.data, isa)
+
+
+def check_vllm_quantization(vllm_config) -> None:
+    """Raises ValueError naming the quantization: wsync writes the
+    checkpoint's values into the parameters, which a quantized engine does
+    not hold (it holds codes and scales computed from them)."""
+    quantization = getattr(vllm_config.model_config, "quantization", None)
+    if quantization:
+        raise ValueError(f"the engine is quantized (quantization={quantization!r}): wsync keeps BF16 and FP16 "
+                         "engines exact, whose parameters hold the checkpoint's values; start the engine without "
+                         "quantization")
+
+
+def _check_moe(model: torch.nn.Module) -> None:
+    """Expert-parallel load balancing moves experts between ranks at run
+    time: a layout read at registration would go stale."""
+    for module in model.modules():
+        manager = getattr(module, "expert_map_manager", None)
+        if manager is not None and getattr(manager.moe_parallel_config, "enable_eplb", False):
+            raise ValueError("expert-parallel load balancing (enable_eplb) moves experts between ranks at run time: "
+                             "wsync's layouts place them as loaded. Start the engine without enable_eplb")
+
+
+def check_vllm_memory(model: torch.nn.Module, vllm_config) -> None:
+    """Raises ValueError naming the vLLM setting that puts the weights where
+    wsync cannot write them in place (or makes the forward pass read a copy)."""
+    if getattr(vllm_config.model_config, "enable_sleep_mode", False):
+        raise ValueError("vLLM's sleep mode (enable_sleep_mode=True) keeps the weights in its own CuMem pool, "
+                         "which it releases and re-creates on sleep/wake_up: wsync cannot map it. Start the engine "
+                         "without enable_sleep_mode (wsync replaces the reload that sleep mode saves)")
+    alloc = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + "," + os.environ.get("PYTORCH_ALLOC_CONF", "")
+    if "expandable_segments:true" in alloc.replace(" ", "").lower():
+        raise ValueError("PYTORCH_CUDA_ALLOC_CONF has expandable_segments:True: such memory has no CUDA IPC handle "
+                         "the sink can open. Start the engine with expandable_segments:False")
+    inductor = getattr(vllm_config.compilation_config, "inductor_compile_config", None) or {}
+    if inductor.get("freezing") or inductor.get("max_autotune"):
+        raise ValueError("inductor freezing (compilation_config inductor_compile_config freezing/max_autotune) "
+                         "compiles the weights in as constants: an update would never reach the forward pass. "
+                         "Turn it off")
+    empty = [n for n, p in model.named_parameters() if p.numel() == 0]
+    if empty:
+        raise ValueError(f"vLLM left {len(empty)} parameters empty after loading (e.g. {empty[0]!r}): its CPU "
+                         "backend repacks linear weights for oneDNN and frees them, so the forward pass reads a "
+                         "copy wsync cannot update. Load the wsync plugin (pip install the wsync package; it keeps "
+                         "them as parameters when weight_transfer_config backend is 'wsync' or the worker "
+                         "extension is wsync's)")
+
+
+class VllmWorkerExtension:
+    """Mixed into each vLLM worker (``worker_extension_cls``); its methods are
+    called on every worker with ``LLM.collective_rpc``. For vLLM versions
+    without the weight-transfer API; newer ones use the ``wsync`` backend."""
+
+    def wsync_register(self, address: str = DEFAULT_ADDRESS, timeout: float = 60.0) -> int:
+        """Registers this worker's parameters with the sink at `address`
+        (a template: {rank}/{tp_rank}, {tp_size}, {dp_rank}). Returns the
+        version held."""
+        self.wsync = vllm_rank_sync(self.model_runner.get_model(), self.vllm_config, address, timeout)
+        return self.wsync.version
+
+    def wsync_sync(self, version: Optional[int] = None, timeout: float = 60.0) -> int:
+        """Brings the parameters to `version` or newer (None: the newest)."""
+        return self.wsync.sync(version, timeout)
+
+    def wsync_version(self) -> int:
+        return self.wsync.version
+
+    def wsync_close(self) -> None:
+        self.wsync.close()
