@@ -17,6 +17,7 @@
 #include "sink_core.h"
 #include "source_core.h"
 #include "sink_weights.h"
+#include "tensor_layout.h"
 #include "wsync/buffers/device_region.h"
 #include "wsync/buffers/region.h"
 #include "wsync/buffers/safetensors.h"
@@ -59,24 +60,13 @@ StatusOr<buffers::TensorEntry> EntryOf(const v1::TensorSpec& t) {
   return e;
 }
 
-// The layouts a source serves (runtime tensors without data): those the
-// request names and, with serve_offered_layouts, those sinks offered.
-StatusOr<std::vector<std::vector<codec::RuntimeTensor>>> ServedLayouts(const v1::RegisterTensorsRequest& req,
-                                                                      control::CoordinatorClient* coordinator) {
-  std::vector<v1::ServedLayout> layouts(req.serve_layouts().begin(), req.serve_layouts().end());
-  if (req.serve_offered_layouts()) {
-    auto offered = coordinator->ListOfferedLayouts();
-    if (!offered.ok()) return offered.status().WithContext("the layouts sinks offered (serve_offered_layouts)");
-    layouts.insert(layouts.end(), offered->begin(), offered->end());
-  }
+// The layouts a source request names (runtime tensors without data).
+StatusOr<std::vector<std::vector<codec::RuntimeTensor>>> ServedLayouts(const v1::RegisterTensorsRequest& req) {
   std::vector<std::vector<codec::RuntimeTensor>> out;
-  for (size_t i = 0; i < layouts.size(); ++i) {
-    auto& layout = out.emplace_back();
-    for (const auto& t : layouts[i].tensors()) {
-      auto e = EntryOf(t);
-      if (!e.ok()) return e.status().WithContext("served layout " + std::to_string(i));
-      layout.push_back({{e->name, e->dtype, e->shape, nullptr}, std::move(e->pieces)});
-    }
+  for (int i = 0; i < req.serve_layouts_size(); ++i) {
+    auto layout = RuntimeLayoutOf(req.serve_layouts(i));
+    if (!layout.ok()) return layout.status().WithContext("served layout " + std::to_string(i));
+    out.push_back(std::move(*layout));
   }
   return out;
 }
@@ -267,9 +257,9 @@ class Source : public Node, public v1::Local::Service {
     auto reg = OpenRegistered(*req);
     if (!reg.ok()) return ToGrpc(reg.status());
     if (reg->has_pieces()) return ToGrpc(InvalidArgumentError("a source registers published tensors, not pieces"));
-    auto served = ServedLayouts(*req, coordinator_.get());
+    auto served = ServedLayouts(*req);
     if (!served.ok()) return ToGrpc(served.status());
-    auto r = core_->RegisterTensors(std::move(*reg), *served, req->part(), req->parts());
+    auto r = core_->RegisterTensors(std::move(*reg), *served, req->part(), req->parts(), req->serve_offered_layouts());
     if (!r.ok()) return ToGrpc(r.status());
     for (const auto& name : r->cast_to_bf16) resp->add_cast_to_bf16(name);
     resp->set_head_version(r->head);

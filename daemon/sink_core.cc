@@ -58,9 +58,18 @@ void SinkCore::ReportApplied(uint64_t version) {
 StatusOr<uint64_t> SinkCore::RegisterTensors(buffers::MappedTensors reg, uint64_t claimed) {
   // Refused at once when the tensors cannot take the versions published.
   const PublishedLayout published = env_.coordinator->GetLayout();
+  Status unserved = Status::Ok();
   if (Status s = CheckPublishedLayout(reg, published); !s.ok()) {
-    spdlog::warn("sink {}: registration refused: {}", config_.name, s.ToString());
-    return s;
+    if (!AwaitsServing(reg, published)) {
+      spdlog::warn("sink {}: registration refused: {}", config_.name, s.ToString());
+      return s;
+    }
+    // Pieces of the published tensors that the published tile grids do not
+    // hold yet: the layout is offered, and a source serving offered layouts
+    // codes its next version for it.
+    unserved = s;
+    spdlog::warn("sink {}: the published tile grids do not hold this layout yet; waiting for a source to serve it",
+                 config_.name);
   }
   const std::string description = reg.description();
   const bool reg_has_pieces = reg.has_pieces();
@@ -110,6 +119,7 @@ StatusOr<uint64_t> SinkCore::RegisterTensors(buffers::MappedTensors reg, uint64_
   // What the coordinator shows is what these tensors hold.
   ReportApplied(applied);
   spdlog::info("sink {}: {} registered (holding version {})", config_.name, description, applied);
+  if (!unserved.ok()) weights()->SetSyncError(unserved, /*permanent=*/false);
   Kick();
   return head_.load();
 }
@@ -511,6 +521,15 @@ void SinkCore::SyncLoop() {
     if (!w || w.get() == mismatched_ || parent.empty() || w->applied() >= head) continue;
     const PublishedLayout published = env_.coordinator->GetLayout();
     wsync::Status s = CheckPublishedLayout(w->store().tensors(), published);
+    if (!s.ok() && AwaitsServing(w->store().tensors(), published)) {
+      // Not served yet: checked again at the next version (a source serving
+      // offered layouts re-grids for it then), or in half a minute.
+      w->SetSyncError(s, /*permanent=*/false);
+      std::lock_guard<std::mutex> lock(sync_mu_);
+      retry_on_new_head_ = head;
+      next_attempt = Clock::now() + std::chrono::seconds(30);
+      continue;
+    }
     if (!s.ok()) {
       // Tensors that cannot take the published versions never will: no
       // pull until they are registered again.
@@ -566,6 +585,17 @@ void SinkCore::SyncLoop() {
     spdlog::warn("sink {}: {} (failure {}; next attempt in {} ms)", config_.name, s.ToString(), failures_.load(),
                  delay.count());
   }
+}
+
+// Whether the tensors hold pieces of the published tensors that a tile grid
+// cut for them would hold: they fail the published layout only because no
+// source serves their layout yet.
+bool SinkCore::AwaitsServing(const buffers::MappedTensors& tensors, const PublishedLayout& published) {
+  if (!tensors.has_pieces() || !published.ok() || !published->set()) return false;
+  auto canonical = CanonicalOf(published->layout());
+  if (!canonical.ok()) return false;
+  const std::vector<std::vector<codec::RuntimeTensor>> own = {tensors.Runtime()};
+  return codec::ValidatePieces(own[0], canonical->tensors, codec::GridsFor(own, canonical->tensors)).ok();
 }
 
 // Ok unless a layout is published and the tensors do not match it: the

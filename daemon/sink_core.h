@@ -137,6 +137,7 @@ class SinkCore : public exchange::PatchProvider {
   std::chrono::milliseconds RetryDelay(uint64_t failures);
   using PublishedLayout = StatusOr<wsync::v1::GetLayoutResponse>;  // GetLayout's answer
   Status CheckPublishedLayout(const buffers::MappedTensors& tensors, const PublishedLayout& published);
+  static bool AwaitsServing(const buffers::MappedTensors& tensors, const PublishedLayout& published);
   struct PartPull {
     std::string node;
     uint32_t part = 0;

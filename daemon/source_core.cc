@@ -1,10 +1,10 @@
 #include "source_core.h"
 
-#include <set>
-
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
 #include <cstdio>
+#include <set>
 #include <limits>
 
 #include "tensor_layout.h"
@@ -27,6 +27,46 @@ double MillisecondsSince(Clock::time_point t0) {
 std::vector<codec::TensorView> LayoutViews(std::span<const codec::TensorView> views) {
   std::vector<codec::TensorView> out(views.begin(), views.end());
   for (auto& t : out) t.dtype = buffers::PublishedDType(t.dtype);
+  return out;
+}
+
+// A served layout's pieces of this source's tensors (with several sources,
+// each serves the pieces of its own part).
+std::vector<codec::RuntimeTensor> OwnPieces(std::vector<codec::RuntimeTensor> layout, const std::set<std::string>& mine,
+                                            uint32_t parts) {
+  for (auto& rt : layout) {
+    std::erase_if(rt.pieces, [&](const codec::Piece& p) { return parts > 1 && !mine.count(p.canonical); });
+  }
+  return layout;
+}
+
+// The layouts sinks offered to the coordinator that `canonical` can serve
+// (pieces of its tensors within their bounds); the others are left out,
+// with a warning naming why.
+StatusOr<std::vector<std::vector<codec::RuntimeTensor>>> OfferedLayouts(control::CoordinatorClient* coordinator,
+                                                                        std::span<const codec::TensorView> canonical,
+                                                                        const std::string& name) {
+  WSYNC_ASSIGN_OR_RETURN(auto offered, coordinator->ListOfferedLayouts());
+  std::vector<std::vector<codec::RuntimeTensor>> out;
+  for (size_t i = 0; i < offered.size(); ++i) {
+    auto layout = RuntimeLayoutOf(offered[i]);
+    Status s = layout.status();
+    if (s.ok()) {
+      const std::vector<std::vector<codec::RuntimeTensor>> alone = {*layout};
+      s = codec::ValidatePieces(*layout, canonical, codec::GridsFor(alone, canonical));
+    }
+    if (!s.ok()) {
+      spdlog::warn("source {}: a layout offered by a sink is not served: {}", name, s.ToString());
+      continue;
+    }
+    out.push_back(std::move(*layout));
+  }
+  return out;
+}
+
+std::set<uint64_t> Fingerprints(std::span<const std::vector<codec::RuntimeTensor>> layouts) {
+  std::set<uint64_t> out;
+  for (const auto& l : layouts) out.insert(codec::LayoutFingerprint(l));
   return out;
 }
 
@@ -63,24 +103,25 @@ bool SourceCore::SleepFor(std::chrono::milliseconds d) {
 }
 
 StatusOr<SourceRegistration> SourceCore::RegisterTensors(buffers::MappedTensors reg,
-                                                         const std::vector<std::vector<codec::RuntimeTensor>>& served,
-                                                         uint32_t part, uint32_t parts) {
+                                                         const std::vector<std::vector<codec::RuntimeTensor>>& named,
+                                                         uint32_t part, uint32_t parts, bool serve_offered) {
   parts = std::max<uint32_t>(parts, 1);
   if (part >= parts) {
     return InvalidArgumentError("part " + std::to_string(part) + " of " + std::to_string(parts) + " sources");
   }
   const auto views = reg.Views();
   const auto canonical = LayoutViews(views);
-  std::vector<codec::TileGrid> grids = codec::GridsFor(served, canonical);
   std::set<std::string> mine;
   for (const auto& t : views) mine.insert(t.name);
+  std::vector<std::vector<codec::RuntimeTensor>> served = named;
+  if (serve_offered) {
+    auto offered = OfferedLayouts(coordinator_, canonical, config_.name);
+    if (!offered.ok()) return offered.status().WithContext("the layouts sinks offered (serve_offered_layouts)");
+    served.insert(served.end(), offered->begin(), offered->end());
+  }
+  std::vector<codec::TileGrid> grids = codec::GridsFor(served, canonical);
   for (size_t i = 0; i < served.size(); ++i) {
-    // With several sources, the pieces of this source's tensors.
-    std::vector<codec::RuntimeTensor> own = served[i];
-    for (auto& rt : own) {
-      std::erase_if(rt.pieces, [&](const codec::Piece& p) { return parts > 1 && !mine.count(p.canonical); });
-    }
-    if (Status s = codec::ValidatePieces(own, canonical, grids); !s.ok()) {
+    if (Status s = codec::ValidatePieces(OwnPieces(served[i], mine, parts), canonical, grids); !s.ok()) {
       return s.WithContext("served layout " + std::to_string(i));
     }
   }
@@ -117,6 +158,9 @@ StatusOr<SourceRegistration> SourceCore::RegisterTensors(buffers::MappedTensors 
   std::lock_guard<std::mutex> lock(state_mu_);
   WSYNC_RETURN_IF_ERROR(history_.SetGrids(grids));
   history_.SetServedLayouts(served);
+  serve_offered_ = serve_offered;
+  served_fingerprints_ = Fingerprints(served);
+  served_layouts_ = std::move(served);
   const bool keep = reg.on_device() && device_ && device_->Matches(views, reg.device());
   if (device_ && !keep) {
     // The device state goes: the history's head copy must not depend on it.
@@ -160,6 +204,60 @@ StatusOr<SourceRegistration> SourceCore::RegisterTensors(buffers::MappedTensors 
   return out;
 }
 
+void SourceCore::ServeNewOffers() {
+  if (!serve_offered_) return;
+  std::lock_guard<std::mutex> lock(state_mu_);
+  if (!tensors_) return;
+  const auto views = tensors_->Views();
+  const auto canonical = LayoutViews(views);
+  auto offered = OfferedLayouts(coordinator_, canonical, config_.name);
+  if (!offered.ok()) {
+    spdlog::warn("source {}: layouts offered since registration not read (served from a later version): {}",
+                 config_.name, offered.status().ToString());
+    return;
+  }
+  // Layouts served stay served (their sinks may still run, also when the
+  // coordinator that kept their offers restarted); new ones join them.
+  std::vector<std::vector<codec::RuntimeTensor>> served = served_layouts_;
+  std::set<uint64_t> fingerprints = served_fingerprints_;
+  size_t added = 0;
+  for (auto& l : *offered) {
+    if (fingerprints.insert(codec::LayoutFingerprint(l)).second) {
+      served.push_back(std::move(l));
+      ++added;
+    }
+  }
+  if (added == 0) return;
+  std::set<std::string> mine;
+  for (const auto& t : views) mine.insert(t.name);
+  std::vector<codec::TileGrid> grids = codec::GridsFor(served, canonical);
+  for (size_t i = 0; i < served.size(); ++i) {
+    if (Status s = codec::ValidatePieces(OwnPieces(served[i], mine, parts_), canonical, grids); !s.ok()) {
+      spdlog::warn("source {}: the layouts offered since registration are not served: {}", config_.name,
+                   s.ToString());
+      return;
+    }
+  }
+  if (Status s = history_.SetGrids(grids); !s.ok()) {
+    spdlog::warn("source {}: the layouts offered since registration are not served: {}", config_.name, s.ToString());
+    return;
+  }
+  history_.SetServedLayouts(served);
+  v1::Layout layout = LayoutOf(views, /*published=*/true, grids);
+  if (parts_ > 1) {
+    layout.set_parts(parts_);
+    for (auto& t : *layout.mutable_tensors()) t.set_part(part_);
+  }
+  spdlog::info("source {}: {} new layout(s) offered by sinks: versions from the next one are coded on new tile grids "
+               "(sinks behind the head get keyframes)",
+               config_.name, added);
+  layout_ = std::move(layout);
+  grids_ = std::move(grids);
+  served_layouts_ = std::move(served);
+  served_fingerprints_ = std::move(fingerprints);
+  layout_set_ = false;  // this publish records the new grids
+}
+
 Status SourceCore::Unregister() {
   std::lock_guard<std::mutex> publishing(publish_mu_);
   WaitBackground();
@@ -182,6 +280,7 @@ StatusOr<PublishResult> SourceCore::Publish(const PublishRequest& req) {
   if (stopping_) return UnavailableError("the source is shutting down");
   // A version copied by an earlier Publish is announced first.
   WSYNC_RETURN_IF_ERROR(JoinBackground());
+  ServeNewOffers();
   v1::Layout layout;
   {
     std::lock_guard<std::mutex> lock(state_mu_);

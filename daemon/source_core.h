@@ -13,6 +13,7 @@
 #include <condition_variable>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -66,9 +67,12 @@ class SourceCore {
   // (codec::GridsFor), published with the layout.
   // `part` of `parts` (> 1): this source publishes these tensors as one part
   // of versions that other sources publish the rest of.
+  // `serve_offered`: also the layouts sinks offered to the coordinator, read
+  // now and again before every publish (a layout offered since is served
+  // from that version on: the tile grids change, sinks behind get keyframes).
   StatusOr<SourceRegistration> RegisterTensors(buffers::MappedTensors tensors,
                                                const std::vector<std::vector<codec::RuntimeTensor>>& served = {},
-                                               uint32_t part = 0, uint32_t parts = 1);
+                                               uint32_t part = 0, uint32_t parts = 1, bool serve_offered = false);
   Status Unregister();
   StatusOr<PublishResult> Publish(const PublishRequest& req);
   // A background publish ends; later publishes are refused.
@@ -90,6 +94,9 @@ class SourceCore {
   void AnnounceEarly(const PublishedVersion& early);
   wsync::v1::VersionSummary SummaryOf(const PublishedVersion& pub) const;
   Status JoinBackground();
+  // With serve_offered_: re-grids when sinks offered layouts not served yet.
+  // REQUIRES: publish_mu_ held, no background publish.
+  void ServeNewOffers();
   void WaitBackground();
   bool SleepFor(std::chrono::milliseconds d);  // false once stopping
 
@@ -113,6 +120,12 @@ class SourceCore {
   // This source's part of the versions: written by RegisterTensors under
   // publish_mu_ with no publish in flight, read by publishes.
   uint32_t part_ = 0, parts_ = 1;
+  // The layouts served (named at registration, and offered), their
+  // fingerprints, and whether to serve layouts offered later (under
+  // publish_mu_).
+  std::vector<std::vector<codec::RuntimeTensor>> served_layouts_;
+  std::set<uint64_t> served_fingerprints_;
+  bool serve_offered_ = false;
   // The last version this source encoded, and whether the coordinator
   // confirmed it (under publish_mu_; written by the background publisher
   // before JoinBackground returns).

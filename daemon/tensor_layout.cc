@@ -39,4 +39,20 @@ StatusOr<CanonicalLayout> CanonicalOf(const wsync::v1::Layout& layout) {
   return out;
 }
 
+StatusOr<std::vector<codec::RuntimeTensor>> RuntimeLayoutOf(const wsync::v1::ServedLayout& layout) {
+  std::vector<codec::RuntimeTensor> out;
+  out.reserve(layout.tensors_size());
+  for (const auto& t : layout.tensors()) {
+    auto dtype = codec::ParseDType(t.dtype());
+    if (!dtype.ok()) return dtype.status().WithContext("runtime tensor " + Quoted(t.name()));
+    codec::RuntimeTensor rt{{t.name(), *dtype, {t.shape().begin(), t.shape().end()}, nullptr}, {}};
+    for (const auto& p : t.pieces()) {
+      rt.pieces.push_back({p.canonical(), {p.start().begin(), p.start().end()}, {p.extent().begin(), p.extent().end()},
+                           {p.at().begin(), p.at().end()}});
+    }
+    out.push_back(std::move(rt));
+  }
+  return out;
+}
+
 }  // namespace wsync::daemon

@@ -5,6 +5,7 @@
 
 #include "wsync/codec/codec.h"
 #include "wsync/v1/coordinator.pb.h"
+#include "wsync/v1/local.pb.h"
 
 namespace wsync::daemon {
 
@@ -21,5 +22,10 @@ struct CanonicalLayout {
   std::vector<codec::TileGrid> grids;
 };
 StatusOr<CanonicalLayout> CanonicalOf(const wsync::v1::Layout& layout);
+
+// The runtime tensors of a served (or offered) layout: names, dtypes,
+// shapes and pieces; no data. InvalidArgument naming a tensor of unknown
+// dtype.
+StatusOr<std::vector<codec::RuntimeTensor>> RuntimeLayoutOf(const wsync::v1::ServedLayout& layout);
 
 }  // namespace wsync::daemon

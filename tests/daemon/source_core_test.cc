@@ -10,6 +10,7 @@
 
 #include <cstring>
 #include <random>
+#include <tuple>
 
 #include "../codec/test_tensors.h"
 #include "wsync/control/in_process_client.h"
@@ -193,6 +194,58 @@ TEST_F(SourceCoreTest, OtherLayoutsServedChangeTheGridsFromTheNextVersion) {
   auto views = buffers::MutableViews(work);
   ASSERT_TRUE(codec::Apply((*patch)->Assemble(), views, {}).ok());
   EXPECT_TRUE(testing::SameBits(work, v[2]));
+}
+
+// A source serving the layouts sinks offer reads the offers before every
+// publish: a layout offered after registration is served from the next
+// version on (new tile grids, a patch from the head), with no registration
+// again; a layout that does not fit the tensors is left out.
+TEST_F(SourceCoreTest, LayoutsOfferedLaterAreServedFromTheNextVersion) {
+  Start();
+  auto v = Versions(3);
+  auto rows = [](uint64_t n) {
+    v1::ServedLayout l;
+    for (const auto& [name, shape, extent] : {std::tuple<std::string, uint64_t, uint64_t>{"a.part", n, n},
+                                              {"b", 3000, 3000}}) {
+      v1::TensorSpec* t = l.add_tensors();
+      t->set_name(name);
+      t->set_dtype("BF16");
+      t->add_shape(shape);
+      v1::PieceSpec* p = t->add_pieces();
+      p->set_canonical(name == "b" ? "b" : "a");
+      p->add_start(0);
+      p->add_extent(extent);
+      p->add_at(0);
+    }
+    return l;
+  };
+  ASSERT_TRUE(client_->OfferLayout("rank-a", rows(100000)).ok());
+  TrainerMemory mem(v[0]);
+  auto source = NewSource();
+  ASSERT_TRUE(source->RegisterTensors(mem.Mapped(), {}, 0, 1, /*serve_offered=*/true).ok());
+  for (int k = 0; k < 2; ++k) {
+    mem.Write(v[k]);
+    ASSERT_TRUE(source->Publish({static_cast<uint64_t>(k + 1)}).ok());
+  }
+  ASSERT_EQ(state_->GetLayout().layout().tensors(0).row_cuts_size(), 1);
+  // A new rank offers another layout, and a sink of another model one that fits nothing here.
+  ASSERT_TRUE(client_->OfferLayout("rank-b", rows(50000)).ok());
+  v1::ServedLayout foreign = rows(10);
+  foreign.mutable_tensors(0)->mutable_pieces(0)->set_canonical("not-here");
+  ASSERT_TRUE(client_->OfferLayout("other-model", foreign).ok());
+  mem.Write(v[2]);
+  auto pub = source->Publish({3});
+  ASSERT_TRUE(pub.ok()) << pub.status().ToString();
+  EXPECT_EQ(pub->published.base_version, 2u) << "a patch from the head";
+  const std::vector<codec::TileGrid> grids = {{"a", {50000, 100000}, {}}};
+  EXPECT_EQ(pub->published.set_checksum, *codec::SetChecksum(buffers::Views(v[2]), grids));
+  const auto cuts = state_->GetLayout().layout().tensors(0).row_cuts();
+  EXPECT_EQ(std::vector<uint64_t>(cuts.begin(), cuts.end()), grids[0].row_cuts);
+  // The first rank's offer is gone (its node deregistered, or the coordinator restarted): still served.
+  ASSERT_TRUE(client_->OfferLayout("rank-a", rows(50000)).ok());
+  ASSERT_TRUE(source->Publish({4}).ok());
+  const auto kept = state_->GetLayout().layout().tensors(0).row_cuts();
+  EXPECT_EQ(std::vector<uint64_t>(kept.begin(), kept.end()), grids[0].row_cuts);
 }
 
 // The staleness bound holds a version back and names the sink and why.

@@ -79,7 +79,7 @@ def trainer(a):
     src = wsync.Source(a.local)
     serve = [layouts.tp_layout(tiny_config(), int(tp), r) for tp in a.serve_tp.split(",") if tp
              for r in range(int(tp))]
-    info = src.register(model, pack=not a.no_pack, serve=serve)
+    info = src.register(model, pack=not a.no_pack, serve=serve, serve_offered=a.serve_offered)
     params_before = [id(p) for p in model.parameters()]
     say(event="registered", tensors=len(info.tensors), cast=len(info.cast_to_bf16), next=info.next_version)
     for step in range(a.steps):
@@ -95,6 +95,7 @@ def trainer(a):
             say(event="paused", version=version)
             while not os.path.exists(os.path.join(a.dir, "resume")):
                 time.sleep(0.05)
+            a.lockstep = a.lockstep_after_pause or a.lockstep
         if version == a.resize_at:
             # The rollout fleet is resized: serve other layouts from the next version on.
             serve = [layouts.tp_layout(tiny_config(), int(tp), r) for tp in a.resize_tp.split(",") for r in range(int(tp))]
@@ -215,6 +216,8 @@ def main():
     p.add_argument("--linger", type=float, default=0.0)
     p.add_argument("--serve-tp", default="")
     p.add_argument("--pause-after", type=int, default=0)
+    p.add_argument("--lockstep-after-pause", type=int, default=0)
+    p.add_argument("--serve-offered", action="store_true")
     p.add_argument("--resize-at", type=int, default=0)
     p.add_argument("--resize-tp", default="")
     p.add_argument("--resize-lockstep", type=int, default=0)

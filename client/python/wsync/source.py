@@ -86,10 +86,11 @@ class Source:
         at once if need be). Versions are then coded so that each rank's
         sink decodes and verifies its own shard alone.
 
-        `serve_offered`: also serve every layout the sinks registered so far
-        offered to the coordinator (a sink registering pieces offers its
-        layout: wsync.vllm's workers derive theirs from vLLM's own loader).
-        Register again to serve layouts offered later.
+        `serve_offered`: also serve every layout the sinks offered to the
+        coordinator (a sink registering pieces offers its layout: wsync.vllm's
+        workers derive theirs from vLLM's own loader), read now and before
+        every publish: a layout offered later is served from the next
+        version on.
 
         `part=(i, n)`: this source is one of n (trainer ranks or pipeline
         stages), each registering a disjoint subset of the tensors and
