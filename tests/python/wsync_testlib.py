@@ -7,12 +7,13 @@ import tempfile
 
 
 def generate_stubs(proto_dir):
-    """Generates wsync/v1/coordinator_pb2{,_grpc}.py; returns (pb, rpc)."""
+    """Generates wsync/v1/coordinator_pb2{,_grpc}.py (and local_pb2.py,
+    whose layout messages the coordinator's import); returns (pb, rpc)."""
     out = tempfile.mkdtemp(prefix="wsync_stubs_")
     subprocess.check_call([
         "protoc", f"--proto_path={proto_dir}", f"--python_out={out}", f"--grpc_out={out}",
         "--plugin=protoc-gen-grpc=/usr/bin/grpc_python_plugin",
-        os.path.join(proto_dir, "wsync/v1/coordinator.proto")])
+        os.path.join(proto_dir, "wsync/v1/coordinator.proto"), os.path.join(proto_dir, "wsync/v1/local.proto")])
     sys.path.insert(0, out)
     from wsync.v1 import coordinator_pb2, coordinator_pb2_grpc  # noqa: E402
     return coordinator_pb2, coordinator_pb2_grpc

@@ -232,8 +232,13 @@ def derive_layout(model: torch.nn.Module, checkpoint: Mapping[str, Tuple[Tuple[i
             params[p.untyped_storage()._cdata] = (n, tuple(p.shape))
         sources = [(n, torch.empty(checkpoint[n][0], dtype=checkpoint[n][1], device="meta")) for n in names]
         recorder = _Recorder(params, {t.untyped_storage()._cdata: (n, tuple(t.shape)) for n, t in sources})
-        with torch.no_grad(), recorder:
-            model.load_weights(iter(sources))
+        try:
+            with torch.no_grad(), recorder:
+                model.load_weights(iter(sources))
+        except Exception as e:  # noqa: BLE001 - any loader's failure: named, with its cause
+            raise ValueError(f"vLLM's loader ({type(model).__name__}.load_weights) cannot run over the checkpoint's "
+                             f"tensor descriptions, so wsync cannot tell what each parameter holds: "
+                             f"{type(e).__name__}: {e}") from e
         for p, _ in swapped:
             if p.untyped_storage()._cdata not in params:
                 recorder.refused.setdefault(unique[id(p)][0], "the loader replaced the parameter's tensor")
