@@ -1,5 +1,5 @@
 // The source's memory of versions: what it needs to bring any leased or live
-// sink to the head, and nothing older (DESIGN.md, "Versions, leases").
+// sink to the head, and nothing older (docs/data-plane.md, docs/control-plane.md: versions, leases).
 //
 // It keeps the head's weights, the weights of the oldest version still needed
 // and the chain of patches between them. A pull (from, to) is answered with
