@@ -83,6 +83,21 @@ class SourceCoreTest : public ::testing::Test {
     return std::make_unique<SourceCore>(config, client_.get(), &pool_);
   }
   uint64_t CoordinatorHead() { return state_->head(); }
+  // The row cuts of the first tensor's grid, as the coordinator recorded them.
+  std::vector<uint64_t> RowCuts() {
+    const auto cuts = state_->GetLayout().layout().tensors(0).row_cuts();
+    return {cuts.begin(), cuts.end()};
+  }
+  // `pub`, version 3, is a patch from the head coded on the grid cutting
+  // tensor "a" at `row_cuts`, which the coordinator recorded.
+  void ExpectOnGrid(const StatusOr<PublishResult>& pub, const std::vector<OwnedTensor>& weights,
+                    const std::vector<uint64_t>& row_cuts) {
+    ASSERT_TRUE(pub.ok()) << pub.status().ToString();
+    EXPECT_EQ(pub->published.base_version, 2u) << "a patch from the head";
+    const std::vector<codec::TileGrid> grids = {{"a", row_cuts, {}}};
+    EXPECT_EQ(pub->published.set_checksum, *codec::SetChecksum(buffers::Views(weights), grids));
+    EXPECT_EQ(RowCuts(), row_cuts);
+  }
 
   // A source with the trainer's memory registered and version 1 published.
   struct Running {
@@ -182,12 +197,7 @@ TEST_F(SourceCoreTest, OtherLayoutsServedChangeTheGridsFromTheNextVersion) {
   EXPECT_EQ(state_->GetLayout().layout().tensors(0).row_cuts_size(), 2) << "recorded at once: new sinks may register";
   second.Write(v[2]);
   auto pub = source->Publish({3});
-  ASSERT_TRUE(pub.ok()) << pub.status().ToString();
-  EXPECT_EQ(pub->published.base_version, 2u) << "a patch from the head";
-  const std::vector<codec::TileGrid> grids = {{"a", {50000, 100000}, {}}};
-  EXPECT_EQ(pub->published.set_checksum, *codec::SetChecksum(buffers::Views(v[2]), grids));
-  const auto cuts = state_->GetLayout().layout().tensors(0).row_cuts();
-  EXPECT_EQ(std::vector<uint64_t>(cuts.begin(), cuts.end()), grids[0].row_cuts);
+  ExpectOnGrid(pub, v[2], {50000, 100000});
   auto patch = source->provider()->Open(2, 3);
   ASSERT_TRUE(patch.ok());
   auto work = v[1];
@@ -235,17 +245,11 @@ TEST_F(SourceCoreTest, LayoutsOfferedLaterAreServedFromTheNextVersion) {
   ASSERT_TRUE(client_->OfferLayout("other-model", foreign).ok());
   mem.Write(v[2]);
   auto pub = source->Publish({3});
-  ASSERT_TRUE(pub.ok()) << pub.status().ToString();
-  EXPECT_EQ(pub->published.base_version, 2u) << "a patch from the head";
-  const std::vector<codec::TileGrid> grids = {{"a", {50000, 100000}, {}}};
-  EXPECT_EQ(pub->published.set_checksum, *codec::SetChecksum(buffers::Views(v[2]), grids));
-  const auto cuts = state_->GetLayout().layout().tensors(0).row_cuts();
-  EXPECT_EQ(std::vector<uint64_t>(cuts.begin(), cuts.end()), grids[0].row_cuts);
+  ExpectOnGrid(pub, v[2], {50000, 100000});
   // The first rank's offer is gone (its node deregistered, or the coordinator restarted): still served.
   ASSERT_TRUE(client_->OfferLayout("rank-a", rows(50000)).ok());
   ASSERT_TRUE(source->Publish({4}).ok());
-  const auto kept = state_->GetLayout().layout().tensors(0).row_cuts();
-  EXPECT_EQ(std::vector<uint64_t>(kept.begin(), kept.end()), grids[0].row_cuts);
+  EXPECT_EQ(RowCuts(), (std::vector<uint64_t>{50000, 100000}));
 }
 
 // The staleness bound holds a version back and names the sink and why.

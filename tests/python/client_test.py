@@ -226,29 +226,65 @@ def ranks_differ(s, tp, v):
     return [k for k in shapes if not torch.equal(back[k].view(torch.int16), expect[k].view(torch.int16))]
 
 
-def resized_fleet(build):
-    """TP 2 ranks and a whole sink from version 1; after version 3 the trainer
-    serves TP 2 and TP 4 (registering again with both), TP 4 ranks join, a
-    TP 2 rank's sink daemon is SIGKILLed and restarted, and every rank holds
-    its slices of versions up to 6 bit for bit."""
+EARLY, LATE = [(2, r) for r in range(2)], [(4, r) for r in range(4)]  # TP 2 ranks, then TP 4 ranks joining
+
+
+def fleet(build, name, versions):
+    """A system with TP 2 ranks and a whole-model sink registered, and sinks
+    for TP 4 ranks to join: (system, a function starting the rank of sink i,
+    the running workers)."""
     sys.path.insert(0, os.path.join(build, "python"))
     sys.path.insert(0, HERE)
-    versions, resize = 6, 3
-    early, late = [(2, r) for r in range(2)], [(4, r) for r in range(4)]
-    s = system(build, "resized_fleet", sinks=len(early) + len(late) + 1)
+    s = system(build, name, sinks=len(EARLY) + len(LATE) + 1)
 
     def rank(i, tp, r):
         return Worker(s, f"tp{tp}-rank{r}", "tp_inference", local(s, f"sink-{i}"), s.tmp, f"tp{tp}-rank{r}",
                       "--tp", str(tp), "--rank", str(r), "--until", str(versions), "--seed", str(10 + i))
     try:
-        workers = [rank(i, tp, r) for i, (tp, r) in enumerate(early)]
-        workers.append(Worker(s, "whole", "inference", local(s, f"sink-{len(early)}"), s.tmp, "whole", "--until",
+        workers = [rank(i, tp, r) for i, (tp, r) in enumerate(EARLY)]
+        workers.append(Worker(s, "whole", "inference", local(s, f"sink-{len(EARLY)}"), s.tmp, "whole", "--until",
                               str(versions), "--seed", "3"))
         for w in workers:
             w.wait_event("registered")
+    except BaseException:
+        s.stop()
+        raise
+    return s, rank, workers
+
+
+def join_fleet(rank):
+    """The TP 4 ranks, registered."""
+    joined = [rank(len(EARLY) + 1 + i, tp, r) for i, (tp, r) in enumerate(LATE)]
+    for w in joined:
+        w.wait_event("registered")
+    return joined
+
+
+def check_fleet(s, workers, joined, versions, joined_at, how):
+    """Every worker done; the whole sink and every rank of both degrees held
+    the trainer's BF16 weights bit for bit (TP 4 from version joined_at)."""
+    for w in workers + joined:
+        w.finish()
+    ver = workers[-1].event("verified")
+    check([v["version"] for v in ver] == list(range(1, versions + 1)) and all(not v["mismatched"] for v in ver),
+          f"the whole-model sink held the trainer's BF16 weights bit for bit {how}")
+    for tp, first in ((2, 1), (4, joined_at)):
+        for v in range(first, versions + 1):
+            bad = ranks_differ(s, tp, v)
+            check(not bad, f"version {v}, TP {tp}: the ranks' slices equal the trainer's BF16 weights {bad[:3]}")
+
+
+def resized_fleet(build):
+    """TP 2 ranks and a whole sink from version 1; after version 3 the trainer
+    serves TP 2 and TP 4 (registering again with both), TP 4 ranks join, a
+    TP 2 rank's sink daemon is SIGKILLed and restarted, and every rank holds
+    its slices of versions up to 6 bit for bit."""
+    versions, resize = 6, 3
+    s, rank, workers = fleet(build, "resized_fleet", versions)
+    try:
         t = Worker(s, "trainer", "trainer", local(s, "source"), s.tmp, "--steps", str(versions), "--lr", "1e-5",
                    "--lockstep", str(len(workers)), "--serve-tp", "2", "--resize-at", str(resize),
-                   "--resize-tp", "2,4", "--resize-lockstep", str(len(workers) + len(late)))
+                   "--resize-tp", "2,4", "--resize-lockstep", str(len(workers) + len(LATE)))
         t.wait_event("resized")
         status = subprocess.run([s.wsync, "status"], env=s.env, capture_output=True, text=True).stdout
         check("cut in tile grids for the layouts served" in status,
@@ -257,20 +293,10 @@ def resized_fleet(build):
         # RankSync.sync(): the rank rides it out and registers its pieces again.
         s.kill("sink-0", signal.SIGKILL)
         s.restart("sink-0")
-        joined = [rank(len(early) + 1 + i, tp, r) for i, (tp, r) in enumerate(late)]
-        for w in joined:
-            w.wait_event("registered")
+        joined = join_fleet(rank)
         open(os.path.join(s.tmp, "go"), "w").close()
         t.finish()
-        for w in workers + joined:
-            w.finish()
-        ver = workers[-1].event("verified")
-        check([v["version"] for v in ver] == list(range(1, versions + 1)) and all(not v["mismatched"] for v in ver),
-              "the whole-model sink held the trainer's BF16 weights bit for bit across the change of layouts")
-        for tp, first in ((2, 1), (4, resize)):
-            for v in range(first, versions + 1):
-                bad = ranks_differ(s, tp, v)
-                check(not bad, f"version {v}, TP {tp}: the ranks' slices equal the trainer's BF16 weights {bad[:3]}")
+        check_fleet(s, workers, joined, versions, resize, "across the change of layouts")
     finally:
         s.stop()
 
@@ -282,41 +308,19 @@ def offered_layouts(build):
     wait), and from version 4 on the source codes for them too, with no
     registration of the trainer again; every rank holds its slices bit for
     bit."""
-    sys.path.insert(0, os.path.join(build, "python"))
-    sys.path.insert(0, HERE)
     versions, join = 6, 3
-    early, late = [(2, r) for r in range(2)], [(4, r) for r in range(4)]
-    s = system(build, "offered_layouts", sinks=len(early) + len(late) + 1)
-
-    def rank(i, tp, r):
-        return Worker(s, f"tp{tp}-rank{r}", "tp_inference", local(s, f"sink-{i}"), s.tmp, f"tp{tp}-rank{r}",
-                      "--tp", str(tp), "--rank", str(r), "--until", str(versions), "--seed", str(10 + i))
+    s, rank, workers = fleet(build, "offered_layouts", versions)
     try:
-        workers = [rank(i, tp, r) for i, (tp, r) in enumerate(early)]
-        workers.append(Worker(s, "whole", "inference", local(s, f"sink-{len(early)}"), s.tmp, "whole", "--until",
-                              str(versions), "--seed", "3"))
-        for w in workers:
-            w.wait_event("registered")
         t = Worker(s, "trainer", "trainer", local(s, "source"), s.tmp, "--steps", str(versions), "--lr", "1e-5",
                    "--lockstep", str(len(workers)), "--serve-offered", "--pause-after", str(join),
-                   "--lockstep-after-pause", str(len(workers) + len(late)))
+                   "--lockstep-after-pause", str(len(workers) + len(LATE)))
         t.wait_event("paused")
-        joined = [rank(len(early) + 1 + i, tp, r) for i, (tp, r) in enumerate(late)]
-        for w in joined:
-            w.wait_event("registered")
-        waiting = wsync_status(s, f"sink-{len(early) + 1}").sync_error
+        joined = join_fleet(rank)
+        waiting = wsync_status(s, f"sink-{len(EARLY) + 1}").sync_error
         check("tile grid" in waiting, f"a TP 4 rank registered before its layout is served waits, saying why: {waiting}")
         open(os.path.join(s.tmp, "resume"), "w").close()
         t.finish()
-        for w in workers + joined:
-            w.finish()
-        ver = workers[-1].event("verified")
-        check([v["version"] for v in ver] == list(range(1, versions + 1)) and all(not v["mismatched"] for v in ver),
-              "the whole-model sink held the trainer's BF16 weights bit for bit across the new layouts")
-        for tp, first in ((2, 1), (4, join + 1)):
-            for v in range(first, versions + 1):
-                bad = ranks_differ(s, tp, v)
-                check(not bad, f"version {v}, TP {tp}: the ranks' slices equal the trainer's BF16 weights {bad[:3]}")
+        check_fleet(s, workers, joined, versions, join + 1, "across the new layouts")
     finally:
         s.stop()
 
