@@ -503,8 +503,9 @@ void SinkCore::SyncLoop() {
       sync_cv_.wait_until(lock, next_attempt, [&] {
         return stopping_.load() || backoff_reset_ || (retry_on_new_head_ > 0 && head_.load() > retry_on_new_head_);
       });
+      const bool new_head = retry_on_new_head_ > 0 && head_.load() > retry_on_new_head_;
       retry_on_new_head_ = 0;
-      if (backoff_reset_) next_attempt = Clock::now();
+      if (backoff_reset_ || new_head) next_attempt = Clock::now();
       backoff_reset_ = false;
       if (Clock::now() < next_attempt) continue;
     }
@@ -606,9 +607,9 @@ Status SinkCore::CheckPublishedLayout(const buffers::MappedTensors& tensors, con
   if (tensors.has_pieces()) {
     WSYNC_ASSIGN_OR_RETURN(CanonicalLayout canonical, CanonicalOf(published->layout()));
     return codec::ValidatePieces(tensors.Runtime(), canonical.tensors, canonical.grids)
-        .WithContext("the registered pieces cannot take the published versions (the source serves the layouts "
-                     "given as serve_layouts, and with serve_offered_layouts those sinks offered, when it registers: register "
-                     "the source again)");
+        .WithContext("the registered pieces cannot take the published versions (a source serves the layouts "
+                     "named in its serve_layouts, and with serve_offered_layouts those sinks offer, from its next "
+                     "version)");
   }
   // Whole tensors take patches of any grid (CheckLayout compares no grids).
   return control::CheckLayout(published->layout(), LayoutOf(tensors.Views(), false), "the registered tensors")

@@ -50,13 +50,21 @@ def _revert(module: torch.nn.Module) -> Callable[[Mapping[str, torch.Tensor]], D
 
 
 def checkpoint_tensors(module: torch.nn.Module) -> CheckpointTensors:
-    """The checkpoint's tensors of a transformers model (tied weights once,
-    under the name its checkpoint keeps). Views of the parameters where the
+    """The checkpoint's tensors of a transformers model: its state dict
+    (persistent buffers included, tied weights once, under the name its
+    checkpoint keeps), converted. Views of the model's tensors where the
     conversion gives views, else buffers of the same shape and dtype."""
-    # The parameters themselves: what the client moves into shared memory is
-    # a parameter (or a view whose base is one), so that it stays the
+    # The state dict's tensors themselves (parameters, and persistent buffers
+    # such as a router's bias correction), each once (a tied weight under its
+    # first name): what the client moves into shared memory is the module's
+    # own tensor (or a view whose base is one), so that it stays the
     # optimizer's.
-    named = dict(module.named_parameters())
+    named, seen = {}, set()
+    for n, t in module.state_dict(keep_vars=True).items():
+        key = (t.data_ptr(), t.dtype, tuple(t.shape)) if t.numel() else (n,)
+        if key not in seen:
+            seen.add(key)
+            named[n] = t
     revert = _revert(module)
     with torch.no_grad():
         converted = revert(named)
@@ -75,5 +83,5 @@ def checkpoint_tensors(module: torch.nn.Module) -> CheckpointTensors:
         sources = {n for n, p in named.items() if p.untyped_storage().data_ptr() not in viewed}
 
     def convert() -> Mapping[str, torch.Tensor]:
-        return revert({n: p.detach() for n, p in module.named_parameters() if n in sources})
+        return revert({n: t.detach() for n, t in named.items() if n in sources})
     return CheckpointTensors(views, copied, convert)
