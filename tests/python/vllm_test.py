@@ -106,6 +106,15 @@ CONFIGS = {
                         num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=512,
                         qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32, topk_method="greedy", n_group=1,
                         topk_group=1, bos_token_id=1, eos_token_id=2),
+    # DeepSeek-V3: latent attention with a low-rank query (q_a/kv_a fused by vLLM), a router with a bias
+    # correction (e_score_correction_bias) over grouped experts.
+    "deepseek_v3": dict(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", vocab_size=1000,
+                        hidden_size=128, intermediate_size=256, moe_intermediate_size=64, n_routed_experts=4,
+                        n_shared_experts=1, num_experts_per_tok=2, num_hidden_layers=2, first_k_dense_replace=1,
+                        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=64, kv_lora_rank=512,
+                        qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32, n_group=2, topk_group=1,
+                        topk_method="noaux_tc", scoring_func="sigmoid", num_mtp_layers=0, bos_token_id=1,
+                        eos_token_id=2),
 }
 # Engines per family: (TP degree, expert parallelism). Mixtral at TP 2 with its experts split whole over
 # the ranks: vLLM 0.32's CPU backend dies (SIGSEGV in a worker) generating with expert parallelism, wsync or

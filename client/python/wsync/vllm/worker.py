@@ -21,10 +21,10 @@ DEFAULT_ADDRESS = "unix:/run/wsync/sink-{rank}.sock"
 log = logging.getLogger("wsync.vllm")
 
 
-def rank_layout(model: torch.nn.Module, vllm_config) -> LoaderLayout:
+def rank_layout(model: torch.nn.Module, vllm_config, checkpoint=None) -> LoaderLayout:
     """This rank's layout, from vLLM's loader over the checkpoint it loaded."""
     start = time.perf_counter()
-    layout = derive_layout(model, checkpoint_shapes(vllm_config))
+    layout = derive_layout(model, checkpoint if checkpoint is not None else checkpoint_shapes(vllm_config))
     log.info("wsync: layout of %d runtime tensors derived from vLLM's loader in %.2f s (%d derived layers, "
              "%d constant parameters)", len(layout.tensors), time.perf_counter() - start, len(layout.derived),
              len(layout.constants))
@@ -55,14 +55,49 @@ def vllm_rank_sync(model: torch.nn.Module, vllm_config, address: str = DEFAULT_A
     pc = vllm_config.parallel_config
     dp_rank = int(getattr(pc, "data_parallel_index", None) or getattr(pc, "data_parallel_rank", 0) or 0)
     target = _address(address, tp_rank=tp.rank_in_group, tp_size=tp.world_size, dp_rank=dp_rank)
-    layout = rank_layout(model, vllm_config)
+    checkpoint = checkpoint_shapes(vllm_config)
+    layout = rank_layout(model, vllm_config, checkpoint)
     params = dict(model.named_parameters())
     unpacked = {n: (p.wsync_unpacked[0], functools.partial(_repack_cpu_moe, p))
                 for n, p in params.items() if hasattr(p, "wsync_unpacked")}
+    unpacked.update(_widened(params, layout, checkpoint))
     act_dtype = vllm_config.model_config.dtype
     derived = [functools.partial(d.recompute, act_dtype) for d in layout.derived]
     return RankSync(params, layout.tensors, target, timeout, unpacked=unpacked, after_version=derived,
                     what=f"rank {tp.rank_in_group} of {tp.world_size}")
+
+
+def _published_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a source publishes a tensor of `dtype` in (F32 as BF16)."""
+    return torch.bfloat16 if dtype == torch.float32 else dtype
+
+
+def _widened(params, layout: LoaderLayout, checkpoint) -> dict:
+    """Parameters the engine keeps in a wider dtype than the published
+    tensors they hold (a router's bias correction in F32, say): the sink
+    writes a copy in the published dtype, and every version widens it into
+    the parameter (exact, as vLLM's loader's own copy). Raises ValueError
+    for a parameter holding tensors of several published dtypes."""
+    out = {}
+    for rt in layout.tensors:
+        name = rt.name.partition("[")[0]
+        dtypes = {_published_dtype(checkpoint[p.canonical][1]) for p in rt.pieces}
+        if len(dtypes) != 1:
+            raise ValueError(f"parameter {name!r} holds checkpoint tensors of several dtypes {sorted(map(str, dtypes))}")
+        dtype, param = dtypes.pop(), params[name]
+        if param.dtype == dtype or name in out:
+            continue
+        if param.dtype.itemsize < dtype.itemsize or not param.dtype.is_floating_point:
+            raise ValueError(f"parameter {name!r} is {param.dtype}, narrower than the {dtype} published for it: "
+                             "writing it would not keep the engine exact")
+        shadow = param.detach().to(dtype).clone()
+        out[name] = (shadow, functools.partial(_widen, param, shadow))
+    return out
+
+
+def _widen(param: torch.Tensor, shadow: torch.Tensor) -> None:
+    with torch.no_grad():
+        param.data.copy_(shadow)
 
 
 def _repack_cpu_moe(param: torch.Tensor) -> None:
