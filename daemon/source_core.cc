@@ -64,6 +64,33 @@ StatusOr<std::vector<std::vector<codec::RuntimeTensor>>> OfferedLayouts(control:
   return out;
 }
 
+// The tile grids that hold every served layout, each checked against this
+// source's tensors: InvalidArgument naming the first layout they cannot serve.
+StatusOr<std::vector<codec::TileGrid>> ServingGrids(std::span<const std::vector<codec::RuntimeTensor>> served,
+                                                    std::span<const codec::TensorView> canonical, uint32_t parts) {
+  std::set<std::string> mine;
+  for (const auto& t : canonical) mine.insert(t.name);
+  std::vector<codec::TileGrid> grids = codec::GridsFor(served, canonical);
+  for (size_t i = 0; i < served.size(); ++i) {
+    if (Status s = codec::ValidatePieces(OwnPieces(served[i], mine, parts), canonical, grids); !s.ok()) {
+      return s.WithContext("served layout " + std::to_string(i));
+    }
+  }
+  return grids;
+}
+
+// The layout a source publishes for `views` on `grids`: with several
+// sources, its tensors marked as its part.
+v1::Layout PublishedLayoutOf(std::span<const codec::TensorView> views, std::span<const codec::TileGrid> grids,
+                             uint32_t part, uint32_t parts) {
+  v1::Layout layout = LayoutOf(views, /*published=*/true, grids);
+  if (parts > 1) {
+    layout.set_parts(parts);
+    for (auto& t : *layout.mutable_tensors()) t.set_part(part);
+  }
+  return layout;
+}
+
 std::set<uint64_t> Fingerprints(std::span<const std::vector<codec::RuntimeTensor>> layouts) {
   std::set<uint64_t> out;
   for (const auto& l : layouts) out.insert(codec::LayoutFingerprint(l));
@@ -111,25 +138,14 @@ StatusOr<SourceRegistration> SourceCore::RegisterTensors(buffers::MappedTensors 
   }
   const auto views = reg.Views();
   const auto canonical = LayoutViews(views);
-  std::set<std::string> mine;
-  for (const auto& t : views) mine.insert(t.name);
   std::vector<std::vector<codec::RuntimeTensor>> served = named;
   if (serve_offered) {
     auto offered = OfferedLayouts(coordinator_, canonical, config_.name);
     if (!offered.ok()) return offered.status().WithContext("the layouts sinks offered (serve_offered_layouts)");
     served.insert(served.end(), offered->begin(), offered->end());
   }
-  std::vector<codec::TileGrid> grids = codec::GridsFor(served, canonical);
-  for (size_t i = 0; i < served.size(); ++i) {
-    if (Status s = codec::ValidatePieces(OwnPieces(served[i], mine, parts), canonical, grids); !s.ok()) {
-      return s.WithContext("served layout " + std::to_string(i));
-    }
-  }
-  v1::Layout layout = LayoutOf(views, /*published=*/true, grids);
-  if (parts > 1) {
-    layout.set_parts(parts);
-    for (auto& t : *layout.mutable_tensors()) t.set_part(part);
-  }
+  WSYNC_ASSIGN_OR_RETURN(std::vector<codec::TileGrid> grids, ServingGrids(served, canonical, parts));
+  v1::Layout layout = PublishedLayoutOf(views, grids, part, parts);
   // The layout is the coordinator's, also across restarts of this source.
   auto published = coordinator_->GetLayout();
   bool mine_published = false, regrid = false;
@@ -228,31 +244,18 @@ void SourceCore::ServeNewOffers() {
     }
   }
   if (added == 0) return;
-  std::set<std::string> mine;
-  for (const auto& t : views) mine.insert(t.name);
-  std::vector<codec::TileGrid> grids = codec::GridsFor(served, canonical);
-  for (size_t i = 0; i < served.size(); ++i) {
-    if (Status s = codec::ValidatePieces(OwnPieces(served[i], mine, parts_), canonical, grids); !s.ok()) {
-      spdlog::warn("source {}: the layouts offered since registration are not served: {}", config_.name,
-                   s.ToString());
-      return;
-    }
-  }
-  if (Status s = history_.SetGrids(grids); !s.ok()) {
+  auto grids = ServingGrids(served, canonical, parts_);
+  Status s = grids.ok() ? history_.SetGrids(*grids) : grids.status();
+  if (!s.ok()) {
     spdlog::warn("source {}: the layouts offered since registration are not served: {}", config_.name, s.ToString());
     return;
   }
   history_.SetServedLayouts(served);
-  v1::Layout layout = LayoutOf(views, /*published=*/true, grids);
-  if (parts_ > 1) {
-    layout.set_parts(parts_);
-    for (auto& t : *layout.mutable_tensors()) t.set_part(part_);
-  }
   spdlog::info("source {}: {} new layout(s) offered by sinks: versions from the next one are coded on new tile grids "
                "(sinks behind the head get keyframes)",
                config_.name, added);
-  layout_ = std::move(layout);
-  grids_ = std::move(grids);
+  layout_ = PublishedLayoutOf(views, *grids, part_, parts_);
+  grids_ = std::move(*grids);
   served_layouts_ = std::move(served);
   served_fingerprints_ = std::move(fingerprints);
   layout_set_ = false;  // this publish records the new grids
