@@ -39,7 +39,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples"))
 import wsync  # noqa: E402
 from wsync import layouts  # noqa: E402
-from wsync.engines import RankSync  # noqa: E402
+from wsync.rank_sync import RankSync  # noqa: E402
 from tiny_llama import Config, LlamaForCausalLM  # noqa: E402
 
 
@@ -166,7 +166,7 @@ def split_trainer(a):
 
 
 def tp_inference(a):
-    """An engine's rank through wsync.engines.RankSync, the core of the vLLM
+    """An engine's rank through wsync.rank_sync.RankSync, the core of the vLLM
     and SGLang adapters: held except while syncing between steps."""
     torch.manual_seed(a.seed)  # its own weights until the first version arrives
     layout = layouts.tp_layout(tiny_config(), a.tp, a.rank)

@@ -1,5 +1,5 @@
 #!/usr/bin/python3
-"""wsync.engines without an engine: the SGLang custom loader reads the rank,
+"""wsync.sglang and wsync.rank_sync without an engine: the SGLang custom loader reads the rank,
 the TP degree, the model's config and its parameters through SGLang's
 parallel state (a stand-in module here: SGLang does not run on this CPU) and
 hands them to RankSync; RankSync refuses a model its layout does not
@@ -19,7 +19,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import torch  # noqa: E402
 
-import wsync.engines as engines  # noqa: E402
+import wsync.rank_sync as rank_sync  # noqa: E402
+import wsync.sglang as sglang_loader  # noqa: E402
 from wsync import layouts  # noqa: E402
 
 failures = []
@@ -80,27 +81,27 @@ def install(root, state):
 
 
 def main():
-    engines.RankSync, real = Recorder, engines.RankSync
+    sglang_loader.RankSync, real = Recorder, sglang_loader.RankSync
     try:
         print("== SGLang custom loader")
         install("sglang", parallel_state(2, 1))
         os.environ["WSYNC_SINK_ADDRESS"] = "unix:/tmp/y/sink-{rank}.sock"
         model = Engine(2, 1)
         model.config = types.SimpleNamespace(to_dict=lambda: dict(CONFIG))
-        engines.sglang_load(model, engines.sglang_request(3))
+        sglang_loader.load(model, sglang_loader.request(3))
         first = Recorder.made[-1]
         check(first.args["layout"] == layouts.tp_layout(CONFIG, 2, 1) and first.args["what"] == "rank 1 of 2" and
               first.args["address"] == "unix:/tmp/y/sink-1.sock", "SGLang: rank, degree and address")
-        engines.sglang_load(model, engines.sglang_request())
+        sglang_loader.load(model, sglang_loader.request())
         check(Recorder.made[-1] is first and first.synced == [3, None],
               "registered once; synced to 3, then to the newest")
         try:
-            engines.sglang_load(model, [("model.norm.weight", torch.zeros(1))])
+            sglang_loader.load(model, [("model.norm.weight", torch.zeros(1))])
             check(False, "weights are not a wsync request")
         except ValueError as e:
-            check("sglang_request" in str(e), f"other named tensors are refused: {e}")
+            check("wsync.sglang.request" in str(e), f"other named tensors are refused: {e}")
     finally:
-        engines.RankSync = real
+        sglang_loader.RankSync = real
 
     print("== RankSync refuses what its layout does not describe, before registering")
     params = dict(Engine(2, 0).named_parameters())
@@ -108,7 +109,7 @@ def main():
     for what, p in [("a missing parameter", {k: v for k, v in params.items() if "o_proj" not in k}),
                     ("another shape", {**params, "model.norm.weight": torch.zeros(5)})]:
         try:
-            engines.RankSync(p, layout, "unix:/nonexistent/sink.sock")
+            rank_sync.RankSync(p, layout, "unix:/nonexistent/sink.sock")
             check(False, what)
         except ValueError as e:
             check(True, f"{what}: {e}")

@@ -60,7 +60,7 @@ from typing import Any, ClassVar, Optional
 import torch
 
 from ..checkpoint import CheckpointTensors, checkpoint_tensors
-from ..engines import RankSync
+from ..rank_sync import RankSync
 from ..source import PublishStats, Source
 from .worker import DEFAULT_ADDRESS, VllmWorkerExtension, vllm_rank_sync
 
@@ -134,7 +134,7 @@ def _keep_cpu_moe_weights() -> None:
     loading. When wsync is configured, the tensor in the checkpoint's layout
     is kept beside it (``param.wsync_unpacked``: the tensor and the kernel's
     ISA): the sink writes that one, and the parameter is repacked from it
-    after every version (wsync.engines.RankSync, from wsync.vllm.worker)."""
+    after every version (wsync.rank_sync.RankSync, from wsync.vllm.worker)."""
     import sys
     from vllm.platforms import current_platform
     if not current_platform.is_cpu():

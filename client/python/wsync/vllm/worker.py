@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from ..engines import RankSync, _address
+from ..rank_sync import RankSync, rank_address
 from .loader import LoaderLayout, checkpoint_shapes, derive_layout
 
 __all__ = ["DEFAULT_ADDRESS", "VllmWorkerExtension", "check_vllm_memory", "check_vllm_quantization",
@@ -54,7 +54,7 @@ def vllm_rank_sync(model: torch.nn.Module, vllm_config, address: str = DEFAULT_A
     # data_parallel_index keeps the replica's rank (vLLM 0.11 and later).
     pc = vllm_config.parallel_config
     dp_rank = int(getattr(pc, "data_parallel_index", None) or getattr(pc, "data_parallel_rank", 0) or 0)
-    target = _address(address, tp_rank=tp.rank_in_group, tp_size=tp.world_size, dp_rank=dp_rank)
+    target = rank_address(address, tp_rank=tp.rank_in_group, tp_size=tp.world_size, dp_rank=dp_rank)
     checkpoint = checkpoint_shapes(vllm_config)
     layout = rank_layout(model, vllm_config, checkpoint)
     params = dict(model.named_parameters())

@@ -1,49 +1,23 @@
-"""Inference-engine adapters: each tensor-parallel rank of a vLLM or SGLang
-server registers its own parameters, in place, with the wsync sink on its
-GPU, and takes new versions only when the RL loop asks, between generation
-steps.
+"""One inference-engine rank's parameters kept by its wsync sink: the core
+that the engine packages (wsync.vllm, wsync.sglang) share.
 
-The engines hold fused and sharded parameters (``qkv_proj``,
-``gate_up_proj``, row and column shards, a padded vocabulary);
-:func:`wsync.layouts.tp_layout` says which pieces of the published tensors
-each rank holds, and the sink applies exactly those, verified. The trainer's
-source must serve these layouts (``Source.register(model, serve=[...])``).
-
-vLLM 0.22 and later: wsync is a weight-transfer backend (wsync.vllm).
-Older vLLM (worker extension)::
-
-    llm = LLM(model=path, tensor_parallel_size=4,
-              worker_extension_cls="wsync.vllm.VllmWorkerExtension")
-    llm.collective_rpc("wsync_register", args=("unix:/run/wsync/sink-{tp_rank}.sock",))
-    ...                                        # generate
-    llm.collective_rpc("wsync_sync", args=(step,))   # between steps: version `step` or newer
-    llm.reset_prefix_cache()                   # cached KV of the old weights is stale
-
-SGLang (custom weight loader, SGLang >= 0.4.8)::
-
-    engine = sglang.Engine(model_path=path, tp_size=4,
-                           custom_weight_loader=["wsync.engines.sglang_load"])
-    # each rank's sink address: WSYNC_SINK_ADDRESS (a template with {rank}),
-    # default unix:/run/wsync/sink-{rank}.sock
-    engine.update_weights_from_tensor(wsync.engines.sglang_request(step),
-                                      load_format="wsync.engines.sglang_load")
-
-vLLM runs against this module in tests/python/vllm_test.py; SGLang does not
-run where wsync is tested (docs/vllm.md says what was checked).
+Each tensor-parallel rank of an engine registers its own parameters, in
+place, with the sink on its node, together with the layout that says which
+pieces of the published tensors each parameter holds (fused and sharded
+parameters, row and column shards, a padded vocabulary); the sink applies
+exactly those, verified, and only while the rank lets it: between
+generation steps, when the RL loop asks (:meth:`RankSync.sync`).
 """
 from __future__ import annotations
 
-import os
 from typing import Callable, Mapping, Optional, Sequence
 
 import torch
 
-from .layouts import RuntimeTensor, runtime_tensor, tp_layout
+from .layouts import RuntimeTensor, runtime_tensor
 from .sink import Sink
 
-__all__ = ["RankSync", "VllmWorkerExtension", "sglang_load", "sglang_request"]
-
-DEFAULT_ADDRESS = "unix:/run/wsync/sink-{rank}.sock"
+__all__ = ["RankSync", "rank_address"]
 
 
 class RankSync:
@@ -122,7 +96,7 @@ class RankSync:
         self._sink.close()
 
 
-def _address(template: str, **ranks: int) -> str:
+def rank_address(template: str, **ranks: int) -> str:
     """A rank's sink address: `template` with {rank} (the TP rank), {tp_rank},
     {tp_size} and {dp_rank} filled in."""
     ranks.setdefault("rank", ranks.get("tp_rank", 0))
@@ -131,32 +105,3 @@ def _address(template: str, **ranks: int) -> str:
     except (KeyError, IndexError) as e:
         raise ValueError(f"sink address template {template!r}: unknown field {e} "
                          f"(fields: {', '.join('{%s}' % k for k in sorted(ranks))})") from None
-
-
-_sglang: Optional[RankSync] = None
-_VERSION = "wsync.version"
-
-
-def sglang_request(version: Optional[int] = None) -> list:
-    """The `named_tensors` of ``Engine.update_weights_from_tensor`` that make
-    every rank's :func:`sglang_load` sync to `version` (None: the newest)."""
-    return [(_VERSION, torch.tensor([-1 if version is None else int(version)], dtype=torch.int64))]
-
-
-def sglang_load(model: torch.nn.Module, named_tensors) -> None:
-    """SGLang's custom weight loader, run in each tensor-parallel worker: the
-    first call registers the worker's parameters with its sink, every call
-    syncs to the version in the request (sglang_request)."""
-    global _sglang
-    request = dict(named_tensors)
-    if set(request) != {_VERSION}:
-        raise ValueError(f"wsync.engines.sglang_load takes sglang_request(version), not {sorted(request)[:3]}")
-    version = int(request[_VERSION].reshape(-1)[0].item())
-    if _sglang is None:
-        from sglang.srt.distributed import parallel_state as ps
-        rank, size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
-        address = _address(os.environ.get("WSYNC_SINK_ADDRESS", DEFAULT_ADDRESS), tp_rank=rank, tp_size=size,
-                           dp_rank=0)
-        _sglang = RankSync(dict(model.named_parameters()), tp_layout(model.config.to_dict(), size, rank), address,
-                           what=f"rank {rank} of {size}")
-    _sglang.sync(None if version < 0 else version)
