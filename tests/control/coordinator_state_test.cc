@@ -7,6 +7,8 @@
 #include <filesystem>
 #include <thread>
 
+#include "wsync/control/testing/fake_clock.h"
+
 namespace wsync::control {
 namespace {
 

@@ -18,7 +18,8 @@
 #include "../codec/test_tensors.h"
 #include "tensor_layout.h"
 #include "version_history.h"
-#include "wsync/control/in_process_client.h"
+#include "wsync/control/testing/fake_clock.h"
+#include "wsync/control/testing/in_process_client.h"
 
 namespace wsync::daemon {
 namespace {

@@ -13,7 +13,8 @@
 #include <tuple>
 
 #include "../codec/test_tensors.h"
-#include "wsync/control/in_process_client.h"
+#include "wsync/control/testing/fake_clock.h"
+#include "wsync/control/testing/in_process_client.h"
 
 namespace wsync::daemon {
 namespace {

@@ -13,9 +13,9 @@
 #include <filesystem>
 #include <fstream>
 
-#include "wsync/control/clock.h"
 #include "wsync/control/coordinator_state.h"
 #include "wsync/control/store.h"
+#include "wsync/control/testing/fake_clock.h"
 
 namespace wsync::control {
 namespace {

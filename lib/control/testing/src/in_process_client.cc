@@ -1,4 +1,4 @@
-#include "wsync/control/in_process_client.h"
+#include "wsync/control/testing/in_process_client.h"
 
 namespace wsync::control {
 
