@@ -1,6 +1,6 @@
 // The device codec's data flow run on the CPU: the kernels' per-block logic
 // (wsync/cuda/logic.h) in plain loops and their jobs (the entropy stage's
-// included), feeding the staged codec exactly as cuda/src/device_codec.cc
+// included), feeding the staged codec exactly as cuda/src/device_encode.cc
 // does. The patch must be byte-identical to
 // codec::EncodePatch and applying through the ranked-position path must
 // equal codec::Apply. Runs without a GPU.
@@ -295,7 +295,7 @@ Status ApplyLikeTheDevice(const std::string& patch, std::vector<OwnedTensor>* ds
   return Status::Ok();
 }
 
-// The device's decoding path (device_codec.cc, ApplySparse) on the CPU: the
+// The device's decoding path (device_apply.cc, ApplySparse) on the CPU: the
 // host's plan, the jobs of sparse_jobs.h over the set-wide arrays, the rank
 // kernel's resolution, the chunks of other modes decoded by the host with
 // old values gathered from the base, the scatter.

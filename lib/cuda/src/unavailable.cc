@@ -30,10 +30,6 @@ Status DeviceCodec::Apply(std::string_view, const codec::Destination&, const cod
 Status DeviceCodec::Apply(std::span<const std::string_view>, const codec::Destination&, const codec::ApplyOptions&) {
   return NotBuilt();
 }
-Status DeviceCodec::ApplyParts(std::span<const std::string_view>, const codec::Destination&,
-                               const codec::ApplyOptions&, bool) {
-  return NotBuilt();
-}
 const std::vector<DeviceCodec::Phase>& DeviceCodec::last_phases() const { return impl_->phases; }
 StatusOr<uint64_t> DeviceCodec::TensorChecksum(const void*, size_t) { return NotBuilt(); }
 StatusOr<uint64_t> DeviceCodec::SetChecksum(std::span<const codec::TensorView>, std::span<const codec::TileGrid>) {

@@ -21,10 +21,6 @@
 #include "wsync/codec/codec.h"
 #include "wsync/util/status.h"
 
-namespace wsync::codec::staged {
-class PatchReader;
-}
-
 namespace wsync::cuda {
 
 // Ok when this build has CUDA and a device can be used; else Unavailable
@@ -117,15 +113,6 @@ class DeviceCodec {
  private:
   struct Impl;
   explicit DeviceCodec(std::unique_ptr<Impl> impl);
-  Status ApplyParts(std::span<const std::string_view> parts, const codec::Destination& destination,
-                    const codec::ApplyOptions& options, bool as_parts);
-  Status ApplyFlat(const codec::staged::PatchReader& reader, std::string_view patch,
-                   std::span<const codec::MutableTensorView> tensors, const codec::ApplyOptions& options);
-  StatusOr<std::string> Encode(std::span<const codec::TensorView> live,
-                               std::span<const codec::MutableTensorView> snapshot,
-                               std::span<const codec::TensorView> previous, const codec::EncodeOptions& options,
-                               const std::function<void()>& on_snapshot, std::span<const codec::TensorView> target,
-                               std::span<const codec::MutableTensorView> advance, bool base_on_host);
   std::unique_ptr<Impl> impl_;
 };
 

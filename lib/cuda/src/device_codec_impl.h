@@ -1,0 +1,407 @@
+// What the files of DeviceCodec share: CUDA error conversion, the device
+// scratch and page-locked arenas, the batch limits, the encode's per-cell
+// state and DeviceCodec::Impl (streams, scratch, phase timing, and the
+// steps the encode, apply and checksum files define). Private to
+// lib/cuda/src: it includes the CUDA runtime, which device_codec.h does not.
+//
+// The files: device_codec.cc (Create, phases, shared helpers),
+// device_encode.cc (EncodePatch, SnapshotAndEncode, EncodeAndAdvance*),
+// device_apply.cc (a flat patch into whole tensors, keyframes),
+// device_apply_placed.cc (Apply: parts, pieces and tile grids),
+// device_checksum.cc (checksums, the cast), device_memory.cc (copies,
+// DeviceBuffer, PinnedBuffer).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "wsync/codec/staged.h"
+#include "wsync/cuda/device_codec.h"
+#include "wsync/cuda/kernels.h"
+#include "wsync/util/status.h"
+
+namespace wsync::cuda {
+namespace internal {
+
+Status Check(cudaError_t e, const char* what);
+
+// A growable device allocation. Get() synchronizes the device before it
+// frees the old block, so no enqueued work still uses it.
+class Scratch {
+ public:
+  ~Scratch() {
+    if (ptr_ != nullptr) cudaFree(ptr_);
+  }
+  StatusOr<void*> Get(size_t bytes) {
+    if (bytes <= size_) return ptr_;
+    if (ptr_ != nullptr) {
+      WSYNC_RETURN_IF_ERROR(Check(cudaDeviceSynchronize(), "synchronize"));
+      cudaFree(ptr_);
+      ptr_ = nullptr;
+      size_ = 0;
+    }
+    const size_t want = std::max(bytes, size_ * 3 / 2);
+    WSYNC_RETURN_IF_ERROR(Check(cudaMalloc(&ptr_, want), "allocating scratch memory"));
+    size_ = want;
+    return ptr_;
+  }
+
+ private:
+  void* ptr_ = nullptr;
+  size_t size_ = 0;
+};
+
+Status CopyUp(void* dst, const void* src, size_t bytes, cudaStream_t s);
+
+logic::Layout LayoutOf(uint64_t n, size_t width, uint32_t chunk_bytes);
+
+// Page-locked host memory the device copies into, so that copies run at DMA
+// speed and truly asynchronously: blocks kept between calls, handed out
+// first-fit, all free again after Reset(). In steady state nothing is
+// allocated.
+class PinnedArena {
+ public:
+  static constexpr size_t kKeepBytes = size_t{256} << 20;  // kept between calls at least (Trim)
+
+  PinnedArena() = default;
+  PinnedArena(const PinnedArena&) = delete;
+  PinnedArena& operator=(const PinnedArena&) = delete;
+  ~PinnedArena() {
+    for (const Block& b : blocks_) cudaFreeHost(b.ptr);
+  }
+  void Reset() {
+    for (Block& b : blocks_) b.used = 0;
+    used_ = 0;
+  }
+  // Between calls: frees the largest blocks until at most the larger of
+  // `keep` and twice what the call used at its peak stays (room for the
+  // blocks' leftovers), so that calls alike reuse their memory and one large
+  // call does not hold it for good.
+  void Trim(size_t keep) {
+    keep = std::max(keep, 2 * peak_);
+    peak_ = 0;
+    std::sort(blocks_.begin(), blocks_.end(), [](const Block& a, const Block& b) { return a.size < b.size; });
+    size_t total = 0;
+    for (const Block& b : blocks_) total += b.size;
+    while (total > keep && !blocks_.empty()) {
+      total -= blocks_.back().size;
+      cudaFreeHost(blocks_.back().ptr);
+      blocks_.pop_back();
+    }
+    Reset();
+  }
+  template <typename T>
+  StatusOr<T*> Alloc(size_t count) {
+    const size_t n = std::max<size_t>(256, (count * sizeof(T) + 255) / 256 * 256);
+    used_ += n;
+    peak_ = std::max(peak_, used_);
+    for (Block& b : blocks_) {
+      if (b.size - b.used >= n) {
+        void* p = b.ptr + b.used;
+        b.used += n;
+        return static_cast<T*>(p);
+      }
+    }
+    const size_t size = std::max(n, kMinBlock);
+    void* p = nullptr;
+    WSYNC_RETURN_IF_ERROR(Check(cudaMallocHost(&p, size), "allocating page-locked host memory"));
+    blocks_.push_back({static_cast<uint8_t*>(p), size, n});
+    return static_cast<T*>(p);
+  }
+
+ private:
+  static constexpr size_t kMinBlock = size_t{16} << 20;
+  struct Block {
+    uint8_t* ptr;
+    size_t size;
+    size_t used;
+  };
+  std::vector<Block> blocks_;
+  size_t used_ = 0;  // handed out since the last Reset
+  size_t peak_ = 0;  // the most handed out at once since the last Trim
+};
+
+// Ends a call: waits for what the call left on its stream, then trims the
+// page-locked memory (also on an error return).
+struct EndOfCall {
+  cudaStream_t stream;
+  PinnedArena& pinned;
+  ~EndOfCall() {
+    cudaStreamSynchronize(stream);
+    pinned.Trim(PinnedArena::kKeepBytes);
+  }
+};
+
+template <typename T>
+Status CopyToPinned(PinnedArena& pinned, const T** out, const T* src, size_t count, cudaStream_t s) {
+  WSYNC_ASSIGN_OR_RETURN(T* dst, pinned.Alloc<T>(count));
+  *out = dst;
+  if (count == 0) return Status::Ok();
+  return Check(cudaMemcpyAsync(dst, src, count * sizeof(T), cudaMemcpyDeviceToHost, s), "copy to host");
+}
+
+// Tensors are encoded in batches whose first-pass scratch (block counts and
+// offsets, 8 bytes per 32 elements) stays under this, or one tensor alone:
+// a batch costs three synchronizations, and its compact changes are
+// entropy-coded before the next batch reuses the page-locked memory.
+inline constexpr size_t kBatchScratchBytes = size_t{64} << 20;
+// A batch's bases staged from host memory stay under this, or one tensor.
+inline constexpr size_t kStagingBytes = size_t{256} << 20;
+// The device's coder takes a batch's chunks while its jobs' scratch and
+// streams stay under this (about 16 bytes per change); the host codes the
+// rest.
+inline constexpr size_t kCoderArenaBytes = size_t{256} << 20;
+// An apply into pieces or tile grids gathers chunks into images of at most
+// this (or one chunk) at a time.
+inline constexpr size_t kImageBytes = size_t{64} << 20;
+
+// A ranked chunk's entries for LaunchRankPositions, class after class: each
+// rank's chunk (in the layout the kernel resolves it in), class and rank.
+void RankEntries(const codec::staged::DecodedChunk& dc, uint32_t chunk, uint32_t* chunk_out, uint8_t* cls_out,
+                 uint32_t* rank_out);
+
+// Scratch bytes a cell takes when gathered out of its tensor (256-byte
+// aligned); 0 when its elements are contiguous there.
+size_t GatheredBytes(const codec::staged::Cell& c, size_t width);
+
+// A cell's elements in its row-major order: where they start in the
+// tensor's data when contiguous there, else copied into `scratch`
+// (GatheredBytes of it) by a two-dimensional copy enqueued on `s`.
+StatusOr<const uint8_t*> CellElements(const codec::staged::Cell& c, const void* data, size_t width, uint8_t* scratch,
+                                      cudaStream_t s);
+
+// One cell of an encode (a tensor without a grid is one cell): where its
+// elements lie on the device in the cell's row-major order, where its
+// scratch lies, and its compact change once copied to page-locked memory.
+struct CellChange {
+  size_t tensor = 0;
+  uint64_t n = 0;                // the cell's elements
+  const void* base = nullptr;    // the cell's elements, in the tensor or gathered
+  const void* target = nullptr;
+  std::vector<size_t> chunk_ids;  // the writer's chunk indices
+  logic::Layout layout;
+  size_t width = 0;
+  size_t bins = 0;
+  bool conditioned = false;
+  bool need_ranks = false;
+  // Device scratch of the batch (offsets into it).
+  size_t o_counts = 0, o_offsets = 0, o_chunks = 0, o_hist = 0, o_temp = 0, scan_bytes = 0, o_bdig = 0, o_tdig = 0;
+  size_t ndigests = 0;
+  size_t o_pos = 0, o_delta = 0, o_old = 0, o_rank = 0;  // in the compact scratch
+  // The compact change on the device (ranks when computed).
+  const uint32_t* d_pos = nullptr;
+  const uint8_t* d_delta = nullptr;
+  const uint8_t* d_old = nullptr;
+  const uint32_t* d_rank = nullptr;
+  // Host (page-locked).
+  const uint32_t* chunk_off = nullptr;  // changes of chunk c: [chunk_off[c], chunk_off[c + 1])
+  const uint32_t* hist = nullptr;       // bins per chunk, when conditioned
+  const uint64_t* base_digests = nullptr;
+  const uint64_t* target_digests = nullptr;
+  // The compact changes of the chunks the host reads (FetchChanges): a
+  // run's first chunk for the class choice, and those the device's coder
+  // leaves to the host; null elsewhere.
+  struct Fetched {
+    const uint32_t* pos = nullptr;
+    const uint8_t* delta = nullptr;
+    const uint8_t* old = nullptr;
+    const uint32_t* rank = nullptr;
+  };
+  std::vector<Fetched> fetched;  // per chunk
+  std::vector<codec::ClassSpec> specs;
+
+  bool empty() const { return layout.n == 0; }
+  uint64_t changes() const { return empty() ? 0 : chunk_off[layout.Chunks()]; }
+  uint64_t count(size_t c) const { return chunk_off[c + 1] - chunk_off[c]; }
+  codec::staged::ChunkChange Change(size_t c) const {
+    codec::staged::ChunkChange ch;
+    ch.count = count(c);
+    ch.pos = fetched[c].pos;
+    ch.delta = fetched[c].delta;
+    ch.old = conditioned ? fetched[c].old : nullptr;
+    return ch;
+  }
+  const uint32_t* Ranks(size_t c) const { return fetched[c].rank; }
+};
+
+// Enqueues the digests of many regions in one launch: the job list goes
+// through page-locked memory to `jobs_dev` (room for every region).
+Status EnqueueDigests(PinnedArena& pinned, std::span<const DigestJob> regions, DigestJob* jobs_dev, cudaStream_t s);
+
+// FailedPrecondition: the destination does not hold the patch's base.
+Status WrongBase(const codec::staged::PatchReader& r);
+
+}  // namespace internal
+
+// Not thread-safe: a call uses the streams, the scratch and the page-locked
+// arena from start to end.
+struct DeviceCodec::Impl {
+  int device = 0;
+  cudaStream_t compute = nullptr;
+  cudaStream_t copy = nullptr;
+  // encode: a batch's first pass; apply: the entries (on the device's
+  // decoding, all of it)
+  internal::Scratch scratch;
+  internal::Scratch changes;     // encode: a batch's compact changes; apply: the scatter lists
+  internal::Scratch rank_mem;    // class counts and their scan, one tensor at a time
+  internal::Scratch digest_mem;  // digests
+  internal::Scratch staging;     // bases in host memory, a batch at a time
+  internal::Scratch images;      // cells gathered out of their tensors, a batch at a time
+  internal::Scratch coder_mem;   // encode: the entropy stage's jobs, scratch and streams, a batch at a time
+  internal::Scratch packed_mem;  // encode: the coded streams packed for the copy to the host
+  internal::Scratch fetch_mem;   // encode: the compact changes the host reads, packed for the copy
+  internal::PinnedArena pinned;  // what the device copies back
+  std::vector<Phase> phases;
+  std::chrono::steady_clock::time_point mark;
+
+  ~Impl();
+
+  Status Activate() const;
+
+  void StartPhases();
+  // Ends the phase running since the last mark.
+  void EndPhase(const char* name);
+
+  // ---------------------------------------------------------------- checksums
+  // (device_checksum.cc)
+
+  // codec::TensorChecksum of each region, with one launch and one
+  // synchronization.
+  StatusOr<std::vector<uint64_t>> Checksums(std::span<const std::pair<const void*, size_t>> regions);
+  // Checksums of the destination's tensors the patch matched, in its order.
+  StatusOr<std::vector<uint64_t>> Checksums(std::span<const codec::MutableTensorView> dst,
+                                            const std::vector<size_t>& match);
+  StatusOr<uint64_t> Checksum(const void* data, size_t nbytes);
+  // DeviceCodec::SetChecksum.
+  StatusOr<uint64_t> SetChecksum(std::span<const codec::TensorView> tensors, std::span<const codec::TileGrid> grids);
+
+  // -------------------------------------------------------------------- ranks
+  // (device_codec.cc)
+
+  // Scratch of RankPrefix for a tensor of this layout.
+  struct RankScratch {
+    size_t o_specs = 0, o_counts = 0, o_prefix = 0, o_temp = 0, scan_bytes = 0, bytes = 0;
+  };
+  RankScratch RankScratchOf(logic::Layout l);
+
+  // Per-class rank prefix (exclusive scan of class counts) of a tensor under
+  // per-chunk specs, into rank_mem (laid out by RankScratchOf, already
+  // large enough). Enqueued on `compute`; rank_mem is reused by the next
+  // tensor in stream order.
+  Status RankPrefix(const void* base, size_t width, logic::Layout l, const std::vector<codec::ClassSpec>& specs,
+                    void* mem, const RankScratch& r);
+
+  size_t ScanBytes(size_t n);
+
+  // ------------------------------------------------------------------- encode
+  // (device_encode.cc)
+
+  // The encode behind EncodePatch, SnapshotAndEncode and EncodeAndAdvance*:
+  // previous -> target, with `live` copied into `snapshot` first when given
+  // (then target views the snapshot), and `advance` made equal to target
+  // once the patch is made. base_on_host: previous is in host memory.
+  StatusOr<std::string> Encode(std::span<const codec::TensorView> live,
+                               std::span<const codec::MutableTensorView> snapshot,
+                               std::span<const codec::TensorView> previous, const codec::EncodeOptions& options,
+                               const std::function<void()>& on_snapshot, std::span<const codec::TensorView> target,
+                               std::span<const codec::MutableTensorView> advance, bool base_on_host);
+
+  // Copies the host bases of tensors [t0, t1) (`bytes` with 256-byte
+  // alignment) into `staging` and points bases[t0, t1) there. Enqueued on
+  // `compute`, so the next batch's copy waits for this batch's reads.
+  Status StageBases(std::span<const codec::TensorView> host, size_t t0, size_t t1, size_t bytes,
+                    std::vector<codec::TensorView>& bases);
+
+  // Points cells[k], the writer's cell cell0 + k, at its elements: in the
+  // tensor when contiguous there, else gathered into `images` (a
+  // two-dimensional copy, after the tensor's snapshot landed). Enqueued on
+  // `compute`.
+  Status PlaceCells(const codec::staged::PatchWriter& writer, std::span<const codec::TensorView> base,
+                    std::span<const codec::TensorView> target, size_t cell0, std::span<internal::CellChange> cells,
+                    std::span<cudaEvent_t> landed);
+
+  // The device part of encoding a batch of whole tensors' cells: digests,
+  // compact changes, class choice (host, small) and ranks, with one
+  // synchronization per step for the whole batch. specs: by writer chunk.
+  Status CompactBatch(const codec::staged::PatchWriter& writer, std::span<internal::CellChange> batch,
+                      const codec::EncodeOptions& options, std::vector<codec::ClassSpec>& specs);
+
+  // Copies the segments' bytes (device memory) back to back into
+  // page-locked memory: the segment list up, one packing kernel into `mem`,
+  // one copy down. Synchronizes.
+  StatusOr<const uint8_t*> PackToHost(std::span<const PackSegment> segments, uint64_t bytes, internal::Scratch& mem,
+                                      const char* what);
+
+  // Copies the compact changes of these chunks (cell in batch, chunk in
+  // cell) that are not on the host yet, with their ranks where computed,
+  // packed into one copy; their `fetched` pointers then point at them.
+  // Synchronizes.
+  Status FetchChanges(std::span<internal::CellChange> batch, std::span<const std::pair<size_t, size_t>> which);
+
+  // The entropy stage on the device: codes the batch's chunks that
+  // MaySparseEncode (encode_plan.h), one per thread, and hands their
+  // streams to the writer; coded[chunk] marks those it coded. The rest
+  // (other modes, or streams past their room) are left for the host.
+  // Then fetches the changes of the chunks it leaves to the host.
+  Status CodeOnDevice(codec::staged::PatchWriter& writer, std::span<internal::CellChange> batch,
+                      const codec::EncodeOptions& options, std::vector<uint8_t>& coded);
+
+  // ------------------------------------------------- apply into whole tensors
+  // (device_apply.cc)
+
+  // One flat patch or keyframe into whole tensors: a patch on the device's
+  // decoding where it can (ApplySparse), else ApplyDelta.
+  Status ApplyFlat(const codec::staged::PatchReader& reader, std::string_view patch,
+                   std::span<const codec::MutableTensorView> tensors, const codec::ApplyOptions& options);
+  Status ApplyDelta(const codec::staged::PatchReader& r, std::span<const codec::MutableTensorView> dst,
+                    const std::vector<size_t>& match, const codec::ApplyOptions& options);
+  // A patch decoded on the device, its chunks in other modes than sparse
+  // beside it on the host; false (nothing done) when those hold more than
+  // an eighth of the changes.
+  StatusOr<bool> ApplySparse(std::string_view patch, const codec::staged::PatchReader& r,
+                             std::span<const codec::MutableTensorView> dst, const std::vector<size_t>& match,
+                             const codec::ApplyOptions& options);
+  // Scatters (scatter(false)), verifies every tensor against the patch and
+  // undoes the scatter (scatter(true)) on a mismatch or a failure.
+  Status ScatterAndVerify(const codec::staged::PatchReader& r, std::span<const codec::MutableTensorView> dst,
+                          const std::vector<size_t>& match, const std::function<Status(bool undo)>& scatter);
+  Status ApplyKeyframe(const codec::staged::PatchReader& r, std::span<const codec::MutableTensorView> dst,
+                       const std::vector<size_t>& match, const codec::ApplyOptions& options);
+  StatusOr<bool> HoldsBase(const codec::staged::PatchReader& r, std::span<const codec::MutableTensorView> dst,
+                           const std::vector<size_t>& match);
+  // What a failed apply reports: FailedPrecondition when the destination
+  // does not hold the patch's base (then that is why it failed), else error.
+  Status Failure(const codec::staged::PatchReader& r, std::span<const codec::MutableTensorView> dst,
+                 const std::vector<size_t>& match, Status error);
+
+  // ----------------------------------------- apply into pieces and tile grids
+  // (device_apply_placed.cc)
+
+  // DeviceCodec::Apply of a patch (as_parts false) or of the parts of a
+  // version (as_parts true).
+  Status ApplyParts(std::span<const std::string_view> parts, const codec::Destination& destination,
+                    const codec::ApplyOptions& options, bool as_parts);
+  // Patches into pieces or tile grids (placed.h). dst: the destination
+  // tensors' data, as the plans' Work::dst index them.
+  // unwritten: what a DataLoss before the first write becomes (a wrong
+  // base told apart where it can be).
+  Status ApplyPlaced(std::span<const codec::staged::PatchReader* const> readers,
+                     std::span<const codec::staged::ApplyPlan> plans, std::span<void* const> dst,
+                     const codec::ApplyOptions& options, const std::function<Status(Status)>& unwritten);
+  // A keyframe part's decoded works (values[w]: its chunk's bytes) to their
+  // placements, batch by batch through the image scratch.
+  Status WriteTiles(const codec::staged::PatchReader& r, const codec::staged::ApplyPlan& plan,
+                    const std::vector<std::vector<uint8_t>>& values, std::span<void* const> dst);
+};
+
+}  // namespace wsync::cuda

@@ -1,0 +1,109 @@
+// The device memory helpers of device_codec.h: synchronous copies,
+// DeviceBuffer and PinnedBuffer.
+#include "wsync/cuda/device_codec.h"
+
+#include <cuda_runtime_api.h>
+
+#include "device_codec_impl.h"
+
+namespace wsync::cuda {
+namespace {
+
+using namespace internal;  // device_codec_impl.h
+
+}  // namespace
+
+Status CopyDeviceToHost(void* dst, const void* src, size_t bytes) {
+  if (bytes == 0) return Status::Ok();
+  return Check(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost), "copy to host");
+}
+
+Status CopyHostToDevice(void* dst, const void* src, size_t bytes) {
+  if (bytes == 0) return Status::Ok();
+  return Check(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice), "copy to device");
+}
+
+Status CopyDeviceToDevice(void* dst, const void* src, size_t bytes) {
+  if (bytes == 0) return Status::Ok();
+  WSYNC_RETURN_IF_ERROR(Check(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToDevice), "device copy"));
+  return Check(cudaDeviceSynchronize(), "device copy");
+}
+
+// ------------------------------------------------------------ DeviceBuffer
+
+StatusOr<DeviceBuffer> DeviceBuffer::Allocate(size_t bytes, int device) {
+  WSYNC_RETURN_IF_ERROR(DeviceAvailable());
+  WSYNC_RETURN_IF_ERROR(Check(cudaSetDevice(device), "select device"));
+  DeviceBuffer b;
+  if (bytes > 0) WSYNC_RETURN_IF_ERROR(Check(cudaMalloc(&b.data_, bytes), "allocate"));
+  b.size_ = bytes;
+  return b;
+}
+
+DeviceBuffer::DeviceBuffer(DeviceBuffer&& o) noexcept : data_(o.data_), size_(o.size_) {
+  o.data_ = nullptr;
+  o.size_ = 0;
+}
+
+DeviceBuffer& DeviceBuffer::operator=(DeviceBuffer&& o) noexcept {
+  if (this != &o) {
+    if (data_ != nullptr) cudaFree(data_);
+    data_ = o.data_;
+    size_ = o.size_;
+    o.data_ = nullptr;
+    o.size_ = 0;
+  }
+  return *this;
+}
+
+DeviceBuffer::~DeviceBuffer() {
+  if (data_ != nullptr) cudaFree(data_);
+}
+
+Status DeviceBuffer::CopyFromHost(const void* src, size_t bytes, size_t offset) {
+  if (offset > size_ || bytes > size_ - offset) return OutOfRangeError("copy past the device buffer's end");
+  return Check(cudaMemcpy(static_cast<uint8_t*>(data_) + offset, src, bytes, cudaMemcpyHostToDevice), "copy");
+}
+
+Status DeviceBuffer::CopyToHost(void* dst, size_t bytes, size_t offset) const {
+  if (offset > size_ || bytes > size_ - offset) return OutOfRangeError("copy past the device buffer's end");
+  return Check(cudaMemcpy(dst, static_cast<const uint8_t*>(data_) + offset, bytes, cudaMemcpyDeviceToHost), "copy");
+}
+
+Status DeviceBuffer::CopyFromDevice(const void* src, size_t bytes) {
+  if (bytes > size_) return OutOfRangeError("copy past the device buffer's end");
+  WSYNC_RETURN_IF_ERROR(Check(cudaMemcpy(data_, src, bytes, cudaMemcpyDeviceToDevice), "copy"));
+  return Check(cudaDeviceSynchronize(), "copy");
+}
+
+// ------------------------------------------------------------ PinnedBuffer
+
+StatusOr<PinnedBuffer> PinnedBuffer::Allocate(size_t bytes) {
+  WSYNC_RETURN_IF_ERROR(DeviceAvailable());
+  PinnedBuffer b;
+  if (bytes > 0) WSYNC_RETURN_IF_ERROR(Check(cudaMallocHost(&b.data_, bytes), "allocating page-locked host memory"));
+  b.size_ = bytes;
+  return b;
+}
+
+PinnedBuffer::PinnedBuffer(PinnedBuffer&& o) noexcept : data_(o.data_), size_(o.size_) {
+  o.data_ = nullptr;
+  o.size_ = 0;
+}
+
+PinnedBuffer& PinnedBuffer::operator=(PinnedBuffer&& o) noexcept {
+  if (this != &o) {
+    if (data_ != nullptr) cudaFreeHost(data_);
+    data_ = o.data_;
+    size_ = o.size_;
+    o.data_ = nullptr;
+    o.size_ = 0;
+  }
+  return *this;
+}
+
+PinnedBuffer::~PinnedBuffer() {
+  if (data_ != nullptr) cudaFreeHost(data_);
+}
+
+}  // namespace wsync::cuda
