@@ -10,9 +10,10 @@
 #include <vector>
 
 #include "block_ops.h"
+#include "wsync/codec/codec.h"
+#include "wsync/codec/decoded_chunk.h"
 #include "wsync/codec/dtype.h"
 #include "wsync/codec/sparse_decode.h"
-#include "wsync/codec/staged.h"
 #include "wsync/util/status.h"
 
 namespace wsync::codec::internal {

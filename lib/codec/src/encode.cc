@@ -1,27 +1,92 @@
-// Encoding patches and keyframes of a set, whole or segment by segment.
-#include <algorithm>
-#include <atomic>
-#include <cstring>
-#include <limits>
-#include <mutex>
+// Encoding patches and keyframes of a set, whole or segment by segment, and
+// the encode side's helpers (patch_encode.h).
+#include <cstddef>
+#include <cstdint>
+#include <functional>
 #include <optional>
-#include <unordered_map>
-#include <set>
+#include <span>
+#include <string>
+#include <string_view>
 #include <unordered_set>
+#include <utility>
+#include <vector>
 
+#include "block_hasher.h"
 #include "chunk_codec.h"
 #include "format.h"
 #include "patch_common.h"
+#include "patch_encode.h"
 #include "wsync/codec/checksum.h"
 #include "wsync/codec/codec.h"
-#include "wsync/util/bytes.h"
 #include "wsync/util/thread_pool.h"
 #include "wsync/util/text.h"
 
 namespace wsync::codec {
+namespace internal {
 namespace {
 
-using namespace set_level;  // patch_common.h
+std::string Concatenate(std::vector<std::string>& streams) {
+  size_t total = 0;
+  for (const auto& s : streams) total += s.size();
+  std::string out;
+  out.reserve(total);
+  for (auto& s : streams) {
+    out.append(s);
+    std::string().swap(s);
+  }
+  return out;
+}
+
+}  // namespace
+
+Status ValidateOptions(const EncodeOptions& o) {
+  if (o.chunk_bytes < internal::kMinChunkBytes || o.chunk_bytes > internal::kMaxChunkBytes ||
+      (o.chunk_bytes & (o.chunk_bytes - 1)) != 0) {
+    return InvalidArgumentError("chunk size " + std::to_string(o.chunk_bytes) +
+                                " is not a power of two in [1 MiB, 64 MiB]");
+  }
+  if (o.zstd_level < 1 || o.zstd_level > 19) {
+    return InvalidArgumentError("zstd level " + std::to_string(o.zstd_level) + " is not in 1..19");
+  }
+  if (o.max_classes < 1 || o.max_classes > codec::kMaxClasses) {
+    return InvalidArgumentError("max classes " + std::to_string(o.max_classes) + " is not in 1.." +
+                                std::to_string(codec::kMaxClasses));
+  }
+  return Status::Ok();
+}
+
+// Fills chunk entries from encoded chunks in task order and writes the file.
+std::string Finish(Container& c, const std::vector<Task>& tasks, std::vector<internal::EncodedChunk>& encoded) {
+  std::vector<std::string> streams;
+  streams.reserve(tasks.size() * 2);
+  for (size_t i = 0; i < tasks.size(); ++i) {
+    ChunkEntry& e = c.tensors[tasks[i].tensor].chunks[tasks[i].chunk];
+    e.mode = encoded[i].mode;
+    e.changed = encoded[i].changed;
+    e.pos_len = encoded[i].pos.size();
+    e.val_len = encoded[i].val.size();
+    streams.push_back(std::move(encoded[i].pos));
+    streams.push_back(std::move(encoded[i].val));
+  }
+  std::string payload = Concatenate(streams);
+  return internal::WriteContainer(c, payload);
+}
+
+}  // namespace internal
+
+namespace {
+
+using internal::Container;
+using internal::Digests;
+using internal::EntriesFor;
+using internal::Finish;
+using internal::ForEachChunk;
+using internal::Task;
+using internal::TasksOf;
+using internal::TensorEntry;
+using internal::ValidateOptions;
+using internal::ValidateSet;
+using internal::WithWidth;
 
 }  // namespace
 

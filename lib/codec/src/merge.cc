@@ -1,27 +1,35 @@
 // Merging two chained patches into one (patch(j->k) + patch(k->l) = patch(j->l)).
-#include <algorithm>
-#include <atomic>
-#include <cstring>
-#include <limits>
-#include <mutex>
-#include <optional>
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <string_view>
 #include <unordered_map>
-#include <set>
-#include <unordered_set>
+#include <utility>
+#include <vector>
 
 #include "chunk_codec.h"
 #include "format.h"
 #include "patch_common.h"
-#include "wsync/codec/checksum.h"
+#include "patch_encode.h"
 #include "wsync/codec/codec.h"
-#include "wsync/util/bytes.h"
-#include "wsync/util/thread_pool.h"
+#include "wsync/util/first_error.h"
 #include "wsync/util/text.h"
 
 namespace wsync::codec {
 namespace {
 
-using namespace set_level;  // patch_common.h
+using internal::AbsentChunk;
+using internal::ChunkEntry;
+using internal::ChunkWhere;
+using internal::Container;
+using internal::Finish;
+using internal::ForEachChunk;
+using internal::SparseDelta;
+using internal::Task;
+using internal::TasksOf;
+using internal::TensorEntry;
+using internal::ValidateOptions;
 
 // The change of applying `first` then `second`: the union of positions,
 // deltas added mod 2^w at common ones, zero sums dropped.

@@ -1,30 +1,34 @@
 // The patch format's common ground: tensor views and sets validated,
 // entries and tiles of a set, checksums, streams of segments, and
 // InspectPatch. Encode, apply and merge are beside it (encode.cc,
-// apply.cc, merge.cc).
-#include <algorithm>
-#include <atomic>
-#include <cstring>
-#include <limits>
-#include <mutex>
-#include <optional>
+// apply*.cc, merge.cc).
+#include <cstdint>
+#include <span>
+#include <string>
+#include <string_view>
 #include <unordered_map>
-#include <set>
 #include <unordered_set>
+#include <utility>
+#include <vector>
 
 #include "chunk_codec.h"
 #include "format.h"
 #include "patch_common.h"
 #include "wsync/codec/checksum.h"
 #include "wsync/codec/codec.h"
-#include "wsync/util/bytes.h"
 #include "wsync/util/thread_pool.h"
 #include "wsync/util/text.h"
 
 namespace wsync::codec {
 namespace {
 
-using namespace set_level;  // patch_common.h
+using internal::ChunkEntry;
+using internal::ChunkMode;
+using internal::Container;
+using internal::EntriesFor;
+using internal::SaturatingBytes;
+using internal::SaturatingProduct;
+using internal::TensorEntry;
 
 }  // namespace
 
@@ -43,22 +47,6 @@ uint64_t SaturatingBytes(uint64_t numel, DType dtype) {
   uint64_t w = DTypeWidth(dtype);
   if (w == 0) return UINT64_MAX;
   return numel > UINT64_MAX / w ? UINT64_MAX : numel * w;
-}
-
-Status ValidateOptions(const EncodeOptions& o) {
-  if (o.chunk_bytes < internal::kMinChunkBytes || o.chunk_bytes > internal::kMaxChunkBytes ||
-      (o.chunk_bytes & (o.chunk_bytes - 1)) != 0) {
-    return InvalidArgumentError("chunk size " + std::to_string(o.chunk_bytes) +
-                                " is not a power of two in [1 MiB, 64 MiB]");
-  }
-  if (o.zstd_level < 1 || o.zstd_level > 19) {
-    return InvalidArgumentError("zstd level " + std::to_string(o.zstd_level) + " is not in 1..19");
-  }
-  if (o.max_classes < 1 || o.max_classes > codec::kMaxClasses) {
-    return InvalidArgumentError("max classes " + std::to_string(o.max_classes) + " is not in 1.." +
-                                std::to_string(codec::kMaxClasses));
-  }
-  return Status::Ok();
 }
 
 Status ValidateTensor(const TensorView& t, bool need_data) {
@@ -133,72 +121,6 @@ uint64_t EntryChecksum(const TensorEntry& e, const uint8_t* data, ThreadPool* po
     digests[i] = BlockDigest(ChunkBytes(tile, at, width, &scratch), tile.n * width);
   });
   return CombineBlockDigests(digests);
-}
-
-std::string Concatenate(std::vector<std::string>& streams) {
-  size_t total = 0;
-  for (const auto& s : streams) total += s.size();
-  std::string out;
-  out.reserve(total);
-  for (auto& s : streams) {
-    out.append(s);
-    std::string().swap(s);
-  }
-  return out;
-}
-
-// Fills chunk entries from encoded chunks in task order and writes the file.
-std::string Finish(Container& c, const std::vector<Task>& tasks, std::vector<internal::EncodedChunk>& encoded) {
-  std::vector<std::string> streams;
-  streams.reserve(tasks.size() * 2);
-  for (size_t i = 0; i < tasks.size(); ++i) {
-    ChunkEntry& e = c.tensors[tasks[i].tensor].chunks[tasks[i].chunk];
-    e.mode = encoded[i].mode;
-    e.changed = encoded[i].changed;
-    e.pos_len = encoded[i].pos.size();
-    e.val_len = encoded[i].val.size();
-    streams.push_back(std::move(encoded[i].pos));
-    streams.push_back(std::move(encoded[i].val));
-  }
-  std::string payload = Concatenate(streams);
-  return internal::WriteContainer(c, payload);
-}
-
-// Matches the container's tensors to destination views by name.
-StatusOr<std::vector<const MutableTensorView*>> MatchTensors(const Container& c,
-                                                             std::span<const MutableTensorView> dst,
-                                                             bool allow_extra) {
-  std::unordered_map<std::string_view, const MutableTensorView*> by_name;
-  for (const auto& t : dst) {
-    if (!by_name.emplace(t.name, &t).second) {
-      return InvalidArgumentError("destination tensor " + Quoted(t.name) + " appears twice");
-    }
-  }
-  std::vector<const MutableTensorView*> out;
-  std::unordered_set<std::string_view> seen;
-  for (const TensorEntry& e : c.tensors) {
-    if (!seen.insert(e.name).second) return DataLossError("patch names tensor " + Quoted(e.name) + " twice");
-    auto it = by_name.find(e.name);
-    if (it == by_name.end()) {
-      return FailedPreconditionError("tensor " + Quoted(e.name) + " of the patch is not in the destination");
-    }
-    const MutableTensorView& d = *it->second;
-    if (d.dtype != e.dtype || d.shape != e.shape) {
-      return FailedPreconditionError("tensor " + Quoted(e.name) + ": destination is " +
-                                     std::string(DTypeName(d.dtype)) + " of another shape or dtype than the patch's " +
-                                     std::string(DTypeName(e.dtype)));
-    }
-    if (d.data == nullptr && e.nbytes > 0) return InvalidArgumentError("tensor " + Quoted(e.name) + ": no data");
-    out.push_back(&d);
-  }
-  if (!allow_extra && dst.size() != c.tensors.size()) {
-    for (const auto& t : dst) {
-      if (!seen.count(t.name)) {
-        return FailedPreconditionError("destination tensor " + Quoted(t.name) + " is not in the patch");
-      }
-    }
-  }
-  return out;
 }
 
 std::string ChunkWhere(const TensorEntry& t, size_t c) {

@@ -1,11 +1,15 @@
-// Helpers of the set-level drivers (patch.cc, staged.cc): validation,
-// chunk layout, parallel chunk loops, container assembly (private).
+// What the set-level files share, whichever way they run (encode.cc,
+// merge.cc, apply*.cc, staged.cc; defined in patch.cc): element widths,
+// tensor sets validated and laid out in entries, the placements of chunks
+// in memory, and the digests a patch is checked by (private). The encode
+// side's own helpers are in patch_encode.h, the apply side's in apply_plan.h
+// and apply_chunks.h.
 #pragma once
 
 #include <algorithm>
+#include <cstddef>
+#include <cstdint>
 #include <cstring>
-#include <functional>
-#include <mutex>
 #include <span>
 #include <string>
 #include <vector>
@@ -14,9 +18,8 @@
 #include "format.h"
 #include "wsync/codec/checksum.h"
 #include "wsync/codec/codec.h"
-#include "wsync/codec/staged.h"
-#include "wsync/util/first_error.h"
-#include "wsync/util/thread_pool.h"
+#include "wsync/codec/tile_map.h"
+#include "wsync/util/status.h"
 
 namespace wsync::codec::internal {
 
@@ -34,10 +37,6 @@ decltype(auto) WithWidth(size_t width, F&& f) {
 uint64_t SaturatingProduct(const std::vector<uint64_t>& shape);
 uint64_t SaturatingBytes(uint64_t numel, DType dtype);
 
-using wsync::FirstError;
-
-
-Status ValidateOptions(const EncodeOptions& o);
 // need_data: a tensor of nonzero size must have a data pointer.
 Status ValidateTensor(const TensorView& t, bool need_data = true);
 Status ValidateSet(std::span<const TensorView> set, bool need_data = true);
@@ -134,17 +133,6 @@ struct Task {
 
 std::vector<Task> TasksOf(const std::vector<TensorEntry>& tensors);
 
-// Runs body(i, entry, chunk_index, n, T{}) for every task, in parallel when a
-// pool is given, with n the chunk's elements and T its element type.
-template <typename F>
-void ForEachChunk(ThreadPool* pool, const Container& c, const std::vector<Task>& tasks, F&& body) {
-  ParallelFor(pool, tasks.size(), [&](size_t i) {
-    const TensorEntry& t = c.tensors[tasks[i].tensor];
-    const size_t n = c.ChunkElements(t, tasks[i].chunk);
-    WithWidth(DTypeWidth(t.dtype), [&](auto zero) { body(i, t, tasks[i].chunk, n, zero); });
-  });
-}
-
 // Per-tensor arrays of checksum-block digests; chunks hold whole blocks.
 struct Digests {
   std::vector<std::vector<uint64_t>> blocks;
@@ -218,14 +206,6 @@ inline void Digests::DigestChunk(size_t tensor, size_t first_block, const uint8_
   digester.Finish();
 }
 
-// Fills chunk entries from encoded chunks in task order and writes the file.
-std::string Finish(Container& c, const std::vector<Task>& tasks, std::vector<EncodedChunk>& encoded);
-
-// Matches the container's tensors to destination views by name.
-StatusOr<std::vector<const MutableTensorView*>> MatchTensors(const Container& c,
-                                                             std::span<const MutableTensorView> dst,
-                                                             bool allow_extra);
-
 std::string ChunkWhere(const TensorEntry& t, size_t c);
 
 // The entries of a set with the options' grids (InvalidArgument for two
@@ -235,38 +215,4 @@ StatusOr<std::vector<TensorEntry>> EntriesFor(std::span<const TensorView> set, c
 // FailedPrecondition: chunk `chunk` of t is not in this patch (a selection for other pieces).
 Status AbsentChunk(const TensorEntry& t, size_t chunk);
 
-// The works Apply would run for each part (chunk indices in task order),
-// with its checks and errors; as_parts: the containers are the parts of one
-// version (Apply's list form).
-StatusOr<std::vector<staged::ApplyPlan>> PlanApply(std::span<const Container* const> parts,
-                                                   const Destination& destination, const ApplyOptions& options,
-                                                   bool as_parts);
-
 }  // namespace wsync::codec::internal
-
-// The internals the set-level files (patch.cc, encode.cc, apply.cc,
-// merge.cc) name unqualified: each says `using namespace set_level;`.
-namespace wsync::codec::set_level {
-using internal::ChunkEntry;
-using internal::ChunkMode;
-using internal::Container;
-using internal::SparseDelta;
-using internal::TensorEntry;
-using internal::ChunkWhere;
-using internal::EntriesFor;
-using internal::AbsentChunk;
-using internal::Digests;
-using internal::EntryFor;
-using internal::SaturatingBytes;
-using internal::SaturatingProduct;
-using internal::ValidateOptions;
-using internal::ValidateSet;
-using internal::FirstError;
-using internal::MatchTensors;
-using internal::Finish;
-using internal::ForEachChunk;
-using internal::Task;
-using internal::TasksOf;
-using internal::WithWidth;
-using internal::Placement;
-}  // namespace wsync::codec::set_level

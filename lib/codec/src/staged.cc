@@ -1,12 +1,13 @@
 // The staged codec API (wsync/codec/staged.h) over the chunk codec's stages.
 #include "wsync/codec/staged.h"
 
-#include <algorithm>
 #include <cstring>
 
+#include "apply_plan.h"
 #include "chunk_codec.h"
 #include "format.h"
 #include "patch_common.h"
+#include "patch_encode.h"
 #include "wsync/codec/sparse_encode.h"
 #include "wsync/util/text.h"
 

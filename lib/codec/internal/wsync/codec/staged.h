@@ -25,6 +25,7 @@
 
 #include "wsync/codec/block_logic.h"
 #include "wsync/codec/codec.h"
+#include "wsync/codec/decoded_chunk.h"
 #include "wsync/codec/sparse_decode.h"
 #include "wsync/codec/tile_map.h"
 
@@ -150,29 +151,6 @@ class PatchWriter {
   std::unique_ptr<Impl> impl_;
 };
 
-// One chunk as decoded so far.
-struct DecodedChunk {
-  ClassSpec spec;
-  bool values_pending = false;  // DecodeValues still to run
-  bool ranked = false;          // positions are per-class ranks (resolve with the base)
-  std::vector<uint32_t> pos;    // ascending, once known
-  std::vector<uint64_t> class_counts;  // while ranked: changes per class
-  std::vector<uint32_t> ranks;         // while ranked: ascending ranks, class after class
-  std::vector<uint8_t> delta;          // once decoded: pos.size() elements of the width
-
-  // Back to a default-constructed chunk, keeping the vectors' capacity (a
-  // reused DecodedChunk then neither allocates nor faults in fresh pages).
-  void Clear() {
-    spec = ClassSpec{};
-    values_pending = false;
-    ranked = false;
-    pos.clear();
-    class_counts.clear();
-    ranks.clear();
-    delta.clear();
-  }
-};
-
 // One chunk at one placement: what Apply runs for it.
 struct Work {
   size_t chunk = 0;  // the reader's chunk index
@@ -200,6 +178,7 @@ StatusOr<std::vector<ApplyPlan>> PlanApply(std::span<const PatchReader* const> p
 
 // Reads a patch or keyframe, gridded or a selection too. The bytes must
 // outlive the reader.
+// Its chunks decode into DecodedChunk (decoded_chunk.h).
 class PatchReader {
  public:
   static StatusOr<PatchReader> Open(std::string_view patch, bool verify_checksum = true);
