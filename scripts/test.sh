@@ -10,6 +10,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 jobs="$(nproc)"
+# Each phase's heading says how long the run has taken so far.
+phase() { echo "== $1 ($((SECONDS / 60)) min $((SECONDS % 60)) s in)"; }
 
 bash scripts/install-deps.sh
 # nvcc (when installed) builds the CUDA library; its device tests skip without a GPU.
@@ -21,17 +23,17 @@ mkdir -p build
 bash scripts/install-vllm.sh - > build/install-vllm.log 2>&1 &
 vllm_env=$!
 
-echo "== build (gcc, RelWithDebInfo)"
+phase "build (gcc, RelWithDebInfo)"
 cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DWSYNC_BUILD_TESTS=ON > /dev/null
 ninja -C build -j "$jobs"
 
-echo "== the vLLM environment"
+phase "the vLLM environment"
 wait "$vllm_env" || { cat build/install-vllm.log >&2; exit 1; }
 cat build/install-vllm.log
 vllm_python="$(bash scripts/install-vllm.sh build | tail -n 1)"
 cmake -S . -B build -DWSYNC_VLLM_PYTHON="$vllm_python" > /dev/null
 
-echo "== sanitizers (ASan + UBSan, portable kernels)"
+phase "sanitizers (ASan + UBSan, portable kernels)"
 cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=Debug -DWSYNC_SANITIZE=address,undefined \
   -DWSYNC_X86_64_V3=OFF -DWSYNC_CUDA=OFF -DWSYNC_BUILD_TESTS=ON > /dev/null
 # Only the unit-test executables (the integration tiers run in the main build).
@@ -39,8 +41,9 @@ ninja -C build-asan -j "$jobs" util_test codec_test buffers_test regress_test re
   version_history_test sink_weights_test sink_core_test source_core_test cuda_logic_test exchange_wire_test
 (cd build-asan && ctest -j "$jobs" -L unit --output-on-failure --timeout 600)
 
-echo "== fuzz the patch decoder and the pull protocol (${WSYNC_FUZZ_SECONDS:-90} s)"
+phase "fuzz the patch decoder and the pull protocol (${WSYNC_FUZZ_SECONDS:-90} s)"
 bash scripts/fuzz.sh "${WSYNC_FUZZ_SECONDS:-90}"
 
-echo "== all tests"
-cd build && ctest -j "$jobs" --output-on-failure --timeout 900
+phase "all tests"
+(cd build && ctest -j "$jobs" --output-on-failure --timeout 900)
+phase "done"

@@ -44,7 +44,7 @@ naming that (on an AVX2-only CPU vLLM keeps them: the check says so and
 skips).
 
 The engines run eagerly (enforce_eager, TORCHDYNAMO_DISABLE): torch.compile
-would cost each of the ~20 engine starts 10-60 s here. The compiled path is
+would cost each of the ~35 engine starts 10-60 s here. The compiled path is
 checked by scripts/bench_vllm.py.
 
     vllm_test.py BUILD [--families llama,...,deepseek_v2,serve] [--steps N]
@@ -164,9 +164,11 @@ def save_checkpoint(model, path):
 def engine(path, tp, wsync=True, ep=False, **kw):
     from vllm import LLM
     extra = {"weight_transfer_config": {"backend": "wsync"}} if wsync else {}
+    # The workers in processes of their own (vLLM's CPU backend needs them there for its OpenMP set-up), the
+    # engine core in this one (VLLM_ENABLE_V1_MULTIPROCESSING=0, main): one process start less per engine.
     return LLM(model=path, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=128, tensor_parallel_size=tp,
                enable_expert_parallel=ep, enforce_eager=True, seed=0, max_num_seqs=len(PROMPTS),
-               max_num_batched_tokens=128, **extra, **kw)
+               max_num_batched_tokens=128, distributed_executor_backend="mp", **extra, **kw)
 
 
 def generate(llm):
@@ -210,6 +212,7 @@ def worker_state(self, path=None):
     out = {}
     for kind, items in (("param", model.named_parameters()), ("buffer", model.named_buffers())):
         for n, t in items:
+            out[f"{kind} {n} strides"] = torch.tensor(t.stride() if t.numel() else ())  # the kernels' view of it
             t = t.detach().cpu().contiguous()
             out[f"{kind} {n}"] = t.reshape(-1).view(torch.uint8).clone() if t.numel() else t.reshape(0)
     return out
@@ -233,8 +236,9 @@ def torch_equal(a, b):
 
 
 def shutdown(llm):
-    """Stops an engine: a second for its processes to end, then they are
-    killed (vLLM's CPU engine outlives its default five seconds of grace)."""
+    """Stops an engine: a second for its workers to end, then they are
+    killed (VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS, main: vLLM's CPU workers
+    outlive its default five seconds of grace)."""
     import gc
     llm.llm_engine.engine_core.shutdown(timeout=1.0)
     del llm
@@ -272,7 +276,8 @@ def worker_extension(tmp, ckpt, trainer, last):
     try:
         llm = engine(ckpt, 1, wsync=False, worker_extension_cls="wsync.vllm.VllmWorkerExtension")
         try:
-            freed = sum(int(t.numel() == 0) for state in llm.collective_rpc(worker_state) for t in state.values())
+            freed = sum(int(t.numel() == 0) for state in llm.collective_rpc(worker_state) for n, t in state.items()
+                        if not n.endswith(" strides"))
             if not freed:
                 # vLLM repacks for oneDNN or its own packed GEMM only on CPUs with AVX-512 (or AMX): on an
                 # AVX2-only CPU it keeps the plain F.linear path, and there is nothing to refuse.
@@ -363,6 +368,14 @@ def run_family(build, family, steps):
                       "engine's logprobs differ between runs); compared by parameters only", flush=True)
                 continue
             want = reference(ckpt[steps], tp)
+            if outputs[tp] != want and reference(ckpt[steps], tp) != want:
+                # Engines whose parameters are bit-identical (checked above) can still differ run to run on
+                # this backend (DeepSeek's latent attention on CPU: two fresh engines of one checkpoint
+                # disagree in the fifth digit of a logprob).
+                print(f"  skip: {what}: two fresh engines loaded from the step-{steps} checkpoint disagree with "
+                      "each other (vLLM's CPU backend is not deterministic here); compared by parameters only",
+                      flush=True)
+                break
             check(outputs[tp] == want, f"{what}: greedy tokens and logprobs equal a fresh engine's loaded from the "
                                        f"step-{steps} checkpoint")
             if outputs[tp] != want:
@@ -398,6 +411,7 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         import subprocess
         env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")
+        env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the server's engines run as it configures them
         self.log = open(log, "w")
         self.proc = subprocess.Popen(serve_args(path, self.port), env=env, stdout=self.log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
@@ -523,6 +537,8 @@ def main():
     ap.add_argument("--steps", type=int, default=2)
     args = ap.parse_args()
     os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # each engine's core in this process
+    os.environ.setdefault("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", "1")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     prepare_cpu()
     build = os.path.abspath(args.build)
