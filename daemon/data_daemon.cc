@@ -359,12 +359,24 @@ class Sink : public Node, public v1::Local::Service {
     return ToGrpc(core_->Unregister());
   }
 
+  // Waits for version `v` in the tensors registered now, and in the ones
+  // registered in their place while it waits (a client that re-registers
+  // after a restart, from another thread); NotRegistered when none are.
+  // Returns the weights it waited on last.
+  std::pair<std::shared_ptr<SinkWeights>, wsync::Status> WaitOnRegistered(uint64_t v, uint64_t timeout_ms) {
+    const auto deadline = Clock::now() + std::chrono::milliseconds(timeout_ms);
+    for (;;) {
+      auto w = core_->weights();
+      if (!w) return {nullptr, NotRegisteredError()};
+      wsync::Status s = w->WaitForVersion(v, deadline);
+      if (s.ok() || !w->closed() || core_->weights() == w) return {w, s};
+    }
+  }
+
   grpc::Status WaitForVersion(grpc::ServerContext*, const v1::WaitForVersionRequest* req,
                               v1::WaitForVersionResponse* resp) override {
-    auto w = core_->weights();
-    if (!w) return ToGrpc(NotRegisteredError());
-    wsync::Status s = w->WaitForVersion(req->version(), Clock::now() + std::chrono::milliseconds(req->timeout_ms()));
-    resp->set_applied_version(w->applied());
+    auto [w, s] = WaitOnRegistered(req->version(), req->timeout_ms());
+    if (w) resp->set_applied_version(w->applied());
     return ToGrpc(s);
   }
 
@@ -392,12 +404,8 @@ class Sink : public Node, public v1::Local::Service {
   }
 
   grpc::Status Dump(grpc::ServerContext*, const v1::DumpRequest* req, v1::DumpResponse* resp) override {
-    auto w = core_->weights();
-    if (!w) return ToGrpc(NotRegisteredError());
-    if (req->version() > 0) {
-      wsync::Status s = w->WaitForVersion(req->version(), Clock::now() + std::chrono::milliseconds(req->timeout_ms()));
-      if (!s.ok()) return ToGrpc(s);
-    }
+    auto [w, waited] = WaitOnRegistered(req->version(), req->timeout_ms());
+    if (!waited.ok()) return ToGrpc(waited);
     const uint64_t v = w->Hold();
     auto host = w->store().HostCopy();
     wsync::Status s = host.ok() ? buffers::WriteSafetensors(req->path(), buffers::Views(*host),

@@ -65,7 +65,7 @@ Status SinkWeights::ApplyWith(std::span<const PatchStream* const> parts, const s
   --applies_waiting_;
   if (closed_) {
     cv_.notify_all();
-    return AbortedError("the tensors were unregistered");
+    return AbortedError("the tensors were registered again or unregistered");
   }
   for (const PatchStream* p : parts) {
     if (p->kind() == codec::PatchKind::kPatch && p->from() != applied_) {
@@ -125,13 +125,19 @@ Status SinkWeights::sync_error() const {
 
 Status SinkWeights::WaitForVersion(uint64_t v, std::chrono::steady_clock::time_point deadline) const {
   std::unique_lock<std::mutex> lock(mu_);
-  if (!cv_.wait_until(lock, deadline, [&] { return applied_ >= v || sync_error_permanent_; })) {
+  if (!cv_.wait_until(lock, deadline, [&] { return applied_ >= v || sync_error_permanent_ || closed_; })) {
     std::string why = "version " + std::to_string(v) + " not applied in time (applied: " + std::to_string(applied_) + ")";
     if (!sync_error_.ok()) why += "; last sync error: " + sync_error_.ToString();
     return DeadlineExceededError(why);
   }
-  if (applied_ < v) return sync_error_;
-  return Status::Ok();
+  if (applied_ >= v) return Status::Ok();
+  if (closed_) return AbortedError("the tensors were registered again or unregistered while waiting");
+  return sync_error_;
+}
+
+bool SinkWeights::closed() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return closed_;
 }
 
 }  // namespace wsync::daemon

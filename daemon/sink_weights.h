@@ -64,8 +64,11 @@ class SinkWeights {
   void Release();
 
   // Blocks until the applied version is >= v; DeadlineExceeded otherwise
-  // (with the last sync error), or the permanent sync error at once.
+  // (with the last sync error), the permanent sync error at once, or
+  // Aborted once these weights are closed (the tensors registered again or
+  // unregistered: wait on the ones registered now, WaitOnRegistered).
   Status WaitForVersion(uint64_t v, std::chrono::steady_clock::time_point deadline) const;
+  bool closed() const;
 
   // Where the tensors live; read them under a Hold (Views() are device
   // pointers for a device store: HostCopy() reads them on the host).

@@ -183,5 +183,21 @@ TEST(SinkWeights, ClosedWeightsRefuseApplies) {
   EXPECT_EQ(w.applied(), 1u);
 }
 
+// A wait on weights that are closed (the tensors registered again from
+// another thread, after a daemon restart) ends then, not at its deadline:
+// the local API waits on the weights registered in their place.
+TEST(SinkWeights, ClosingEndsWaits) {
+  Fixture s = Make(1);
+  SinkWeights w(Store(RegionWith(s, s.versions[0])), nullptr, 1);
+  const auto t0 = std::chrono::steady_clock::now();
+  Status waited;
+  std::thread waiter([&] { waited = w.WaitForVersion(2, t0 + std::chrono::seconds(60)); });
+  w.Close();
+  waiter.join();
+  EXPECT_EQ(waited.code(), StatusCode::kAborted) << waited.ToString();
+  EXPECT_TRUE(w.closed());
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(30));
+}
+
 }  // namespace
 }  // namespace wsync::daemon
