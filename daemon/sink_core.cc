@@ -137,74 +137,6 @@ Status SinkCore::Unregister() {
   return Status::Ok();
 }
 
-// ------------------------------------------------------------------- holds
-
-StatusOr<SinkCore::HoldGrant> SinkCore::BeginHold(const std::string& holder, int64_t ttl_ms) {
-  auto w = weights();
-  if (!w) return NotRegisteredError();
-  if (ttl_ms <= 0) ttl_ms = static_cast<int64_t>(config_.hold_ttl_ms);
-  if (ttl_ms > 600'000) return InvalidArgumentError("hold TTL above 600000 ms");
-  const uint64_t version = w->Hold();  // waits for an apply in progress
-  std::lock_guard<std::mutex> lock(holds_mu_);
-  const uint64_t id = next_hold_++;
-  HoldState& h = holds_[id];
-  h.weights = w;
-  h.version = version;
-  h.holder = holder.substr(0, 200);
-  h.since = Clock::now();
-  h.expires = h.since + std::chrono::milliseconds(ttl_ms);
-  h.ttl_ms = ttl_ms;
-  holds_cv_.notify_all();  // the lease loop mirrors it
-  return HoldGrant{id, version, ttl_ms};
-}
-
-std::string SinkCore::AwaitHold(uint64_t id, const std::function<bool()>& cancelled) {
-  std::string why;
-  {
-    std::unique_lock<std::mutex> lock(holds_mu_);
-    for (;;) {
-      auto it = holds_.find(id);
-      if (it == holds_.end()) return "released";  // released by id or retired
-      if (cancelled()) {
-        why = "the holder cancelled the call or its connection closed";
-        break;
-      }
-      if (Clock::now() >= it->second.expires) {
-        why = "not renewed within its TTL of " + std::to_string(it->second.ttl_ms) + " ms";
-        break;
-      }
-      if (stopping_) {
-        why = "the sink is shutting down";
-        break;
-      }
-      holds_cv_.wait_for(lock, std::chrono::milliseconds(20));
-    }
-  }
-  EndHold(id, why);
-  return why;
-}
-
-namespace {
-
-std::string HoldGone(uint64_t id) {
-  return "hold " + std::to_string(id) + " is not held (released, not renewed within its TTL, its connection "
-         "closed, or the tensors were registered again)";
-}
-
-}  // namespace
-
-Status SinkCore::RenewHold(uint64_t id) {
-  std::lock_guard<std::mutex> lock(holds_mu_);
-  auto it = holds_.find(id);
-  if (it == holds_.end()) return NotFoundError(HoldGone(id));
-  it->second.expires = Clock::now() + std::chrono::milliseconds(it->second.ttl_ms);
-  return Status::Ok();
-}
-
-Status SinkCore::ReleaseHold(uint64_t id) {
-  return EndHold(id, "released") ? Status::Ok() : NotFoundError(HoldGone(id));
-}
-
 SinkStatus SinkCore::status() {
   auto w = weights();
   SinkStatus s;
@@ -328,99 +260,12 @@ StatusOr<std::shared_ptr<PatchStream>> SinkCore::OpenFor(uint64_t from, uint64_t
   return stream;
 }
 
+// ---------------------------------------------------------- watch and sync
+
 void SinkCore::Kick() {
   std::lock_guard<std::mutex> lock(sync_mu_);
   kicked_ = true;
   sync_cv_.notify_all();
-}
-
-// Ends hold `id` (releasing the weights); false if it is not held.
-bool SinkCore::EndHold(uint64_t id, const std::string& why) {
-  std::lock_guard<std::mutex> lock(holds_mu_);
-  auto it = holds_.find(id);
-  if (it == holds_.end()) return false;
-  it->second.weights->Release();
-  if (it->second.lease_id != 0) leases_to_release_.push_back(it->second.lease_id);
-  const double held_s = std::chrono::duration<double>(Clock::now() - it->second.since).count();
-  if (why == "released") {
-    spdlog::debug("sink {}: hold {} released after {:.3f} s", config_.name, id, held_s);
-  } else {
-    spdlog::warn("sink {}: hold {} of {} ended after {:.1f} s: {}", config_.name, id,
-                 it->second.holder.empty() ? "a holder" : Quoted(it->second.holder), held_s, why);
-  }
-  holds_.erase(it);
-  holds_cv_.notify_all();
-  return true;
-}
-
-// Ends every hold on `old`, then closes it (an apply into it completes).
-void SinkCore::Retire(const std::shared_ptr<SinkWeights>& old, const std::string& why) {
-  std::vector<uint64_t> ids;
-  {
-    std::lock_guard<std::mutex> lock(holds_mu_);
-    for (const auto& [id, h] : holds_) {
-      if (h.weights == old) ids.push_back(id);
-    }
-  }
-  for (uint64_t id : ids) EndHold(id, why);
-  old->Close();
-}
-
-std::pair<uint32_t, int64_t> SinkCore::HoldSummary() {
-  std::lock_guard<std::mutex> lock(holds_mu_);
-  int64_t oldest = 0;
-  for (const auto& [id, h] : holds_) {
-    oldest = std::max<int64_t>(oldest, std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - h.since).count());
-  }
-  return {static_cast<uint32_t>(holds_.size()), oldest};
-}
-
-// Mirrors the active holds as coordinator leases (`wsync leases`; the
-// source keeps what leased versions need), renewed at a third of their TTL.
-void SinkCore::LeaseLoop() {
-  std::unique_lock<std::mutex> lock(holds_mu_);
-  while (!stopping_) {
-    holds_cv_.wait_for(lock, std::chrono::milliseconds(500));
-    std::vector<uint64_t> release = std::move(leases_to_release_);
-    leases_to_release_.clear();
-    struct Renewal {
-      uint64_t hold, lease, version;
-      int64_t ttl_ms;
-    };
-    std::vector<Renewal> due;
-    const auto now = Clock::now();
-    for (const auto& [id, h] : holds_) {
-      if (h.lease_id == 0 || now - h.lease_renewed >= std::chrono::milliseconds(h.ttl_ms / 3)) {
-        due.push_back({id, h.lease_id, h.version, h.ttl_ms});
-      }
-    }
-    if (release.empty() && due.empty()) continue;
-    lock.unlock();
-    for (uint64_t lease : release) (void)env_.coordinator->ReleaseLease(lease);
-    std::vector<std::pair<uint64_t, uint64_t>> granted;  // hold, lease
-    for (const auto& d : due) {
-      auto l = d.lease ? env_.coordinator->RenewLease(d.lease, d.ttl_ms)
-                       : env_.coordinator->AcquireLease(config_.name, d.version, d.ttl_ms);
-      if (l.ok()) {
-        granted.push_back({d.hold, l->id()});
-      } else if (d.lease != 0 && l.status().code() == StatusCode::kNotFound) {
-        granted.push_back({d.hold, 0});  // the lease ended (the node was marked dead): acquire anew
-      } else if (!stopping_) {
-        spdlog::debug("sink {}: lease for hold {}: {}", config_.name, d.hold, l.status().ToString());
-      }
-    }
-    lock.lock();
-    for (const auto& [hold, lease] : granted) {
-      auto it = holds_.find(hold);
-      if (it == holds_.end()) {
-        if (lease != 0) leases_to_release_.push_back(lease);  // ended meanwhile
-        continue;
-      }
-      it->second.lease_id = lease;
-      it->second.lease_renewed = Clock::now();
-      if (lease == 0) holds_cv_.notify_all();
-    }
-  }
 }
 
 void SinkCore::WatchLoop() {
@@ -491,101 +336,126 @@ std::chrono::milliseconds SinkCore::RetryDelay(uint64_t failures) {
 }
 
 void SinkCore::SyncLoop() {
-  Clock::time_point next_attempt = Clock::now();
+  next_attempt_ = Clock::now();
   while (!stopping_) {
-    {
-      std::unique_lock<std::mutex> lock(sync_mu_);
-      sync_cv_.wait_for(lock, std::chrono::milliseconds(500), [&] { return kicked_ || stopping_.load(); });
-      kicked_ = false;
-      // After a failure, wait out the delay: new versions do not shorten
-      // it, unless the parent lacked the version (then a newer one may be
-      // what it has: a restarted source starts its history again).
-      sync_cv_.wait_until(lock, next_attempt, [&] {
-        return stopping_.load() || backoff_reset_ || (retry_on_new_head_ > 0 && head_.load() > retry_on_new_head_);
-      });
-      const bool new_head = retry_on_new_head_ > 0 && head_.load() > retry_on_new_head_;
-      retry_on_new_head_ = 0;
-      if (backoff_reset_ || new_head) next_attempt = Clock::now();
-      backoff_reset_ = false;
-      if (Clock::now() < next_attempt) continue;
-    }
-    if (stopping_) return;
-    auto w = weights();
-    std::string parent;
-    bool resync;
-    {
-      std::lock_guard<std::mutex> lock(state_mu_);
-      parent = parent_;
-      resync = resync_;
-    }
-    const uint64_t head = head_.load();
-    if (!w || w.get() == mismatched_ || parent.empty() || w->applied() >= head) continue;
+    if (!AwaitAttempt()) continue;
+    std::optional<SyncTarget> target = NextTarget();
+    if (!target) continue;
     const PublishedLayout published = env_.coordinator->GetLayout();
-    wsync::Status s = CheckPublishedLayout(w->store().tensors(), published);
-    if (!s.ok() && AwaitsServing(w->store().tensors(), published)) {
-      // Not served yet: checked again at the next version (a source serving
-      // offered layouts re-grids for it then), or in half a minute.
-      w->SetSyncError(s, /*permanent=*/false);
-      std::lock_guard<std::mutex> lock(sync_mu_);
-      retry_on_new_head_ = head;
-      next_attempt = Clock::now() + std::chrono::seconds(30);
-      continue;
-    }
-    if (!s.ok()) {
-      // Tensors that cannot take the published versions never will: no
-      // pull until they are registered again.
-      spdlog::error("sink {}: {}", config_.name, s.ToString());
-      w->SetSyncError(s, /*permanent=*/true);
-      mismatched_ = w.get();
-      continue;
-    }
+    if (!TakesPublishedLayout(*target, published)) continue;
+    const std::string& parent = target->parent;
     const std::vector<PartPull> pulls = PullsFrom(parent, published);
     const std::string from_where =
         Quoted(parent) + (pulls.size() > 1 && pulls[0].node != parent ? " (each part from its source)" : "");
-    s = SyncOnce(w, pulls, resync || w->applied() == 0 ? 0 : w->applied(), head);
-    if (!s.ok() && !stopping_ && (s.code() == StatusCode::kFailedPrecondition || s.code() == StatusCode::kDataLoss)) {
-      // The patch does not fit what we hold: a keyframe in the same attempt.
-      spdlog::warn("sink {}: sync {}->{} from {}: {}; pulling a keyframe", config_.name, w->applied(), head, from_where,
-                   s.ToString());
-      s = SyncOnce(w, pulls, 0, head);
-    }
+    Status s = SyncTo(*target, pulls, from_where);
     if (stopping_) return;
     if (s.ok()) {
-      failures_ = 0;
-      not_yet_ = 0;
-      w->SetSyncError(wsync::Status::Ok(), false);
-      Kick();  // a version may have come meanwhile
-      continue;
+      OnSynced(*target);
+    } else {
+      OnSyncFailed(*target, pulls, from_where, std::move(s));
     }
-    auto delay = RetryDelay(++failures_);
-    // A parent that lacks the version yet (a relay still receiving it) has
-    // it soon: asked again after at most kNotYetMs, kNotYetTries times in a
-    // row, before the backoff applies.
-    not_yet_ = s.code() == StatusCode::kNotFound ? not_yet_ + 1 : 0;
-    if (not_yet_ > 0 && not_yet_ <= kNotYetTries) delay = std::min(delay, std::chrono::milliseconds(kNotYetMs));
-    next_attempt = Clock::now() + delay;
-    if (s.code() == StatusCode::kUnavailable || s.code() == StatusCode::kDeadlineExceeded) {
-      // The peer is gone or unreachable: not the same parent again. The
-      // coordinator assigns another holder of the version at once; a new
-      // parent ends the backoff (OnHeartbeat).
-      for (const auto& p : pulls) DropPeer(p.node);
-      if (env_.membership != nullptr) {
-        {
-          std::lock_guard<std::mutex> lock(state_mu_);
-          unreachable_parent_ = parent;
-        }
-        env_.membership->HeartbeatNow(std::chrono::seconds(1));
-      }
-    }
-    if (s.code() == StatusCode::kNotFound) {
-      std::lock_guard<std::mutex> lock(sync_mu_);
-      retry_on_new_head_ = head;
-    }
-    s = s.WithContext("sync " + std::to_string(w->applied()) + "->" + std::to_string(head) + " from " + from_where);
-    w->SetSyncError(s, /*permanent=*/false);
-    spdlog::warn("sink {}: {} (failure {}; next attempt in {} ms)", config_.name, s.ToString(), failures_.load(),
-                 delay.count());
   }
+}
+
+bool SinkCore::AwaitAttempt() {
+  std::unique_lock<std::mutex> lock(sync_mu_);
+  sync_cv_.wait_for(lock, std::chrono::milliseconds(500), [&] { return kicked_ || stopping_.load(); });
+  kicked_ = false;
+  // After a failure, wait out the delay: new versions do not shorten it,
+  // unless the parent lacked the version (then a newer one may be what it
+  // has: a restarted source starts its history again).
+  auto new_head = [&] { return retry_on_new_head_ > 0 && head_.load() > retry_on_new_head_; };
+  sync_cv_.wait_until(lock, next_attempt_, [&] { return stopping_.load() || backoff_reset_ || new_head(); });
+  if (backoff_reset_ || new_head()) next_attempt_ = Clock::now();
+  retry_on_new_head_ = 0;
+  backoff_reset_ = false;
+  return Clock::now() >= next_attempt_ && !stopping_;
+}
+
+std::optional<SinkCore::SyncTarget> SinkCore::NextTarget() {
+  SyncTarget t;
+  t.weights = weights();
+  {
+    std::lock_guard<std::mutex> lock(state_mu_);
+    t.parent = parent_;
+    t.resync = resync_;
+  }
+  t.head = head_.load();
+  const auto& w = t.weights;
+  if (!w || w.get() == mismatched_ || t.parent.empty() || w->applied() >= t.head) return std::nullopt;
+  return t;
+}
+
+bool SinkCore::TakesPublishedLayout(const SyncTarget& t, const PublishedLayout& published) {
+  const Status s = CheckPublishedLayout(t.weights->store().tensors(), published);
+  if (s.ok()) return true;
+  if (AwaitsServing(t.weights->store().tensors(), published)) {
+    // Not served yet: checked again at the next version (a source serving
+    // offered layouts re-grids for it then), or in half a minute.
+    t.weights->SetSyncError(s, /*permanent=*/false);
+    std::lock_guard<std::mutex> lock(sync_mu_);
+    retry_on_new_head_ = t.head;
+    next_attempt_ = Clock::now() + std::chrono::seconds(30);
+    return false;
+  }
+  // Tensors that cannot take the published versions never will: no pull
+  // until they are registered again.
+  spdlog::error("sink {}: {}", config_.name, s.ToString());
+  t.weights->SetSyncError(s, /*permanent=*/true);
+  mismatched_ = t.weights.get();
+  return false;
+}
+
+Status SinkCore::SyncTo(const SyncTarget& t, const std::vector<PartPull>& pulls, const std::string& from_where) {
+  const auto& w = t.weights;
+  Status s = SyncOnce(w, pulls, t.resync || w->applied() == 0 ? 0 : w->applied(), t.head);
+  if (!s.ok() && !stopping_ && (s.code() == StatusCode::kFailedPrecondition || s.code() == StatusCode::kDataLoss)) {
+    // The patch does not fit what we hold: a keyframe in the same attempt.
+    spdlog::warn("sink {}: sync {}->{} from {}: {}; pulling a keyframe", config_.name, w->applied(), t.head,
+                 from_where, s.ToString());
+    s = SyncOnce(w, pulls, 0, t.head);
+  }
+  return s;
+}
+
+void SinkCore::OnSynced(const SyncTarget& t) {
+  failures_ = 0;
+  not_yet_ = 0;
+  t.weights->SetSyncError(wsync::Status::Ok(), false);
+  Kick();  // a version may have come meanwhile
+}
+
+void SinkCore::OnSyncFailed(const SyncTarget& t, const std::vector<PartPull>& pulls, const std::string& from_where,
+                            Status s) {
+  auto delay = RetryDelay(++failures_);
+  // A parent that lacks the version yet (a relay still receiving it) has it
+  // soon: asked again after at most kNotYetMs, kNotYetTries times in a row,
+  // before the backoff applies.
+  not_yet_ = s.code() == StatusCode::kNotFound ? not_yet_ + 1 : 0;
+  if (not_yet_ > 0 && not_yet_ <= kNotYetTries) delay = std::min(delay, std::chrono::milliseconds(kNotYetMs));
+  next_attempt_ = Clock::now() + delay;
+  if (s.code() == StatusCode::kUnavailable || s.code() == StatusCode::kDeadlineExceeded) {
+    // The peer is gone or unreachable: not the same parent again. The
+    // coordinator assigns another holder of the version at once; a new
+    // parent ends the backoff (OnHeartbeat).
+    for (const auto& p : pulls) DropPeer(p.node);
+    if (env_.membership != nullptr) {
+      {
+        std::lock_guard<std::mutex> lock(state_mu_);
+        unreachable_parent_ = t.parent;
+      }
+      env_.membership->HeartbeatNow(std::chrono::seconds(1));
+    }
+  }
+  if (s.code() == StatusCode::kNotFound) {
+    std::lock_guard<std::mutex> lock(sync_mu_);
+    retry_on_new_head_ = t.head;
+  }
+  s = s.WithContext("sync " + std::to_string(t.weights->applied()) + "->" + std::to_string(t.head) + " from " +
+                    from_where);
+  t.weights->SetSyncError(s, /*permanent=*/false);
+  spdlog::warn("sink {}: {} (failure {}; next attempt in {} ms)", config_.name, s.ToString(), failures_.load(),
+               delay.count());
 }
 
 // Whether the tensors hold pieces of the published tensors that a tile grid

@@ -22,6 +22,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <random>
 #include <string>
 #include <thread>
@@ -129,7 +130,7 @@ class SinkCore : public exchange::PatchProvider {
   void ReportApplied(uint64_t version);
   void LeaseLoop();
   void WatchLoop();
-  void SyncLoop();
+  void SyncLoop();  // its steps: AwaitAttempt .. OnSyncFailed below
   StatusOr<transport::PeerId> ParentPeer(const std::string& parent);
   void DropPeer(const std::string& parent);
   void ResetBackoff();
@@ -149,6 +150,45 @@ class SinkCore : public exchange::PatchProvider {
   // What to pull a version from: the parent; with several sources, each
   // part from its source, or every part from the parent when it is a relay.
   std::vector<PartPull> PullsFrom(const std::string& parent, const PublishedLayout& published);
+
+  // The sync loop's steps, on the sync thread only: AwaitAttempt; then for
+  // the NextTarget, if its tensors TakesPublishedLayout, SyncTo it from
+  // PullsFrom and handle the outcome (OnSynced, OnSyncFailed).
+  //
+  // What one attempt syncs: the weights registered, the parent, whether the
+  // coordinator asked for a keyframe, and the head to reach.
+  struct SyncTarget {
+    std::shared_ptr<SinkWeights> weights;
+    std::string parent;
+    bool resync = false;
+    uint64_t head = 0;
+  };
+  // Blocks under sync_mu_ for a kick (at most 500 ms), then until
+  // next_attempt_, ended early by stopping, a backoff reset or a head above
+  // retry_on_new_head_ (the last two make the attempt due now); clears the
+  // kick, the reset and retry_on_new_head_. True when an attempt is due and
+  // the sink is not stopping.
+  bool AwaitAttempt();
+  // The target now; none when there is nothing to do: no weights, weights
+  // refused by the layout check (mismatched_), no parent, or at the head.
+  std::optional<SyncTarget> NextTarget();
+  // Whether the target's tensors take the published layout. If not, sets
+  // their sync error and: pieces no source serves yet are checked again at
+  // the next head or in 30 s (retry_on_new_head_, next_attempt_); any other
+  // mismatch is permanent (mismatched_) until tensors are registered again.
+  bool TakesPublishedLayout(const SyncTarget& t, const PublishedLayout& published);
+  // One attempt: SyncOnce from what the target holds (a keyframe when it
+  // holds nothing or the coordinator asked), and once more as a keyframe
+  // when the patch does not fit (FailedPrecondition, DataLoss).
+  Status SyncTo(const SyncTarget& t, const std::vector<PartPull>& pulls, const std::string& from_where);
+  // After a successful attempt: the failure counts and the sync error are
+  // cleared and the loop kicked (a version may have come meanwhile).
+  void OnSynced(const SyncTarget& t);
+  // After a failed attempt `s`: next_attempt_ after the backoff (at most
+  // kNotYetMs for the first kNotYetTries NotFound in a row); an unreachable
+  // parent (Unavailable, DeadlineExceeded) is disconnected and reported at
+  // once; NotFound lets a newer head end the delay; sets the sync error.
+  void OnSyncFailed(const SyncTarget& t, const std::vector<PartPull>& pulls, const std::string& from_where, Status s);
 
   const DataDaemonConfig config_;
   const SinkEnvironment env_;
@@ -173,6 +213,7 @@ class SinkCore : public exchange::PatchProvider {
   uint64_t stream_uses_ = 0;                                // under state_mu_
   std::map<std::string, transport::PeerId> peers_;  // sync thread only
   const SinkWeights* mismatched_ = nullptr;         // sync thread only: weights refused by the layout check
+  std::chrono::steady_clock::time_point next_attempt_;  // sync thread only: no attempt before it (the backoff)
   std::atomic<uint64_t> head_{0};
   std::atomic<uint64_t> pulls_made_{0};
   std::atomic<uint64_t> bytes_received_{0};

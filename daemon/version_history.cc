@@ -106,9 +106,14 @@ std::vector<uint64_t> TargetSums(const codec::PatchInfo& info) {
 }  // namespace
 
 StatusOr<std::string> VersionHistory::EncodeStreamed(const Weights& head, const NewVersion& next,
-                                                     const codec::EncodeOptions& eo, uint64_t dense_bytes,
-                                                     const std::shared_ptr<PatchStream>& live) {
-  return codec::EncodeSegmented(
+                                                     const codec::EncodeOptions& eo, uint64_t dense_bytes) {
+  auto live = PatchStream::Growing(codec::PatchKind::kPatch, eo.base_version, eo.target_version,
+                                   options_.stream_chunk_bytes);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    live_ = Live{eo.base_version, eo.target_version, live};
+  }
+  StatusOr<std::string> encoded = codec::EncodeSegmented(
       buffers::Views(head), next.host, eo, options_.segment_bytes, head_sums_,
       [&](size_t k, std::string_view segment) -> Status {
         WSYNC_RETURN_IF_ERROR(live->Append(segment));
@@ -122,125 +127,127 @@ StatusOr<std::string> VersionHistory::EncodeStreamed(const Weights& head, const 
         if (options_.after_segment) options_.after_segment(k);
         return Status::Ok();
       });
+  if (encoded.ok()) {
+    if (Status finished = live->Finish(); !finished.ok()) encoded = finished;
+  }
+  if (!encoded.ok()) live->Fail(encoded.status());
+  return encoded;
 }
 
+// Publish holds publish_mu_ through its steps, so the head they read stays
+// put; each step takes mu_ only where it says so.
 StatusOr<PublishedVersion> VersionHistory::Publish(uint64_t version, const NewVersion& next) {
   std::lock_guard<std::mutex> publishing(publish_mu_);
-  std::shared_ptr<const Weights> head;
-  uint64_t head_version = 0, head_checksum = 0;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    WSYNC_RETURN_IF_ERROR(AcceptsLocked(version, next.layout));
-    if (head_stale_ && !next.load_head) WSYNC_RETURN_IF_ERROR(LoadHeadLocked());  // a host publish after lazy ones
-    head = head_weights_;
-    head_version = head_;
-    head_checksum = head_set_checksum_;
-  }
-  // From here on only this thread changes the state; pulls read what they
-  // share, so the encode runs without the lock.
+  WSYNC_ASSIGN_OR_RETURN(HeadSnapshot head, SnapshotHead(version, next));
   PublishedVersion out;
   out.version = version;
   for (const auto& t : next.layout) out.dense_bytes += t.NumBytes();
-  if (head_version == 0) {
-    auto first = std::make_shared<Weights>();
-    for (const auto& t : next.layout) first->push_back({t.name, t.dtype, t.shape, std::vector<uint8_t>(t.NumBytes())});
-    WSYNC_RETURN_IF_ERROR(next.fill(*first));
-    codec::EncodeOptions eo = CurrentEncodeOptions();
-    eo.target_version = version;
-    WSYNC_ASSIGN_OR_RETURN(std::string kf, codec::EncodeKeyframe(buffers::Views(*first), eo));
-    WSYNC_ASSIGN_OR_RETURN(codec::PatchInfo info, codec::InspectPatch(kf));
-    out.set_checksum = info.target_set_checksum;
-    std::vector<uint64_t> sums = TargetSums(info);
-    out.patch_bytes = kf.size();
-    auto stream =
-        PatchStream::FromBytes(codec::PatchKind::kKeyframe, 0, version, std::move(kf), options_.stream_chunk_bytes);
-    auto oldest = std::make_shared<Weights>(*first);
-    std::lock_guard<std::mutex> lock(mu_);
-    head_set_checksum_ = out.set_checksum;
-    head_sums_ = std::move(sums);
-    head_weights_ = std::move(first);
-    oldest_weights_ = std::move(oldest);
-    head_ = oldest_ = version;
-    CacheLocked({0, version}, std::move(stream), 0);
-    return out;
-  }
+  if (head.version == 0) return PublishFirst(next, out);
+  StatusOr<PublishedVersion> published = PublishNext(next, std::move(head), out);
+  // A version streamed while it was encoded stops being live when it is the
+  // head (the commit) or failed (its pullers' streams fail with it).
+  if (!published.ok()) EndLive();
+  return published;
+}
+
+StatusOr<VersionHistory::HeadSnapshot> VersionHistory::SnapshotHead(uint64_t version, const NewVersion& next) {
+  std::lock_guard<std::mutex> lock(mu_);
+  WSYNC_RETURN_IF_ERROR(AcceptsLocked(version, next.layout));
+  if (head_stale_ && !next.load_head) WSYNC_RETURN_IF_ERROR(LoadHeadLocked());  // a host publish after lazy ones
+  return HeadSnapshot{head_weights_, head_, head_set_checksum_};
+}
+
+StatusOr<PublishedVersion> VersionHistory::PublishFirst(const NewVersion& next, PublishedVersion out) {
+  auto first = std::make_shared<Weights>();
+  for (const auto& t : next.layout) first->push_back({t.name, t.dtype, t.shape, std::vector<uint8_t>(t.NumBytes())});
+  WSYNC_RETURN_IF_ERROR(next.fill(*first));
   codec::EncodeOptions eo = CurrentEncodeOptions();
-  eo.base_version = head_version;
-  eo.target_version = version;
-  eo.base_set_checksum = head_checksum;  // the head was the last target: no second hash of it
-  // A version streamed while it is encoded ends being live when it is the
-  // head, or failed (its pullers' streams fail with it).
-  auto end_live = [&] {
-    std::lock_guard<std::mutex> lock(mu_);
-    live_.reset();
-    built_.notify_all();
-  };
-  StatusOr<std::string> encoded = UnavailableError("not encoded");
-  if (!next.host.empty() && codec::SegmentGroups(next.layout, options_.segment_bytes).size() > 1 &&
-      head_sums_.size() == head->size()) {
-    // Streamed: pullers of (head, version) get the segments as they come.
-    auto live = PatchStream::Growing(codec::PatchKind::kPatch, head_version, version, options_.stream_chunk_bytes);
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      live_ = Live{head_version, version, live};
-    }
-    encoded = EncodeStreamed(*head, next, eo, out.dense_bytes, live);
-    if (encoded.ok()) {
-      if (Status finished = live->Finish(); !finished.ok()) encoded = finished;
-    }
-    if (!encoded.ok()) {
-      live->Fail(encoded.status());
-      end_live();
-    }
-  } else {
-    encoded = next.encode(buffers::Views(*head), eo);
-  }
-  WSYNC_RETURN_IF_ERROR(encoded.status());
-  StatusOr<codec::PatchInfo> inspected = codec::InspectPatch(*encoded);
-  if (!inspected.ok()) {
-    end_live();
-    return inspected.status();
-  }
-  const codec::PatchInfo& info = *inspected;
-  auto patch = std::make_shared<const std::string>(std::move(*encoded));
-  head.reset();  // only pulls may still hold the head's buffers now
+  eo.target_version = out.version;
+  WSYNC_ASSIGN_OR_RETURN(std::string kf, codec::EncodeKeyframe(buffers::Views(*first), eo));
+  WSYNC_ASSIGN_OR_RETURN(codec::PatchInfo info, codec::InspectPatch(kf));
+  out.set_checksum = info.target_set_checksum;
+  std::vector<uint64_t> sums = TargetSums(info);
+  out.patch_bytes = kf.size();
+  auto stream =
+      PatchStream::FromBytes(codec::PatchKind::kKeyframe, 0, out.version, std::move(kf), options_.stream_chunk_bytes);
+  auto oldest = std::make_shared<Weights>(*first);
+  std::lock_guard<std::mutex> lock(mu_);
+  head_set_checksum_ = out.set_checksum;
+  head_sums_ = std::move(sums);
+  head_weights_ = std::move(first);
+  oldest_weights_ = std::move(oldest);
+  head_ = oldest_ = out.version;
+  CacheLocked({0, out.version}, std::move(stream), 0);
+  return out;
+}
+
+StatusOr<PublishedVersion> VersionHistory::PublishNext(const NewVersion& next, HeadSnapshot head,
+                                                       PublishedVersion out) {
+  // Only this thread changes the state; pulls read what they share, so the
+  // encode runs without the lock.
+  WSYNC_ASSIGN_OR_RETURN(std::string encoded, EncodeFromHead(next, head, out));
+  WSYNC_ASSIGN_OR_RETURN(codec::PatchInfo info, codec::InspectPatch(encoded));
+  auto patch = std::make_shared<const std::string>(std::move(encoded));
+  head.weights.reset();  // only pulls may still hold the head's buffers now
   std::unique_lock<std::mutex> lock(mu_);
-  if (next.load_head) {
-    head_stale_ = true;
-    head_loader_ = next.load_head;
-  } else if (head_weights_.use_count() == 1) {
-    // No pull reads the head's buffers: the new head goes into them (a pull
-    // that comes meanwhile waits for this copy; a publish never waits for a
-    // pull's build).
-    if (Status filled = next.fill(*head_weights_); !filled.ok()) {
-      // The head copy may be torn: rebuild it from the oldest copy and the chain.
-      live_.reset();
-      built_.notify_all();
-      Weights w = *oldest_weights_;
-      for (const auto& [v, p] : patches_) WSYNC_RETURN_IF_ERROR(ApplyInPlace(*p, w, options_.encode.pool));
-      *head_weights_ = std::move(w);
-      return filled.WithContext("version " + std::to_string(version));
-    }
-  } else {
-    // A pull reads them (a keyframe of the head being built): fresh buffers.
-    lock.unlock();
-    auto fresh = Fresh(*head_weights_);  // stable: only this thread replaces it (publish_mu_)
-    if (Status filled = next.fill(*fresh); !filled.ok()) {
-      end_live();
-      return filled.WithContext("version " + std::to_string(version));
-    }
-    lock.lock();
-    head_weights_ = std::move(fresh);
-  }
+  WSYNC_RETURN_IF_ERROR(ReplaceHeadCopyLocked(next, out.version, lock));
   out.base_version = head_;
   out.patch_bytes = patch->size();
   out.set_checksum = head_set_checksum_ = info.target_set_checksum;
   head_sums_ = TargetSums(info);
-  patches_[version] = std::move(patch);
-  head_ = version;
+  patches_[out.version] = std::move(patch);
+  head_ = out.version;
   live_.reset();  // its pullers have their stream; later ones get the stored patch
   built_.notify_all();
   return out;
+}
+
+StatusOr<std::string> VersionHistory::EncodeFromHead(const NewVersion& next, const HeadSnapshot& head,
+                                                     const PublishedVersion& out) {
+  codec::EncodeOptions eo = CurrentEncodeOptions();
+  eo.base_version = head.version;
+  eo.target_version = out.version;
+  eo.base_set_checksum = head.set_checksum;  // the head was the last target: no second hash of it
+  const bool streamed = !next.host.empty() && codec::SegmentGroups(next.layout, options_.segment_bytes).size() > 1 &&
+                        head_sums_.size() == head.weights->size();
+  if (streamed) return EncodeStreamed(*head.weights, next, eo, out.dense_bytes);
+  return next.encode(buffers::Views(*head.weights), eo);
+}
+
+Status VersionHistory::ReplaceHeadCopyLocked(const NewVersion& next, uint64_t version,
+                                             std::unique_lock<std::mutex>& lock) {
+  if (next.load_head) {
+    head_stale_ = true;
+    head_loader_ = next.load_head;
+    return Status::Ok();
+  }
+  if (head_weights_.use_count() == 1) {
+    // No pull reads the head's buffers: the new head goes into them (a pull
+    // that comes meanwhile waits for this copy; a publish never waits for a
+    // pull's build).
+    Status filled = next.fill(*head_weights_);
+    if (filled.ok()) return Status::Ok();
+    // The head copy may be torn: rebuild it from the oldest copy and the chain.
+    live_.reset();
+    built_.notify_all();
+    Weights w = *oldest_weights_;
+    for (const auto& [v, p] : patches_) WSYNC_RETURN_IF_ERROR(ApplyInPlace(*p, w, options_.encode.pool));
+    *head_weights_ = std::move(w);
+    return filled.WithContext("version " + std::to_string(version));
+  }
+  // A pull reads them (a keyframe of the head being built): fresh buffers.
+  lock.unlock();
+  auto fresh = Fresh(*head_weights_);  // stable: only this thread replaces it (publish_mu_)
+  if (Status filled = next.fill(*fresh); !filled.ok()) return filled.WithContext("version " + std::to_string(version));
+  lock.lock();
+  head_weights_ = std::move(fresh);
+  return Status::Ok();
+}
+
+void VersionHistory::EndLive() {
+  std::lock_guard<std::mutex> lock(mu_);
+  live_.reset();
+  built_.notify_all();
 }
 
 Status VersionHistory::Retain(uint64_t oldest_needed) {

@@ -164,11 +164,46 @@ class VersionHistory : public PatchProvider {
   void CacheLocked(std::pair<uint64_t, uint64_t> key, std::shared_ptr<PatchStream> stream, double cost_s);
   // New zeroed buffers of `like`'s layout (for when a pull reads the old ones).
   static std::shared_ptr<Weights> Fresh(const Weights& like);
+
+  // Publish's steps. REQUIRES: publish_mu_ held (only the publishing thread
+  // changes the state, so the head they read stays put); each takes mu_
+  // only where it says so.
+  struct HeadSnapshot {
+    std::shared_ptr<const Weights> weights;  // null before the first version
+    uint64_t version = 0, set_checksum = 0;
+  };
+  // Under mu_: checks that `version` may follow the head (AcceptsLocked),
+  // loads a lazily kept head copy when `next` fills one, and returns the head.
+  StatusOr<HeadSnapshot> SnapshotHead(uint64_t version, const NewVersion& next);
+  // The first version (head_ == 0): `out` (version and dense_bytes set)
+  // completed. Fills and keyframes new buffers outside mu_, then under it
+  // makes them the head and the oldest copy and caches the keyframe.
+  StatusOr<PublishedVersion> PublishFirst(const NewVersion& next, PublishedVersion out);
+  // A later version: `out` (version and dense_bytes set) completed. Encodes
+  // the patch from `head` outside mu_ (EncodeFromHead), then under mu_
+  // replaces the head copy (ReplaceHeadCopyLocked) and commits the patch as
+  // the new head, ending live_. On error live_ may still be set: the caller
+  // ends it (EndLive).
+  StatusOr<PublishedVersion> PublishNext(const NewVersion& next, HeadSnapshot head, PublishedVersion out);
+  // The patch from `head` to the new version, outside mu_: streamed
+  // (EncodeStreamed) when next.host is set, makes several segments and the
+  // head's tensor checksums are known; next.encode otherwise.
+  StatusOr<std::string> EncodeFromHead(const NewVersion& next, const HeadSnapshot& head, const PublishedVersion& out);
   // The patch from `head` to next.host in segments (codec::EncodeSegmented
-  // of about options_.segment_bytes), each appended to `live` as it is
-  // encoded; returns them joined into one container. Outside mu_.
+  // of about options_.segment_bytes), served while it is encoded: live_ (set
+  // under mu_) is its growing stream, finished when all are encoded, failed
+  // on an error (live_ stays set either way). Returns the segments joined
+  // into one container. Otherwise outside mu_.
   StatusOr<std::string> EncodeStreamed(const Weights& head, const NewVersion& next, const codec::EncodeOptions& eo,
-                                       uint64_t dense_bytes, const std::shared_ptr<PatchStream>& live);
+                                       uint64_t dense_bytes);
+  // Makes the head copy the new version's: lazily (next.load_head), in the
+  // head's buffers when no pull reads them (a failed fill rebuilds them from
+  // the oldest copy and the chain, and ends live_), or in fresh buffers,
+  // filled with `lock` released. REQUIRES: `lock` holds mu_; it does again
+  // on success (on error it may not).
+  Status ReplaceHeadCopyLocked(const NewVersion& next, uint64_t version, std::unique_lock<std::mutex>& lock);
+  // Takes mu_: no version is live any more; wakes the pulls waiting on it.
+  void EndLive();
 
   Options options_;
   std::mutex publish_mu_;  // serializes Publish and Retain; never held by pulls
