@@ -40,6 +40,15 @@ struct CoordinatorOptions {
   size_t compact_every = 10'000;     // log records between snapshots
 };
 
+// The coordinator's domains (internals in lib/control/src/): each holds its
+// own state and has no lock; CoordinatorState's one mutex guards them all.
+class NodeRegistry;
+class VersionLog;
+class LeaseTable;
+class LayoutRegistry;
+class RelayTree;
+class StalenessGate;
+
 class CoordinatorState {
  public:
   // Recovers from `store` (REQUIRES: outlives this; OpenLogStore's Recovered
@@ -47,6 +56,7 @@ class CoordinatorState {
   static StatusOr<std::unique_ptr<CoordinatorState>> Create(const CoordinatorOptions& options, const Clock* clock,
                                                             std::unique_ptr<Store> store,
                                                             const Recovered& recovered);
+  ~CoordinatorState();
 
   StatusOr<wsync::v1::RegisterResponse> Register(const wsync::v1::RegisterRequest& req);
   StatusOr<wsync::v1::HeartbeatResponse> Heartbeat(const wsync::v1::HeartbeatRequest& req);
@@ -110,61 +120,39 @@ class CoordinatorState {
 
  private:
   CoordinatorState(const CoordinatorOptions& options, const Clock* clock, std::unique_ptr<Store> store);
-  void Apply(const wsync::store::v1::Record& r);       // REQUIRES: mu_ held
-  Status Log(const wsync::store::v1::Record& r);       // append, apply, maybe compact
-  // Grants or renews lease `id` until now + ttl (0: default). REQUIRES: mu_ held.
-  StatusOr<wsync::v1::Lease> GrantLeaseLocked(uint64_t id, const std::string& node, uint64_t version, uint64_t ttl_ms);
-  wsync::store::v1::NodeRecord ToRecord(const wsync::v1::Node& n) const;
+  // Applies `r` to the component that owns its kind. REQUIRES: mu_ held.
+  void Apply(const wsync::store::v1::Record& r);
+  // Appends `r` to the store, applies it, compacts every compact_every
+  // records and wakes waiters. REQUIRES: mu_ held.
+  Status Log(const wsync::store::v1::Record& r);
+  // Every component's state (on-disk format: store.h). REQUIRES: mu_ held.
   wsync::store::v1::Snapshot MakeSnapshot() const;
+  // Ends nodes past their TTL, then the leases of dead nodes and expired
+  // ones, then reassigns parents. REQUIRES: mu_ held.
   void ExpireLocked();
-  // Whether any sink's parent changed.
+  // One pass of the relay tree; whether any sink's parent changed. REQUIRES: mu_ held.
   bool AssignParentsLocked();
-  bool IsDescendantLocked(const std::string& node, const std::string& ancestor) const;
-  // The children `parent` lost when its watch broke, back to it (see WatchBroken). REQUIRES: mu_ held.
-  void GiveBackChildrenLocked(const std::string& parent);
-  // Whether `child` avoids `parent` now (it reported it unreachable). REQUIRES: mu_ held.
-  bool AvoidsLocked(const std::string& child, const std::string& parent) const;
-  uint64_t OldestLeasedLocked() const;
-  // The highest version ever acknowledged: the head, or the store's floor
-  // after a salvage that lost versions. REQUIRES: mu_ held.
-  uint64_t AcknowledgedHeadLocked() const;
   // Whether a sink can get version `head` from its parents (a relay holding
   // it, or a source whose history does). REQUIRES: mu_ held.
   bool HeadReachableLocked(const wsync::v1::Node& sink, uint64_t head) const;
-  // `source` announced `version`: its history holds it. REQUIRES: mu_ held.
-  void NoteSourceHoldsLocked(const std::string& source, uint64_t version);
-  StatusOr<uint64_t> PublishPartLocked(const wsync::v1::VersionSummary& part);
-  Status SetLayoutPartLocked(const wsync::v1::Layout& layout);
-  void FillDerivedLocked(wsync::v1::Node* n) const;
   void NotifyLocked();
 
   CoordinatorOptions options_;
   const Clock* clock_;
   std::unique_ptr<Store> store_;
+  // Log, for the components' mutations (RecordLog).
+  const std::function<Status(const wsync::store::v1::Record&)> log_;
 
   mutable std::mutex mu_;
   mutable std::condition_variable changed_;
   uint64_t generation_ = 0;
-  std::map<std::string, wsync::v1::Node> nodes_;
-  // Sources: the newest version each one's history holds, as its heartbeats
-  // and announcements say (not durable; absent: not known).
-  std::map<std::string, uint64_t> source_heads_;
-  std::map<uint64_t, wsync::v1::VersionSummary> versions_;
-  // Versions published by several sources, not yet whole: version -> part -> summary.
-  std::map<uint64_t, std::map<uint32_t, wsync::v1::VersionSummary>> parts_;
-  std::map<uint64_t, wsync::v1::Lease> leases_;
-  // Sinks -> (a parent their pulls could not reach, until when it is
-  // avoided for them, unix ms). Soft state: not durable.
-  std::map<std::string, std::pair<std::string, int64_t>> avoid_;
-  // Sinks -> the parent they lost when its watch stream broke; given back
-  // if it heartbeats again within its TTL (soft state).
-  std::map<std::string, std::string> former_parent_;
-  std::optional<wsync::v1::Layout> layout_;
-  uint64_t version_floor_ = 0;  // no version at or below it is published (Recovered::version_floor)
-  uint64_t next_lease_id_ = 1;
-  uint64_t next_incarnation_ = 1;
-  bool tree_dirty_ = false;
-  LayoutOffers offers_;  // a report may change the relay tree: AssignParentsLocked at the next Tick
+  std::unique_ptr<NodeRegistry> nodes_;      // nodes and liveness
+  std::unique_ptr<VersionLog> versions_;     // versions, their parts, what sources hold
+  std::unique_ptr<LeaseTable> leases_;
+  std::unique_ptr<LayoutRegistry> layout_;
+  std::unique_ptr<RelayTree> tree_;          // who pulls from whom (soft state)
+  std::unique_ptr<StalenessGate> staleness_;
+  LayoutOffers offers_;
 };
 
 }  // namespace wsync::control

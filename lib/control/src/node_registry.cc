@@ -1,0 +1,106 @@
+#include "node_registry.h"
+
+#include <algorithm>
+
+#include <spdlog/spdlog.h>
+
+#include "wsync/util/text.h"
+
+namespace wsync::control {
+
+using wsync::store::v1::NodeRecord;
+using wsync::v1::Node;
+
+namespace {
+
+// Copies the durable fields (NodeRecord's) between a Node and a NodeRecord,
+// either way: the one list of what the log keeps of a node.
+template <typename From, typename To>
+void CopyDurableFields(const From& from, To* to) {
+  to->set_name(from.name());
+  to->set_role(from.role());
+  to->set_host(from.host());
+  to->set_data_address(from.data_address());
+  to->mutable_capabilities()->CopyFrom(from.capabilities());
+  to->set_ttl_ms(from.ttl_ms());
+  to->set_incarnation(from.incarnation());
+  to->set_applied_version(from.applied_version());
+  to->set_resync_keyframe(from.resync_keyframe());
+}
+
+}  // namespace
+
+NodeRecord NodeRegistry::ToRecord(const Node& n) {
+  NodeRecord nr;
+  CopyDurableFields(n, &nr);
+  return nr;
+}
+
+void NodeRegistry::Apply(const NodeRecord& record) {
+  CopyDurableFields(record, &nodes_[record.name()]);
+  next_incarnation_ = std::max(next_incarnation_, record.incarnation() + 1);
+}
+
+void NodeRegistry::Erase(const std::string& name) { nodes_.erase(name); }
+
+NodeRecord NodeRegistry::Registration(const wsync::v1::RegisterRequest& req, uint64_t ttl_ms) const {
+  NodeRecord nr;
+  if (auto it = nodes_.find(req.name()); it != nodes_.end()) nr = ToRecord(it->second);
+  nr.set_name(req.name());
+  nr.set_role(req.role());
+  nr.set_host(req.host());
+  nr.set_data_address(req.data_address());
+  nr.mutable_capabilities()->CopyFrom(req.capabilities());
+  nr.set_ttl_ms(ttl_ms);
+  nr.set_incarnation(next_incarnation_);
+  return nr;
+}
+
+Node* NodeRegistry::Find(const std::string& name) {
+  auto it = nodes_.find(name);
+  return it == nodes_.end() ? nullptr : &it->second;
+}
+
+Node* NodeRegistry::FindLive(const std::string& name) {
+  Node* n = Find(name);
+  return n == nullptr || n->state() == wsync::v1::NODE_DEAD ? nullptr : n;
+}
+
+std::vector<std::string> NodeRegistry::Expire(int64_t now) {
+  std::vector<std::string> dead;
+  for (auto& [name, n] : nodes_) {
+    if (n.state() != wsync::v1::NODE_DEAD && now - n.last_heartbeat_unix_ms() > static_cast<int64_t>(n.ttl_ms())) {
+      n.set_state(wsync::v1::NODE_DEAD);
+      dead.push_back(name);
+      spdlog::warn("node {} missed its TTL of {} ms: marked dead, its leases end", name, n.ttl_ms());
+    }
+  }
+  return dead;
+}
+
+bool NodeRegistry::Disconnect(const std::string& name, uint64_t incarnation) {
+  Node* n = Find(name);
+  if (n == nullptr || n->state() != wsync::v1::NODE_ALIVE || n->incarnation() != incarnation) return false;
+  n->set_state(wsync::v1::NODE_DISCONNECTED);
+  spdlog::warn("node {}: its watch stream broke: disconnected (dead at its TTL unless it heartbeats)", Quoted(name));
+  return true;
+}
+
+void NodeRegistry::GraceAll(int64_t now) {
+  for (auto& [name, n] : nodes_) {
+    n.set_state(wsync::v1::NODE_ALIVE);
+    n.set_last_heartbeat_unix_ms(now);
+  }
+}
+
+void NodeRegistry::SaveTo(wsync::store::v1::Snapshot* snapshot) const {
+  for (const auto& [name, n] : nodes_) *snapshot->add_nodes() = ToRecord(n);
+  snapshot->set_next_incarnation(next_incarnation_);
+}
+
+void NodeRegistry::LoadFrom(const wsync::store::v1::Snapshot& snapshot) {
+  for (const auto& n : snapshot.nodes()) Apply(n);
+  next_incarnation_ = std::max(next_incarnation_, snapshot.next_incarnation());
+}
+
+}  // namespace wsync::control
