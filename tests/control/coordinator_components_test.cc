@@ -222,11 +222,11 @@ TEST(CoordinatorComponents, LeaseTableGrantsRenewsAndReleasesThroughItsLog) {
   LeaseTable leases(&clock, 1000);
   TestLog log;
   const RecordLog to = log.To([&](const Record& r) { ApplyToLeases(leases, r); });
-  auto a = leases.Acquire("sink", 3, 0, to);
+  auto a = leases.Acquire("sink", 3, 0, "", to);
   ASSERT_TRUE(a.ok());
   EXPECT_EQ(a->id(), 1u);
   EXPECT_EQ(a->expires_unix_ms(), clock.NowMs() + 1000) << "the default TTL";
-  auto b = leases.Acquire("sink", 2, 500, to);
+  auto b = leases.Acquire("sink", 2, 500, "", to);
   ASSERT_TRUE(b.ok());
   EXPECT_EQ(b->id(), 2u);
   EXPECT_EQ(leases.OldestLeased(), 2u);
@@ -242,7 +242,7 @@ TEST(CoordinatorComponents, LeaseTableGrantsRenewsAndReleasesThroughItsLog) {
   EXPECT_EQ(leases.List().oldest_leased_version(), 3u);
 
   log.fail = true;
-  EXPECT_FALSE(leases.Acquire("sink", 4, 0, to).ok());
+  EXPECT_FALSE(leases.Acquire("sink", 4, 0, "", to).ok());
   EXPECT_EQ(leases.size(), 1u);
 }
 
@@ -251,8 +251,8 @@ TEST(CoordinatorComponents, LeaseTableEndsExpiredLeasesAndThoseOfDeadOwners) {
   LeaseTable leases(&clock, 1000);
   TestLog log;
   const RecordLog to = log.To([&](const Record& r) { ApplyToLeases(leases, r); });
-  ASSERT_TRUE(leases.Acquire("x", 1, 1000, to).ok());
-  ASSERT_TRUE(leases.Acquire("y", 1, 5000, to).ok());
+  ASSERT_TRUE(leases.Acquire("x", 1, 1000, "", to).ok());
+  ASSERT_TRUE(leases.Acquire("y", 1, 5000, "", to).ok());
   const int64_t now = clock.NowMs();
   auto none_dead = [](const std::string&) { return false; };
   EXPECT_TRUE(leases.Ended(now + 500, none_dead).empty());
@@ -268,7 +268,7 @@ TEST(CoordinatorComponents, LeaseTableEndsExpiredLeasesAndThoseOfDeadOwners) {
   LeaseTable loaded(&clock, 1000);
   loaded.LoadFrom(snap);
   EXPECT_EQ(loaded.size(), 1u);
-  auto next = loaded.Acquire("y", 1, 0, log.To([&](const Record& r) { ApplyToLeases(loaded, r); }));
+  auto next = loaded.Acquire("y", 1, 0, "", log.To([&](const Record& r) { ApplyToLeases(loaded, r); }));
   ASSERT_TRUE(next.ok());
   EXPECT_EQ(next->id(), 3u) << "ids are never reused";
 }

@@ -4,6 +4,7 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -20,5 +21,14 @@ StatusOr<std::shared_ptr<grpc::ChannelCredentials>> ClientCredentials(const std:
 // Reconnects after a server restart within 100 ms (gRPC's default starts at
 // 1 s), backing off to at most `max_backoff_ms`.
 void ReconnectQuickly(grpc::ChannelArguments* args, int max_backoff_ms);
+
+// NewCoordinatorClient's client over the channels `channels` makes for each
+// address (`options.address` names them): tests pass channels with
+// interceptors that lose answers.
+using ChannelFactory = std::function<std::shared_ptr<grpc::Channel>(const std::string& address)>;
+struct ClientOptions;
+class CoordinatorClient;
+StatusOr<std::unique_ptr<CoordinatorClient>> NewCoordinatorClient(const ClientOptions& options,
+                                                                  ChannelFactory channels);
 
 }  // namespace wsync::control

@@ -3,8 +3,11 @@
 #include <grpcpp/grpcpp.h>
 
 #include <chrono>
+#include <cinttypes>
+#include <cstdio>
 #include <deque>
 #include <mutex>
+#include <random>
 #include <set>
 #include <thread>
 
@@ -18,18 +21,37 @@ namespace {
 
 namespace v1 = wsync::v1;
 
+// A key for the attempts of one call (RegisterRequest.request_id,
+// AcquireLeaseRequest.request_id): 128 random bits in hex.
+std::string NewRequestId() {
+  thread_local std::mt19937_64 rng(std::random_device{}());
+  char buf[33];
+  std::snprintf(buf, sizeof buf, "%016" PRIx64 "%016" PRIx64, rng(), rng());
+  return buf;
+}
+
+// What a retried call may find when an earlier attempt took effect and only
+// its answer was lost.
+enum class Retried {
+  kSameAnswer,      // the call is idempotent: the retry answers as the first attempt would
+  kNotFoundIsDone,  // releases: NotFound after a lost answer is the first attempt's work
+};
+
 // A client of one coordinator, or of replicas: calls go to the one that
 // led last; NOT_LEADER (naming the leader) or an unreachable replica moves
-// them on, until the call's deadline.
+// them on, until the call's deadline. Every call is safe to retry
+// (docs/control-plane.md, "Retries"): Register and AcquireLease carry a
+// request id that every attempt of the call shares.
 class GrpcClient : public CoordinatorClient {
  public:
-  using ChannelFactory = std::function<std::shared_ptr<grpc::Channel>(const std::string&)>;
   GrpcClient(std::vector<std::string> addresses, ChannelFactory channels, ClientOptions options)
       : channels_(std::move(channels)), options_(std::move(options)), several_(addresses.size() > 1) {
     for (auto& a : addresses) Add(a);
   }
 
-  StatusOr<v1::RegisterResponse> Register(const v1::RegisterRequest& req) override {
+  StatusOr<v1::RegisterResponse> Register(const v1::RegisterRequest& request) override {
+    v1::RegisterRequest req = request;
+    if (req.request_id().empty()) req.set_request_id(NewRequestId());
     return Call<v1::RegisterResponse>("Register", [&](v1::Coordinator::Stub* stub, grpc::ClientContext* c, v1::RegisterResponse* r) {
       return stub->Register(c, req, r);
     });
@@ -42,9 +64,13 @@ class GrpcClient : public CoordinatorClient {
   Status Deregister(const std::string& name) override {
     v1::DeregisterRequest req;
     req.set_name(name);
-    return Call<v1::DeregisterResponse>("Deregister", [&](v1::Coordinator::Stub* stub, grpc::ClientContext* c, v1::DeregisterResponse* r) {
-             return stub->Deregister(c, req, r);
-           }).status();
+    return Call<v1::DeregisterResponse>(
+               "Deregister",
+               [&](v1::Coordinator::Stub* stub, grpc::ClientContext* c, v1::DeregisterResponse* r) {
+                 return stub->Deregister(c, req, r);
+               },
+               0, Retried::kNotFoundIsDone)
+        .status();
   }
   StatusOr<uint64_t> Publish(const v1::VersionSummary& version) override {
     v1::PublishRequest req;
@@ -100,6 +126,7 @@ class GrpcClient : public CoordinatorClient {
     req.set_node(node);
     req.set_version(version);
     req.set_ttl_ms(ttl_ms);
+    req.set_request_id(NewRequestId());
     auto r = Call<v1::AcquireLeaseResponse>("AcquireLease", [&](v1::Coordinator::Stub* stub, grpc::ClientContext* c, v1::AcquireLeaseResponse* resp) {
       return stub->AcquireLease(c, req, resp);
     });
@@ -119,9 +146,13 @@ class GrpcClient : public CoordinatorClient {
   Status ReleaseLease(uint64_t id) override {
     v1::ReleaseLeaseRequest req;
     req.set_id(id);
-    return Call<v1::ReleaseLeaseResponse>("ReleaseLease", [&](v1::Coordinator::Stub* stub, grpc::ClientContext* c, v1::ReleaseLeaseResponse* r) {
-             return stub->ReleaseLease(c, req, r);
-           }).status();
+    return Call<v1::ReleaseLeaseResponse>(
+               "ReleaseLease",
+               [&](v1::Coordinator::Stub* stub, grpc::ClientContext* c, v1::ReleaseLeaseResponse* r) {
+                 return stub->ReleaseLease(c, req, r);
+               },
+               0, Retried::kNotFoundIsDone)
+        .status();
   }
   StatusOr<v1::ListLeasesResponse> ListLeases() override {
     v1::ListLeasesRequest req;
@@ -191,8 +222,9 @@ class GrpcClient : public CoordinatorClient {
   }
 
   template <typename R, typename F>
-  StatusOr<R> Call(const char* method, F&& f, int64_t extra_ms = 0) {
+  StatusOr<R> Call(const char* method, F&& f, int64_t extra_ms = 0, Retried retried = Retried::kSameAnswer) {
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(options_.timeout_ms + extra_ms);
+    bool may_have_taken_effect = false;  // an attempt failed in a way that may have lost only its answer
     for (;;) {
       const size_t at = Current();
       grpc::ClientContext ctx;
@@ -205,14 +237,19 @@ class GrpcClient : public CoordinatorClient {
       Untrack(&ctx);
       if (s.ok()) return resp;
       Status failed = FromGrpc(s, std::string(method) + " " + Address(at));
+      if (may_have_taken_effect && retried == Retried::kNotFoundIsDone && failed.code() == StatusCode::kNotFound) {
+        return R();
+      }
       if (!MoveOn(at, failed) || std::chrono::steady_clock::now() >= deadline || cancelled()) return failed;
+      may_have_taken_effect |= !failed.HasReason(reasons::kNotLeader);
     }
   }
 
   // After a failure at replica `at`: points the client at the leader it
-  // named, or at the next replica; false when there is no other to try
-  // (one address, or a failure that is not about who leads). Waits a moment
-  // when no leader is known (an election in progress).
+  // named, or at the next replica; false when there is no other to try (a
+  // failure that is not transient or about who leads, or one address without
+  // wait_for_ready: the CLI fails fast). Waits a moment when no leader is
+  // known (an election in progress) or before trying one address again.
   bool MoveOn(size_t at, const Status& failed) {
     const bool not_leader = failed.HasReason(reasons::kNotLeader);
     if (!not_leader && failed.code() != StatusCode::kUnavailable && failed.code() != StatusCode::kDeadlineExceeded) {
@@ -225,7 +262,7 @@ class GrpcClient : public CoordinatorClient {
     bool pause = false;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      if (endpoints_.size() == 1 && leader.empty()) return false;
+      if (endpoints_.size() == 1 && leader.empty() && !options_.wait_for_ready) return false;
       if (!leader.empty()) {
         current_ = AddLocked(leader);
         return true;
@@ -298,7 +335,8 @@ class GrpcClient : public CoordinatorClient {
 
 }  // namespace
 
-StatusOr<std::unique_ptr<CoordinatorClient>> NewCoordinatorClient(const ClientOptions& options) {
+StatusOr<std::unique_ptr<CoordinatorClient>> NewCoordinatorClient(const ClientOptions& options,
+                                                                  ChannelFactory channels) {
   const std::vector<std::string> addresses = SplitList(options.address);
   if (addresses.empty()) return InvalidArgumentError("no coordinator address (--coordinator or WSYNC_COORDINATOR)");
   for (const auto& a : addresses) {
@@ -306,6 +344,13 @@ StatusOr<std::unique_ptr<CoordinatorClient>> NewCoordinatorClient(const ClientOp
       return InvalidArgumentError("coordinator address '" + a + "' is not host:port or unix:PATH");
     }
   }
+  ClientOptions opts = options;
+  // Several replicas: a call moves on from one that does not answer instead of waiting for it.
+  if (addresses.size() > 1) opts.wait_for_ready = false;
+  return std::unique_ptr<CoordinatorClient>(new GrpcClient(addresses, std::move(channels), std::move(opts)));
+}
+
+StatusOr<std::unique_ptr<CoordinatorClient>> NewCoordinatorClient(const ClientOptions& options) {
   WSYNC_ASSIGN_OR_RETURN(auto creds, ClientCredentials(options.tls_ca_file, options.tls_cert_file,
                                                        options.tls_key_file));
   grpc::ChannelArguments args;
@@ -316,15 +361,11 @@ StatusOr<std::unique_ptr<CoordinatorClient>> NewCoordinatorClient(const ClientOp
   if (!options.tls_ca_file.empty() && !options.tls_server_name.empty()) {
     args.SetSslTargetNameOverride(options.tls_server_name);
   }
-  ClientOptions opts = options;
-  // Several replicas: a call moves on from one that does not answer instead of waiting for it.
-  if (addresses.size() > 1) opts.wait_for_ready = false;
-  auto channels = [creds, args](const std::string& address) {
+  return NewCoordinatorClient(options, [creds, args](const std::string& address) {
     // Unix sockets never use TLS (local, protected by file permissions).
     const bool unix_socket = address.rfind("unix:", 0) == 0;
     return grpc::CreateCustomChannel(address, unix_socket ? grpc::InsecureChannelCredentials() : creds, args);
-  };
-  return std::unique_ptr<CoordinatorClient>(new GrpcClient(addresses, channels, std::move(opts)));
+  });
 }
 
 }  // namespace wsync::control

@@ -157,6 +157,10 @@ StatusOr<wsync::v1::RegisterResponse> CoordinatorState::Register(const wsync::v1
   }
   std::lock_guard<std::mutex> lock(mu_);
   ExpireLocked();
+  if (const Node* registered = nodes_->RegisteredBy(req)) {
+    // A retry of the call that made this incarnation (its answer was lost): that answer again.
+    return RegisteredLocked(*registered);
+  }
   Record r;
   *r.mutable_node_registered() = nodes_->Registration(req, req.ttl_ms() ? req.ttl_ms() : options_.default_ttl_ms);
   WSYNC_RETURN_IF_ERROR(Log(r));
@@ -172,8 +176,12 @@ StatusOr<wsync::v1::RegisterResponse> CoordinatorState::Register(const wsync::v1
   AssignParentsLocked();
   spdlog::info("node {} registered as {} from {} (incarnation {})", req.name(), wsync::v1::Role_Name(req.role()),
                req.host(), stored.incarnation());
+  return RegisteredLocked(stored);
+}
+
+wsync::v1::RegisterResponse CoordinatorState::RegisteredLocked(const Node& node) const {
   wsync::v1::RegisterResponse resp;
-  *resp.mutable_node() = stored;
+  *resp.mutable_node() = node;
   FillDerived(resp.mutable_node(), versions_->head());
   resp.set_head_version(versions_->head());
   return resp;
@@ -306,7 +314,8 @@ wsync::v1::GetLayoutResponse CoordinatorState::GetLayout() const {
 
 // ---------------------------------------------------------------- leases
 
-StatusOr<Lease> CoordinatorState::AcquireLease(const std::string& node, uint64_t version, uint64_t ttl_ms) {
+StatusOr<Lease> CoordinatorState::AcquireLease(const std::string& node, uint64_t version, uint64_t ttl_ms,
+                                               const std::string& request_id) {
   if (ttl_ms > options_.max_ttl_ms) return InvalidArgumentError("lease TTL exceeds the maximum");
   std::lock_guard<std::mutex> lock(mu_);
   ExpireLocked();
@@ -314,7 +323,7 @@ StatusOr<Lease> CoordinatorState::AcquireLease(const std::string& node, uint64_t
   if (!versions_->contains(version)) {
     return NotFoundError("version " + std::to_string(version) + " was never published");
   }
-  return leases_->Acquire(node, version, ttl_ms, log_);
+  return leases_->Acquire(node, version, ttl_ms, request_id, log_);
 }
 
 StatusOr<Lease> CoordinatorState::RenewLease(uint64_t id, uint64_t ttl_ms) {

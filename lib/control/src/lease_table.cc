@@ -8,23 +8,28 @@ namespace wsync::control {
 using wsync::store::v1::Record;
 using wsync::v1::Lease;
 
-StatusOr<Lease> LeaseTable::Acquire(const std::string& node, uint64_t version, uint64_t ttl_ms, const RecordLog& log) {
-  return Grant(next_lease_id_, node, version, ttl_ms, log);
+StatusOr<Lease> LeaseTable::Acquire(const std::string& node, uint64_t version, uint64_t ttl_ms,
+                                    const std::string& request_id, const RecordLog& log) {
+  if (!request_id.empty()) {
+    if (auto it = by_request_.find({node, request_id}); it != by_request_.end()) return leases_.at(it->second);
+  }
+  return Grant(next_lease_id_, node, version, ttl_ms, request_id, log);
 }
 
 StatusOr<Lease> LeaseTable::Renew(uint64_t id, uint64_t ttl_ms, const RecordLog& log) {
   auto it = leases_.find(id);
   if (it == leases_.end()) return NotFoundError("lease " + std::to_string(id) + " is not held (expired or released)");
-  return Grant(id, it->second.node(), it->second.version(), ttl_ms, log);
+  return Grant(id, it->second.node(), it->second.version(), ttl_ms, it->second.request_id(), log);
 }
 
 StatusOr<Lease> LeaseTable::Grant(uint64_t id, const std::string& node, uint64_t version, uint64_t ttl_ms,
-                                  const RecordLog& log) {
+                                  const std::string& request_id, const RecordLog& log) {
   Record r;
   Lease* l = r.mutable_lease_granted();
   l->set_id(id);
   l->set_node(node);
   l->set_version(version);
+  l->set_request_id(request_id);
   l->set_expires_unix_ms(clock_->NowMs() + static_cast<int64_t>(ttl_ms ? ttl_ms : default_ttl_ms_));
   WSYNC_RETURN_IF_ERROR(log(r));
   return leases_.at(id);
@@ -39,14 +44,24 @@ Status LeaseTable::Release(uint64_t id, const RecordLog& log) {
 
 void LeaseTable::ApplyGranted(const Lease& lease) {
   leases_[lease.id()] = lease;
+  if (!lease.request_id().empty()) by_request_[{lease.node(), lease.request_id()}] = lease.id();
   next_lease_id_ = std::max(next_lease_id_, lease.id() + 1);
 }
 
-void LeaseTable::ApplyReleased(uint64_t id) { leases_.erase(id); }
+void LeaseTable::Erase(std::map<uint64_t, Lease>::iterator it) {
+  if (!it->second.request_id().empty()) by_request_.erase({it->second.node(), it->second.request_id()});
+  leases_.erase(it);
+}
+
+void LeaseTable::ApplyReleased(uint64_t id) {
+  if (auto it = leases_.find(id); it != leases_.end()) Erase(it);
+}
 
 void LeaseTable::DropNode(const std::string& node) {
   for (auto it = leases_.begin(); it != leases_.end();) {
-    it = it->second.node() == node ? leases_.erase(it) : std::next(it);
+    auto next = std::next(it);
+    if (it->second.node() == node) Erase(it);
+    it = next;
   }
 }
 

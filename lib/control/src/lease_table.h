@@ -25,9 +25,12 @@ class LeaseTable {
   LeaseTable(const Clock* clock, uint64_t default_ttl_ms) : clock_(clock), default_ttl_ms_(default_ttl_ms) {}
 
   // A new lease of `node` on `version` until now + `ttl_ms` (0: the
-  // default), through `log` (a lease_granted record). REQUIRES: the caller
-  // checked that the node lives, the version exists and the TTL is allowed.
-  StatusOr<wsync::v1::Lease> Acquire(const std::string& node, uint64_t version, uint64_t ttl_ms, const RecordLog& log);
+  // default), through `log` (a lease_granted record). A non-empty
+  // `request_id` that granted a lease `node` still holds is a retry: that
+  // lease, unchanged, and nothing logged. REQUIRES: the caller checked that
+  // the node lives, the version exists and the TTL is allowed.
+  StatusOr<wsync::v1::Lease> Acquire(const std::string& node, uint64_t version, uint64_t ttl_ms,
+                                     const std::string& request_id, const RecordLog& log);
   // Lease `id` until now + `ttl_ms` (0: the default); NotFound when not held.
   StatusOr<wsync::v1::Lease> Renew(uint64_t id, uint64_t ttl_ms, const RecordLog& log);
   // Ends lease `id` through `log` (lease_released); NotFound when not held.
@@ -55,11 +58,14 @@ class LeaseTable {
 
  private:
   StatusOr<wsync::v1::Lease> Grant(uint64_t id, const std::string& node, uint64_t version, uint64_t ttl_ms,
-                                   const RecordLog& log);
+                                   const std::string& request_id, const RecordLog& log);
+  void Erase(std::map<uint64_t, wsync::v1::Lease>::iterator it);
 
   const Clock* clock_;
   const uint64_t default_ttl_ms_;
   std::map<uint64_t, wsync::v1::Lease> leases_;
+  // Held leases granted with a request id: (node, request id) -> lease id.
+  std::map<std::pair<std::string, std::string>, uint64_t> by_request_;
   uint64_t next_lease_id_ = 1;
 };
 

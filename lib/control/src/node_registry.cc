@@ -26,6 +26,7 @@ void CopyDurableFields(const From& from, To* to) {
   to->set_incarnation(from.incarnation());
   to->set_applied_version(from.applied_version());
   to->set_resync_keyframe(from.resync_keyframe());
+  to->set_register_request_id(from.register_request_id());
 }
 
 }  // namespace
@@ -53,7 +54,15 @@ NodeRecord NodeRegistry::Registration(const wsync::v1::RegisterRequest& req, uin
   nr.mutable_capabilities()->CopyFrom(req.capabilities());
   nr.set_ttl_ms(ttl_ms);
   nr.set_incarnation(next_incarnation_);
+  nr.set_register_request_id(req.request_id());
   return nr;
+}
+
+const Node* NodeRegistry::RegisteredBy(const wsync::v1::RegisterRequest& req) const {
+  if (req.request_id().empty()) return nullptr;
+  auto it = nodes_.find(req.name());
+  if (it == nodes_.end() || it->second.state() == wsync::v1::NODE_DEAD) return nullptr;
+  return it->second.register_request_id() == req.request_id() ? &it->second : nullptr;
 }
 
 Node* NodeRegistry::Find(const std::string& name) {

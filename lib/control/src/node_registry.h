@@ -38,6 +38,11 @@ class NodeRegistry {
   // its applied version and its resync flag. REQUIRES: `req` validated.
   wsync::store::v1::NodeRecord Registration(const wsync::v1::RegisterRequest& req, uint64_t ttl_ms) const;
 
+  // The live node whose current incarnation `req` (by its name and its
+  // non-empty request_id) registered: `req` is a retry of that call. Else
+  // nullptr.
+  const wsync::v1::Node* RegisteredBy(const wsync::v1::RegisterRequest& req) const;
+
   // The node, or nullptr when none has that name. Pointers stay valid until
   // that node is erased.
   wsync::v1::Node* Find(const std::string& name);

@@ -146,7 +146,7 @@ class Service final : public v1::Coordinator::Service {
   grpc::Status AcquireLease(ServerContext* ctx, const v1::AcquireLeaseRequest* req,
                             v1::AcquireLeaseResponse* resp) override {
     return Handle("AcquireLease", ctx, [&](CoordinatorState* state) {
-      auto l = state->AcquireLease(req->node(), req->version(), req->ttl_ms());
+      auto l = state->AcquireLease(req->node(), req->version(), req->ttl_ms(), req->request_id());
       if (l.ok()) *resp->mutable_lease() = *l;
       return l.status();
     });

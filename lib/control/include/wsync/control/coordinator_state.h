@@ -58,6 +58,8 @@ class CoordinatorState {
                                                             const Recovered& recovered);
   ~CoordinatorState();
 
+  // A new incarnation of the node, unless `req` is a retry of the call that
+  // made its current one (RegisterRequest.request_id): that answer again.
   StatusOr<wsync::v1::RegisterResponse> Register(const wsync::v1::RegisterRequest& req);
   StatusOr<wsync::v1::HeartbeatResponse> Heartbeat(const wsync::v1::HeartbeatRequest& req);
   Status Deregister(const std::string& name);
@@ -70,7 +72,10 @@ class CoordinatorState {
 
   StatusOr<wsync::v1::Node> ReportApplied(const std::string& name, uint64_t version);
 
-  StatusOr<wsync::v1::Lease> AcquireLease(const std::string& node, uint64_t version, uint64_t ttl_ms);
+  // A retry of an acquisition (the same non-empty `request_id` from the same
+  // node) gets the lease it granted while that lease is held.
+  StatusOr<wsync::v1::Lease> AcquireLease(const std::string& node, uint64_t version, uint64_t ttl_ms,
+                                          const std::string& request_id = "");
   StatusOr<wsync::v1::Lease> RenewLease(uint64_t id, uint64_t ttl_ms);
   Status ReleaseLease(uint64_t id);
   wsync::v1::ListLeasesResponse ListLeases() const;
@@ -136,6 +141,8 @@ class CoordinatorState {
   // it, or a source whose history does). REQUIRES: mu_ held.
   bool HeadReachableLocked(const wsync::v1::Node& sink, uint64_t head) const;
   void NotifyLocked();
+  // The answer to the registration that made `node`'s incarnation. REQUIRES: mu_ held.
+  wsync::v1::RegisterResponse RegisteredLocked(const wsync::v1::Node& node) const;
 
   CoordinatorOptions options_;
   const Clock* clock_;
