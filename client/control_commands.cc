@@ -12,6 +12,7 @@
 #include "json_output.h"
 #include "wsync/control/client.h"
 #include "wsync/control/server.h"
+#include "wsync/util/text.h"
 
 namespace wsync::cli {
 namespace {
@@ -138,12 +139,86 @@ int64_t NowMs() {
       .count();
 }
 
+// What every coordinator address answers of the replication (an address
+// that does not answer: role unspecified, its error as the etcd error is not
+// known). Empty for one coordinator without replicas.
+std::vector<v1::ReplicaResponse> AskReplicas(const Connection& c) {
+  Connection one = c;
+  std::vector<v1::ReplicaResponse> out;
+  bool replicated = false;
+  std::string list = c.coordinator;
+  if (list.empty()) {
+    if (const char* env = std::getenv("WSYNC_COORDINATOR")) list = env;
+  }
+  for (const std::string& address : SplitList(list)) {
+    one.coordinator = address;
+    v1::ReplicaResponse r;
+    auto client = Connect(one);
+    auto answer = client.ok() ? (*client)->DescribeReplica() : StatusOr<v1::ReplicaResponse>(client.status());
+    if (answer.ok()) {
+      r = *answer;
+    } else {
+      r.set_etcd_error("this replica does not answer: " + answer.status().ToString());
+    }
+    r.set_address(address);
+    replicated |= r.role() != v1::ReplicaResponse::SINGLE;
+    out.push_back(std::move(r));
+  }
+  if (!replicated) out.clear();
+  return out;
+}
+
+void PrintReplicas(const std::vector<v1::ReplicaResponse>& replicas) {
+  std::string leader;
+  for (const auto& r : replicas) {
+    if (r.role() == v1::ReplicaResponse::LEADER) leader = r.address();
+  }
+  std::printf("coordinator replicas over etcd: %s\n",
+              leader.empty() ? "no leader" : ("leader " + leader).c_str());
+  std::printf("  %-40s %-9s %s\n", "REPLICA", "ROLE", "ETCD");
+  for (const auto& r : replicas) {
+    const char* role = r.role() == v1::ReplicaResponse::LEADER     ? "leader"
+                       : r.role() == v1::ReplicaResponse::FOLLOWER ? "follower"
+                                                                   : "-";
+    std::string etcd;
+    if (r.role() == v1::ReplicaResponse::ROLE_UNSPECIFIED) {
+      etcd = r.etcd_error();
+    } else if (r.etcd_failing_ms() == 0) {
+      etcd = "answers" + (r.etcd_writes() ? " (" + std::to_string(r.etcd_writes()) + " writes as leader)" : "");
+    } else {
+      char since[96];
+      std::snprintf(since, sizeof since, "failing for %.1f s (calls refused with ETCD_UNREACHABLE after %.1f s): ",
+                    r.etcd_failing_ms() / 1000.0, r.unreachable_after_ms() / 1000.0);
+      etcd = since + r.etcd_error();
+    }
+    std::printf("  %-40s %-9s %s\n", r.address().c_str(), role, etcd.c_str());
+  }
+}
+
 Status RunStatus(const Connection& c) {
+  const std::vector<v1::ReplicaResponse> replicas = AskReplicas(c);
   WSYNC_ASSIGN_OR_RETURN(auto client, Connect(c));
-  WSYNC_ASSIGN_OR_RETURN(auto s, client->GetStatus());
+  auto status = client->GetStatus();
+  if (!status.ok()) {
+    // Without a leader the replicas' view is what explains why.
+    if (!replicas.empty() && c.json) {
+      v1::StatusResponse only;
+      for (const auto& r : replicas) *only.add_replicas() = r;
+      PrintJson(only);
+    } else if (!replicas.empty()) {
+      PrintReplicas(replicas);
+    }
+    return status.status();
+  }
+  v1::StatusResponse& s = *status;
+  for (const auto& r : replicas) *s.add_replicas() = r;
   if (c.json) {
     PrintJson(s);
     return Status::Ok();
+  }
+  if (!replicas.empty()) {
+    PrintReplicas(replicas);
+    std::printf("\n");
   }
   std::printf("head version %" PRIu64 ", max staleness %s (%s), oldest needed version %" PRIu64 "\n",
               s.head_version(), s.max_staleness() ? std::to_string(s.max_staleness()).c_str() : "unbounded",

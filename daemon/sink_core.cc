@@ -162,6 +162,9 @@ void SinkCore::OnHeartbeat(const v1::HeartbeatResponse& hb) {
     resync_ = hb.node().resync_keyframe();
   }
   head_ = std::max(head_.load(), hb.head_version());
+  // The coordinator shows another applied version than this sink holds: a
+  // report it acknowledged was lost in a failover before it was durable.
+  if (const auto w = weights(); w && hb.node().applied_version() != w->applied()) ReportApplied(w->applied());
   Kick();
 }
 

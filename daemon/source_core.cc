@@ -465,12 +465,13 @@ Status SourceCore::Announce(const PublishedVersion& pub, double ms) {
   }
   const v1::VersionSummary v = SummaryOf(pub);
   // A lost answer is retried (the coordinator takes the same summary
-  // again as a success), a bounded number of times.
+  // again as a success), a bounded number of times; not when etcd has no
+  // majority (the replicas have waited for it already: say so now).
   StatusOr<uint64_t> head = UnavailableError("not announced");
   for (int attempt = 0; attempt < 4; ++attempt) {
     if (attempt > 0 && !SleepFor(std::chrono::milliseconds(250 << attempt))) break;
     head = coordinator_->Publish(v);
-    if (head.ok() ||
+    if (head.ok() || head.status().HasReason(reasons::kEtcdUnreachable) ||
         (head.status().code() != StatusCode::kUnavailable && head.status().code() != StatusCode::kDeadlineExceeded)) {
       break;
     }

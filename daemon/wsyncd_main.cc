@@ -198,6 +198,9 @@ int main(int argc, char** argv) {
   coord->add_flag("--metrics-no-auth", metrics_no_auth,
                   "serve /metrics without the token (by default, with a token, it asks for HTTP basic auth with "
                   "the token as the password)");
+  coord->add_flag("--inject-faults", config.server.inject_faults,
+                  "tests only: honour the fault-injection metadata of calls (a replica killing itself between a "
+                  "commit and its answer)")->group("");
   coord->add_flag("--reflection", reflection,
                   "enable gRPC server reflection (grpcurl); it is not behind the token");
   coord->add_option("--tls-cert", config.server.tls.cert_file, "server certificate (PEM)");
@@ -293,6 +296,7 @@ int main(int argc, char** argv) {
     if (!config.server.metrics_listen.empty()) merged.server.metrics_listen = config.server.metrics_listen;
     if (metrics_no_auth) merged.server.metrics_auth = false;
     if (reflection) merged.server.reflection = true;
+    if (config.server.inject_faults) merged.server.inject_faults = true;
     if (!config.server.tls.cert_file.empty()) merged.server.tls.cert_file = config.server.tls.cert_file;
     if (!config.server.tls.key_file.empty()) merged.server.tls.key_file = config.server.tls.key_file;
     if (!config.server.tls.client_ca_file.empty()) merged.server.tls.client_ca_file = config.server.tls.client_ca_file;

@@ -4,6 +4,7 @@
 // CoordinatorState's Log does.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <functional>
 #include <map>
 #include <string>
@@ -117,6 +118,41 @@ TEST(CoordinatorComponents, NodeRegistryExpiresPastTheTtlAndDisconnectsOnlyTheCu
   EXPECT_NE(nodes.FindLive("b"), nullptr) << "disconnected is not dead";
   EXPECT_FALSE(nodes.Disconnect("b", 2)) << "already disconnected";
   EXPECT_FALSE(nodes.Disconnect("a", 1)) << "dead";
+}
+
+TEST(CoordinatorComponents, NodeRegistryExpiresInTheOrderOfTheirDeadlinesAsTouchedAndReRegistered) {
+  NodeRegistry nodes;
+  for (int i = 0; i < 1000; ++i) nodes.Apply(Registered("n" + std::to_string(i), wsync::v1::ROLE_SINK, i + 1));
+  nodes.GraceAll(0);
+  for (int i = 0; i < 1000; i += 2) nodes.Touch("n" + std::to_string(i), 500);
+  std::vector<std::string> odd = nodes.Expire(1001), even;
+  for (int i = 1; i < 1000; i += 2) even.push_back("n" + std::to_string(i));
+  std::sort(odd.begin(), odd.end());
+  std::sort(even.begin(), even.end());
+  EXPECT_EQ(odd, even) << "those not heard from since 0, and only they";
+  EXPECT_TRUE(nodes.Expire(1500).empty());
+  EXPECT_EQ(nodes.Expire(1501).size(), 500u) << "the others, their TTL counted from the touch";
+  EXPECT_TRUE(nodes.Expire(1'000'000).empty()) << "each dies once";
+
+  // A re-registration with a shorter TTL expires by it.
+  nodes.Apply(Registered("x", wsync::v1::ROLE_SINK, 2000, 0, 10'000));
+  nodes.Find("x")->set_state(wsync::v1::NODE_ALIVE);
+  nodes.Touch("x", 2000);
+  nodes.Apply(Registered("x", wsync::v1::ROLE_SINK, 2001, 0, 100));
+  EXPECT_EQ(nodes.Expire(2101), std::vector<std::string>{"x"});
+  // Dead, registered again: alive from its touch.
+  nodes.Apply(Registered("x", wsync::v1::ROLE_SINK, 2002, 0, 100));
+  EXPECT_TRUE(nodes.Expire(5000).empty()) << "still dead until registered alive";
+  nodes.Find("x")->set_state(wsync::v1::NODE_ALIVE);
+  nodes.Touch("x", 5000);
+  EXPECT_TRUE(nodes.Expire(5100).empty());
+  EXPECT_EQ(nodes.Expire(5101), std::vector<std::string>{"x"});
+  // Erased: never expired.
+  nodes.Apply(Registered("y", wsync::v1::ROLE_SINK, 3000, 0, 100));
+  nodes.Find("y")->set_state(wsync::v1::NODE_ALIVE);
+  nodes.Touch("y", 6000);
+  nodes.Erase("y");
+  EXPECT_TRUE(nodes.Expire(1'000'000).empty());
 }
 
 // ---- VersionLog

@@ -488,6 +488,86 @@ TEST(CoordinatorState, RecoversEverythingFromItsStore) {
   std::filesystem::remove_all(dir);
 }
 
+// A store that counts the calls made of it, over a real one.
+class CountingStore : public Store {
+ public:
+  explicit CountingStore(std::unique_ptr<Store> inner) : inner_(std::move(inner)) {}
+  Status Append(const wsync::store::v1::Record& r) override {
+    ++appends;
+    records.push_back(r);
+    return inner_->Append(r);
+  }
+  Status AppendBatch(const std::vector<wsync::store::v1::Record>& rs) override {
+    ++batches;
+    records.insert(records.end(), rs.begin(), rs.end());
+    return inner_->AppendBatch(rs);
+  }
+  Status Compact(const wsync::store::v1::Snapshot& s) override { return inner_->Compact(s); }
+  size_t LogRecords() const override { return inner_->LogRecords(); }
+  int appends = 0, batches = 0;
+  std::vector<wsync::store::v1::Record> records;
+
+ private:
+  std::unique_ptr<Store> inner_;
+};
+
+TEST(CoordinatorState, ReportsAreStoredTogetherAtTheTickOrAheadOfTheNextDurableChange) {
+  const std::string dir = ::testing::TempDir() + "/wsync_reports_" + std::to_string(::getpid());
+  std::filesystem::remove_all(dir);
+  FakeClock clock;
+  {
+    Recovered rec;
+    auto store = OpenLogStore(dir, &rec);
+    ASSERT_TRUE(store.ok());
+    auto counting = std::make_unique<CountingStore>(std::move(*store));
+    CountingStore* count = counting.get();
+    auto s = CoordinatorState::Create({}, &clock, std::move(counting), rec);
+    ASSERT_TRUE(s.ok());
+    for (int i = 0; i < 100; ++i) ASSERT_TRUE((*s)->Register(Reg("sink-" + std::to_string(i), wsync::v1::ROLE_SINK)).ok());
+    ASSERT_TRUE((*s)->Publish(V(1)).ok());
+    ASSERT_TRUE((*s)->Publish(V(2)).ok());
+    count->appends = count->batches = 0;
+    count->records.clear();
+
+    for (int i = 0; i < 100; ++i) ASSERT_TRUE((*s)->ReportApplied("sink-" + std::to_string(i), 2).ok());
+    EXPECT_EQ(count->appends + count->batches, 0) << "answered before it is stored";
+    EXPECT_EQ(FindNode((*s)->GetStatus(), "sink-7")->applied_version(), 2u);
+    (*s)->Tick();
+    ASSERT_EQ(count->batches, 1);
+    ASSERT_EQ(count->records.size(), 1u);
+    EXPECT_EQ(count->records[0].node_reports().nodes_size(), 100);
+    (*s)->Tick();
+    EXPECT_EQ(count->batches, 1) << "nothing new to store";
+
+    // A report, then a version: one batch, the report first.
+    ASSERT_TRUE((*s)->ReportApplied("sink-0", 1).ok());
+    ASSERT_TRUE((*s)->ReportApplied("sink-0", 2).ok());
+    ASSERT_TRUE((*s)->ReportApplied("sink-0", 1).ok());
+    ASSERT_TRUE((*s)->Publish(V(3)).ok());
+    ASSERT_EQ(count->batches, 2);
+    ASSERT_EQ(count->records.size(), 3u);
+    ASSERT_EQ(count->records[1].node_reports().nodes_size(), 1) << "a node's latest report only";
+    EXPECT_EQ(count->records[1].node_reports().nodes(0).applied_version(), 1u);
+    EXPECT_TRUE(count->records[2].has_version_published());
+
+    // Reported, not yet stored, and the coordinator dies: forgotten.
+    ASSERT_TRUE((*s)->ReportApplied("sink-1", 3).ok());
+  }
+  Recovered rec;
+  auto store = OpenLogStore(dir, &rec);
+  ASSERT_TRUE(store.ok());
+  auto s = CoordinatorState::Create({}, &clock, std::move(*store), rec);
+  ASSERT_TRUE(s.ok());
+  const auto status = (*s)->GetStatus();
+  EXPECT_EQ(FindNode(status, "sink-0")->applied_version(), 1u);
+  EXPECT_EQ(FindNode(status, "sink-1")->applied_version(), 2u) << "the report of 3 was not stored";
+  EXPECT_EQ(FindNode(status, "sink-99")->applied_version(), 2u);
+  // Flush stores what a tick would.
+  ASSERT_TRUE((*s)->ReportApplied("sink-1", 3).ok());
+  ASSERT_TRUE((*s)->Flush().ok());
+  std::filesystem::remove_all(dir);
+}
+
 // ---- Several sources, each a part of the tensors.
 
 wsync::v1::Layout PartLayout(uint32_t part, const std::string& source, const std::vector<std::string>& names) {

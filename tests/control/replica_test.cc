@@ -19,6 +19,7 @@
 #include <functional>
 #include <thread>
 
+#include "etcd_member.h"
 #include "wsync/control/client.h"
 #include "wsync/control/server.h"
 
@@ -38,26 +39,6 @@ v1::VersionSummary V(uint64_t v) {
   return s;
 }
 
-int FreePort() {
-  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a));
-  socklen_t len = sizeof(a);
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
-  ::close(fd);
-  return ntohs(a.sin_port);
-}
-
-bool Eventually(const std::function<bool()>& pred, std::chrono::milliseconds timeout = 20s) {
-  const auto end = std::chrono::steady_clock::now() + timeout;
-  while (std::chrono::steady_clock::now() < end) {
-    if (pred()) return true;
-    std::this_thread::sleep_for(20ms);
-  }
-  return pred();
-}
 
 // A replica that never leads and names `leader` (empty: none known).
 class Follower : public StateHolder {
@@ -128,58 +109,6 @@ TEST(ReplicaClient, WithoutALeaderACallFailsAtItsDeadlineNamingWhy) {
   EXPECT_LT(took, 5s);
 }
 
-// One etcd member on loopback, in a directory of its own; with `tls_dir`,
-// serving TLS with that directory's server certificate and requiring client
-// certificates of its CA.
-class Etcd {
- public:
-  explicit Etcd(const std::string& tls_dir = "") : tls_dir_(tls_dir) {
-    dir_ = std::filesystem::path(::testing::TempDir()) / ("wsync_etcd_" + std::to_string(::getpid()));
-    std::filesystem::remove_all(dir_);
-    endpoint_ = "127.0.0.1:" + std::to_string(FreePort());
-    const std::string scheme = tls_dir.empty() ? "http://" : "https://";
-    const std::string peer = "http://127.0.0.1:" + std::to_string(FreePort());
-    std::vector<std::string> args = {"etcd", "--name", "test", "--data-dir", dir_.string(),
-                                     "--listen-client-urls", scheme + endpoint_,
-                                     "--advertise-client-urls", scheme + endpoint_,
-                                     "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-                                     "--initial-cluster", "test=" + peer, "--log-outputs", "stderr",
-                                     "--logger", "zap", "--log-level", "error"};
-    if (!tls_dir.empty()) {
-      args.insert(args.end(), {"--cert-file", tls_dir + "/server.pem", "--key-file", tls_dir + "/server.key",
-                               "--trusted-ca-file", tls_dir + "/ca.pem", "--client-cert-auth"});
-    }
-    std::vector<char*> argv;
-    for (auto& a : args) argv.push_back(a.data());
-    argv.push_back(nullptr);
-    if (::posix_spawnp(&pid_, "etcd", nullptr, nullptr, argv.data(), environ) != 0) pid_ = -1;
-  }
-  ~Etcd() {
-    if (pid_ > 0) {
-      ::kill(pid_, SIGKILL);
-      ::waitpid(pid_, nullptr, 0);
-    }
-    std::filesystem::remove_all(dir_);
-  }
-  bool started() const { return pid_ > 0; }
-  const std::string& endpoint() const { return endpoint_; }
-  // etcdctl's exit status.
-  int Ctl(const std::string& args) const {
-    std::string tls;
-    if (!tls_dir_.empty()) {
-      tls = " --cacert " + tls_dir_ + "/ca.pem --cert " + tls_dir_ + "/client.pem --key " + tls_dir_ + "/client.key";
-    }
-    return std::system(
-        ("ETCDCTL_API=3 etcdctl --endpoints " + endpoint_ + tls + " " + args + " >/dev/null 2>&1").c_str());
-  }
-
- private:
-  std::string tls_dir_;
-  std::filesystem::path dir_;
-  std::string endpoint_;
-  pid_t pid_ = -1;
-};
-
 ReplicaOptions Options(const Etcd& etcd, const std::string& advertise) {
   ReplicaOptions o;
   o.etcd_endpoints = {etcd.endpoint()};
@@ -230,6 +159,85 @@ TEST(ReplicaOverEtcd, AReplacedLeaderCannotWriteAndTheNextHoldsWhatItAcknowledge
   auto v3 = (*state_b)->Publish(V(3));
   ASSERT_TRUE(v3.ok()) << v3.status().ToString();
   EXPECT_EQ((*state_b)->ListVersions(0).versions_size(), 3);
+}
+
+// Serves `replica` on loopback; its address.
+std::unique_ptr<CoordinatorServer> ServeReplica(Replica* replica, std::string* address) {
+  ServerOptions o;
+  o.listen = {"127.0.0.1:0"};
+  auto server = CoordinatorServer::Start(o, replica);
+  EXPECT_TRUE(server.ok());
+  *address = "127.0.0.1:" + std::to_string((*server)->ports()[0]);
+  return std::move(*server);
+}
+
+TEST(ReplicaOverEtcd, WithoutEtcdACallFailsSoonNamingEtcdAndCallsResumeWhenItReturns) {
+  Etcd etcd;
+  ASSERT_TRUE(etcd.started()) << "etcd is not installed (scripts/install-deps.sh installs etcd-server)";
+  ASSERT_TRUE(Eventually([&] { return etcd.Ctl("endpoint health") == 0; })) << "etcd did not come up";
+  ReplicaOptions oa = Options(etcd, "replica-a:1"), ob = Options(etcd, "replica-b:1");
+  oa.lease_ttl_s = ob.lease_ttl_s = 1;
+  auto a = Replica::Start(oa, SystemClock());
+  ASSERT_TRUE(a.ok());
+  ASSERT_TRUE(Eventually([&] { return (*a)->leading(); }));
+  auto b = Replica::Start(ob, SystemClock());
+  ASSERT_TRUE(b.ok());
+  std::string address_a, address_b;
+  auto server_a = ServeReplica(a->get(), &address_a);
+  auto server_b = ServeReplica(b->get(), &address_b);
+  ClientOptions o;
+  o.address = address_a + "," + address_b;
+  o.timeout_ms = 60'000;  // the failure must come from the replicas, long before this
+  auto client = NewCoordinatorClient(o);
+  ASSERT_TRUE(client.ok());
+  ASSERT_TRUE((*client)->Publish(V(1)).ok());
+  EXPECT_EQ((*a)->Describe().role(), v1::ReplicaResponse::LEADER);
+  EXPECT_EQ((*a)->Describe().etcd_failing_ms(), 0);
+  ASSERT_TRUE(Eventually([&] { return (*b)->Describe().leader() == "replica-a:1"; }));
+
+  etcd.Signal(SIGSTOP);
+  const auto t0 = std::chrono::steady_clock::now();
+  auto refused = (*client)->Publish(V(2));
+  const auto took = std::chrono::steady_clock::now() - t0;
+  ASSERT_FALSE(refused.ok());
+  EXPECT_TRUE(refused.status().HasReason(reasons::kEtcdUnreachable)) << refused.status().ToString();
+  EXPECT_NE(refused.status().message().find("majority of etcd"), std::string::npos) << refused.status().ToString();
+  // Lease 1 s + grace 3 s + an etcd call's 2 s: well inside the client's 60 s.
+  EXPECT_LT(took, 20s) << "the call waited for its own deadline instead of the replicas' verdict";
+  v1::ReplicaResponse seen = (*b)->Describe();
+  EXPECT_EQ(seen.role(), v1::ReplicaResponse::FOLLOWER);
+  EXPECT_GE(seen.etcd_failing_ms(), seen.unreachable_after_ms());
+  EXPECT_FALSE(seen.etcd_error().empty());
+  // Any replica answers Replica, leading or not.
+  ClientOptions only_b;
+  only_b.address = address_b;
+  auto ask_b = NewCoordinatorClient(only_b);
+  ASSERT_TRUE(ask_b.ok());
+  auto described = (*ask_b)->DescribeReplica();
+  ASSERT_TRUE(described.ok()) << described.status().ToString();
+  EXPECT_EQ(described->address(), "replica-b:1");
+  EXPECT_GT(described->etcd_failing_ms(), 0);
+
+  etcd.Signal(SIGCONT);
+  ASSERT_TRUE(Eventually([&] { return (*client)->Publish(V(2)).ok(); }, 30s));
+  EXPECT_TRUE(Eventually([&] { return (*a)->Describe().etcd_failing_ms() == 0 && (*b)->Describe().etcd_failing_ms() == 0; }));
+}
+
+TEST(ReplicaOverEtcd, AFollowerLearnsOfAVacancyFromTheWatchNotAPoll) {
+  Etcd etcd;
+  ASSERT_TRUE(etcd.started()) << "etcd is not installed (scripts/install-deps.sh installs etcd-server)";
+  ASSERT_TRUE(Eventually([&] { return etcd.Ctl("endpoint health") == 0; })) << "etcd did not come up";
+  auto a = Replica::Start(Options(etcd, "replica-a:1"), SystemClock());
+  ASSERT_TRUE(a.ok());
+  ASSERT_TRUE(Eventually([&] { return (*a)->leading(); }));
+  ReplicaOptions ob = Options(etcd, "replica-b:1");
+  ob.poll_ms = ob.watch_ms = 600'000;  // only the watch can wake it within the test
+  auto b = Replica::Start(ob, SystemClock());
+  ASSERT_TRUE(b.ok());
+  ASSERT_TRUE(Eventually([&] { return (*b)->leader() == "replica-a:1"; }));
+  ASSERT_EQ(etcd.Ctl("del /wsync-test/leader"), 0);
+  EXPECT_TRUE(Eventually([&] { return (*b)->leading() || (*b)->leader() != "replica-a:1"; }))
+      << "the follower did not see the leader key go";
 }
 
 TEST(ReplicaOverEtcd, ALeaderThatResignsIsReplacedAtOnceWithItsState) {

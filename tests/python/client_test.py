@@ -674,7 +674,7 @@ for _ in range(2):
 step()
 t0 = time.time()
 try:
-    src.publish()  # version 3: its announce fails every time
+    src.publish(retry_for=5)  # version 3: its announce fails every time
     raise SystemExit("version 3 was published")
 except wsync.UnavailableError as e:
     print(f"version 3 unconfirmed after {time.time() - t0:.1f} s of retries:", e.message[-90:])
@@ -694,6 +694,53 @@ print("unconfirmed ok")
         p = run_client(s, build, code)
         check(p.returncode == 0 and "unconfirmed ok" in p.stdout and "VERSION_TAKEN next 4" in p.stdout,
               "an unconfirmed version is never published with other weights: " + (p.stdout + p.stderr)[-700:])
+    finally:
+        s.stop()
+
+
+def slow_coordinator(build):
+    """The coordinator stopped (SIGSTOP) for longer than a call's 5 s
+    deadline, as in a slow failover: publish rides through it."""
+    s = system(build, "slow_coordinator", sinks=1)
+    code = r"""
+import os, sys, time, torch, wsync
+sys.path.insert(0, "examples")
+from tiny_llama import LlamaForCausalLM
+d = sys.argv[3]
+torch.manual_seed(0)
+trainer = LlamaForCausalLM().to(torch.bfloat16)
+src = wsync.Source(sys.argv[1]); src.register(trainer)
+src.publish()
+open(f"{d}/ready", "w").close()
+while not os.path.exists(f"{d}/stopped"):
+    time.sleep(0.02)
+with torch.no_grad():
+    for p in trainer.parameters():
+        p.view(torch.int16).view(-1)[::97] += 1
+t0 = time.time()
+open(f"{d}/publishing", "w").close()
+v = src.publish().version
+print(f"published {v} after {time.time() - t0:.1f} s")
+"""
+    try:
+        p = subprocess.Popen([PY, "-c", code, local(s, "source"), local(s, "sink-0"), s.tmp],
+                             env=dict(s.env, PYTHONPATH=os.path.join(build, "python")), stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True, cwd=os.path.join(HERE, "..", ".."))
+        s.procs["worker-slow"] = (None, p)
+        s.wait_for(lambda: os.path.exists(f"{s.tmp}/ready") or p.poll() is not None, "the first version", 120)
+        check(p.poll() is None, "the client published version 1")
+        s.kill("coordinator", signal.SIGSTOP)
+        try:
+            open(f"{s.tmp}/stopped", "w").close()
+            s.wait_for(lambda: os.path.exists(f"{s.tmp}/publishing") or p.poll() is not None, "the publish", 60)
+            # The fault lasts 8 s: past the source's 5 s deadline for its first
+            # coordinator call, and past the ~4 s the client used to retry.
+            time.sleep(8)
+        finally:
+            s.kill("coordinator", signal.SIGCONT)
+        out, _ = p.communicate(timeout=120)
+        check(p.returncode == 0 and "published 2" in out,
+              "a publish rode through a coordinator stopped past the call deadline: " + out.strip()[-400:])
     finally:
         s.stop()
 
@@ -828,6 +875,7 @@ SCENARIOS = {
     "reregister": reregister,
     "daemon_restart": daemon_restart,
     "unconfirmed_publish": unconfirmed_publish,
+    "slow_coordinator": slow_coordinator,
     "sigterm": sigterm,
     "tensor_parallel": tensor_parallel,
     "resized_fleet": resized_fleet,

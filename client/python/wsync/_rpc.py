@@ -2,15 +2,35 @@
 proto/wsync/v1/local.proto at build time, errors as WsyncError."""
 from __future__ import annotations
 
-from typing import Any, Callable
+import time
+from typing import Any, Callable, Iterator
 
 import grpc
 
-from .errors import NOT_REGISTERED, WsyncError, from_rpc_error
+from .errors import (ETCD_UNREACHABLE, NOT_REGISTERED, DeadlineExceededError, UnavailableError, WsyncError,
+                     from_rpc_error)
 from .v1 import local_pb2 as pb
 from .v1 import local_pb2_grpc as pb_grpc
 
-__all__ = ["Local", "pb", "again_if_forgotten"]
+__all__ = ["Local", "pb", "again_if_forgotten", "transient", "backoff"]
+
+
+def transient(e: WsyncError) -> bool:
+    """Whether waiting may cure `e`: the daemon or its coordinator unreachable
+    or slow (a restart, a failover), but not coordinator replicas that have
+    already waited out etcd's missing majority (ETCD_UNREACHABLE)."""
+    return isinstance(e, (UnavailableError, DeadlineExceededError)) and e.reason != ETCD_UNREACHABLE
+
+
+def backoff(retry_for: float) -> Iterator[float]:
+    """Sleeps before each retry, 0.1 s doubling to 2 s, while the next try
+    starts within `retry_for` seconds of the first; yields the seconds left."""
+    end = time.monotonic() + retry_for
+    delay = 0.1
+    while time.monotonic() + delay < end:
+        time.sleep(delay)
+        delay = min(2 * delay, 2.0)
+        yield end - time.monotonic()
 
 
 def _target(address: str) -> str:

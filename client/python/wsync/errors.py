@@ -14,6 +14,7 @@ from .v1 import errors_pb2
 STALE_VERSION = "STALE_VERSION"    # metadata: version, head_version, next_version
 VERSION_TAKEN = "VERSION_TAKEN"    # metadata: version, next_version
 NOT_REGISTERED = "NOT_REGISTERED"  # the daemon (restarted?) holds no tensors
+ETCD_UNREACHABLE = "ETCD_UNREACHABLE"  # coordinator replicas without etcd's majority: not transient
 
 
 class WsyncError(Exception):

@@ -1,13 +1,13 @@
 """The trainer side: register the model once, publish after every step."""
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
-from ._rpc import Local, again_if_forgotten, pb
+from ._rpc import Local, again_if_forgotten, backoff, pb, transient
 from ._tensors import Registration, TensorsLike, share, served_layout
-from .errors import STALE_VERSION, FailedPreconditionError, StaleVersionError, UnavailableError
+from .errors import (STALE_VERSION, DeadlineExceededError, FailedPreconditionError, StaleVersionError,
+                     UnavailableError)
 
 
 @dataclass
@@ -127,7 +127,7 @@ class Source:
         return self._next_version
 
     def publish(self, version: Optional[int] = None, *, after_copy: bool = False,
-                wait: float = 60.0) -> PublishStats:
+                wait: float = 60.0, retry_for: float = 60.0) -> PublishStats:
         """Publishes the registered tensors as `version` (default: next_version).
 
         Returns once the version is encoded and announced, or with
@@ -137,29 +137,33 @@ class Source:
         lagging sinks and why they lag. A version at or below the head raises
         StaleVersionError carrying next_version. If the daemon restarted (it
         knows no tensors), the same memory is registered again first.
+
+        Transient failures (the daemon restarting, a coordinator failover,
+        slow or not: UnavailableError, DeadlineExceededError) are retried for
+        up to `retry_for` seconds. Coordinator replicas that cannot reach a
+        majority of etcd raise UnavailableError with reason ETCD_UNREACHABLE
+        at once, naming what to check, a few seconds past their lease.
         """
         if self._registration is None:
             raise FailedPreconditionError("publish: nothing registered (call register first)", "FAILED_PRECONDITION")
         v = self._next_version if version is None else int(version)
         req = pb.LocalPublishRequest(version=v, wait_ms=int(wait * 1000), return_after_copy=after_copy)
         def call():
-            # Unavailable (the coordinator did not confirm the version, or the
-            # connection to a restarted daemon broke) is retried a few times
-            # over about 4 s. The source announces an unconfirmed version
-            # again; a version it confirmed meanwhile is answered as stale
-            # with the next one, which after an Unavailable means: published.
+            # The source announces an unconfirmed version again; a version it
+            # confirmed meanwhile is answered as stale with the next one,
+            # which after a transient failure means: published.
             retried = False
-            for delay in (0.1, 0.3, 0.9, 2.7, None):
+            retries = backoff(retry_for)
+            while True:
                 try:
                     return self._local.call("Publish", req, timeout=self._local.timeout + wait, wait_for_ready=True)
-                except UnavailableError:
-                    if delay is None:
+                except (UnavailableError, DeadlineExceededError) as e:
+                    if not transient(e) or next(retries, None) is None:
                         raise
                     retried = True
-                    time.sleep(delay)
                 except StaleVersionError as e:
-                    # Our version is the head after an Unavailable: it was
-                    # stored (its answer was lost), not someone else's.
+                    # Our version is the head after a transient failure: it
+                    # was stored (its answer was lost), not someone else's.
                     if retried and e.reason == STALE_VERSION and e.metadata.get("head_version") == str(v):
                         return pb.LocalPublishResponse(version=v)
                     raise

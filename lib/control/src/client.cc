@@ -175,6 +175,17 @@ class GrpcClient : public CoordinatorClient {
       return stub->Status(c, req, r);
     });
   }
+  StatusOr<v1::ReplicaResponse> DescribeReplica() override {
+    // The replica asked, not the leader: no moving on.
+    const size_t at = Current();
+    grpc::ClientContext ctx;
+    Prepare(&ctx, true);
+    v1::ReplicaRequest req;
+    v1::ReplicaResponse resp;
+    grpc::Status s = Stub(at)->Replica(&ctx, req, &resp);
+    if (!s.ok()) return FromGrpc(s, "Replica " + Address(at));
+    return resp;
+  }
   StatusOr<v1::GetLayoutResponse> GetLayout() override {
     v1::GetLayoutRequest req;
     return Call<v1::GetLayoutResponse>("GetLayout", [&](v1::Coordinator::Stub* stub, grpc::ClientContext* c, v1::GetLayoutResponse* r) {
@@ -213,6 +224,7 @@ class GrpcClient : public CoordinatorClient {
  private:
   void Prepare(grpc::ClientContext* ctx, bool deadline, int64_t extra_ms = 0) const {
     if (!options_.token.empty()) ctx->AddMetadata("authorization", "Bearer " + options_.token);
+    for (const auto& [key, value] : options_.test_metadata) ctx->AddMetadata(key, value);
     ctx->set_wait_for_ready(options_.wait_for_ready);
     if (deadline) {
       // Among replicas, one that is stopped (not dead) must not hold a call for all of its time.
@@ -225,6 +237,7 @@ class GrpcClient : public CoordinatorClient {
   StatusOr<R> Call(const char* method, F&& f, int64_t extra_ms = 0, Retried retried = Retried::kSameAnswer) {
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(options_.timeout_ms + extra_ms);
     bool may_have_taken_effect = false;  // an attempt failed in a way that may have lost only its answer
+    size_t without_etcd = 0;             // replicas in a row that cannot reach etcd's majority
     for (;;) {
       const size_t at = Current();
       grpc::ClientContext ctx;
@@ -240,8 +253,15 @@ class GrpcClient : public CoordinatorClient {
       if (may_have_taken_effect && retried == Retried::kNotFoundIsDone && failed.code() == StatusCode::kNotFound) {
         return R();
       }
+      // Every replica has waited out its lease and grace without etcd: no
+      // leader can be elected until etcd's majority is back; say so now.
+      if (failed.HasReason(reasons::kEtcdUnreachable)) {
+        if (++without_etcd >= EndpointCount()) return failed;
+      } else if (failed.HasReason(reasons::kNotLeader)) {
+        without_etcd = 0;
+      }
       if (!MoveOn(at, failed) || std::chrono::steady_clock::now() >= deadline || cancelled()) return failed;
-      may_have_taken_effect |= !failed.HasReason(reasons::kNotLeader);
+      may_have_taken_effect |= !failed.HasReason(reasons::kNotLeader) && !failed.HasReason(reasons::kEtcdUnreachable);
     }
   }
 
@@ -251,7 +271,7 @@ class GrpcClient : public CoordinatorClient {
   // wait_for_ready: the CLI fails fast). Waits a moment when no leader is
   // known (an election in progress) or before trying one address again.
   bool MoveOn(size_t at, const Status& failed) {
-    const bool not_leader = failed.HasReason(reasons::kNotLeader);
+    const bool not_leader = failed.HasReason(reasons::kNotLeader) || failed.HasReason(reasons::kEtcdUnreachable);
     if (!not_leader && failed.code() != StatusCode::kUnavailable && failed.code() != StatusCode::kDeadlineExceeded) {
       return false;
     }
@@ -307,6 +327,10 @@ class GrpcClient : public CoordinatorClient {
   size_t Current() {
     std::lock_guard<std::mutex> lock(mu_);
     return current_;
+  }
+  size_t EndpointCount() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return endpoints_.size();
   }
   v1::Coordinator::Stub* Stub(size_t i) {
     std::lock_guard<std::mutex> lock(mu_);

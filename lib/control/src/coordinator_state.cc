@@ -114,20 +114,55 @@ void CoordinatorState::Apply(const Record& r) {
     case Record::kVersionFloor:
       versions_->ApplyFloor(r.version_floor());
       break;
+    case Record::kNodeReports:
+      for (const auto& n : r.node_reports().nodes()) nodes_->Apply(n);
+      break;
     case Record::KIND_NOT_SET:
       break;
   }
 }
 
-Status CoordinatorState::Log(const Record& r) {
-  WSYNC_RETURN_IF_ERROR(store_->Append(r));
-  Apply(r);
-  if (store_->LogRecords() >= options_.compact_every) {
-    Status s = store_->Compact(MakeSnapshot());
-    if (!s.ok()) spdlog::warn("store compaction failed (the log keeps growing): {}", s.ToString());
+Status CoordinatorState::CommitLocked(const Record* r) {
+  if (unflushed_reports_.empty()) return r ? store_->Append(*r) : Status::Ok();
+  // The reports in node_reports records of up to about 512 KiB each.
+  constexpr size_t kReportBytes = 512 << 10;
+  std::vector<Record> batch(1);
+  size_t bytes = 0;
+  for (const auto& n : unflushed_reports_) {
+    const size_t size = n.ByteSizeLong();
+    if (bytes > 0 && bytes + size > kReportBytes) {
+      batch.emplace_back();
+      bytes = 0;
+    }
+    *batch.back().mutable_node_reports()->add_nodes() = n;
+    bytes += size;
   }
+  if (r) batch.push_back(*r);
+  // On an error they stay for the next try: applying a report again at
+  // recovery has the same effect.
+  WSYNC_RETURN_IF_ERROR(store_->AppendBatch(batch));
+  unflushed_reports_.clear();
+  unflushed_at_.clear();
+  return Status::Ok();
+}
+
+Status CoordinatorState::Log(const Record& r) {
+  WSYNC_RETURN_IF_ERROR(CommitLocked(&r));
+  Apply(r);
+  MaybeCompactLocked();
   NotifyLocked();
   return Status::Ok();
+}
+
+void CoordinatorState::MaybeCompactLocked() {
+  if (store_->LogRecords() < options_.compact_every) return;
+  Status s = store_->Compact(MakeSnapshot());
+  if (!s.ok()) spdlog::warn("store compaction failed (the log keeps growing): {}", s.ToString());
+}
+
+Status CoordinatorState::Flush() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return CommitLocked(nullptr);
 }
 
 wsync::store::v1::Snapshot CoordinatorState::MakeSnapshot() const {
@@ -171,7 +206,7 @@ StatusOr<wsync::v1::RegisterResponse> CoordinatorState::Register(const wsync::v1
   // again (once it holds the head).
   tree_->Restarted(nodes_->nodes(), req.name());
   stored.set_state(wsync::v1::NODE_ALIVE);
-  stored.set_last_heartbeat_unix_ms(clock_->NowMs());
+  nodes_->Touch(req.name(), clock_->NowMs());
   stored.set_parent("");
   AssignParentsLocked();
   spdlog::info("node {} registered as {} from {} (incarnation {})", req.name(), wsync::v1::Role_Name(req.role()),
@@ -204,7 +239,7 @@ StatusOr<wsync::v1::HeartbeatResponse> CoordinatorState::Heartbeat(const wsync::
     tree_->GiveBackChildren(nodes_->nodes(), req.name(), versions_->head());
     NotifyLocked();
   }
-  n->set_last_heartbeat_unix_ms(clock_->NowMs());
+  nodes_->Touch(req.name(), clock_->NowMs());
   if (!req.unreachable_parent().empty() && req.unreachable_parent() == n->parent()) {
     // The sink cannot reach its parent: another holder of its version now,
     // not at the parent's TTL.
@@ -263,9 +298,19 @@ StatusOr<Node> CoordinatorState::ReportApplied(const std::string& name, uint64_t
   if (n.resync_keyframe() && staleness_->Tolerates(head - version)) n.set_resync_keyframe(false);
   // A repeated report changes nothing: nothing to log.
   if (n.applied_version() != current->applied_version() || n.resync_keyframe() != current->resync_keyframe()) {
-    Record r;
-    *r.mutable_node_registered() = NodeRegistry::ToRecord(n);
-    WSYNC_RETURN_IF_ERROR(Log(r));
+    // Acknowledged before it is durable: the store gets it within a tick,
+    // in one batch with the other reports (or with the next durable change).
+    // A failover or crash before that forgets it; the sink reports again
+    // when its heartbeat's answer shows an applied version not its own.
+    wsync::store::v1::NodeRecord record = NodeRegistry::ToRecord(n);
+    nodes_->Apply(record);
+    if (auto it = unflushed_at_.find(name); it != unflushed_at_.end()) {
+      unflushed_reports_[it->second] = std::move(record);
+    } else {
+      unflushed_at_[name] = unflushed_reports_.size();
+      unflushed_reports_.push_back(std::move(record));
+    }
+    NotifyLocked();
     // A sink reaching the head may parent orphans or relieve a parent above
     // the fan-out: the tree is redone at the next Tick (within tick_ms), not
     // at each of the thousands of reports a version brings.
@@ -371,6 +416,12 @@ bool CoordinatorState::HeadReachableLocked(const Node& sink, uint64_t head) cons
 
 void CoordinatorState::Tick() {
   std::lock_guard<std::mutex> lock(mu_);
+  if (Status s = CommitLocked(nullptr); !s.ok()) {
+    spdlog::warn("cannot store {} applied versions reported (kept in memory, tried again next tick): {}",
+                 unflushed_reports_.size(), s.ToString());
+  } else {
+    MaybeCompactLocked();
+  }
   ExpireLocked();
   if (tree_->dirty()) {
     // Each pass gives the sinks that reached the head up to `fanout`
@@ -400,7 +451,7 @@ void CoordinatorState::ExpireLocked() {
     // a restart the lease ends again, at its expiry or its owner's TTL).
     Record r;
     r.set_lease_released(id);
-    Status s = store_->Append(r);
+    Status s = CommitLocked(&r);
     if (!s.ok()) spdlog::warn("cannot log the end of lease {}: {}", id, s.ToString());
     Apply(r);
     changed = true;

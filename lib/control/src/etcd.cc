@@ -5,6 +5,7 @@
 
 #include <chrono>
 #include <mutex>
+#include <set>
 
 #include "channel.h"
 #include "etcd/rpc.grpc.pb.h"
@@ -38,7 +39,7 @@ class GrpcEtcd : public Etcd {
   GrpcEtcd(EtcdOptions options, std::vector<std::shared_ptr<grpc::Channel>> channels)
       : options_(std::move(options)) {
     for (auto& c : channels) {
-      members_.push_back({pb::KV::NewStub(c), pb::Lease::NewStub(c), pb::Auth::NewStub(c)});
+      members_.push_back({pb::KV::NewStub(c), pb::Lease::NewStub(c), pb::Auth::NewStub(c), pb::Watch::NewStub(c)});
     }
   }
 
@@ -90,11 +91,67 @@ class GrpcEtcd : public Etcd {
     return std::max<int64_t>(0, r->ttl());
   }
 
+  StatusOr<bool> WaitForChange(const std::string& key, int64_t after_revision, int timeout_ms) override {
+    size_t m;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      m = current_;
+    }
+    WSYNC_ASSIGN_OR_RETURN(std::string token, Token(m, false));
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(timeout_ms));
+    if (!token.empty()) ctx.AddMetadata("token", token);
+    // Without it a member cut off from the majority keeps the watch open, silent.
+    ctx.AddMetadata("hasleader", "true");
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (waits_cancelled_) return false;
+      waits_.insert(&ctx);
+    }
+    auto stream = members_[m].watch->Watch(&ctx);
+    pb::WatchRequest req;
+    req.mutable_create_request()->set_key(key);
+    req.mutable_create_request()->set_start_revision(after_revision + 1);
+    bool changed = false;
+    pb::WatchResponse resp;
+    if (stream->Write(req)) {
+      while (stream->Read(&resp)) {
+        if (resp.canceled()) break;
+        if (resp.events_size() > 0) {
+          changed = true;
+          break;
+        }
+      }
+    }
+    ctx.TryCancel();
+    grpc::Status s = stream->Finish();
+    bool cancelled;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      waits_.erase(&ctx);
+      cancelled = waits_cancelled_;
+    }
+    if (changed || cancelled || s.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) return changed;
+    if (resp.canceled()) {
+      // Compacted past after_revision: the key may have changed; the caller reads it again.
+      return resp.compact_revision() > 0 ? StatusOr<bool>(true)
+                                         : StatusOr<bool>(UnavailableError("etcd Watch cancelled: " + resp.cancel_reason()));
+    }
+    return FromGrpc(s, "etcd Watch at " + options_.endpoints[m]);
+  }
+
+  void CancelWaits() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    waits_cancelled_ = true;
+    for (grpc::ClientContext* c : waits_) c->TryCancel();
+  }
+
  private:
   struct Member {
     std::unique_ptr<pb::KV::Stub> kv;
     std::unique_ptr<pb::Lease::Stub> lease;
     std::unique_ptr<pb::Auth::Stub> auth;
+    std::unique_ptr<pb::Watch::Stub> watch;
   };
 
   // A token for `m` (authenticating when there is none).
@@ -157,6 +214,8 @@ class GrpcEtcd : public Etcd {
   std::mutex mu_;
   size_t current_ = 0;
   std::string token_;
+  std::set<grpc::ClientContext*> waits_;  // WaitForChange calls in flight
+  bool waits_cancelled_ = false;
 };
 
 }  // namespace

@@ -38,6 +38,13 @@ class Etcd {
   virtual Status Revoke(int64_t id) = 0;
   // Renews lease `id`: its remaining TTL in seconds, 0 when it has expired.
   virtual StatusOr<int64_t> KeepAlive(int64_t id) = 0;
+  // Watches `key` from revision after_revision + 1: true once it changed
+  // (put or deleted), false when it did not within timeout_ms or the waits
+  // were cancelled. The member must have an etcd leader (a member cut off
+  // from the majority ends the watch with an error).
+  virtual StatusOr<bool> WaitForChange(const std::string& key, int64_t after_revision, int timeout_ms) = 0;
+  // Ends every WaitForChange in flight and every later one at once.
+  virtual void CancelWaits() = 0;
 };
 
 // The end of the range of keys that start with `prefix` (etcd's convention).

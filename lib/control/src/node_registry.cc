@@ -40,9 +40,32 @@ NodeRecord NodeRegistry::ToRecord(const Node& n) {
 void NodeRegistry::Apply(const NodeRecord& record) {
   CopyDurableFields(record, &nodes_[record.name()]);
   next_incarnation_ = std::max(next_incarnation_, record.incarnation() + 1);
+  Reindex(record.name());  // its TTL may have changed
 }
 
-void NodeRegistry::Erase(const std::string& name) { nodes_.erase(name); }
+void NodeRegistry::Erase(const std::string& name) {
+  nodes_.erase(name);
+  Reindex(name);
+}
+
+void NodeRegistry::Reindex(const std::string& name) {
+  if (auto it = deadline_.find(name); it != deadline_.end()) {
+    by_deadline_.erase({it->second, name});
+    deadline_.erase(it);
+  }
+  const Node* n = Find(name);
+  if (n == nullptr || n->state() == wsync::v1::NODE_DEAD) return;
+  const int64_t deadline = n->last_heartbeat_unix_ms() + static_cast<int64_t>(n->ttl_ms());
+  by_deadline_.insert({deadline, name});
+  deadline_[name] = deadline;
+}
+
+void NodeRegistry::Touch(const std::string& name, int64_t now) {
+  Node* n = Find(name);
+  if (n == nullptr) return;
+  n->set_last_heartbeat_unix_ms(now);
+  Reindex(name);
+}
 
 NodeRecord NodeRegistry::Registration(const wsync::v1::RegisterRequest& req, uint64_t ttl_ms) const {
   NodeRecord nr;
@@ -77,12 +100,14 @@ Node* NodeRegistry::FindLive(const std::string& name) {
 
 std::vector<std::string> NodeRegistry::Expire(int64_t now) {
   std::vector<std::string> dead;
-  for (auto& [name, n] : nodes_) {
-    if (n.state() != wsync::v1::NODE_DEAD && now - n.last_heartbeat_unix_ms() > static_cast<int64_t>(n.ttl_ms())) {
-      n.set_state(wsync::v1::NODE_DEAD);
-      dead.push_back(name);
-      spdlog::warn("node {} missed its TTL of {} ms: marked dead, its leases end", name, n.ttl_ms());
-    }
+  while (!by_deadline_.empty() && by_deadline_.begin()->first < now) {
+    const std::string name = by_deadline_.begin()->second;
+    by_deadline_.erase(by_deadline_.begin());
+    deadline_.erase(name);
+    Node& n = nodes_.at(name);  // the order holds only nodes that exist
+    n.set_state(wsync::v1::NODE_DEAD);
+    dead.push_back(name);
+    spdlog::warn("node {} missed its TTL of {} ms: marked dead, its leases end", name, n.ttl_ms());
   }
   return dead;
 }
@@ -99,6 +124,7 @@ void NodeRegistry::GraceAll(int64_t now) {
   for (auto& [name, n] : nodes_) {
     n.set_state(wsync::v1::NODE_ALIVE);
     n.set_last_heartbeat_unix_ms(now);
+    Reindex(name);
   }
 }
 

@@ -10,7 +10,10 @@
 
 #include <cstdint>
 #include <map>
+#include <set>
 #include <string>
+#include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "wsync/v1/coordinator.pb.h"
@@ -50,8 +53,12 @@ class NodeRegistry {
   wsync::v1::Node* FindLive(const std::string& name);
 
   // Marks dead every node not dead whose TTL passed at `now` (unix ms)
-  // since its last heartbeat; returns their names.
+  // since its last heartbeat; returns their names. O(expired nodes): the
+  // nodes are kept ordered by when their TTL ends.
   std::vector<std::string> Expire(int64_t now);
+  // The node `name` was heard from at `now` (unix ms): its TTL runs from
+  // then. REQUIRES: the node exists and is not dead.
+  void Touch(const std::string& name, int64_t now);
   // The node `name` of incarnation `incarnation`, if alive, is now
   // disconnected (its watch stream broke); true then. False, changing
   // nothing, when no such node is alive.
@@ -70,8 +77,15 @@ class NodeRegistry {
   void LoadFrom(const wsync::store::v1::Snapshot& snapshot);
 
  private:
+  // Files the node `name` (if it exists and is not dead) under the time its
+  // TTL ends, or takes it out of the order.
+  void Reindex(const std::string& name);
+
   NodeMap nodes_;
   uint64_t next_incarnation_ = 1;
+  // The nodes not dead, by the unix ms after which they expire.
+  std::set<std::pair<int64_t, std::string>> by_deadline_;
+  std::unordered_map<std::string, int64_t> deadline_;
 };
 
 }  // namespace wsync::control

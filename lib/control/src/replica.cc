@@ -2,6 +2,8 @@
 
 #include <spdlog/spdlog.h>
 
+#include <signal.h>
+
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -10,16 +12,25 @@
 #include <thread>
 
 #include "etcd.h"
+#include "fault_injection.h"
 
 namespace wsync::control {
 namespace {
 
 namespace pb = etcdserverpb;
+namespace v1 = wsync::v1;
 namespace store = wsync::store::v1;
 using Steady = std::chrono::steady_clock;
 
-// etcd refuses requests over --max-request-bytes (1.5 MiB by default).
+// etcd refuses requests over --max-request-bytes (1.5 MiB by default) and
+// transactions of more than --max-txn-ops operations (128 by default).
 constexpr size_t kMaxValueBytes = 1'400'000;
+constexpr int kMaxPutsPerTxn = 120;
+
+// How long past the leader's lease a replica that cannot reach etcd keeps
+// answering NOT_LEADER (an election may still be under way) before it
+// answers ETCD_UNREACHABLE (no replica can lead until etcd's majority is back).
+constexpr int kEtcdGraceMs = 3000;
 
 struct Keys {
   explicit Keys(const std::string& prefix)
@@ -73,19 +84,33 @@ class EtcdStore : public Store {
       : etcd_(etcd), keys_(std::move(keys)), election_(election), next_seq_(next_seq), deposed_(deposed),
         writes_(writes) {}
 
-  Status Append(const store::Record& record) override {
-    pb::TxnRequest txn;
-    Fence(keys_, election_, &txn);
-    pb::PutRequest* put = txn.add_success()->mutable_request_put();
-    put->set_key(keys_.LogKey(next_seq_));
-    put->set_value(record.SerializeAsString());
-    if (put->value().size() > kMaxValueBytes) {
-      return ResourceExhaustedError("a coordinator record of " + std::to_string(put->value().size()) +
-                                    " bytes is over what one etcd request carries; raise etcd's --max-request-bytes");
+  Status Append(const store::Record& record) override { return AppendBatch({record}); }
+
+  // As few fenced transactions as etcd's limits allow, in order.
+  Status AppendBatch(const std::vector<store::Record>& records) override {
+    size_t i = 0;
+    while (i < records.size()) {
+      pb::TxnRequest txn;
+      Fence(keys_, election_, &txn);
+      size_t bytes = 0;
+      uint64_t seq = next_seq_;
+      for (; i < records.size() && txn.success_size() < kMaxPutsPerTxn; ++i) {
+        std::string value = records[i].SerializeAsString();
+        if (value.size() > kMaxValueBytes) {
+          return ResourceExhaustedError("a coordinator record of " + std::to_string(value.size()) +
+                                        " bytes is over what one etcd request carries; raise etcd's "
+                                        "--max-request-bytes");
+        }
+        if (txn.success_size() > 0 && bytes + value.size() > kMaxValueBytes) break;
+        bytes += value.size();
+        pb::PutRequest* put = txn.add_success()->mutable_request_put();
+        put->set_key(keys_.LogKey(seq++));
+        put->set_value(std::move(value));
+      }
+      WSYNC_RETURN_IF_ERROR(Commit(txn, txn.success_size() > 1 ? "records" : "record"));
+      log_records_ += static_cast<size_t>(seq - next_seq_);
+      next_seq_ = seq;
     }
-    WSYNC_RETURN_IF_ERROR(Commit(txn, "record"));
-    ++next_seq_;
-    ++log_records_;
     return Status::Ok();
   }
 
@@ -125,6 +150,7 @@ class EtcdStore : public Store {
       return NotLeaderError(LeaderIn(*r));
     }
     ++*writes_;
+    if (fault::die_after_commit) ::raise(SIGKILL);  // committed, and no answer will say so
     return Status::Ok();
   }
 
@@ -189,6 +215,12 @@ struct Replica::Impl {
   std::atomic<bool> deposed{false};
   std::atomic<uint64_t> writes{0};
   std::thread loop;
+  std::string etcd_error;                 // the last etcd call's error ("" when it succeeded)
+  Steady::time_point etcd_failing_since;  // the first of the failures in a row (epoch: none)
+
+  // The loop thread's own:
+  int64_t held_revision = 0;  // etcd's revision when the leader key was last read held (0: not)
+  int64_t stale_lease = 0;    // a lease of an earlier term whose revoke etcd did not confirm
 
   Impl(ReplicaOptions o, const Clock* c) : options(std::move(o)), clock(c), keys(options.prefix) {}
 
@@ -199,10 +231,29 @@ struct Replica::Impl {
     return !stop;
   }
 
+  int64_t UnreachableAfterMs() const { return options.lease_ttl_s * 1000L + kEtcdGraceMs; }
+
+  void EtcdAnswered() {
+    std::lock_guard<std::mutex> lock(mu);
+    etcd_error.clear();
+    etcd_failing_since = {};
+  }
+  void EtcdFailed(const std::string& error) {
+    std::lock_guard<std::mutex> lock(mu);
+    etcd_error = error;
+    if (etcd_failing_since == Steady::time_point{}) etcd_failing_since = Steady::now();
+  }
+  int64_t EtcdFailingMsLocked() const {
+    if (etcd_failing_since == Steady::time_point{}) return 0;
+    return std::max<int64_t>(1, std::chrono::duration_cast<std::chrono::milliseconds>(Steady::now() -
+                                                                                       etcd_failing_since).count());
+  }
+
   void Run() {
     while (Sleep(0)) {
+      RevokeStaleLease();
       if (!Campaign()) {
-        Sleep(options.poll_ms);
+        AwaitLeadershipChange();
         continue;
       }
       Lead();
@@ -211,16 +262,52 @@ struct Replica::Impl {
     StepDown();
   }
 
+  // While another replica leads: until the leader key changes (etcd's
+  // watch), at most watch_ms, after which the key is read again (which also
+  // tells whether etcd still answers); a poll period when etcd does not answer.
+  void AwaitLeadershipChange() {
+    if (held_revision == 0) {
+      Sleep(options.poll_ms);
+      return;
+    }
+    auto changed = etcd->WaitForChange(keys.leader, held_revision, options.watch_ms);
+    if (!changed.ok()) {
+      spdlog::debug("coordinator replica {}: watching the leader key: {}", options.advertise,
+                    changed.status().ToString());
+      Sleep(options.poll_ms);
+    }
+  }
+
+  // A lease this replica held as leader and could not revoke when it
+  // stepped down (etcd had no majority) keeps the leader key, and every
+  // replica waiting, until its TTL runs out after etcd returns: revoke it
+  // as soon as etcd answers.
+  void RevokeStaleLease() {
+    if (stale_lease == 0) return;
+    Status revoked = etcd->Revoke(stale_lease);
+    if (revoked.ok() || revoked.code() == StatusCode::kNotFound) {
+      spdlog::info("coordinator replica {}: revoked the lease of its last term as leader", options.advertise);
+      stale_lease = 0;
+    }
+  }
+
   // Becomes the leader if the leadership is vacant: true when it did.
   bool Campaign() {
     pb::RangeRequest get;
     get.set_key(keys.leader);
+    held_revision = 0;
     auto held = etcd->Range(get);
     if (!held.ok()) {
       Follow("", held.status().message());
       return false;
     }
+    EtcdAnswered();
     if (held->kvs_size() > 0) {
+      if (held->kvs(0).value() == options.advertise) {
+        ResignEarlierTerm(held->kvs(0).create_revision());
+        return false;
+      }
+      held_revision = held->header().revision();
       Follow(held->kvs(0).value(), "");
       return false;
     }
@@ -244,7 +331,7 @@ struct Replica::Impl {
     auto won = etcd->Txn(txn);
     if (!won.ok() || !won->succeeded()) {
       (void)etcd->Revoke(*id);
-      if (won.ok()) Follow(LeaderIn(*won), "");
+      Follow(won.ok() ? LeaderIn(*won) : "", won.ok() ? "" : won.status().message());
       return false;
     }
     const int64_t election = won->header().revision();
@@ -274,12 +361,41 @@ struct Replica::Impl {
     return true;
   }
 
+  // The leader key names this replica, which does not lead: it is left
+  // from an earlier term (a restart, or a revoke etcd never confirmed).
+  // Deleting it (only the key of that election) lets a leader be elected
+  // now rather than when its lease runs out; writes of that term, if its
+  // process still runs, fail at the fence.
+  void ResignEarlierTerm(int64_t election) {
+    pb::TxnRequest txn;
+    pb::Compare* same = txn.add_compare();
+    same->set_result(pb::Compare::EQUAL);
+    same->set_target(pb::Compare::CREATE);
+    same->set_key(keys.leader);
+    same->set_create_revision(election);
+    txn.add_success()->mutable_request_delete_range()->set_key(keys.leader);
+    auto r = etcd->Txn(txn);
+    if (!r.ok()) {
+      Follow("", r.status().message());
+      return;
+    }
+    spdlog::info("coordinator replica {}: the leader key named this replica from an earlier term; removed it",
+                 options.advertise);
+    std::lock_guard<std::mutex> lock(mu);
+    leader.clear();
+  }
+
   // Keeps the lease while leading; returns when it is lost or on stop.
   void Lead() {
     const int every_ms = std::max(100, options.lease_ttl_s * 1000 / 3);
     while (Sleep(every_ms) && !deposed.load()) {
       const auto sent = Steady::now();
       auto ttl = etcd->KeepAlive(lease);
+      if (ttl.ok()) {
+        EtcdAnswered();
+      } else {
+        EtcdFailed(ttl.status().message());
+      }
       std::lock_guard<std::mutex> lock(mu);
       if (ttl.ok() && *ttl > 0) {
         valid_until = sent + std::chrono::seconds(options.lease_ttl_s);
@@ -302,11 +418,13 @@ struct Replica::Impl {
       id = lease;
       lease = 0;
     }
-    (void)etcd->Revoke(id);  // another replica leads at once instead of after the TTL
+    // Another replica leads at once instead of after the TTL.
+    if (!etcd->Revoke(id).ok()) stale_lease = id;
     spdlog::info("coordinator replica {}: stepped down", options.advertise);
   }
 
   void Follow(const std::string& now, const std::string& error) {
+    if (!error.empty()) EtcdFailed(error);
     std::lock_guard<std::mutex> lock(mu);
     if (now != leader && !now.empty()) {
       spdlog::info("coordinator replica {}: following the leader at {}", options.advertise, now);
@@ -328,12 +446,14 @@ Replica::~Replica() {
     impl_->stop = true;
   }
   impl_->wake.notify_all();
+  impl_->etcd->CancelWaits();
   if (impl_->loop.joinable()) impl_->loop.join();
 }
 
 StatusOr<std::unique_ptr<Replica>> Replica::Start(const ReplicaOptions& options, const Clock* clock) {
   if (options.advertise.empty()) return InvalidArgumentError("a coordinator replica needs --advertise host:port");
   if (options.lease_ttl_s < 1) return InvalidArgumentError("the leader's lease TTL is at least 1 s");
+  if (options.poll_ms < 1 || options.watch_ms < 1) return InvalidArgumentError("poll_ms and watch_ms are at least 1");
   if (options.prefix.empty() || options.prefix.back() == '/') {
     return InvalidArgumentError("etcd prefix '" + options.prefix + "' must be non-empty and not end in '/'");
   }
@@ -354,7 +474,27 @@ StatusOr<std::unique_ptr<Replica>> Replica::Start(const ReplicaOptions& options,
 StatusOr<std::shared_ptr<CoordinatorState>> Replica::Current() {
   std::lock_guard<std::mutex> lock(impl_->mu);
   if (impl_->state && !impl_->deposed.load() && Steady::now() < impl_->valid_until) return impl_->state;
-  return NotLeaderError(impl_->leader == impl_->options.advertise ? "" : impl_->leader);
+  const int64_t failing = impl_->EtcdFailingMsLocked();
+  if (failing >= impl_->UnreachableAfterMs() && !impl_->state) {
+    return EtcdUnreachableError(impl_->options.advertise, failing, impl_->etcd_error);
+  }
+  const std::string leader = impl_->leader == impl_->options.advertise ? "" : impl_->leader;
+  if (failing == 0) return NotLeaderError(leader);
+  return NotLeaderError(leader, "etcd has failed this replica for " + std::to_string(failing) + " ms: " +
+                                    impl_->etcd_error);
+}
+
+v1::ReplicaResponse Replica::Describe() const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  v1::ReplicaResponse r;
+  r.set_address(impl_->options.advertise);
+  r.set_role(impl_->state ? v1::ReplicaResponse::LEADER : v1::ReplicaResponse::FOLLOWER);
+  r.set_leader(impl_->leader);
+  r.set_etcd_error(impl_->etcd_error);
+  r.set_etcd_failing_ms(impl_->EtcdFailingMsLocked());
+  r.set_etcd_writes(impl_->writes.load());
+  r.set_unreachable_after_ms(impl_->UnreachableAfterMs());
+  return r;
 }
 
 bool Replica::leading() const {

@@ -18,6 +18,7 @@
 #include <chrono>
 #include <thread>
 
+#include "fault_injection.h"
 #include "wsync/control/rpc_status.h"
 #include "wsync/util/file.h"
 #include "wsync/v1/coordinator.grpc.pb.h"
@@ -95,8 +96,8 @@ class Metrics {
 
 class Service final : public v1::Coordinator::Service {
  public:
-  Service(StateHolder* holder, std::string token, Metrics* metrics)
-      : holder_(holder), token_(std::move(token)), metrics_(metrics) {}
+  Service(StateHolder* holder, std::string token, Metrics* metrics, bool inject_faults)
+      : holder_(holder), token_(std::move(token)), metrics_(metrics), inject_faults_(inject_faults) {}
 
   void Stop() { stopping_ = true; }
 
@@ -199,6 +200,11 @@ class Service final : public v1::Coordinator::Service {
       return wsync::Status::Ok();
     });
   }
+  grpc::Status Replica(ServerContext* ctx, const v1::ReplicaRequest*, v1::ReplicaResponse* resp) override {
+    wsync::Status s = Authenticate(ctx);
+    if (s.ok()) *resp = holder_->Describe();
+    return ToGrpc(s);
+  }
   grpc::Status Status(ServerContext* ctx, const v1::StatusRequest*, v1::StatusResponse* resp) override {
     return Handle("Status", ctx, [&](CoordinatorState* state) {
       *resp = state->GetStatus();
@@ -234,7 +240,9 @@ class Service final : public v1::Coordinator::Service {
     } else if (auto state = holder_->Current(); !state.ok()) {
       s = state.status();
     } else {
+      fault::die_after_commit = inject_faults_ && Injected(ctx, fault::kDieAfterCommit);
       s = body(state->get());  // the pointer keeps a state a replica gave up alive until the call ends
+      fault::die_after_commit = false;
     }
     grpc::Status g = ToGrpc(s);
     if (metrics_ != nullptr) {
@@ -251,9 +259,16 @@ class Service final : public v1::Coordinator::Service {
     return now.ok() && now->get() == state;
   }
 
+  static bool Injected(ServerContext* ctx, const char* fault) {
+    const auto& md = ctx->client_metadata();
+    auto it = md.find(fault::kMetadataKey);
+    return it != md.end() && std::string(it->second.data(), it->second.size()) == fault;
+  }
+
   StateHolder* holder_;
   std::string token_;
   Metrics* metrics_;
+  const bool inject_faults_;
   std::atomic<bool> stopping_{false};
 };
 
@@ -280,6 +295,10 @@ class ServerImpl : public CoordinatorServer {
     server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
     ticker_stop_ = true;
     if (ticker_.joinable()) ticker_.join();
+    // The applied versions reported since the last tick.
+    if (auto state = holder_->Current(); state.ok()) {
+      if (wsync::Status s = (*state)->Flush(); !s.ok()) spdlog::warn("at shutdown: {}", s.ToString());
+    }
   }
   void Wait() override { server_->Wait(); }
 
@@ -325,7 +344,7 @@ StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(const Serv
       return UnavailableError("metrics listener " + options.metrics_listen + ": " + e.what());
     }
   }
-  impl->service_ = std::make_unique<Service>(holder, options.token, impl->metrics_.get());
+  impl->service_ = std::make_unique<Service>(holder, options.token, impl->metrics_.get(), options.inject_faults);
 
   std::shared_ptr<grpc::ServerCredentials> creds = grpc::InsecureServerCredentials();
   if (!options.tls.cert_file.empty()) {

@@ -1,5 +1,6 @@
 #include "wsync/util/status.h"
 
+#include <cstdio>
 #include <cstring>
 
 namespace wsync {
@@ -64,10 +65,20 @@ Status NotRegisteredError() {
   return FailedPreconditionError("no tensors registered").WithReason(reasons::kNotRegistered);
 }
 
-Status NotLeaderError(const std::string& leader) {
-  return UnavailableError(leader.empty() ? "this coordinator replica is not the leader, and no leader is known yet"
-                                         : "this coordinator replica is not the leader; the leader is at " + leader)
+Status NotLeaderError(const std::string& leader, const std::string& why) {
+  return UnavailableError((leader.empty() ? "this coordinator replica is not the leader, and no leader is known yet"
+                                          : "this coordinator replica is not the leader; the leader is at " + leader) +
+                          (why.empty() ? "" : " (" + why + ")"))
       .WithReason(reasons::kNotLeader, {{"leader", leader}});
+}
+
+Status EtcdUnreachableError(const std::string& replica, int64_t failing_ms, const std::string& error) {
+  char seconds[32];
+  std::snprintf(seconds, sizeof seconds, "%.1f", failing_ms / 1000.0);
+  return UnavailableError("coordinator replica " + replica + " has not reached a majority of etcd for " + seconds +
+                          " s (" + error + "), so no replica can lead: check that most etcd members run and answer "
+                          "(etcdctl endpoint health) and that the replicas' --etcd endpoints reach them")
+      .WithReason(reasons::kEtcdUnreachable, {{"replica", replica}, {"failing_ms", std::to_string(failing_ms)}});
 }
 
 Status InvalidArgumentError(std::string m) { return Status(StatusCode::kInvalidArgument, std::move(m)); }

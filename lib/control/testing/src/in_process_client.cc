@@ -92,6 +92,12 @@ StatusOr<v1::StatusResponse> InProcessClient::GetStatus() {
   return state_->GetStatus();
 }
 
+StatusOr<v1::ReplicaResponse> InProcessClient::DescribeReplica() {
+  v1::ReplicaResponse r;
+  r.set_role(v1::ReplicaResponse::SINGLE);
+  return r;
+}
+
 StatusOr<v1::GetLayoutResponse> InProcessClient::GetLayout() {
   WSYNC_RETURN_IF_ERROR(Reach());
   return state_->GetLayout();

@@ -7,6 +7,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "wsync/util/status.h"
@@ -31,6 +32,9 @@ struct ClientOptions {
   // Wait (up to the call's deadline) for the coordinator to become reachable
   // instead of failing at once: for daemons starting next to it.
   bool wait_for_ready = false;
+  // Tests only: metadata sent with every call (fault injection, honoured
+  // by a coordinator started with --inject-faults).
+  std::vector<std::pair<std::string, std::string>> test_metadata;
 };
 
 class CoordinatorClient {
@@ -53,6 +57,9 @@ class CoordinatorClient {
   virtual StatusOr<wsync::v1::ListLeasesResponse> ListLeases() = 0;
   virtual StatusOr<wsync::v1::MayPublishResponse> MayPublish(uint64_t version, int64_t wait_ms) = 0;
   virtual StatusOr<wsync::v1::StatusResponse> GetStatus() = 0;
+  // What the replica at the client's first address knows of the
+  // replication (any replica answers; a coordinator without replicas says SINGLE).
+  virtual StatusOr<wsync::v1::ReplicaResponse> DescribeReplica() = 0;
   virtual StatusOr<wsync::v1::GetLayoutResponse> GetLayout() = 0;
   virtual Status SetLayout(const wsync::v1::Layout& layout) = 0;
   // A sink's runtime layout, for sources to serve (LayoutOffers); returns the

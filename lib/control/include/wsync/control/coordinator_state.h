@@ -19,6 +19,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <unordered_map>
 
 #include "wsync/control/clock.h"
 #include "wsync/control/layout_offers.h"
@@ -70,6 +71,9 @@ class CoordinatorState {
   StatusOr<uint64_t> Publish(const wsync::v1::VersionSummary& version);
   wsync::v1::ListVersionsResponse ListVersions(uint64_t after) const;
 
+  // Sets the node's applied version. Answered at once and made durable
+  // within a tick (Tick, Flush) or with the next durable change, whichever
+  // comes first, in one batch with the other reports.
   StatusOr<wsync::v1::Node> ReportApplied(const std::string& name, uint64_t version);
 
   // A retry of an acquisition (the same non-empty `request_id` from the same
@@ -94,8 +98,12 @@ class CoordinatorState {
   // The layouts sinks offer (soft state; a deregistered node's goes).
   LayoutOffers& offers() { return offers_; }
 
-  // Expires nodes and leases whose TTL passed; reassigns parents.
+  // Expires nodes and leases whose TTL passed; reassigns parents; makes
+  // the applied versions reported since the last tick durable.
   void Tick();
+  // Makes the applied versions reported so far durable (Tick does it too;
+  // a coordinator stopping calls it last).
+  Status Flush();
 
   // The node's Watch stream broke: the node (of that incarnation) is marked
   // disconnected now (NODE_DISCONNECTED: not a parent, not blocking
@@ -127,9 +135,16 @@ class CoordinatorState {
   CoordinatorState(const CoordinatorOptions& options, const Clock* clock, std::unique_ptr<Store> store);
   // Applies `r` to the component that owns its kind. REQUIRES: mu_ held.
   void Apply(const wsync::store::v1::Record& r);
-  // Appends `r` to the store, applies it, compacts every compact_every
-  // records and wakes waiters. REQUIRES: mu_ held.
+  // Appends `r` to the store (after the reports not yet durable, in one
+  // batch), applies it, compacts every compact_every records and wakes
+  // waiters. REQUIRES: mu_ held.
   Status Log(const wsync::store::v1::Record& r);
+  // Appends the reports not yet durable, then `r` when given, in one batch.
+  // REQUIRES: mu_ held.
+  Status CommitLocked(const wsync::store::v1::Record* r);
+  // Replaces the store's snapshot and log every compact_every records.
+  // REQUIRES: mu_ held.
+  void MaybeCompactLocked();
   // Every component's state (on-disk format: store.h). REQUIRES: mu_ held.
   wsync::store::v1::Snapshot MakeSnapshot() const;
   // Ends nodes past their TTL, then the leases of dead nodes and expired
@@ -160,6 +175,10 @@ class CoordinatorState {
   std::unique_ptr<RelayTree> tree_;          // who pulls from whom (soft state)
   std::unique_ptr<StalenessGate> staleness_;
   LayoutOffers offers_;
+  // Applied versions reported and applied in memory, not yet in the store
+  // (each node's latest durable fields, in report order).
+  std::vector<wsync::store::v1::NodeRecord> unflushed_reports_;
+  std::unordered_map<std::string, size_t> unflushed_at_;  // node -> index in unflushed_reports_
 };
 
 }  // namespace wsync::control

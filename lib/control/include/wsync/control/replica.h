@@ -32,7 +32,8 @@ struct ReplicaOptions {
   std::string prefix = "/wsync";            // every key of this coordinator starts with it
   std::string advertise;                    // the address clients reach this replica at
   int lease_ttl_s = 2;                      // the leader's lease: a dead leader is replaced after about this
-  int poll_ms = 100;                        // how often a follower looks for a vacant leadership
+  int poll_ms = 100;                        // how often a follower reads the leadership when etcd fails it
+  int watch_ms = 1000;                      // a follower watches the leader key this long, then reads it again
   CoordinatorOptions coordinator;
 };
 
@@ -44,7 +45,10 @@ class Replica : public StateHolder {
   // Resigns (revokes the lease, so another replica leads at once).
   ~Replica() override;
 
+  // Not leading: NOT_LEADER, or ETCD_UNREACHABLE once etcd has failed
+  // this replica for its lease TTL plus 3 s.
   StatusOr<std::shared_ptr<CoordinatorState>> Current() override;
+  wsync::v1::ReplicaResponse Describe() const override;
   bool leading() const;
   // The leader's address as etcd names it ("" when none is known).
   std::string leader() const;

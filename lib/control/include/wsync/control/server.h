@@ -35,6 +35,9 @@ struct ServerOptions {
   // it lists the services and messages to anyone who reaches the port.
   bool reflection = false;
   int tick_ms = 200;                // how often TTLs are checked
+  // Tests only: honour a call's fault-injection metadata (a replica killing
+  // itself between a commit and its answer).
+  bool inject_faults = false;
 };
 
 // Where the state a server answers with lives: in the process, for the
@@ -45,6 +48,12 @@ class StateHolder {
   // The state to answer one call with (the pointer keeps it alive while the
   // call runs), or Unavailable with reason NOT_LEADER naming the leader.
   virtual StatusOr<std::shared_ptr<CoordinatorState>> Current() = 0;
+  // What the Replica RPC answers (any replica, leading or not).
+  virtual wsync::v1::ReplicaResponse Describe() const {
+    wsync::v1::ReplicaResponse r;
+    r.set_role(wsync::v1::ReplicaResponse::SINGLE);
+    return r;
+  }
 };
 
 class CoordinatorServer {

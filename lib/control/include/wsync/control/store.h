@@ -33,6 +33,13 @@ class Store {
  public:
   virtual ~Store() = default;
   virtual Status Append(const wsync::store::v1::Record& record) = 0;
+  // Appends `records` in order, as few writes as the store allows (one
+  // fsync, or as few etcd transactions as etcd's limits allow); on an error
+  // a prefix of them may be durable, never a record without those before it.
+  virtual Status AppendBatch(const std::vector<wsync::store::v1::Record>& records) {
+    for (const auto& r : records) WSYNC_RETURN_IF_ERROR(Append(r));
+    return Status::Ok();
+  }
   // Replaces snapshot + log by `snapshot` (the whole state).
   virtual Status Compact(const wsync::store::v1::Snapshot& snapshot) = 0;
   // Records appended since the last compaction.

@@ -56,6 +56,7 @@ inline constexpr char kStaleVersion[] = "STALE_VERSION";    // version, head_ver
 inline constexpr char kVersionTaken[] = "VERSION_TAKEN";    // version, next_version
 inline constexpr char kNotRegistered[] = "NOT_REGISTERED";  // a daemon (restarted) holds no tensors
 inline constexpr char kNotLeader[] = "NOT_LEADER";          // leader: the address to ask instead ("" unknown)
+inline constexpr char kEtcdUnreachable[] = "ETCD_UNREACHABLE";  // replica, failing_ms: a replica cannot reach etcd's majority
 }  // namespace reasons
 
 class [[nodiscard]] Status {
@@ -117,8 +118,12 @@ Status StaleVersionError(uint64_t version, uint64_t head);
 // FailedPrecondition, NOT_REGISTERED.
 Status NotRegisteredError();
 // "this coordinator replica is not the leader; the leader is at ADDRESS"
-// (Unavailable, NOT_LEADER; `leader` empty while none is known).
-Status NotLeaderError(const std::string& leader);
+// (Unavailable, NOT_LEADER; `leader` empty while none is known), then
+// `why` when given.
+Status NotLeaderError(const std::string& leader, const std::string& why = "");
+// "coordinator replica R has not reached a majority of etcd for N s (ERROR);
+// check ..." (Unavailable, ETCD_UNREACHABLE): not worth retrying at once.
+Status EtcdUnreachableError(const std::string& replica, int64_t failing_ms, const std::string& error);
 
 // Converts an errno value at the edge: "open /x: No such file or directory".
 Status ErrnoToStatus(int err, std::string_view what);

@@ -40,6 +40,7 @@ class InProcessClient : public CoordinatorClient {
   StatusOr<wsync::v1::ListLeasesResponse> ListLeases() override;
   StatusOr<wsync::v1::MayPublishResponse> MayPublish(uint64_t version, int64_t wait_ms) override;
   StatusOr<wsync::v1::StatusResponse> GetStatus() override;
+  StatusOr<wsync::v1::ReplicaResponse> DescribeReplica() override;
   StatusOr<wsync::v1::GetLayoutResponse> GetLayout() override;
   Status SetLayout(const wsync::v1::Layout& layout) override;
   StatusOr<uint32_t> OfferLayout(const std::string& node, const wsync::v1::ServedLayout& layout) override;
