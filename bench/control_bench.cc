@@ -11,6 +11,8 @@
 #include <functional>
 #include <map>
 #include <mutex>
+#include <queue>
+#include <random>
 #include <thread>
 
 #include <unistd.h>
@@ -48,9 +50,68 @@ class Deferred : public control::StateHolder {
 
 struct Load {
   double register_per_s = 0, steady_s = 0, rps = 0;
-  uint64_t versions = 0, errors = 0;
+  double offered_rps = 0;  // --fleet: the rate the fleet makes
+  uint64_t versions = 0, errors = 0, late = 0;
   std::vector<double> reg, hb, rep;  // microseconds
 };
+
+// --fleet: each client thread's sinks, each call at its time. A call is
+// late when it starts more than 100 ms after its time (the coordinator, or
+// this machine, fell behind the fleet).
+void DriveFleetThread(control::CoordinatorClient* c, const ControlBenchOptions& o, int w,
+                      const std::atomic<bool>& stop, const std::atomic<uint64_t>& head,
+                      const std::atomic<int64_t>& published_at_us, std::vector<double>* hb, std::vector<double>* rep,
+                      std::atomic<uint64_t>* errors, std::atomic<uint64_t>* late) {
+  using Us = std::chrono::microseconds;
+  const auto t0 = Clock::now();
+  struct Due {
+    Clock::time_point at;
+    int sink;
+    bool report;
+    bool operator>(const Due& d) const { return at > d.at; }
+  };
+  std::priority_queue<Due, std::vector<Due>, std::greater<Due>> due;
+  std::vector<uint64_t> reported(o.sinks, 0);
+  // Heartbeats spread evenly over a period, as sinks started at random.
+  for (int i = w; i < o.sinks; i += o.workers) {
+    due.push({t0 + Us(static_cast<int64_t>(o.heartbeat_ms) * 1000 * i / o.sinks), i, false});
+  }
+  uint64_t scheduled_for = head.load();
+  std::mt19937_64 rng(w);
+  while (!stop) {
+    // A new version: every sink of this thread reports it within the spread.
+    if (const uint64_t v = head.load(); v != scheduled_for) {
+      scheduled_for = v;
+      const auto at = Clock::time_point(Us(published_at_us.load()));
+      for (int i = w; i < o.sinks; i += o.workers) {
+        due.push({at + Us(static_cast<int64_t>(rng() % (static_cast<uint64_t>(o.report_spread_ms) * 1000))), i, true});
+      }
+    }
+    const Due d = due.top();
+    if (d.at > Clock::now()) {
+      std::this_thread::sleep_until(std::min(d.at, Clock::now() + std::chrono::milliseconds(20)));
+      continue;
+    }
+    due.pop();
+    const uint64_t v = head.load();
+    if (d.report && reported[d.sink] == v) continue;
+    const auto start = Clock::now();
+    if (start - d.at > std::chrono::milliseconds(100)) ++*late;
+    bool ok;
+    if (d.report) {
+      ok = c->ReportApplied("sink-" + std::to_string(d.sink), v).ok();
+      reported[d.sink] = v;
+      rep->push_back(std::chrono::duration<double, std::micro>(Clock::now() - start).count());
+    } else {
+      v1::HeartbeatRequest h;
+      h.set_name("sink-" + std::to_string(d.sink));
+      ok = c->Heartbeat(h).ok();
+      hb->push_back(std::chrono::duration<double, std::micro>(Clock::now() - start).count());
+      due.push({d.at + std::chrono::milliseconds(o.heartbeat_ms), d.sink, false});
+    }
+    if (!ok) ++*errors;
+  }
+}
 
 // Simulated sinks against `address` (one coordinator, or replicas): they
 // register, then heart-beat and report while a trainer publishes.
@@ -79,6 +140,9 @@ Load Drive(const std::string& address, const ControlBenchOptions& o,
         r.set_name("sink-" + std::to_string(i));
         r.set_role(v1::ROLE_SINK);
         r.set_data_address(std::string(64, 'x'));
+        // The registration of a whole fleet at once can outlast a short TTL: what
+        // is measured is the steady state's heartbeats, not expiry.
+        if (o.fleet) r.set_ttl_ms(600'000);
         auto t0 = Clock::now();
         record(reg_lat[w], t0, (*c)->Register(r).ok());
       }
@@ -91,6 +155,7 @@ Load Drive(const std::string& address, const ControlBenchOptions& o,
   // Phase 2: steady state for o.seconds: heartbeats + reports, a publisher.
   if (at_steady_state) at_steady_state();
   std::atomic<bool> stop{false};
+  std::atomic<int64_t> published_at_us{0};
   std::thread publisher([&] {
     auto c = control::NewCoordinatorClient(co);
     if (!c.ok()) return;
@@ -100,15 +165,24 @@ Load Drive(const std::string& address, const ControlBenchOptions& o,
       s.set_version(++v);
       s.set_keyframe(v == 1);
       s.set_base_version(v - 1);
-      if ((*c)->Publish(s).ok()) head = v;
-      std::this_thread::sleep_for(std::chrono::milliseconds(o.publish_every_ms));
+      if ((*c)->Publish(s).ok()) {
+        published_at_us = std::chrono::duration_cast<std::chrono::microseconds>(Clock::now().time_since_epoch()).count();
+        head = v;
+      }
+      const auto next = Clock::now() + std::chrono::milliseconds(o.publish_every_ms);
+      while (!stop && Clock::now() < next) std::this_thread::sleep_for(std::chrono::milliseconds(20));
     }
   });
+  std::atomic<uint64_t> late{0};
   const auto steady_start = Clock::now();
   for (int w = 0; w < o.workers; ++w) {
     threads.emplace_back([&, w] {
       auto c = control::NewCoordinatorClient(co);
       if (!c.ok()) return;
+      if (o.fleet) {
+        DriveFleetThread(c->get(), o, w, stop, head, published_at_us, &hb_lat[w], &rep_lat[w], &errors, &late);
+        return;
+      }
       while (!stop) {
         for (int i = w; i < o.sinks && !stop; i += o.workers) {
           v1::HeartbeatRequest h;
@@ -140,6 +214,8 @@ Load Drive(const std::string& address, const ControlBenchOptions& o,
   l.rps = (l.hb.size() + l.rep.size()) / l.steady_s;
   l.versions = head.load();
   l.errors = errors.load();
+  l.late = late.load();
+  if (o.fleet) l.offered_rps = o.sinks * (1000.0 / o.heartbeat_ms + 1000.0 / o.publish_every_ms);
   return l;
 }
 
@@ -218,6 +294,10 @@ void PrintLoad(const char* what, const Load& l) {
   std::printf("registration: %zu RPCs (%.0f/s)\n", l.reg.size(), l.register_per_s);
   std::printf("steady state: %.1f s, %zu RPCs (%.0f/s), %" PRIu64 " versions published, %" PRIu64 " errors\n",
               l.steady_s, l.hb.size() + l.rep.size(), l.rps, l.versions, l.errors);
+  if (l.offered_rps > 0) {
+    std::printf("fleet rate: %.0f RPCs/s offered; %" PRIu64 " calls (%.2f%%) started over 100 ms late\n", l.offered_rps,
+                l.late, 100.0 * l.late / std::max<size_t>(1, l.hb.size() + l.rep.size()));
+  }
   std::printf("%-14s %10s %10s %10s\n", "method", "count", "p50 us", "p99 us");
   for (auto [name, v] : {std::pair<const char*, const std::vector<double>*>{"Register", &l.reg},
                          {"Heartbeat", &l.hb}, {"ReportApplied", &l.rep}}) {
@@ -232,6 +312,10 @@ nlohmann::ordered_json LoadJson(const Load& l) {
   j["steady_rpcs_per_s"] = l.rps;
   j["versions_published"] = l.versions;
   j["errors"] = l.errors;
+  if (l.offered_rps > 0) {
+    j["offered_rpcs_per_s"] = l.offered_rps;
+    j["late_calls"] = l.late;
+  }
   for (auto [name, v] : {std::pair<const char*, const std::vector<double>*>{"register", &l.reg},
                          {"heartbeat", &l.hb}, {"report_applied", &l.rep}}) {
     std::vector<double> copy = *v;
@@ -250,6 +334,10 @@ int RunControlBench(const ControlBenchOptions& o) {
   uint64_t errors = 0;
   if (!o.json) {
     std::printf("== coordinator load: %d sinks over %d client threads, real gRPC on loopback\n", o.sinks, o.workers);
+    if (o.fleet) {
+      std::printf("at the fleet's rate: a heartbeat per sink every %d ms, a version every %d ms reported by every "
+                  "sink within %d ms\n", o.heartbeat_ms, o.publish_every_ms, o.report_spread_ms);
+    }
   }
   if (!o.address.empty()) {
     Load l = Drive(o.address, o);

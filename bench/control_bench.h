@@ -2,6 +2,12 @@
 // reporting over real gRPC while a trainer publishes; RPC throughput and
 // latency percentiles. With etcd endpoints, the same load against three
 // replicas over etcd follows, in the same run, with etcd's writes counted.
+//
+// Two loads: as fast as the client threads go (throughput), or --fleet: the
+// rate a fleet of that many sinks makes at the daemons' defaults (a
+// heartbeat every TTL / 4 = 2.5 s, a report of each version within a spread
+// after it is published), each call at its time (latency at that rate, and
+// how many calls started late because the coordinator fell behind).
 #pragma once
 
 #include <string>
@@ -12,7 +18,10 @@ struct ControlBenchOptions {
   int sinks = 1000;
   int workers = 8;         // client threads, each driving sinks / workers sinks
   double seconds = 5;
-  int publish_every_ms = 100;
+  int publish_every_ms = 100;  // --fleet: 5,000
+  bool fleet = false;
+  int heartbeat_ms = 2500;     // --fleet: each sink's heartbeat period (the daemons': their TTL / 4)
+  int report_spread_ms = 1000; // --fleet: sinks report a version within this after it is published
   std::string address;     // empty: an in-process coordinator on 127.0.0.1:0
   std::string store_dir;   // in-process coordinator's durable store (empty: none)
   std::string etcd;        // set: also three in-process replicas over this etcd cluster (host:port,...)

@@ -12,6 +12,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <map>
+#include <optional>
 
 #include "control_bench.h"
 #include "security_bench.h"
@@ -315,7 +316,14 @@ int main(int argc, char** argv) {
   control->add_option("--coordinator", cb.address, "an external coordinator (default: in-process)");
   control->add_option("--store-dir", cb.store_dir, "durable store of the in-process coordinator (fresh directory)");
   control->add_option("--etcd", cb.etcd, "also three coordinator replicas over this etcd cluster (host:port,...)");
+  control->add_flag("--fleet", cb.fleet, "each call at the time a fleet of --sinks makes it, not as fast as possible");
+  control->add_option("--heartbeat-ms", cb.heartbeat_ms, "--fleet: heartbeat period per sink")->capture_default_str();
+  std::optional<int> publish_every;
+  control->add_option("--publish-every-ms", publish_every, "a version every this many ms (default 100; --fleet 5000)");
+  control->add_option("--report-spread-ms", cb.report_spread_ms, "--fleet: sinks report a version within this")
+      ->capture_default_str();
   control->callback([&] {
+    cb.publish_every_ms = publish_every ? *publish_every : cb.fleet ? 5000 : 100;
     cb.json = c.json;
     rc = RunControlBench(cb);
   });

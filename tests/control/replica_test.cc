@@ -66,10 +66,11 @@ Served ServeState() {
   return s;
 }
 
-std::unique_ptr<CoordinatorServer> ServeFollower(Follower* f, std::string* address) {
+// Serves what `holder` holds on loopback; its address.
+std::unique_ptr<CoordinatorServer> Serve(StateHolder* holder, std::string* address) {
   ServerOptions o;
   o.listen = {"127.0.0.1:0"};
-  auto server = CoordinatorServer::Start(o, f);
+  auto server = CoordinatorServer::Start(o, holder);
   EXPECT_TRUE(server.ok());
   *address = "127.0.0.1:" + std::to_string((*server)->ports()[0]);
   return std::move(*server);
@@ -79,7 +80,7 @@ TEST(ReplicaClient, FollowsTheLeaderAReplicaNames) {
   Served leader = ServeState();
   Follower follower(leader.address);
   std::string follower_address;
-  auto server = ServeFollower(&follower, &follower_address);
+  auto server = Serve(&follower, &follower_address);
   ClientOptions o;
   o.address = follower_address;  // only the follower: the leader is learnt from its answer
   auto client = NewCoordinatorClient(o);
@@ -93,8 +94,8 @@ TEST(ReplicaClient, FollowsTheLeaderAReplicaNames) {
 TEST(ReplicaClient, WithoutALeaderACallFailsAtItsDeadlineNamingWhy) {
   Follower a(""), b("");
   std::string address_a, address_b;
-  auto server_a = ServeFollower(&a, &address_a);
-  auto server_b = ServeFollower(&b, &address_b);
+  auto server_a = Serve(&a, &address_a);
+  auto server_b = Serve(&b, &address_b);
   ClientOptions o;
   o.address = address_a + "," + address_b;
   o.timeout_ms = 1000;
@@ -161,16 +162,6 @@ TEST(ReplicaOverEtcd, AReplacedLeaderCannotWriteAndTheNextHoldsWhatItAcknowledge
   EXPECT_EQ((*state_b)->ListVersions(0).versions_size(), 3);
 }
 
-// Serves `replica` on loopback; its address.
-std::unique_ptr<CoordinatorServer> ServeReplica(Replica* replica, std::string* address) {
-  ServerOptions o;
-  o.listen = {"127.0.0.1:0"};
-  auto server = CoordinatorServer::Start(o, replica);
-  EXPECT_TRUE(server.ok());
-  *address = "127.0.0.1:" + std::to_string((*server)->ports()[0]);
-  return std::move(*server);
-}
-
 TEST(ReplicaOverEtcd, WithoutEtcdACallFailsSoonNamingEtcdAndCallsResumeWhenItReturns) {
   Etcd etcd;
   ASSERT_TRUE(etcd.started()) << "etcd is not installed (scripts/install-deps.sh installs etcd-server)";
@@ -183,8 +174,8 @@ TEST(ReplicaOverEtcd, WithoutEtcdACallFailsSoonNamingEtcdAndCallsResumeWhenItRet
   auto b = Replica::Start(ob, SystemClock());
   ASSERT_TRUE(b.ok());
   std::string address_a, address_b;
-  auto server_a = ServeReplica(a->get(), &address_a);
-  auto server_b = ServeReplica(b->get(), &address_b);
+  auto server_a = Serve(a->get(), &address_a);
+  auto server_b = Serve(b->get(), &address_b);
   ClientOptions o;
   o.address = address_a + "," + address_b;
   o.timeout_ms = 60'000;  // the failure must come from the replicas, long before this

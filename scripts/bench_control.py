@@ -1,0 +1,112 @@
+#!/usr/bin/python3
+"""The coordinator at fleet scale, before and after in one run: for each
+build given (BUILD, and --baseline BUILD), `wsyncd coordinator` processes
+(one in memory, then three replicas over a three-member etcd cluster on
+loopback, Debian's etcd-server) are driven by this build's `wsync-bench
+control --fleet`: every simulated sink heart-beats and reports each version
+at the rate a fleet of that size makes at the daemons' defaults. The same
+driver measures every coordinator, interleaved by sink count. Prints, per
+sink count, coordinator and build: the RPC rate offered and served, the
+heartbeat p50/p99, the report p99 and the calls that started late.
+
+    bench_control.py --build build [--baseline OLD_BUILD] [--sinks 1000,10000,30000] [--seconds 20]
+                     [--heartbeat-ms 2500] [--publish-every-ms 5000]
+"""
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from system_demo import EtcdCluster, free_ports  # noqa: E402
+
+
+class Coordinators:
+    """`wsyncd coordinator` processes of one build: one in memory, or three
+    replicas over `etcd` (each run with a fresh etcd prefix)."""
+
+    def __init__(self, wsyncd, tmp, etcd=None, prefix=""):
+        self.procs = []
+        ports = free_ports(3 if etcd else 1)
+        self.addresses = [f"127.0.0.1:{p}" for p in ports]
+        for i, address in enumerate(self.addresses):
+            argv = [wsyncd, "coordinator", "--listen", address]
+            if etcd:
+                argv += ["--etcd", etcd.endpoints(), "--advertise", address, "--etcd-prefix", prefix]
+            log = open(os.path.join(tmp, f"coordinator-{prefix.strip('/') or 'memory'}-{i}.log"), "w")
+            self.procs.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT))
+
+    def stop(self):
+        for p in self.procs:
+            p.terminate()
+        for p in self.procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def drive(bench, addresses, sinks, args):
+    argv = [bench, "--json", "control", "--fleet", "--sinks", str(sinks), "--seconds", str(args.seconds),
+            "--heartbeat-ms", str(args.heartbeat_ms), "--publish-every-ms", str(args.publish_every_ms),
+            "--coordinator", ",".join(addresses)]
+    p = subprocess.run(argv, capture_output=True, text=True, timeout=args.seconds + 900)
+    try:
+        return json.loads(p.stdout)["external"]
+    except (ValueError, KeyError):
+        raise RuntimeError(f"{' '.join(argv)} failed ({p.returncode}): {p.stderr[-2000:]}")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--build", required=True)
+    ap.add_argument("--baseline", help="an earlier build's directory: its wsyncd measured by the same driver")
+    ap.add_argument("--sinks", default="1000,10000,30000")
+    ap.add_argument("--seconds", type=float, default=20)
+    ap.add_argument("--heartbeat-ms", type=int, default=2500, help="each sink's heartbeat period (the daemons': their TTL / 4)")
+    ap.add_argument("--publish-every-ms", type=int, default=5000)
+    args = ap.parse_args()
+    if shutil.which("etcd") is None:
+        sys.exit("etcd is not installed (scripts/install-deps.sh installs etcd-server)")
+    bench = os.path.join(args.build, "bench", "wsync-bench")
+    builds = [("this build", os.path.join(args.build, "daemon", "wsyncd"))]
+    if args.baseline:
+        builds.insert(0, ("baseline", os.path.join(args.baseline, "daemon", "wsyncd")))
+    tmp = tempfile.mkdtemp(prefix="wsync_bench_control_")
+    etcd = EtcdCluster(tmp)
+    rows = []
+    try:
+        run = 0
+        for sinks in [int(s) for s in args.sinks.split(",")]:
+            for where in ("in memory", "3 replicas over etcd"):
+                for name, wsyncd in builds:
+                    run += 1
+                    c = Coordinators(wsyncd, tmp, etcd if "etcd" in where else None, f"/bench-{run}")
+                    try:
+                        time.sleep(1.5)  # listening, and a replica elected
+                        r = drive(bench, c.addresses, sinks, args)
+                    finally:
+                        c.stop()
+                    rows.append((sinks, where, name, r))
+                    print(f"{sinks:>6} sinks, {where:<21} {name:<10}: {r['offered_rpcs_per_s']:7.0f} RPCs/s offered, "
+                          f"{r['steady_rpcs_per_s']:7.0f} served; heartbeat p50 {r['heartbeat']['p50_us'] / 1000:6.2f} "
+                          f"p99 {r['heartbeat']['p99_us'] / 1000:7.2f} ms; report p99 "
+                          f"{r['report_applied']['p99_us'] / 1000:7.2f} ms; {r['late_calls']} late, "
+                          f"{r['errors']} errors", flush=True)
+    finally:
+        etcd.stop()
+    print("\n| sinks | coordinator | build | RPCs/s offered | served | heartbeat p50 / p99 | report p99 | late calls |")
+    print("|---|---|---|---|---|---|---|---|")
+    for sinks, where, name, r in rows:
+        print(f"| {sinks:,} | {where} | {name} | {r['offered_rpcs_per_s']:,.0f} | {r['steady_rpcs_per_s']:,.0f} | "
+              f"{r['heartbeat']['p50_us'] / 1000:.2f} / {r['heartbeat']['p99_us'] / 1000:.2f} ms | "
+              f"{r['report_applied']['p99_us'] / 1000:.2f} ms | {r['late_calls']:,} |")
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
