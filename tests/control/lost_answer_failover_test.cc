@@ -134,7 +134,9 @@ TEST_F(LostAnswerTest, RegisterGivesOneIncarnation) {
   auto status = plain_->GetStatus();
   ASSERT_TRUE(status.ok());
   for (const auto& n : status->nodes()) {
-    if (n.name() == "sink") EXPECT_EQ(n.incarnation(), r->node().incarnation());
+    if (n.name() == "sink") {
+      EXPECT_EQ(n.incarnation(), r->node().incarnation());
+    }
   }
 }
 
