@@ -38,12 +38,16 @@ void AddConnectionFlags(CLI::App* cmd, Connection* c) {
   cmd->add_flag("--json", c->json, "machine-readable output");
 }
 
+// --coordinator, else WSYNC_COORDINATOR.
+std::string CoordinatorAddress(const Connection& c) {
+  if (!c.coordinator.empty()) return c.coordinator;
+  const char* env = std::getenv("WSYNC_COORDINATOR");
+  return env ? env : "";
+}
+
 StatusOr<std::unique_ptr<control::CoordinatorClient>> Connect(const Connection& c) {
   control::ClientOptions o;
-  o.address = c.coordinator;
-  if (o.address.empty()) {
-    if (const char* env = std::getenv("WSYNC_COORDINATOR")) o.address = env;
-  }
+  o.address = CoordinatorAddress(c);
   if (!c.token_file.empty()) {
     WSYNC_ASSIGN_OR_RETURN(o.token, control::ReadTokenFile(c.token_file));
   } else if (const char* env = std::getenv("WSYNC_TOKEN")) {
@@ -146,11 +150,7 @@ std::vector<v1::ReplicaResponse> AskReplicas(const Connection& c) {
   Connection one = c;
   std::vector<v1::ReplicaResponse> out;
   bool replicated = false;
-  std::string list = c.coordinator;
-  if (list.empty()) {
-    if (const char* env = std::getenv("WSYNC_COORDINATOR")) list = env;
-  }
-  for (const std::string& address : SplitList(list)) {
+  for (const std::string& address : SplitList(CoordinatorAddress(c))) {
     one.coordinator = address;
     v1::ReplicaResponse r;
     auto client = Connect(one);

@@ -128,7 +128,7 @@ Status CoordinatorState::CommitLocked(const Record* r) {
   constexpr size_t kReportBytes = 512 << 10;
   std::vector<Record> batch(1);
   size_t bytes = 0;
-  for (const auto& n : unflushed_reports_) {
+  for (const auto& [name, n] : unflushed_reports_) {
     const size_t size = n.ByteSizeLong();
     if (bytes > 0 && bytes + size > kReportBytes) {
       batch.emplace_back();
@@ -142,7 +142,6 @@ Status CoordinatorState::CommitLocked(const Record* r) {
   // recovery has the same effect.
   WSYNC_RETURN_IF_ERROR(store_->AppendBatch(batch));
   unflushed_reports_.clear();
-  unflushed_at_.clear();
   return Status::Ok();
 }
 
@@ -304,12 +303,7 @@ StatusOr<Node> CoordinatorState::ReportApplied(const std::string& name, uint64_t
     // when its heartbeat's answer shows an applied version not its own.
     wsync::store::v1::NodeRecord record = NodeRegistry::ToRecord(n);
     nodes_->Apply(record);
-    if (auto it = unflushed_at_.find(name); it != unflushed_at_.end()) {
-      unflushed_reports_[it->second] = std::move(record);
-    } else {
-      unflushed_at_[name] = unflushed_reports_.size();
-      unflushed_reports_.push_back(std::move(record));
-    }
+    unflushed_reports_[name] = std::move(record);
     NotifyLocked();
     // A sink reaching the head may parent orphans or relieve a parent above
     // the fan-out: the tree is redone at the next Tick (within tick_ms), not

@@ -49,13 +49,16 @@ void NodeRegistry::Erase(const std::string& name) {
 }
 
 void NodeRegistry::Reindex(const std::string& name) {
-  if (auto it = deadline_.find(name); it != deadline_.end()) {
+  const Node* n = Find(name);
+  const bool filed = n != nullptr && n->state() != wsync::v1::NODE_DEAD;
+  const int64_t deadline = filed ? n->last_heartbeat_unix_ms() + static_cast<int64_t>(n->ttl_ms()) : 0;
+  auto it = deadline_.find(name);
+  if (it != deadline_.end()) {
+    if (filed && it->second == deadline) return;  // a report: the TTL did not move
     by_deadline_.erase({it->second, name});
     deadline_.erase(it);
   }
-  const Node* n = Find(name);
-  if (n == nullptr || n->state() == wsync::v1::NODE_DEAD) return;
-  const int64_t deadline = n->last_heartbeat_unix_ms() + static_cast<int64_t>(n->ttl_ms());
+  if (!filed) return;
   by_deadline_.insert({deadline, name});
   deadline_[name] = deadline;
 }

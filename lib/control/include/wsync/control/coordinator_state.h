@@ -175,10 +175,9 @@ class CoordinatorState {
   std::unique_ptr<RelayTree> tree_;          // who pulls from whom (soft state)
   std::unique_ptr<StalenessGate> staleness_;
   LayoutOffers offers_;
-  // Applied versions reported and applied in memory, not yet in the store
-  // (each node's latest durable fields, in report order).
-  std::vector<wsync::store::v1::NodeRecord> unflushed_reports_;
-  std::unordered_map<std::string, size_t> unflushed_at_;  // node -> index in unflushed_reports_
+  // Applied versions reported and applied in memory, not yet in the store:
+  // each node's latest durable fields, by node.
+  std::unordered_map<std::string, wsync::store::v1::NodeRecord> unflushed_reports_;
 };
 
 }  // namespace wsync::control
