@@ -1,5 +1,6 @@
 #include "control_bench.h"
 
+#include <grpcpp/grpcpp.h>
 #include <nlohmann/json.hpp>
 #include <spdlog/spdlog.h>
 
@@ -7,6 +8,7 @@
 #include <cinttypes>
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdio>
 #include <functional>
 #include <map>
@@ -21,6 +23,7 @@
 #include "wsync/control/replica.h"
 #include "wsync/control/server.h"
 #include "wsync/util/text.h"
+#include "wsync/v1/coordinator.grpc.pb.h"
 
 namespace wsync::bench {
 namespace {
@@ -55,63 +58,144 @@ struct Load {
   std::vector<double> reg, hb, rep;  // microseconds
 };
 
-// --fleet: each client thread's sinks, each call at its time. A call is
-// late when it starts more than 100 ms after its time (the coordinator, or
-// this machine, fell behind the fleet).
-void DriveFleetThread(control::CoordinatorClient* c, const ControlBenchOptions& o, int w,
-                      const std::atomic<bool>& stop, const std::atomic<uint64_t>& head,
-                      const std::atomic<int64_t>& published_at_us, std::vector<double>* hb, std::vector<double>* rep,
-                      std::atomic<uint64_t>* errors, std::atomic<uint64_t>* late) {
-  using Us = std::chrono::microseconds;
-  const auto t0 = Clock::now();
-  struct Due {
-    Clock::time_point at;
-    int sink;
-    bool report;
-    bool operator>(const Due& d) const { return at > d.at; }
-  };
-  std::priority_queue<Due, std::vector<Due>, std::greater<Due>> due;
-  std::vector<uint64_t> reported(o.sinks, 0);
-  // Heartbeats spread evenly over a period, as sinks started at random.
-  for (int i = w; i < o.sinks; i += o.workers) {
-    due.push({t0 + Us(static_cast<int64_t>(o.heartbeat_ms) * 1000 * i / o.sinks), i, false});
+// --fleet: the address that answers the fleet's calls (the one
+// coordinator, or the replica that leads), asked of each in turn.
+StatusOr<std::string> LeaderOf(const std::string& addresses) {
+  for (const auto& a : SplitList(addresses)) {
+    control::ClientOptions co;
+    co.address = a;
+    co.timeout_ms = 5'000;
+    WSYNC_ASSIGN_OR_RETURN(auto c, control::NewCoordinatorClient(co));
+    auto r = c->DescribeReplica();
+    if (r.ok() && (r->role() == v1::ReplicaResponse::SINGLE || r->role() == v1::ReplicaResponse::LEADER)) return a;
   }
-  uint64_t scheduled_for = head.load();
-  std::mt19937_64 rng(w);
-  while (!stop) {
-    // A new version: every sink of this thread reports it within the spread.
-    if (const uint64_t v = head.load(); v != scheduled_for) {
-      scheduled_for = v;
-      const auto at = Clock::time_point(Us(published_at_us.load()));
-      for (int i = w; i < o.sinks; i += o.workers) {
-        due.push({at + Us(static_cast<int64_t>(rng() % (static_cast<uint64_t>(o.report_spread_ms) * 1000))), i, true});
+  return UnavailableError("no coordinator at " + addresses + " leads");
+}
+
+// --fleet: open loop, as a fleet calls: each sink's heartbeat and reports
+// start at their time whether or not earlier calls have been answered (the
+// callback API: a call in flight holds no thread). Sinks are split over
+// `channels` connections, one scheduling thread each. A call is late when it
+// starts more than 100 ms after its time (this machine fell behind the
+// fleet); its latency is measured from its start.
+class FleetDriver {
+ public:
+  FleetDriver(const std::string& leader, const ControlBenchOptions& o) : o_(o), lat_(o.workers) {
+    for (int w = 0; w < o.workers; ++w) {
+      grpc::ChannelArguments args;
+      args.SetInt("wsync.bench.channel", w);  // a connection per channel, as sinks on many hosts have
+      stubs_.push_back(v1::Coordinator::NewStub(grpc::CreateCustomChannel(leader, grpc::InsecureChannelCredentials(), args)));
+    }
+  }
+
+  // Drives until `stop`; then waits for the calls in flight.
+  void Run(const std::atomic<bool>& stop, const std::atomic<uint64_t>& head,
+           const std::atomic<int64_t>& published_at_us) {
+    std::vector<std::thread> threads;
+    for (int w = 0; w < o_.workers; ++w) threads.emplace_back([&, w] { Schedule(w, stop, head, published_at_us); });
+    for (auto& t : threads) t.join();
+    std::unique_lock<std::mutex> lock(mu_);
+    done_.wait_for(lock, std::chrono::seconds(60), [&] { return in_flight_ == 0; });
+  }
+
+  std::vector<double> Latencies(bool report) {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::vector<double> all;
+    for (auto& l : lat_) all.insert(all.end(), (report ? l.rep : l.hb).begin(), (report ? l.rep : l.hb).end());
+    return all;
+  }
+  uint64_t errors() const { return errors_; }
+  uint64_t late() const { return late_; }
+
+ private:
+  struct Call {
+    grpc::ClientContext ctx;
+    v1::HeartbeatRequest hb;
+    v1::HeartbeatResponse hb_resp;
+    v1::ReportAppliedRequest rep;
+    v1::ReportAppliedResponse rep_resp;
+    Clock::time_point start;
+  };
+  struct Lat {
+    std::vector<double> hb, rep;
+  };
+
+  void Schedule(int w, const std::atomic<bool>& stop, const std::atomic<uint64_t>& head,
+                const std::atomic<int64_t>& published_at_us) {
+    using Us = std::chrono::microseconds;
+    const auto t0 = Clock::now();
+    struct Due {
+      Clock::time_point at;
+      int sink;
+      bool report;
+      bool operator>(const Due& d) const { return at > d.at; }
+    };
+    std::priority_queue<Due, std::vector<Due>, std::greater<Due>> due;
+    std::vector<uint64_t> reported(o_.sinks, 0);
+    // Heartbeats spread evenly over a period, as sinks started at random.
+    for (int i = w; i < o_.sinks; i += o_.workers) {
+      due.push({t0 + Us(static_cast<int64_t>(o_.heartbeat_ms) * 1000 * i / o_.sinks), i, false});
+    }
+    uint64_t scheduled_for = head.load();
+    std::mt19937_64 rng(w);
+    while (!stop) {
+      // A new version: every sink of this thread reports it within the spread.
+      if (const uint64_t v = head.load(); v != scheduled_for) {
+        scheduled_for = v;
+        const auto at = Clock::time_point(Us(published_at_us.load()));
+        for (int i = w; i < o_.sinks; i += o_.workers) {
+          due.push({at + Us(static_cast<int64_t>(rng() % (static_cast<uint64_t>(o_.report_spread_ms) * 1000))), i, true});
+        }
+      }
+      const Due d = due.top();
+      if (d.at > Clock::now()) {
+        std::this_thread::sleep_until(std::min(d.at, Clock::now() + std::chrono::milliseconds(5)));
+        continue;
+      }
+      due.pop();
+      const uint64_t v = head.load();
+      if (d.report && reported[d.sink] == v) continue;
+      auto* call = new Call;
+      call->start = Clock::now();
+      if (call->start - d.at > std::chrono::milliseconds(100)) ++late_;
+      call->ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        ++in_flight_;
+      }
+      const std::string name = "sink-" + std::to_string(d.sink);
+      if (d.report) {
+        reported[d.sink] = v;
+        call->rep.set_name(name);
+        call->rep.set_version(v);
+        stubs_[w]->async()->ReportApplied(&call->ctx, &call->rep, &call->rep_resp,
+                                          [this, w, call](grpc::Status s) { Done(w, call, true, s); });
+      } else {
+        call->hb.set_name(name);
+        stubs_[w]->async()->Heartbeat(&call->ctx, &call->hb, &call->hb_resp,
+                                      [this, w, call](grpc::Status s) { Done(w, call, false, s); });
+        due.push({d.at + std::chrono::milliseconds(o_.heartbeat_ms), d.sink, false});
       }
     }
-    const Due d = due.top();
-    if (d.at > Clock::now()) {
-      std::this_thread::sleep_until(std::min(d.at, Clock::now() + std::chrono::milliseconds(20)));
-      continue;
-    }
-    due.pop();
-    const uint64_t v = head.load();
-    if (d.report && reported[d.sink] == v) continue;
-    const auto start = Clock::now();
-    if (start - d.at > std::chrono::milliseconds(100)) ++*late;
-    bool ok;
-    if (d.report) {
-      ok = c->ReportApplied("sink-" + std::to_string(d.sink), v).ok();
-      reported[d.sink] = v;
-      rep->push_back(std::chrono::duration<double, std::micro>(Clock::now() - start).count());
-    } else {
-      v1::HeartbeatRequest h;
-      h.set_name("sink-" + std::to_string(d.sink));
-      ok = c->Heartbeat(h).ok();
-      hb->push_back(std::chrono::duration<double, std::micro>(Clock::now() - start).count());
-      due.push({d.at + std::chrono::milliseconds(o.heartbeat_ms), d.sink, false});
-    }
-    if (!ok) ++*errors;
   }
-}
+
+  void Done(int w, Call* call, bool report, const grpc::Status& s) {
+    const double us = std::chrono::duration<double, std::micro>(Clock::now() - call->start).count();
+    delete call;
+    if (!s.ok()) ++errors_;
+    std::lock_guard<std::mutex> lock(mu_);
+    (report ? lat_[w].rep : lat_[w].hb).push_back(us);
+    if (--in_flight_ == 0) done_.notify_all();
+  }
+
+  const ControlBenchOptions& o_;
+  std::vector<std::unique_ptr<v1::Coordinator::Stub>> stubs_;
+  std::atomic<uint64_t> errors_{0}, late_{0};
+  std::mutex mu_;
+  std::condition_variable done_;
+  uint64_t in_flight_ = 0;
+  std::vector<Lat> lat_;
+};
 
 // Simulated sinks against `address` (one coordinator, or replicas): they
 // register, then heart-beat and report while a trainer publishes.
@@ -174,15 +258,24 @@ Load Drive(const std::string& address, const ControlBenchOptions& o,
     }
   });
   std::atomic<uint64_t> late{0};
+  std::unique_ptr<FleetDriver> fleet;
+  if (o.fleet) {
+    auto leader = LeaderOf(address);
+    if (leader.ok()) {
+      fleet = std::make_unique<FleetDriver>(*leader, o);
+    } else {
+      spdlog::error("{}", leader.status().ToString());
+      ++errors;
+    }
+  }
   const auto steady_start = Clock::now();
-  for (int w = 0; w < o.workers; ++w) {
+  if (fleet) {
+    threads.emplace_back([&] { fleet->Run(stop, head, published_at_us); });
+  }
+  for (int w = 0; w < o.workers && !o.fleet; ++w) {
     threads.emplace_back([&, w] {
       auto c = control::NewCoordinatorClient(co);
       if (!c.ok()) return;
-      if (o.fleet) {
-        DriveFleetThread(c->get(), o, w, stop, head, published_at_us, &hb_lat[w], &rep_lat[w], &errors, &late);
-        return;
-      }
       while (!stop) {
         for (int i = w; i < o.sinks && !stop; i += o.workers) {
           v1::HeartbeatRequest h;
@@ -208,8 +301,12 @@ Load Drive(const std::string& address, const ControlBenchOptions& o,
   Load l;
   l.steady_s = std::chrono::duration<double>(Clock::now() - steady_start).count();
   l.reg = merge(reg_lat);
-  l.hb = merge(hb_lat);
-  l.rep = merge(rep_lat);
+  l.hb = fleet ? fleet->Latencies(false) : merge(hb_lat);
+  l.rep = fleet ? fleet->Latencies(true) : merge(rep_lat);
+  if (fleet) {
+    errors += fleet->errors();
+    late += fleet->late();
+  }
   l.register_per_s = l.reg.size() / register_s;
   l.rps = (l.hb.size() + l.rep.size()) / l.steady_s;
   l.versions = head.load();

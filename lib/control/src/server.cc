@@ -94,7 +94,16 @@ class Metrics {
   prometheus::Family<prometheus::Gauge>* staleness_;
 };
 
-class Service final : public v1::Coordinator::Service {
+// The calls every sink makes all the time (a heartbeat per TTL / 4, a
+// report per version) use gRPC's callback API: answered on the thread that
+// read them, without a hand-off to a thread of the synchronous pool (at a
+// fleet's rate the hand-offs were most of the coordinator's CPU). Their
+// handlers never wait on anything but the state's mutex. The other calls
+// may wait (a commit to etcd, MayPublish, Watch) and stay synchronous.
+using ServiceBase =
+    v1::Coordinator::WithCallbackMethod_Heartbeat<v1::Coordinator::WithCallbackMethod_ReportApplied<v1::Coordinator::Service>>;
+
+class Service final : public ServiceBase {
  public:
   Service(StateHolder* holder, std::string token, Metrics* metrics, bool inject_faults)
       : holder_(holder), token_(std::move(token)), metrics_(metrics), inject_faults_(inject_faults) {}
@@ -104,8 +113,11 @@ class Service final : public v1::Coordinator::Service {
   grpc::Status Register(ServerContext* ctx, const v1::RegisterRequest* req, v1::RegisterResponse* resp) override {
     return Handle("Register", ctx, [&](CoordinatorState* state) { return Fill(state->Register(*req), resp); });
   }
-  grpc::Status Heartbeat(ServerContext* ctx, const v1::HeartbeatRequest* req, v1::HeartbeatResponse* resp) override {
-    return Handle("Heartbeat", ctx, [&](CoordinatorState* state) { return Fill(state->Heartbeat(*req), resp); });
+  grpc::ServerUnaryReactor* Heartbeat(grpc::CallbackServerContext* ctx, const v1::HeartbeatRequest* req,
+                                      v1::HeartbeatResponse* resp) override {
+    grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+    reactor->Finish(Handle("Heartbeat", ctx, [&](CoordinatorState* state) { return Fill(state->Heartbeat(*req), resp); }));
+    return reactor;
   }
   grpc::Status Deregister(ServerContext* ctx, const v1::DeregisterRequest* req, v1::DeregisterResponse*) override {
     return Handle("Deregister", ctx, [&](CoordinatorState* state) { return state->Deregister(req->name()); });
@@ -136,13 +148,15 @@ class Service final : public v1::Coordinator::Service {
       return wsync::Status::Ok();
     });
   }
-  grpc::Status ReportApplied(ServerContext* ctx, const v1::ReportAppliedRequest* req,
-                             v1::ReportAppliedResponse* resp) override {
-    return Handle("ReportApplied", ctx, [&](CoordinatorState* state) {
+  grpc::ServerUnaryReactor* ReportApplied(grpc::CallbackServerContext* ctx, const v1::ReportAppliedRequest* req,
+                                          v1::ReportAppliedResponse* resp) override {
+    grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+    reactor->Finish(Handle("ReportApplied", ctx, [&](CoordinatorState* state) {
       auto n = state->ReportApplied(req->name(), req->version());
       if (n.ok()) *resp->mutable_node() = *n;
       return n.status();
-    });
+    }));
+    return reactor;
   }
   grpc::Status AcquireLease(ServerContext* ctx, const v1::AcquireLeaseRequest* req,
                             v1::AcquireLeaseResponse* resp) override {
@@ -219,7 +233,7 @@ class Service final : public v1::Coordinator::Service {
     return r.status();
   }
 
-  wsync::Status Authenticate(ServerContext* ctx) const {
+  wsync::Status Authenticate(grpc::ServerContextBase* ctx) const {
     if (token_.empty()) return wsync::Status::Ok();
     const auto& md = ctx->client_metadata();
     auto it = md.find("authorization");
@@ -232,7 +246,7 @@ class Service final : public v1::Coordinator::Service {
   }
 
   template <typename F>
-  grpc::Status Handle(const char* method, ServerContext* ctx, F&& body) {
+  grpc::Status Handle(const char* method, grpc::ServerContextBase* ctx, F&& body) {
     const auto t0 = std::chrono::steady_clock::now();
     wsync::Status s = Authenticate(ctx);
     if (!s.ok()) {
@@ -259,7 +273,7 @@ class Service final : public v1::Coordinator::Service {
     return now.ok() && now->get() == state;
   }
 
-  static bool Injected(ServerContext* ctx, const char* fault) {
+  static bool Injected(grpc::ServerContextBase* ctx, const char* fault) {
     const auto& md = ctx->client_metadata();
     auto it = md.find(fault::kMetadataKey);
     return it != md.end() && std::string(it->second.data(), it->second.size()) == fault;
