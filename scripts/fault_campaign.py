@@ -21,13 +21,17 @@ published, or while the sinks are syncing it):
 
 With --replicas, three coordinator replicas over a three-member etcd cluster
 take the coordinator's place (kill_coordinator and disk_full do not apply),
-and four more kinds join:
+and five more kinds join:
 
   kill_leader       SIGKILL of the leading replica, restarted as a follower
   pause_leader      SIGSTOP of the leading replica past its lease, then SIGCONT
   kill_etcd_member  SIGKILL of an etcd member while a version is published, then
                     its restart
   kill_replicas     SIGKILL and restart of every replica
+  lose_answers      every client reaches the replicas through a proxy; for the
+                    round (a version published and synced) it drops 30% of the
+                    answers after the replica answered (the call took effect,
+                    the caller sees UNAVAILABLE and retries)
 
 After every round every sink must reach the head and hold the trainer's bits
 exactly (dumped and compared bit for bit), every acknowledged version must
@@ -39,6 +43,7 @@ and the daemons' file descriptors and memory must stay bounded.
 Without --seed a random seed is drawn and printed: rerun with it to replay.
 """
 import argparse
+import collections
 import json
 import os
 import random
@@ -56,8 +61,9 @@ from system_demo import EtcdCluster, System, write_safetensors  # noqa: E402
 
 KINDS = ["kill_coordinator", "kill_source", "kill_sink", "kill_relay", "corrupt_chunks", "swap_buffers",
          "disk_full", "slow_link"]
-REPLICA_KINDS = ["kill_leader", "pause_leader", "kill_etcd_member", "kill_replicas", "kill_source", "kill_sink",
-                 "kill_relay", "corrupt_chunks", "swap_buffers", "slow_link"]
+REPLICA_KINDS = ["kill_leader", "pause_leader", "kill_etcd_member", "kill_replicas", "lose_answers", "kill_source",
+                 "kill_sink", "kill_relay", "corrupt_chunks", "swap_buffers", "slow_link"]
+LOSE = 0.3  # lose_answers: the share of answers dropped
 LEASE_S = 2  # the replicas' default leader lease
 CONVERGE_S = 120
 MAX_FDS = 256
@@ -106,7 +112,8 @@ class Campaign:
         self.mismatched = f"{tmp}/mismatched.safetensors"
         write_safetensors(self.mismatched, {**self.model, "layers.0.weight": torch.zeros(128, 1024, dtype=torch.bfloat16)})
         self.s = System(build, 3, 2, tmp, coordinator_args=["--node-ttl-ms", "3000"], token=token,
-                        data_security=data_security, source_args=source_args, etcd=self.etcd)
+                        data_security=data_security, source_args=source_args, etcd=self.etcd,
+                        answer_proxies=replicas)
         self.source_argv = list(self.s.procs["source"][0])
         for n in self.s.sinks:
             self.s.wait_for(lambda: os.path.exists(f"{tmp}/{n}.sock"), f"{n}'s local API")
@@ -212,7 +219,7 @@ class Campaign:
         """The leading replica's name (waiting for one)."""
         def find():
             address = self.etcd.get("/wsync/leader") or ""
-            return next((r for r in self.s.replicas if address.endswith(f"/{r}.sock")), None)
+            return next((r for r in self.s.replicas if address.endswith((f"/{r}.sock", f"/{r}-via.sock"))), None)
         self.s.wait_for(lambda: find() is not None, "a leading replica", 60)
         return find()
 
@@ -239,6 +246,9 @@ class Campaign:
             for r in s.replicas:
                 s.restart(r)
             s.wait_for(lambda: s.status() is not None, "the replicas", 60)
+        elif kind == "lose_answers":
+            for proxy in s.proxies.values():
+                proxy.lose = LOSE  # until the round's check is done
         elif kind == "kill_source":
             self.restart("source", self.source_argv)
         elif kind in ("kill_sink", "kill_relay"):
@@ -294,6 +304,8 @@ class Campaign:
         if kind in ("corrupt_chunks", "slow_link"):
             head = self.publish() or head  # a second version through the faulty link
         self.verify(head)
+        for proxy in self.s.proxies.values():
+            proxy.lose = 0
         took = time.time() - t0
         self.converge.append((took, kind))
         self.check_versions()
@@ -324,7 +336,10 @@ class Campaign:
             "max_fds": {n: p[0] for n, p in self.peak.items()},
             "max_rss_mb": {n: p[1] // 1024 for n, p in self.peak.items()},
             "rss_growth_mb": growth, "disk_full_tested": self.tmpfs and "disk_full" in self.kinds,
+            "answers_lost": dict(sum((p.lost for p in self.s.proxies.values()), collections.Counter())),
         }
+        if self.faults.get("lose_answers") and not r["answers_lost"]:
+            raise AssertionError("lose_answers rounds ran but no answer was lost: the fault was not exercised")
         for n, (nfd, rss) in self.peak.items():
             if nfd > MAX_FDS:
                 raise AssertionError(f"{n} held {nfd} file descriptors (bound {MAX_FDS})")
@@ -403,6 +418,9 @@ def main():
     print(f"PASS: {r['rounds']} faults, {r['versions_acknowledged']} versions, {r['sink_versions_verified']} sink "
           f"versions verified bit-exact, divergent bits {r['divergent_bits']}, lost versions 0, worst convergence "
           f"{r['worst_converge_s']} s ({r['worst_converge_fault']})")
+    if r["answers_lost"]:
+        print("  answers lost after the replica answered (then retried): " +
+              ", ".join(f"{m} {n}" for m, n in sorted(r["answers_lost"].items())))
     for kind, c in r["converge_s_by_fault"].items():
         print(f"  {kind:17s} {c['n']:4d} faults: converged in {c['median']:.2f} s median, {c['worst']:.2f} s worst")
 

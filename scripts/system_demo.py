@@ -132,7 +132,7 @@ class System:
     coordinator, named coordinator-0.. (every client given all of them)."""
 
     def __init__(self, build, sinks, fanout, tmp, coordinator_args=(), source_args=(), device=-1, sink_args=(),
-                 token=None, data_security=None, etcd=None, replicas=3):
+                 token=None, data_security=None, etcd=None, replicas=3, answer_proxies=False):
         self.wsync = os.path.join(build, "client", "wsync")
         self.wsyncd = os.path.join(build, "daemon", "wsyncd")
         self.tmp = tmp
@@ -140,7 +140,16 @@ class System:
         # weights in that GPU's memory and share it over CUDA IPC.
         self.device_args = ["--device", str(device)] if device >= 0 else []
         self.replicas = [f"coordinator-{i}" for i in range(replicas)] if etcd else []
-        coordinators = [f"unix:{tmp}/{r}.sock" for r in self.replicas] or [f"unix:{tmp}/coordinator.sock"]
+        listen = [f"unix:{tmp}/{r}.sock" for r in self.replicas] or [f"unix:{tmp}/coordinator.sock"]
+        # answer_proxies: every client reaches each replica through an
+        # AnswerProxy (the replica advertises the proxy's address), which can
+        # be told to lose answers.
+        self.proxies = {}
+        coordinators = [f"unix:{tmp}/{r}-via.sock" for r in self.replicas] if answer_proxies else listen
+        if answer_proxies:
+            from answer_proxy import AnswerProxy
+            for i, (r, front, back) in enumerate(zip(self.replicas, coordinators, listen)):
+                self.proxies[r] = AnswerProxy(front, back, seed=i)
         self.env = dict(os.environ, UCX_TLS=os.environ.get("UCX_TLS", "tcp"), WSYNC_COORDINATOR=",".join(coordinators))
         if token:  # the cluster token: the coordinator's bearer token and the data plane's credential
             self.env["WSYNC_TOKEN"] = token
@@ -149,8 +158,8 @@ class System:
         self.sinks = []
         self.sink_args = list(sink_args) + (["--data-security", data_security] if data_security else [])
         if etcd:
-            for r, address in zip(self.replicas, coordinators):
-                self.spawn(r, [self.wsyncd, "coordinator", "--listen", address, "--advertise", address,
+            for r, address, advertise in zip(self.replicas, listen, coordinators):
+                self.spawn(r, [self.wsyncd, "coordinator", "--listen", address, "--advertise", advertise,
                                "--etcd", etcd.endpoints(), "--fanout", str(fanout), *coordinator_args])
         else:
             self.spawn("coordinator", [self.wsyncd, "coordinator", "--listen", f"unix:{tmp}/coordinator.sock",
@@ -255,6 +264,8 @@ class System:
                 p.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 p.kill()
+        for proxy in self.proxies.values():
+            proxy.stop()
 
 
 def gpu_present():
