@@ -237,6 +237,33 @@ TEST(CoordinatorState, ASinkReachingTheHeadTakesOverChildrenAtTheNextTickNotAtIt
   EXPECT_EQ(FindNode(s->GetStatus(), "a")->parent(), "src");
 }
 
+TEST(CoordinatorState, ARegistrationStormInALargeFleetIsAttachedAtTheNextTick) {
+  FakeClock clock;
+  CoordinatorOptions o;
+  o.fanout = 4;
+  auto s = Make(&clock, o);
+  constexpr uint64_t kTtl = 600'000;  // past the whole test's clock
+  ASSERT_TRUE(s->Register(Reg("src", wsync::v1::ROLE_SOURCE, kTtl)).ok());
+  ASSERT_TRUE(s->Publish(V(1)).ok());
+  // A fleet: each registration a moment apart, a pass each (a moment is past the coalescing).
+  for (int i = 0; i < 1000; ++i) {
+    clock.Advance(250);
+    ASSERT_TRUE(s->Register(Reg("sink-" + std::to_string(i), wsync::v1::ROLE_SINK, kTtl)).ok());
+  }
+  EXPECT_EQ(FindNode(s->GetStatus(), "sink-999")->parent(), "src") << "alone, a registration is attached at once";
+  // A storm: in one instant, the first runs the pass, the others wait for the tick's.
+  clock.Advance(250);
+  for (int i = 1000; i < 1010; ++i) {
+    ASSERT_TRUE(s->Register(Reg("sink-" + std::to_string(i), wsync::v1::ROLE_SINK, kTtl)).ok());
+  }
+  EXPECT_EQ(FindNode(s->GetStatus(), "sink-1000")->parent(), "src");
+  EXPECT_EQ(FindNode(s->GetStatus(), "sink-1009")->parent(), "");
+  s->Tick();
+  for (int i = 1000; i < 1010; ++i) {
+    EXPECT_EQ(FindNode(s->GetStatus(), "sink-" + std::to_string(i))->parent(), "src") << i;
+  }
+}
+
 TEST(CoordinatorState, StalenessIsHeadMinusApplied) {
   FakeClock clock;
   auto s = Make(&clock);

@@ -207,7 +207,7 @@ StatusOr<wsync::v1::RegisterResponse> CoordinatorState::Register(const wsync::v1
   stored.set_state(wsync::v1::NODE_ALIVE);
   nodes_->Touch(req.name(), clock_->NowMs());
   stored.set_parent("");
-  AssignParentsLocked();
+  AssignParentsSoonLocked();
   spdlog::info("node {} registered as {} from {} (incarnation {})", req.name(), wsync::v1::Role_Name(req.role()),
                req.host(), stored.incarnation());
   return RegisteredLocked(stored);
@@ -457,6 +457,21 @@ void CoordinatorState::ExpireLocked() {
 }
 
 bool CoordinatorState::AssignParentsLocked() { return tree_->AssignParents(nodes_->nodes(), versions_->head()); }
+
+void CoordinatorState::AssignParentsSoonLocked() {
+  // Thousands of sinks registering at once would each redo the whole tree;
+  // within a tick of the last registration's pass they wait for the tick's
+  // (a sink learns its parent from a heartbeat's answer, not from Register's).
+  constexpr size_t kLargeFleet = 1000;
+  constexpr int64_t kCoalesceMs = 200;
+  const int64_t now = clock_->NowMs();
+  if (nodes_->nodes().size() >= kLargeFleet && now - last_pass_ms_ < kCoalesceMs) {
+    tree_->MarkDirty();
+    return;
+  }
+  last_pass_ms_ = now;
+  AssignParentsLocked();
+}
 
 // ---------------------------------------------------------------- status
 

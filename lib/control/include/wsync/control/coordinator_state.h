@@ -152,6 +152,9 @@ class CoordinatorState {
   void ExpireLocked();
   // One pass of the relay tree; whether any sink's parent changed. REQUIRES: mu_ held.
   bool AssignParentsLocked();
+  // A registration's pass: at once, except in a storm of them in a large
+  // fleet (a pass is O(nodes)): then at the next Tick. REQUIRES: mu_ held.
+  void AssignParentsSoonLocked();
   // Whether a sink can get version `head` from its parents (a relay holding
   // it, or a source whose history does). REQUIRES: mu_ held.
   bool HeadReachableLocked(const wsync::v1::Node& sink, uint64_t head) const;
@@ -173,6 +176,7 @@ class CoordinatorState {
   std::unique_ptr<LeaseTable> leases_;
   std::unique_ptr<LayoutRegistry> layout_;
   std::unique_ptr<RelayTree> tree_;          // who pulls from whom (soft state)
+  int64_t last_pass_ms_ = 0;                  // when a registration last ran a pass (clock_)
   std::unique_ptr<StalenessGate> staleness_;
   LayoutOffers offers_;
   // Applied versions reported and applied in memory, not yet in the store:
