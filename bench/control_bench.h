@@ -6,8 +6,9 @@
 // Two loads: as fast as the client threads go (throughput), or --fleet: the
 // rate a fleet of that many sinks makes at the daemons' defaults (a
 // heartbeat every TTL / 4 = 2.5 s, a report of each version within a spread
-// after it is published), each call at its time (latency at that rate, and
-// how many calls started late because the coordinator fell behind).
+// after it is published), open loop: each call starts at its time whether or
+// not earlier ones were answered, so a coordinator that falls behind shows as
+// latency (and calls the driver itself started late are counted).
 #pragma once
 
 #include <string>
@@ -16,7 +17,7 @@ namespace wsync::bench {
 
 struct ControlBenchOptions {
   int sinks = 1000;
-  int workers = 8;         // client threads, each driving sinks / workers sinks
+  int workers = 8;         // client threads (--fleet: connections, each with a scheduling thread)
   double seconds = 5;
   int publish_every_ms = 100;  // --fleet: 5,000
   bool fleet = false;

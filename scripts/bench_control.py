@@ -10,7 +10,8 @@ sink count, coordinator and build: the RPC rate offered and served, the
 heartbeat p50/p99, the report p99 and the calls that started late.
 
     bench_control.py --build build [--baseline OLD_BUILD] [--sinks 1000,10000,30000] [--seconds 20]
-                     [--heartbeat-ms 2500] [--publish-every-ms 5000]
+                     [--heartbeat-ms 2500] [--publish-every-ms 5000] [--report-spread-ms 1000]
+                     [--where memory,etcd]
 """
 import argparse
 import json
@@ -53,6 +54,7 @@ class Coordinators:
 def drive(bench, addresses, sinks, args):
     argv = [bench, "--json", "control", "--fleet", "--sinks", str(sinks), "--seconds", str(args.seconds),
             "--heartbeat-ms", str(args.heartbeat_ms), "--publish-every-ms", str(args.publish_every_ms),
+            "--report-spread-ms", str(args.report_spread_ms),
             "--coordinator", ",".join(addresses)]
     p = subprocess.run(argv, capture_output=True, text=True, timeout=args.seconds + 900)
     try:
@@ -69,6 +71,8 @@ def main():
     ap.add_argument("--seconds", type=float, default=20)
     ap.add_argument("--heartbeat-ms", type=int, default=2500, help="each sink's heartbeat period (the daemons': their TTL / 4)")
     ap.add_argument("--publish-every-ms", type=int, default=5000)
+    ap.add_argument("--report-spread-ms", type=int, default=1000, help="sinks report a version within this")
+    ap.add_argument("--where", default="memory,etcd", help="which coordinators: memory, etcd or both")
     args = ap.parse_args()
     if shutil.which("etcd") is None:
         sys.exit("etcd is not installed (scripts/install-deps.sh installs etcd-server)")
@@ -82,7 +86,8 @@ def main():
     try:
         run = 0
         for sinks in [int(s) for s in args.sinks.split(",")]:
-            for where in ("in memory", "3 replicas over etcd"):
+            for where in [w for k, w in (("memory", "in memory"), ("etcd", "3 replicas over etcd"))
+                          if k in args.where.split(",")]:
                 for name, wsyncd in builds:
                     run += 1
                     c = Coordinators(wsyncd, tmp, etcd if "etcd" in where else None, f"/bench-{run}")
@@ -96,15 +101,17 @@ def main():
                           f"{r['steady_rpcs_per_s']:7.0f} served; heartbeat p50 {r['heartbeat']['p50_us'] / 1000:6.2f} "
                           f"p99 {r['heartbeat']['p99_us'] / 1000:7.2f} ms; report p99 "
                           f"{r['report_applied']['p99_us'] / 1000:7.2f} ms; {r['late_calls']} late, "
+                          f"{r['register_per_s']:.0f} registrations/s, "
                           f"{r['errors']} errors", flush=True)
     finally:
         etcd.stop()
-    print("\n| sinks | coordinator | build | RPCs/s offered | served | heartbeat p50 / p99 | report p99 | late calls |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("\n| sinks | coordinator | build | RPCs/s offered | served | heartbeat p50 / p99 | report p99 | late calls "
+          "| registrations/s |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for sinks, where, name, r in rows:
         print(f"| {sinks:,} | {where} | {name} | {r['offered_rpcs_per_s']:,.0f} | {r['steady_rpcs_per_s']:,.0f} | "
               f"{r['heartbeat']['p50_us'] / 1000:.2f} / {r['heartbeat']['p99_us'] / 1000:.2f} ms | "
-              f"{r['report_applied']['p99_us'] / 1000:.2f} ms | {r['late_calls']:,} |")
+              f"{r['report_applied']['p99_us'] / 1000:.2f} ms | {r['late_calls']:,} | {r['register_per_s']:,.0f} |")
     shutil.rmtree(tmp, ignore_errors=True)
 
 
