@@ -46,6 +46,9 @@ std::unique_ptr<codec::ApplyAhead> SinkWeights::BeginApplyAhead() const {
 }
 
 Status SinkWeights::Apply(const PatchStream& stream, codec::ApplyAhead& ahead, std::string_view bytes) {
+  // Checked and decoded while the engine may still hold the weights: the
+  // wait for its holds, then only the writes and their verification.
+  WSYNC_RETURN_IF_ERROR(ahead.Prepare(bytes));
   const PatchStream* one[] = {&stream};
   return ApplyWith(one, [&] { return ahead.Apply(bytes); }, bytes.size());
 }

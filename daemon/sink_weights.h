@@ -44,7 +44,9 @@ class SinkWeights {
   Status ApplyParts(std::span<const PatchStream* const> parts);
   // Decoding while a stream arrives: an ApplyAhead over the tensors (null
   // where the store does not decode ahead), then Apply with it and the
-  // stream's bytes (`stream` complete, `bytes` its Assemble()).
+  // stream's bytes (`stream` complete, `bytes` its Assemble()): checked and
+  // every chunk decoded before it waits for the engine's holds, so that
+  // only the writes and their verification wait for them.
   std::unique_ptr<codec::ApplyAhead> BeginApplyAhead() const;
   Status Apply(const PatchStream& stream, codec::ApplyAhead& ahead, std::string_view bytes);
 

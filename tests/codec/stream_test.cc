@@ -199,6 +199,41 @@ TEST(Streams, DecodingAheadInAnySlicesGivesTheSameBitsAsApplyingAtOnce) {
   }
 }
 
+TEST(Streams, PrepareChecksAndDecodesEverythingSoThatApplyOnlyWrites) {
+  std::mt19937_64 rng(7);
+  const auto v0 = Model(rng);
+  const auto v1 = Step(v0, rng);
+  const std::string stream = Segmented(v0, v1);
+  // Decoded ahead up to half the stream, prepared: every chunk is decoded, nothing written.
+  auto work = v0;
+  ApplyAhead ahead(MutableViews(work), {});
+  ahead.Advance(std::string_view(stream).substr(0, stream.size() / 2));
+  const size_t half = ahead.decoded_ahead();
+  ASSERT_TRUE(ahead.Prepare(stream).ok());
+  EXPECT_GT(ahead.decoded_ahead(), half) << "the rest, the last segment's chunks too";
+  EXPECT_TRUE(testing::SameBits(work, v0)) << "Prepare writes nothing";
+  ASSERT_TRUE(ahead.Apply(stream).ok());
+  EXPECT_TRUE(testing::SameBits(work, v1));
+
+  // A corrupt stream fails in Prepare, before anything may be written, and in Apply.
+  std::string bad = stream;
+  bad[bad.size() - 7] ^= 0x20;
+  auto untouched = v0;
+  ApplyAhead refused(MutableViews(untouched), {});
+  Feed(refused, bad, rng);
+  EXPECT_EQ(refused.Prepare(bad).code(), StatusCode::kDataLoss);
+  EXPECT_EQ(refused.Apply(bad).code(), StatusCode::kDataLoss);
+  EXPECT_TRUE(testing::SameBits(untouched, v0));
+
+  // Prepared for one stream, applied with another: the other is applied, not a mix.
+  const std::string single = *EncodePatch(Views(v0), Views(v1), {});
+  auto other = v0;
+  ApplyAhead switched(MutableViews(other), {});
+  ASSERT_TRUE(switched.Prepare(stream).ok());
+  ASSERT_TRUE(switched.Apply(single).ok());
+  EXPECT_TRUE(testing::SameBits(other, v1));
+}
+
 TEST(Streams, AKeyframeSegmentAndPatchSegmentsApplyAsOne) {
   std::mt19937_64 rng(3);
   const auto v0 = Model(rng);

@@ -196,6 +196,22 @@ struct ApplyAhead::Impl {
   uint64_t end = 0;      // where the next segment begins
   bool stopped = false;  // something did not parse: Apply reads it again and says what
   size_t decoded = 0;
+  // Prepare's result: the parts checked and decoded, for these bytes.
+  std::vector<PartApply*> ready;
+  std::string_view ready_for;
+
+  // Whether the segments read ahead are `stream`'s: the same places and the same heads.
+  bool Reads(std::string_view stream, std::span<const std::string_view> split) const {
+    if (stopped || segments.size() != split.size()) return false;
+    for (size_t i = 0; i < split.size(); ++i) {
+      const Segment& seg = *segments[i];
+      if (split[i].data() != stream.data() + seg.begin || split[i].size() != seg.total ||
+          split[i].substr(0, seg.header) != seg.head) {
+        return false;
+      }
+    }
+    return true;
+  }
 
   // Opens the segment at `end` when its head is in; false when not (yet).
   bool Open(std::string_view prefix) {
@@ -285,23 +301,20 @@ void ApplyAhead::Advance(std::string_view prefix) {
   }
 }
 
-Status ApplyAhead::Apply(std::string_view stream) {
+Status ApplyAhead::Prepare(std::string_view stream) {
   Impl& m = *impl_;
+  m.ready.clear();
+  m.ready_for = {};
   WSYNC_ASSIGN_OR_RETURN(std::vector<std::string_view> segments, SplitSegments(stream));
-  // What was read ahead is used when the stream is the one it read: the same
-  // segments with the same heads (and each verified whole below).
-  bool same = !m.stopped && m.segments.size() == segments.size();
-  for (size_t i = 0; same && i < segments.size(); ++i) {
-    const Impl::Segment& seg = *m.segments[i];
-    same = segments[i].data() == stream.data() + seg.begin && segments[i].size() == seg.total &&
-           segments[i].substr(0, seg.header) == seg.head;
-  }
-  if (!same) {
-    // Another stream than the one read ahead: applied as given.
+  if (!m.Reads(stream, segments)) {
+    // Another stream than the one read ahead (or a part of none): read this one.
     m.segments.clear();
-    return m.pieces ? ApplyPiecesParts(segments, m.runtime, m.options)
-                    : ApplyWholeParts(segments, m.tensors, m.options);
+    m.end = 0;
+    m.stopped = false;
   }
+  Advance(stream);  // every chunk not decoded yet, the last segment's too
+  // Bytes the reader ahead cannot take: Apply applies them as given, and says what is wrong.
+  if (!m.Reads(stream, segments)) return Status::Ok();
   std::vector<PartApply*> parts;
   for (size_t i = 0; i < segments.size(); ++i) {
     PartApply& p = m.segments[i]->part;
@@ -316,6 +329,24 @@ Status ApplyAhead::Apply(std::string_view stream) {
   } else {
     WSYNC_RETURN_IF_ERROR(CheckWholeParts(Containers(parts), m.tensors, m.options));
   }
+  m.ready = std::move(parts);
+  m.ready_for = stream;
+  return Status::Ok();
+}
+
+Status ApplyAhead::Apply(std::string_view stream) {
+  Impl& m = *impl_;
+  if (m.ready.empty() || m.ready_for.data() != stream.data() || m.ready_for.size() != stream.size()) {
+    WSYNC_RETURN_IF_ERROR(Prepare(stream));
+  }
+  if (m.ready.empty()) {
+    WSYNC_ASSIGN_OR_RETURN(std::vector<std::string_view> segments, SplitSegments(stream));
+    m.segments.clear();
+    return m.pieces ? ApplyPiecesParts(segments, m.runtime, m.options)
+                    : ApplyWholeParts(segments, m.tensors, m.options);
+  }
+  const std::vector<PartApply*> parts = std::exchange(m.ready, {});
+  m.ready_for = {};
   return ApplyAll(parts, m.options.pool);
 }
 

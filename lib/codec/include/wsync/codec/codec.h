@@ -286,7 +286,13 @@ class ApplyAhead {
   // that do not parse stop the decoding ahead; Apply reads them again and
   // names what is wrong.
   void Advance(std::string_view prefix);
-  // Applies the complete stream.
+  // The complete stream, before the destination may be written: checks it
+  // (each segment's checksum, its tensors against the destination's) and
+  // decodes every chunk not decoded yet, writing nothing. An error is the
+  // one Apply would return. Apply of the same bytes then only writes and
+  // verifies what it wrote.
+  Status Prepare(std::string_view stream);
+  // Applies the complete stream (prepared first if Prepare was not given it).
   Status Apply(std::string_view stream);
   // Chunks decoded ahead so far.
   size_t decoded_ahead() const;
