@@ -11,6 +11,7 @@ environment's Python).
 """
 import os
 import sys
+import weakref
 
 sys.path.insert(0, os.path.join(sys.argv[1], "python"))
 
@@ -109,6 +110,26 @@ def main():
     check(all(p is q and p.data_ptr() == ptr and torch.equal(p, v) and p.device.type == "cpu"
               for (p, ptr, v), (n, q) in zip(before.values(), m.named_parameters())),
           "the parameters are the same objects, memory and values after it")
+
+    print("== parameters torch.compile holds weak references to (they cannot be swapped in place)")
+    m = Engine()
+    refs = [weakref.ref(p) for p in m.parameters()]
+    before = {n: (p, p.data_ptr(), p.clone()) for n, p in m.named_parameters()}
+    again = derive_layout(m, CHECKPOINT)
+    check({rt.name: (rt.shape, rt.pieces) for rt in again.tensors} == got,
+          "the same layout as for parameters without weak references")
+    check([(d.name, d.params) for d in again.derived] == [("attn", ["attn.W_UV"])] and again.constants == ["rope"],
+          "the same derived parameters and constants")
+    check(all(p is q and p.data_ptr() == ptr and torch.equal(p, v) and p.device.type == "cpu"
+              for (p, ptr, v), (n, q) in zip(before.values(), m.named_parameters())) and all(r() is not None for r in refs),
+          "the parameters are the same objects, memory and values after it")
+    m = Engine("replaced")
+    refs = [weakref.ref(p) for p in m.parameters()]
+    try:
+        derive_layout(m, CHECKPOINT)
+        check(False, "replaced, with weak references: refused")
+    except ValueError as e:
+        check("replaced" in str(e) and "embed:" in str(e), f"replaced, with weak references: {str(e)[:160]}")
 
     print("== loaders wsync cannot describe are refused, naming the parameter")
     for mode, name, why in (("transposed", "qk", "computed tensor"), ("indexed", "o", "index_put"),

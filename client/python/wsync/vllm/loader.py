@@ -222,14 +222,31 @@ def derive_layout(model: torch.nn.Module, checkpoint: Mapping[str, Tuple[Tuple[i
     unique: Dict[int, Tuple[str, torch.Tensor]] = {}
     for n, p in model.named_parameters(remove_duplicate=False):
         unique.setdefault(id(p), (n, p))
-    swapped: List[Tuple[torch.Tensor, torch.Tensor]] = []
+    # Where each parameter is held: a parameter torch.compile has taken a
+    # weak reference to cannot be swapped in place, so the meta twin takes
+    # its place in the modules instead.
+    holders: Dict[int, List[Tuple[torch.nn.Module, str]]] = {}
+    for module in model.modules():
+        for attr, p in module._parameters.items():
+            if p is not None:
+                holders.setdefault(id(p), []).append((module, attr))
+    swapped: List[Tuple[torch.Tensor, torch.Tensor]] = []  # swapped in place: (parameter, twin)
+    replaced: List[Tuple[torch.nn.Module, str, torch.Tensor]] = []  # in the modules: (module, attr, parameter)
+    meta: Dict[int, torch.Tensor] = {}  # parameter id -> the meta tensor the model holds while the loader runs
     try:
         params = {}
         for n, p in unique.values():
             twin = _meta_twin(p)
-            torch.utils.swap_tensors(p, twin)
-            swapped.append((p, twin))
-            params[p.untyped_storage()._cdata] = (n, tuple(p.shape))
+            try:
+                torch.utils.swap_tensors(p, twin)
+                swapped.append((p, twin))
+                meta[id(p)] = p
+            except RuntimeError:
+                for module, attr in holders.get(id(p), []):
+                    module._parameters[attr] = twin
+                    replaced.append((module, attr, p))
+                meta[id(p)] = twin
+            params[meta[id(p)].untyped_storage()._cdata] = (n, tuple(p.shape))
         sources = [(n, torch.empty(checkpoint[n][0], dtype=checkpoint[n][1], device="meta")) for n in names]
         recorder = _Recorder(params, {t.untyped_storage()._cdata: (n, tuple(t.shape)) for n, t in sources})
         try:
@@ -239,12 +256,14 @@ def derive_layout(model: torch.nn.Module, checkpoint: Mapping[str, Tuple[Tuple[i
             raise ValueError(f"vLLM's loader ({type(model).__name__}.load_weights) cannot run over the checkpoint's "
                              f"tensor descriptions, so wsync cannot tell what each parameter holds: "
                              f"{type(e).__name__}: {e}") from e
-        for p, _ in swapped:
-            if p.untyped_storage()._cdata not in params:
-                recorder.refused.setdefault(unique[id(p)][0], "the loader replaced the parameter's tensor")
+        for pid, t in meta.items():
+            if t.untyped_storage()._cdata not in params:
+                recorder.refused.setdefault(unique[pid][0], "the loader replaced the parameter's tensor")
     finally:
         for p, twin in reversed(swapped):
             torch.utils.swap_tensors(p, twin)
+        for module, attr, p in reversed(replaced):
+            module._parameters[attr] = p
 
     refused = dict(recorder.refused)
     pieces: Dict[str, List[Piece]] = {}
