@@ -57,75 +57,78 @@ def main():
     build = os.path.abspath(args.build)
     tmp = tempfile.mkdtemp(prefix="wsync_bench_vllm_")
     s = System(build, 0, 4, tmp)
-    s.start_sink("sink-tp1-0")
-    s.wait_for(lambda: os.path.exists(f"{tmp}/sink-tp1-0.sock"), "the sink's local API")
-    h = args.hidden
-    config = transformers.LlamaConfig(vocab_size=args.vocab, hidden_size=h, intermediate_size=h * 11 // 4,
-                                      num_hidden_layers=args.layers, num_attention_heads=h // 64,
-                                      num_key_value_heads=max(1, h // 256), max_position_embeddings=512,
-                                      tie_word_embeddings=False)
-    torch.manual_seed(1)
-    model = transformers.LlamaForCausalLM(config).float()
-    params = sum(p.numel() for p in model.parameters())
-    ckpt = os.path.join(tmp, "step-0")
-    T.save_checkpoint(model, ckpt)
-    print(f"model: {params / 1e6:.0f} M parameters, {params * 2 / 1e6:.0f} MB in BF16; "
-          f"{'eager' if args.eager else 'torch.compile'}", flush=True)
-
-    def engine(wsync):
-        extra = {"weight_transfer_config": {"backend": "wsync"}} if wsync else {}
-        return LLM(model=ckpt, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=128, seed=0,
-                   max_num_seqs=len(T.PROMPTS), max_num_batched_tokens=128, enforce_eager=args.eager, **extra)
-
-    t = time.time()
-    ws, dense = engine(True), engine(False)
-    print(f"engines up in {time.time() - t:.0f} s", flush=True)
-    trainer = WeightTransferTrainerFactory.trainer_init(
-        WsyncTrainerInitInfo(rank=0, source_address=f"unix:{tmp}/source.sock",
-                             sink_address=f"unix:{tmp}/sink-tp{{tp_size}}-{{tp_rank}}.sock"),
-        client=LLMClient(ws), source=ModuleSource(model))
-    trainer.send_weights()  # version 1: the loaded weights (a keyframe)
-    T.generate(ws), T.generate(dense)  # compiled graphs warm
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    gen = torch.Generator().manual_seed(2)
-    rows = []
     try:
-        for step in range(1, args.steps + 1):
-            batch = torch.randint(0, args.vocab, (2, 64), generator=gen)
-            model(input_ids=batch, labels=batch).loss.backward()
-            opt.step()
-            opt.zero_grad()
-            path = os.path.join(tmp, f"step-{step}")
-            tensors = T.save_checkpoint(model, path)
-            dense_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
-            # wsync: the publish (encode) runs while the engine may generate; the pause is the update.
-            stats = trainer.wsync.publish()
-            t0 = time.perf_counter()
-            trainer.client.start_weight_update()
-            trainer.client.update_weights({"version": stats.version, "timeout": 60.0})
-            trainer.client.finish_weight_update(str(stats.version))
-            t1 = time.perf_counter()
-            dense.collective_rpc("reload_weights", kwargs={"weights_path": path})
-            dense.reset_prefix_cache()
-            t2 = time.perf_counter()
-            same = T.generate(ws) == T.generate(dense)
-            rows.append((t1 - t0, t2 - t1, stats.patch_bytes, dense_bytes))
-            print(f"  version {stats.version}: wsync pause {1e3 * (t1 - t0):7.1f} ms, {stats.patch_bytes:>11,} bytes "
-                  f"(encode {stats.encode_ms:.0f} ms, off the pause) | dense pause {1e3 * (t2 - t1):7.1f} ms, "
-                  f"{dense_bytes:>11,} bytes | same tokens and logprobs: {same}", flush=True)
-            if not same:
-                raise SystemExit("the two engines disagree: the weights are not the same")
+        s.start_sink("sink-tp1-0")
+        s.wait_for(lambda: os.path.exists(f"{tmp}/sink-tp1-0.sock"), "the sink's local API")
+        h = args.hidden
+        config = transformers.LlamaConfig(vocab_size=args.vocab, hidden_size=h, intermediate_size=h * 11 // 4,
+                                          num_hidden_layers=args.layers, num_attention_heads=h // 64,
+                                          num_key_value_heads=max(1, h // 256), max_position_embeddings=512,
+                                          tie_word_embeddings=False)
+        torch.manual_seed(1)
+        model = transformers.LlamaForCausalLM(config).float()
+        params = sum(p.numel() for p in model.parameters())
+        ckpt = os.path.join(tmp, "step-0")
+        T.save_checkpoint(model, ckpt)
+        print(f"model: {params / 1e6:.0f} M parameters, {params * 2 / 1e6:.0f} MB in BF16; "
+              f"{'eager' if args.eager else 'torch.compile'}", flush=True)
+
+        def engine(wsync):
+            extra = {"weight_transfer_config": {"backend": "wsync"}} if wsync else {}
+            return LLM(model=ckpt, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=128, seed=0,
+                       max_num_seqs=len(T.PROMPTS), max_num_batched_tokens=128, enforce_eager=args.eager, **extra)
+
+        t = time.time()
+        ws, dense = engine(True), engine(False)
+        print(f"engines up in {time.time() - t:.0f} s", flush=True)
+        trainer = WeightTransferTrainerFactory.trainer_init(
+            WsyncTrainerInitInfo(rank=0, source_address=f"unix:{tmp}/source.sock",
+                                 sink_address=f"unix:{tmp}/sink-tp{{tp_size}}-{{tp_rank}}.sock"),
+            client=LLMClient(ws), source=ModuleSource(model))
+        trainer.send_weights()  # version 1: the loaded weights (a keyframe)
+        T.generate(ws), T.generate(dense)  # compiled graphs warm
+        opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+        gen = torch.Generator().manual_seed(2)
+        rows = []
+        try:
+            for step in range(1, args.steps + 1):
+                batch = torch.randint(0, args.vocab, (2, 64), generator=gen)
+                model(input_ids=batch, labels=batch).loss.backward()
+                opt.step()
+                opt.zero_grad()
+                path = os.path.join(tmp, f"step-{step}")
+                tensors = T.save_checkpoint(model, path)
+                dense_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+                # wsync: the publish (encode) runs while the engine may generate; the pause is the update.
+                stats = trainer.wsync.publish()
+                t0 = time.perf_counter()
+                trainer.client.start_weight_update()
+                trainer.client.update_weights({"version": stats.version, "timeout": 60.0})
+                trainer.client.finish_weight_update(str(stats.version))
+                t1 = time.perf_counter()
+                dense.collective_rpc("reload_weights", kwargs={"weights_path": path})
+                dense.reset_prefix_cache()
+                t2 = time.perf_counter()
+                same = T.generate(ws) == T.generate(dense)
+                rows.append((t1 - t0, t2 - t1, stats.patch_bytes, dense_bytes))
+                print(f"  version {stats.version}: wsync pause {1e3 * (t1 - t0):7.1f} ms, {stats.patch_bytes:>11,} bytes "
+                      f"(encode {stats.encode_ms:.0f} ms, off the pause) | dense pause {1e3 * (t2 - t1):7.1f} ms, "
+                      f"{dense_bytes:>11,} bytes | same tokens and logprobs: {same}", flush=True)
+                if not same:
+                    raise SystemExit("the two engines disagree: the weights are not the same")
+        finally:
+            trainer.shutdown()
+            T.shutdown(ws)
+            T.shutdown(dense)
+            s.stop()
+        w = statistics.median(r[0] for r in rows)
+        d = statistics.median(r[1] for r in rows)
+        pb = statistics.median(r[2] for r in rows)
+        db = statistics.median(r[3] for r in rows)
+        print(f"medians over {len(rows)} versions: pause {1e3 * w:.0f} ms with wsync, {1e3 * d:.0f} ms dense "
+              f"({d / w:.1f}x); bytes {pb:,.0f} with wsync, {db:,.0f} dense ({db / pb:.0f}x fewer)")
     finally:
-        trainer.shutdown()
-        T.shutdown(ws)
-        T.shutdown(dense)
-        s.stop()
-    w = statistics.median(r[0] for r in rows)
-    d = statistics.median(r[1] for r in rows)
-    pb = statistics.median(r[2] for r in rows)
-    db = statistics.median(r[3] for r in rows)
-    print(f"medians over {len(rows)} versions: pause {1e3 * w:.0f} ms with wsync, {1e3 * d:.0f} ms dense "
-          f"({d / w:.1f}x); bytes {pb:,.0f} with wsync, {db:,.0f} dense ({db / pb:.0f}x fewer)")
+        s.stop()  # also when an engine fails to start
 
 
 if __name__ == "__main__":
