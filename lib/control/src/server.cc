@@ -98,8 +98,10 @@ class Metrics {
 // report per version) use gRPC's callback API: answered on the thread that
 // read them, without a hand-off to a thread of the synchronous pool (at a
 // fleet's rate the hand-offs were most of the coordinator's CPU). Their
-// handlers never wait on anything but the state's mutex. The other calls
-// may wait (a commit to etcd, MayPublish, Watch) and stay synchronous.
+// handlers wait only for the state's mutex (held through another call's
+// store write) and, when a lease has just expired, for the record of its end.
+// The other calls wait by design (a commit to etcd, MayPublish, Watch) and
+// stay synchronous.
 using ServiceBase =
     v1::Coordinator::WithCallbackMethod_Heartbeat<v1::Coordinator::WithCallbackMethod_ReportApplied<v1::Coordinator::Service>>;
 
