@@ -75,7 +75,7 @@ StatusOr<std::string> LeaderOf(const std::string& addresses) {
 // --fleet: open loop, as a fleet calls: each sink's heartbeat and reports
 // start at their time whether or not earlier calls have been answered (the
 // callback API: a call in flight holds no thread). Sinks are split over
-// `channels` connections, one scheduling thread each. A call is late when it
+// --workers connections, one scheduling thread each. A call is late when it
 // starts more than 100 ms after its time (this machine fell behind the
 // fleet); its latency is measured from its start.
 class FleetDriver {
