@@ -34,6 +34,25 @@ class ShmRegion : public Region {
   bool unlink_;
 };
 
+// Memory another process passed as a descriptor: unmapped on destruction,
+// never unlinked (it has no name).
+class MappedFdRegion : public Region {
+ public:
+  MappedFdRegion(std::string what, uint8_t* data, size_t size) : what_(std::move(what)), data_(data), size_(size) {}
+  ~MappedFdRegion() override {
+    if (data_ != nullptr && size_ > 0) ::munmap(data_, size_);
+  }
+  uint8_t* data() override { return data_; }
+  size_t size() const override { return size_; }
+  bool writable() const override { return true; }
+  std::string description() const override { return "fd:" + what_; }
+
+ private:
+  std::string what_;
+  uint8_t* data_;
+  size_t size_;
+};
+
 Status CheckShmName(const std::string& name) {
   if (name.size() < 2 || name[0] != '/' || name.find('/', 1) != std::string::npos || name.size() > 250) {
     return InvalidArgumentError("shared memory name '" + name + "' must be '/' followed by up to 249 characters without '/'");
@@ -87,6 +106,14 @@ StatusOr<std::unique_ptr<Region>> OpenShm(const std::string& name) {
   ::close(fd);
   if (!mapped.ok()) return mapped.status();
   return std::unique_ptr<Region>(new ShmRegion(name, *mapped, static_cast<size_t>(st.st_size), false));
+}
+
+StatusOr<std::unique_ptr<Region>> MapDescriptor(int fd, const std::string& what) {
+  struct stat st;
+  if (::fstat(fd, &st) != 0) return ErrnoToStatus(errno, "stat " + what);
+  if (!S_ISREG(st.st_mode)) return InvalidArgumentError(what + " is not a memory file (memfd)");
+  WSYNC_ASSIGN_OR_RETURN(uint8_t* mapped, Map(fd, static_cast<size_t>(st.st_size), what));
+  return std::unique_ptr<Region>(new MappedFdRegion(what, mapped, static_cast<size_t>(st.st_size)));
 }
 
 Status ValidateTable(const std::vector<TensorEntry>& table, size_t region_size) {

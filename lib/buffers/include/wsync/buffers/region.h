@@ -59,6 +59,12 @@ StatusOr<std::unique_ptr<Region>> CreateShm(const std::string& name, size_t size
 // Maps existing POSIX shared memory read-write (the daemon side).
 StatusOr<std::unique_ptr<Region>> OpenShm(const std::string& name);
 
+// Maps the whole of the memory file `fd` refers to (a memfd another process
+// passed) read-write; `what` names it in errors and logs. The mapping keeps
+// the memory alive: the caller may close `fd`. The memory ends with the last
+// process that maps it or holds a descriptor of it.
+StatusOr<std::unique_ptr<Region>> MapDescriptor(int fd, const std::string& what);
+
 // Checks a table against a region: names unique and non-empty, dtypes
 // valid, every tensor inside the region, no two overlapping, aligned to its
 // element width. InvalidArgument naming the tensor otherwise.
