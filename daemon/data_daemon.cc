@@ -18,6 +18,7 @@
 #include "source_core.h"
 #include "sink_weights.h"
 #include "tensor_layout.h"
+#include "wsync/buffers/descriptor_inbox.h"
 #include "wsync/buffers/device_region.h"
 #include "wsync/buffers/region.h"
 #include "wsync/buffers/safetensors.h"
@@ -47,6 +48,36 @@ StatusOr<std::unique_ptr<buffers::Region>> OpenRegion(const std::string& shm, co
   if (shm.empty() == ipc.empty()) return InvalidArgumentError("needs exactly one of shm_name and cuda_ipc_handle");
   if (!shm.empty()) return buffers::OpenShm(shm);
   return buffers::OpenCudaIpc(ipc);
+}
+
+// The descriptors of a request's regions, taken from the inbox once per token.
+class PassedDescriptors {
+ public:
+  explicit PassedDescriptors(buffers::DescriptorInbox* inbox) : inbox_(inbox) {}
+  StatusOr<std::unique_ptr<buffers::Region>> Map(const std::string& token, uint32_t index) {
+    auto it = taken_.find(token);
+    if (it == taken_.end()) {
+      WSYNC_ASSIGN_OR_RETURN(auto fds, inbox_->Take(token));
+      it = taken_.emplace(token, std::move(fds)).first;
+    }
+    if (index >= it->second.size()) {
+      return InvalidArgumentError("fd_index " + std::to_string(index) + ": " + std::to_string(it->second.size()) +
+                                  " descriptors were sent with token " + Quoted(token));
+    }
+    return buffers::MapDescriptor(it->second[index].get(), "memfd " + std::to_string(index) + " of " + token);
+  }
+
+ private:
+  buffers::DescriptorInbox* inbox_;
+  std::map<std::string, std::vector<buffers::OwnedFd>> taken_;
+};
+
+StatusOr<std::unique_ptr<buffers::Region>> OpenRegion(const v1::MemoryRegion& r, PassedDescriptors* passed) {
+  if (r.fd_token().empty()) return OpenRegion(r.shm_name(), r.cuda_ipc_handle());
+  if (!r.shm_name().empty() || !r.cuda_ipc_handle().empty()) {
+    return InvalidArgumentError("needs exactly one of shm_name, cuda_ipc_handle and fd_token");
+  }
+  return passed->Map(r.fd_token(), r.fd_index());
 }
 
 std::vector<uint64_t> Dims(const google::protobuf::RepeatedField<uint64_t>& f) { return {f.begin(), f.end()}; }
@@ -86,7 +117,7 @@ v1::ServedLayout OfferedLayout(const v1::RegisterTensorsRequest& req) {
 }
 
 // The memory and table of a RegisterTensors request, mapped and validated.
-StatusOr<buffers::MappedTensors> OpenRegistered(const v1::RegisterTensorsRequest& req) {
+StatusOr<buffers::MappedTensors> OpenRegistered(const v1::RegisterTensorsRequest& req, buffers::DescriptorInbox* inbox) {
   std::vector<buffers::TensorEntry> table;
   table.reserve(req.tensors_size());
   for (const auto& t : req.tensors()) {
@@ -103,8 +134,9 @@ StatusOr<buffers::MappedTensors> OpenRegistered(const v1::RegisterTensorsRequest
       return InvalidArgumentError(std::to_string(req.regions_size()) + " regions: at most " +
                                   std::to_string(kMaxRegions));
     }
+    PassedDescriptors passed(inbox);
     for (int i = 0; i < req.regions_size(); ++i) {
-      auto r = OpenRegion(req.regions(i).shm_name(), req.regions(i).cuda_ipc_handle());
+      auto r = OpenRegion(req.regions(i), &passed);
       if (!r.ok()) return r.status().WithContext("region " + std::to_string(i));
       regions.push_back(std::move(*r));
     }
@@ -165,6 +197,8 @@ class Node : public DataDaemon {
     handler_.Attach(server_.get(), fetcher_.get());
     WSYNC_RETURN_IF_ERROR(membership_->Register());
 
+    // Before the local API: a client that reaches the API finds it.
+    WSYNC_ASSIGN_OR_RETURN(inbox_, buffers::DescriptorInbox::Listen(config_.local_socket + ".fds"));
     ::unlink(config_.local_socket.c_str());
     grpc::ServerBuilder builder;
     // A rank of a large mixture of experts registers tens of thousands of pieces.
@@ -203,6 +237,7 @@ class Node : public DataDaemon {
     fetcher_.reset();
     transport_.reset();
     ::unlink(config_.local_socket.c_str());
+    inbox_.reset();
   }
 
   void Wait() override {
@@ -229,6 +264,7 @@ class Node : public DataDaemon {
   std::unique_ptr<control::CoordinatorClient> coordinator_;
   std::unique_ptr<Membership> membership_;
   std::unique_ptr<grpc::Server> local_;
+  std::unique_ptr<buffers::DescriptorInbox> inbox_;  // memory passed as descriptors, beside the local API
   std::atomic<bool> stopping_{false};
   std::mutex mu_;
   std::condition_variable wake_;
@@ -254,7 +290,7 @@ class Source : public Node, public v1::Local::Service {
 
   grpc::Status RegisterTensors(grpc::ServerContext*, const v1::RegisterTensorsRequest* req,
                                v1::RegisterTensorsResponse* resp) override {
-    auto reg = OpenRegistered(*req);
+    auto reg = OpenRegistered(*req, inbox_.get());
     if (!reg.ok()) return ToGrpc(reg.status());
     if (reg->has_pieces()) return ToGrpc(InvalidArgumentError("a source registers published tensors, not pieces"));
     auto served = ServedLayouts(*req);
@@ -336,7 +372,7 @@ class Sink : public Node, public v1::Local::Service {
     if (req->serve_layouts_size() > 0 || req->parts() > 1) {
       return ToGrpc(InvalidArgumentError("serve_layouts, part and parts are a source's"));
     }
-    auto reg = OpenRegistered(*req);
+    auto reg = OpenRegistered(*req, inbox_.get());
     if (!reg.ok()) return ToGrpc(reg.status());
     if (reg->has_pieces()) {
       // Offered first: a source registering with serve_offered_layouts then

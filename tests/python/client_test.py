@@ -444,6 +444,9 @@ def sigkill_holder(build):
         check(True, "the active holds appear in `wsync leases`")
         killed.proc.send_signal(signal.SIGKILL)
         stopped.proc.send_signal(signal.SIGSTOP)
+        killed.proc.wait()
+        left = [n for n in os.listdir("/dev/shm") if f"-{killed.proc.pid}-" in n]
+        check(not left, f"the SIGKILLed client left nothing in /dev/shm (its memory has no name): {left}")
         t0 = time.time()
         t.finish()
         other.finish()

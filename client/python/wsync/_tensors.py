@@ -1,21 +1,28 @@
 """The tensors a process registers with its daemon, and the memory they live
 in.
 
-CPU tensors are moved once, at registration, into POSIX shared memory that
-this client creates and owns (mode 0600), and the caller's tensors are
-rebound to views of it (`tensor.data = view`): a module's Parameters keep
-their identity, so an optimizer holding them keeps updating them in place,
-with no copy per step. CUDA tensors are never moved: the client exports the
+CPU tensors are moved once, at registration, into memory this client
+creates and owns, and the caller's tensors are rebound to views of it
+(`tensor.data = view`): a module's Parameters keep their identity, so an
+optimizer holding them keeps updating them in place, with no copy per step.
+That memory is a memfd (no name anywhere): its descriptors go to the daemon
+over its memory socket before each registration (again after a daemon
+restart), and it ends with the last process that maps it, so a process
+killed leaves nothing in /dev/shm. Where memfds do not exist, POSIX shared
+memory under /dev/shm (mode 0600, unlinked when closed or at a normal exit). CUDA tensors are never moved: the client exports the
 CUDA IPC handle of the storage that holds each (torch's own storage sharing),
 one region per storage; storages of one caching-allocator segment share one
 handle, which the daemon maps once.
 """
 from __future__ import annotations
 
+import array
 import itertools
 import mmap
 import os
 import secrets
+import socket
+import time
 import weakref
 from dataclasses import dataclass, field
 from typing import Dict, List, Mapping, Tuple, Union, Sequence
@@ -74,14 +81,26 @@ def named_tensors(obj: TensorsLike) -> List[Tuple[str, torch.Tensor]]:
     return out
 
 
+MEMFD = hasattr(os, "memfd_create")
+_MAX_FDS_PER_MESSAGE = 253  # the kernel's SCM_MAX_FD
+
+
 class SharedMemory:
-    """A POSIX shared memory segment this process created (mode 0600),
-    unlinked when closed or when the process exits normally."""
+    """Memory this process created to share with its daemon: a memfd whose
+    descriptor it keeps open (`fd`), or, without memfds, a POSIX shared
+    memory segment (`name`, mode 0600) unlinked when closed or when the
+    process exits normally."""
 
     def __init__(self, size: int, role: str):
-        # A random part too: a killed process leaves its names behind, and pids are reused.
-        self.name = f"/wsync-{role}-{os.getpid()}-{next(_counter)}-{secrets.token_hex(4)}"
         self.size = max(size, 1)
+        if MEMFD:
+            self.name, self.fd = "", os.memfd_create(f"wsync-{role}", os.MFD_CLOEXEC)
+            os.ftruncate(self.fd, self.size)
+            self.mmap = mmap.mmap(self.fd, self.size)
+            self._finalizer = weakref.finalize(self, os.close, self.fd)
+            return
+        # A random part too: a killed process leaves its names behind, and pids are reused.
+        self.name, self.fd = f"/wsync-{role}-{os.getpid()}-{next(_counter)}-{secrets.token_hex(4)}", -1
         fd = os.open("/dev/shm" + self.name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
             os.ftruncate(fd, self.size)
@@ -120,6 +139,44 @@ class Registration:
         for m in self.memory:
             m.unlink()
 
+    def pass_descriptors(self, address: str, timeout: float) -> None:
+        """Sends the descriptors of this registration's memfds to the memory
+        socket of the daemon at `address` (its local API's path + ".fds"),
+        under a new token that the request's regions then name. Waits up to
+        `timeout` for the socket (a daemon starting). Nothing to do for CUDA
+        tensors or named shared memory."""
+        fds = [m.fd for m in self.memory if m.fd >= 0]
+        if not fds:
+            return
+        from .errors import UnavailableError
+        path = address[len("unix:"):] + ".fds"
+        token = secrets.token_hex(16)
+        deadline = time.monotonic() + timeout
+        while True:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+            try:
+                sock.connect(path)
+                break
+            except (FileNotFoundError, ConnectionRefusedError) as e:
+                sock.close()
+                if time.monotonic() >= deadline:
+                    raise UnavailableError(f"the daemon's memory socket {path} is not there ({e.strerror}): is the "
+                                           f"daemon at {address} running, and as new as this client?") from None
+                time.sleep(0.05)
+        with sock:
+            sock.settimeout(max(1.0, deadline - time.monotonic()))
+            for i in range(0, len(fds), _MAX_FDS_PER_MESSAGE):
+                chunk = fds[i:i + _MAX_FDS_PER_MESSAGE]
+                sock.sendmsg([token.encode()], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", chunk))])
+                if sock.recv(1) != b"k":
+                    raise UnavailableError(f"the daemon's memory socket {path} refused {len(chunk)} descriptors "
+                                           "(its log says why)")
+        index = 0
+        for region, m in zip(self.request.regions, self.memory):
+            if m.fd >= 0:
+                region.fd_token, region.fd_index = token, index
+                index += 1
+
 
 def _spec(name: str, t: torch.Tensor, region: int, offset: int) -> pb.TensorSpec:
     return pb.TensorSpec(name=name, dtype=DTYPE_NAMES[t.dtype], shape=list(t.shape), offset=offset, region=region)
@@ -155,7 +212,7 @@ def share_host(tensors: List[Tuple[str, torch.Tensor]], role: str, pack: bool) -
             size += (base.numel() * base.element_size() + _ALIGN - 1) // _ALIGN * _ALIGN
         shm = SharedMemory(size, role)
         reg.memory.append(shm)
-        reg.request.regions.append(pb.MemoryRegion(shm_name=shm.name))
+        reg.request.regions.append(pb.MemoryRegion(shm_name=shm.name))  # a memfd's is set as it is passed
         for (base, members), off in zip(group, offsets):
             starts = [t.data_ptr() - base.data_ptr() for _, t in members]
             view = shm.tensor(off, base)

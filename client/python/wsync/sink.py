@@ -80,6 +80,7 @@ class Sink:
                 reg.unlink()
                 raise
         reg.request.applied_version = version
+        reg.pass_descriptors(self._local.address, self._local.timeout)
         self._local.call("RegisterTensors", reg.request, wait_for_ready=True)
         old, self._registration = self._registration, reg
         self._held = version
@@ -94,6 +95,7 @@ class Sink:
     def _reregister(self) -> None:
         # Saying which version the tensors hold: the sink checks that against the version's checksum.
         self._registration.request.applied_version = self._held
+        self._registration.pass_descriptors(self._local.address, self._local.timeout)
         self._local.call("RegisterTensors", self._registration.request, wait_for_ready=True)
 
     def _through_restart(self, call, deadline: float):

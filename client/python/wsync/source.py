@@ -113,6 +113,7 @@ class Source:
         if serve:
             published = {s.name: ("BF16" if s.dtype == "F32" else s.dtype) for s in reg.request.tensors}
             reg.request.serve_layouts.extend(served_layout(layout, published) for layout in serve)
+        reg.pass_descriptors(self._local.address, self._local.timeout)
         resp = self._local.call("RegisterTensors", reg.request, wait_for_ready=True)
         old, self._registration = self._registration, reg
         if old is not None:
@@ -180,6 +181,7 @@ class Source:
             encode_ms=resp.encode_ms, copy_ms=resp.copy_ms, pending=resp.pending, server_ms=resp.server_ms)
 
     def _reregister(self) -> None:
+        self._registration.pass_descriptors(self._local.address, self._local.timeout)
         self._local.call("RegisterTensors", self._registration.request, wait_for_ready=True)
 
     def status(self) -> pb.LocalStatusResponse:
