@@ -7,10 +7,10 @@
 #include <csignal>
 #include <cstdio>
 #include <cstring>
-#include <random>
 #include <filesystem>
 
 #include "json_output.h"
+#include "wsync/buffers/descriptor_inbox.h"
 #include "wsync/buffers/region.h"
 #include "wsync/buffers/safetensors.h"
 #include "wsync/cuda/device_codec.h"
@@ -35,21 +35,24 @@ void Deadline(grpc::ClientContext* ctx, int64_t ms) {
 }
 
 // The memory a stand-in trainer or inference server shares with its daemon:
-// POSIX shared memory, or (device >= 0) one device allocation exported over
-// CUDA IPC, as a PyTorch caching-allocator segment would be.
+// a memfd passed over the daemon's memory socket (or POSIX shared memory of
+// a name given), or (device >= 0) one device allocation exported over CUDA
+// IPC, as a PyTorch caching-allocator segment would be.
 struct LocalBuffers {
   std::unique_ptr<buffers::Region> shm;
+  buffers::OwnedFd memfd;  // open for as long as the memory is served: a restarted daemon is given it again
   cuda::DeviceBuffer device;
 };
 
-// "/wsync-<what>-<pid>-<random>": a process killed before it unlinked its
-// memory leaves the name behind, and pids are reused (32768 of them in small
-// containers).
-std::string UniqueShmName(const std::string& what) {
-  std::random_device rd;
-  char suffix[16];
-  std::snprintf(suffix, sizeof(suffix), "%08x", rd());
-  return "/wsync-" + what + "-" + std::to_string(::getpid()) + "-" + suffix;
+// Before each RegisterTensors: the memfd goes to the daemon's memory socket
+// under a new token, which the request's region then names.
+Status PassMemory(const std::string& local, const LocalBuffers& b, v1::RegisterTensorsRequest* req) {
+  if (b.memfd.get() < 0) return Status::Ok();
+  const std::string path = (local.rfind("unix:", 0) == 0 ? local.substr(5) : local) + ".fds";
+  const std::string token = buffers::NewDescriptorToken();
+  WSYNC_RETURN_IF_ERROR(buffers::PassDescriptors(path, token, {b.memfd.get()}, std::chrono::seconds(30)));
+  req->mutable_regions(0)->set_fd_token(token);
+  return Status::Ok();
 }
 
 // Memory laid out like `tensors` (256-byte aligned), its table in *req, and
@@ -68,11 +71,18 @@ StatusOr<LocalBuffers> MakeBuffers(const std::string& shm, int device, const std
   const uint64_t size = std::max<uint64_t>(offset, 256);
   LocalBuffers b;
   if (device < 0) {
-    WSYNC_ASSIGN_OR_RETURN(b.shm, buffers::CreateShm(shm, size, /*unlink_on_close=*/true));
+    if (shm.empty()) {
+      WSYNC_ASSIGN_OR_RETURN(auto m, buffers::CreateMemoryFile(size, "wsync-buffers"));
+      b.memfd = std::move(m.fd);
+      b.shm = std::move(m.region);
+      req->add_regions();  // its fd_token is set as the memory is passed (PassMemory)
+    } else {
+      WSYNC_ASSIGN_OR_RETURN(b.shm, buffers::CreateShm(shm, size, /*unlink_on_close=*/true));
+      req->set_shm_name(shm);
+    }
     for (int i = 0; copy && i < req->tensors_size(); ++i) {
       std::memcpy(b.shm->data() + req->tensors(i).offset(), tensors[i].data, tensors[i].NumBytes());
     }
-    req->set_shm_name(shm);
     return b;
   }
   WSYNC_ASSIGN_OR_RETURN(b.device, cuda::DeviceBuffer::Allocate(size, device));
@@ -88,10 +98,10 @@ Status RunPublish(const std::string& local, const std::string& file, uint64_t ve
                   bool after_copy) {
   WSYNC_ASSIGN_OR_RETURN(auto st, buffers::SafetensorsFile::Open(file));
   v1::RegisterTensorsRequest reg;
-  const std::string shm = UniqueShmName("publish");
-  WSYNC_ASSIGN_OR_RETURN(auto region, MakeBuffers(shm, device, st->tensors(), &reg, /*copy=*/true));
+  WSYNC_ASSIGN_OR_RETURN(auto region, MakeBuffers("", device, st->tensors(), &reg, /*copy=*/true));
   auto stub = Connect(local);
   {
+    WSYNC_RETURN_IF_ERROR(PassMemory(local, region, &reg));
     grpc::ClientContext ctx;
     Deadline(&ctx, 30'000);
     v1::RegisterTensorsResponse resp;
@@ -134,8 +144,7 @@ Status RunDump(const std::string& local, const std::string& out, uint64_t versio
 Status RunServeBuffers(const std::string& local, const std::string& like, const std::string& shm_name, int device) {
   WSYNC_ASSIGN_OR_RETURN(auto st, buffers::SafetensorsFile::Open(like));
   v1::RegisterTensorsRequest reg;
-  const std::string shm = shm_name.empty() ? UniqueShmName("buffers") : shm_name;
-  WSYNC_ASSIGN_OR_RETURN(auto region, MakeBuffers(shm, device, st->tensors(), &reg, /*copy=*/false));
+  WSYNC_ASSIGN_OR_RETURN(auto region, MakeBuffers(shm_name, device, st->tensors(), &reg, /*copy=*/false));
   sigset_t stop;
   sigemptyset(&stop);
   sigaddset(&stop, SIGINT);
@@ -143,6 +152,7 @@ Status RunServeBuffers(const std::string& local, const std::string& like, const 
   pthread_sigmask(SIG_BLOCK, &stop, nullptr);
   auto stub = Connect(local);
   auto do_register = [&](uint64_t applied) {
+    WSYNC_RETURN_IF_ERROR(PassMemory(local, region, &reg));
     grpc::ClientContext ctx;
     Deadline(&ctx, 30'000);
     ctx.set_wait_for_ready(true);
@@ -151,8 +161,10 @@ Status RunServeBuffers(const std::string& local, const std::string& like, const 
     return FromGrpc(stub->RegisterTensors(&ctx, reg, &resp), "register with " + local);
   };
   WSYNC_RETURN_IF_ERROR(do_register(0));
-  std::printf("serving %d tensors in %s to %s; stop with SIGTERM\n", reg.tensors_size(),
-              device < 0 ? shm.c_str() : ("device " + std::to_string(device)).c_str(), local.c_str());
+  const std::string where = device >= 0          ? "device " + std::to_string(device)
+                            : shm_name.empty() ? std::string("a memfd")
+                                               : shm_name;
+  std::printf("serving %d tensors in %s to %s; stop with SIGTERM\n", reg.tensors_size(), where.c_str(), local.c_str());
   std::fflush(stdout);
   // Like an inference server: when the sink daemon restarts, register the
   // same memory again, saying which version it holds.
@@ -252,7 +264,7 @@ void AddLocalCommands(CLI::App& app, std::function<Status()>* run) {
     cmd->add_option("--local", *local, "the sink's unix:PATH")->required();
     cmd->add_option("--like", *like, "safetensors file giving names, dtypes and shapes")->required()
         ->check(CLI::ExistingFile);
-    cmd->add_option("--shm", *shm, "shared memory name (default /wsync-buffers-PID-RANDOM)");
+    cmd->add_option("--shm", *shm, "POSIX shared memory of this name (default: a memfd passed to the sink, no name)");
     auto device = std::make_shared<int>(-1);
     cmd->add_option("--device", *device, "own this GPU's memory (CUDA IPC) instead of shared memory");
     cmd->callback([=] { *run = [=] { return RunServeBuffers(*local, *like, *shm, *device); }; });

@@ -64,7 +64,11 @@ class PassedDescriptors {
       return InvalidArgumentError("fd_index " + std::to_string(index) + ": " + std::to_string(it->second.size()) +
                                   " descriptors were sent with token " + Quoted(token));
     }
-    return buffers::MapDescriptor(it->second[index].get(), "memfd " + std::to_string(index) + " of " + token);
+    buffers::OwnedFd fd = std::move(it->second[index]);  // closed once mapped: the mapping keeps the memory
+    if (fd.get() < 0) {
+      return InvalidArgumentError("fd_index " + std::to_string(index) + " of token " + Quoted(token) + " is named twice");
+    }
+    return buffers::MapDescriptor(fd.get(), "memfd " + std::to_string(index) + " of " + token);
   }
 
  private:

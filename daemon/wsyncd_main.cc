@@ -2,6 +2,7 @@
 // the source and sink roles arrive with the data plane.
 #include <CLI/CLI.hpp>
 #include <spdlog/spdlog.h>
+#include <sys/resource.h>
 
 #include <csignal>
 #include <functional>
@@ -168,6 +169,12 @@ int RunData(bool source, daemon::DataDaemonConfig config, const std::string& tok
 
 int main(int argc, char** argv) {
   wsync::RetainFreedMemory();  // every publish and apply reuses the last one's scratch
+  // A registration passes a descriptor per memory region (thousands with a
+  // region per tensor): the soft limit of open files is raised to the hard one.
+  if (rlimit nofile{}; ::getrlimit(RLIMIT_NOFILE, &nofile) == 0 && nofile.rlim_cur < nofile.rlim_max) {
+    nofile.rlim_cur = nofile.rlim_max;
+    (void)::setrlimit(RLIMIT_NOFILE, &nofile);
+  }
   CLI::App app{"wsyncd: the wsync daemon"};
   app.require_subcommand(1);
   std::string log_level = "info";

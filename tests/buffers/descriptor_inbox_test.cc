@@ -92,6 +92,34 @@ TEST(DescriptorInbox, HandsOverTheSameMemoryOnceInOrder) {
   EXPECT_NE(again.status().message().find("tok-1"), std::string::npos) << again.status().message();
 }
 
+TEST(DescriptorInbox, TakesWhatPassDescriptorsSendsInMessagesOfAtMost253) {
+  auto inbox = DescriptorInbox::Listen(SocketPath());
+  ASSERT_TRUE(inbox.ok()) << inbox.status().ToString();
+  std::vector<MemoryFile> files;
+  std::vector<int> fds;
+  for (int i = 0; i < 300; ++i) {
+    auto m = CreateMemoryFile(4096, "wsync-test");
+    ASSERT_TRUE(m.ok()) << m.status().ToString();
+    (*m).region->data()[0] = static_cast<uint8_t>(i);
+    fds.push_back(m->fd.get());
+    files.push_back(std::move(*m));
+  }
+  const std::string token = NewDescriptorToken();
+  ASSERT_EQ(token.size(), 32u);
+  ASSERT_TRUE(PassDescriptors((*inbox)->path(), token, fds, std::chrono::seconds(5)).ok());
+  auto got = (*inbox)->Take(token);
+  ASSERT_TRUE(got.ok()) << got.status().ToString();
+  ASSERT_EQ(got->size(), 300u);
+  for (int i : {0, 252, 253, 299}) {
+    auto r = MapDescriptor((*got)[i].get(), "received");
+    ASSERT_TRUE(r.ok());
+    EXPECT_EQ((*r)->data()[0], static_cast<uint8_t>(i)) << "descriptor " << i << " is not the memory sent in that place";
+  }
+  auto missing = PassDescriptors(SocketPath() + "-none", token, fds, std::chrono::milliseconds(100));
+  EXPECT_EQ(missing.code(), StatusCode::kUnavailable);
+  EXPECT_NE(missing.message().find("-none"), std::string::npos) << missing.message();
+}
+
 TEST(DescriptorInbox, RefusesBadMessagesAndHoldsNothingOfThem) {
   DescriptorInbox::Options o;
   o.max_held = 2;

@@ -120,6 +120,21 @@ class SharedMemory:
         self._finalizer()
 
 
+def _room_for_descriptors(regions: int) -> None:
+    """A memfd region holds two descriptors while it lives (its own and its
+    mmap's): with many (pack=False), the soft limit on open files is raised
+    towards the hard one to make room."""
+    if not MEMFD or regions < 64:
+        return
+    import resource
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = soft + 2 * regions + 64
+    if hard != resource.RLIM_INFINITY:
+        want = min(want, hard)
+    if want > soft:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+
+
 def _unlink(name: str) -> None:
     try:
         os.unlink("/dev/shm" + name)
@@ -205,6 +220,7 @@ def share_host(tensors: List[Tuple[str, torch.Tensor]], role: str, pack: bool) -
             raise ValueError(f"tensor {name!r} is a view that is not contiguous: the daemon writes it as a dense array")
         units.setdefault(id(base), (base, []))[1].append((name, t))
     groups = [list(units.values())] if pack else [[u] for u in units.values()]
+    _room_for_descriptors(len(groups))
     for region, group in enumerate(groups):
         offsets, size = [], 0
         for base, _ in group:

@@ -1,6 +1,7 @@
 #include "wsync/buffers/descriptor_inbox.h"
 
 #include <poll.h>
+#include <sys/mman.h>
 #include <spdlog/spdlog.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
@@ -10,9 +11,11 @@
 
 #include <cctype>
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <random>
 #include <thread>
 
 #include "wsync/util/text.h"
@@ -196,6 +199,67 @@ StatusOr<std::unique_ptr<DescriptorInbox>> DescriptorInbox::Listen(const std::st
   OwnedFd stop(::eventfd(0, EFD_CLOEXEC));
   if (stop.get() < 0) return ErrnoToStatus(errno, "eventfd");
   return std::unique_ptr<DescriptorInbox>(new Inbox(path, options, std::move(s), std::move(stop)));
+}
+
+StatusOr<MemoryFile> CreateMemoryFile(size_t size, const std::string& what) {
+  MemoryFile m;
+  m.fd = OwnedFd(::memfd_create(what.c_str(), MFD_CLOEXEC));
+  if (m.fd.get() < 0) return ErrnoToStatus(errno, "memfd_create " + what);
+  if (::ftruncate(m.fd.get(), static_cast<off_t>(size)) != 0) return ErrnoToStatus(errno, "size memfd " + what);
+  WSYNC_ASSIGN_OR_RETURN(m.region, MapDescriptor(m.fd.get(), what));
+  return m;
+}
+
+std::string NewDescriptorToken() {
+  std::random_device rd;
+  char buf[33];
+  std::snprintf(buf, sizeof buf, "%08x%08x%08x%08x", rd(), rd(), rd(), rd());
+  return buf;
+}
+
+Status PassDescriptors(const std::string& path, const std::string& token, const std::vector<int>& fds,
+                       std::chrono::milliseconds wait) {
+  sockaddr_un addr{};
+  if (path.size() >= sizeof addr.sun_path) return InvalidArgumentError("memory socket path " + Quoted(path) + " is too long");
+  addr.sun_family = AF_UNIX;
+  std::memcpy(addr.sun_path, path.data(), path.size());
+  const auto deadline = Clock::now() + wait;
+  OwnedFd s;
+  for (;;) {
+    s = OwnedFd(::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0));
+    if (s.get() < 0) return ErrnoToStatus(errno, "socket for " + path);
+    if (::connect(s.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0) break;
+    const int err = errno;
+    if ((err != ENOENT && err != ECONNREFUSED) || Clock::now() >= deadline) {
+      return UnavailableError("the daemon's memory socket " + path + ": " + std::strerror(err) +
+                              " (is the daemon running, and as new as this client?)");
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  const timeval tv{std::max<time_t>(1, std::chrono::duration_cast<std::chrono::seconds>(deadline - Clock::now()).count()), 0};
+  ::setsockopt(s.get(), SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  for (size_t at = 0; at < fds.size(); at += kMaxPerMessage) {
+    const size_t n = std::min<size_t>(kMaxPerMessage, fds.size() - at);
+    iovec iov{const_cast<char*>(token.data()), token.size()};
+    alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * kMaxPerMessage)];
+    msghdr msg{};
+    msg.msg_iov = &iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control;
+    msg.msg_controllen = CMSG_SPACE(sizeof(int) * n);
+    cmsghdr* h = CMSG_FIRSTHDR(&msg);
+    h->cmsg_level = SOL_SOCKET;
+    h->cmsg_type = SCM_RIGHTS;
+    h->cmsg_len = CMSG_LEN(sizeof(int) * n);
+    std::memcpy(CMSG_DATA(h), fds.data() + at, sizeof(int) * n);
+    if (::sendmsg(s.get(), &msg, MSG_NOSIGNAL) < 0) return ErrnoToStatus(errno, "send descriptors to " + path);
+    char answer = 0;
+    if (::recv(s.get(), &answer, 1, 0) != 1 || answer != 'k') {
+      return UnavailableError("the daemon's memory socket " + path + " refused " + std::to_string(n) +
+                              " descriptors (its log says why)");
+    }
+  }
+  return Status::Ok();
 }
 
 }  // namespace wsync::buffers

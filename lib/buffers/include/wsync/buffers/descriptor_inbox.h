@@ -19,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "wsync/buffers/region.h"
 #include "wsync/util/status.h"
 
 namespace wsync::buffers {
@@ -64,5 +65,23 @@ class DescriptorInbox {
   virtual StatusOr<std::vector<OwnedFd>> Take(const std::string& token) = 0;
   virtual const std::string& path() const = 0;
 };
+
+// A memory file (memfd) of `size` bytes, mapped read-write: the sending
+// side's memory. `what` names it in /proc and errors.
+struct MemoryFile {
+  OwnedFd fd;
+  std::unique_ptr<Region> region;
+};
+StatusOr<MemoryFile> CreateMemoryFile(size_t size, const std::string& what);
+
+// A new token for PassDescriptors: 128 random bits in hex.
+std::string NewDescriptorToken();
+
+// Sends `fds` with `token` to the inbox at `path` (in messages of at most
+// 253), waiting up to `wait` for the socket to exist and accept (a daemon
+// starting). Unavailable naming the path when it does not, or when the inbox
+// refuses a message.
+Status PassDescriptors(const std::string& path, const std::string& token, const std::vector<int>& fds,
+                       std::chrono::milliseconds wait);
 
 }  // namespace wsync::buffers
