@@ -4,7 +4,10 @@
 
 #include <gtest/gtest.h>
 
+#include <condition_variable>
 #include <filesystem>
+#include <mutex>
+#include <set>
 #include <thread>
 
 #include "wsync/control/testing/fake_clock.h"
@@ -593,6 +596,79 @@ TEST(CoordinatorState, ReportsAreStoredTogetherAtTheTickOrAheadOfTheNextDurableC
   ASSERT_TRUE((*s)->ReportApplied("sink-1", 3).ok());
   ASSERT_TRUE((*s)->Flush().ok());
   std::filesystem::remove_all(dir);
+}
+
+// A store whose calls wait while the gate is closed, counting them.
+class GatedStore : public Store {
+ public:
+  Status Append(const wsync::store::v1::Record& r) override { return AppendBatch({r}); }
+  Status AppendBatch(const std::vector<wsync::store::v1::Record>& rs) override {
+    std::unique_lock<std::mutex> lock(mu_);
+    ++calls_;
+    sizes.push_back(rs.size());
+    changed_.notify_all();
+    changed_.wait(lock, [&] { return open_; });
+    return Status::Ok();
+  }
+  Status Compact(const wsync::store::v1::Snapshot&) override { return Status::Ok(); }
+  size_t LogRecords() const override { return 0; }
+  void WaitForCalls(int n) {
+    std::unique_lock<std::mutex> lock(mu_);
+    changed_.wait(lock, [&] { return calls_ >= n; });
+  }
+  void Open() {
+    std::lock_guard<std::mutex> lock(mu_);
+    open_ = true;
+    changed_.notify_all();
+  }
+  std::vector<size_t> sizes;  // records per call, read after the calls end
+
+ private:
+  std::mutex mu_;
+  std::condition_variable changed_;
+  int calls_ = 0;
+  bool open_ = false;
+};
+
+TEST(CoordinatorState, RegistrationsArrivingDuringACommitAreCommittedTogether) {
+  FakeClock clock;
+  auto gated = std::make_unique<GatedStore>();
+  GatedStore* store = gated.get();
+  auto created = CoordinatorState::Create({}, &clock, std::move(gated), Recovered());
+  ASSERT_TRUE(created.ok());
+  CoordinatorState& s = **created;
+  auto request = [](const std::string& name, const std::string& id) {
+    auto r = Reg(name, wsync::v1::ROLE_SINK);
+    r.set_request_id(id);
+    return r;
+  };
+  std::vector<StatusOr<wsync::v1::RegisterResponse>> answers(12, InternalError("not run"));
+  std::vector<std::thread> threads;
+  threads.emplace_back([&] { answers[0] = s.Register(request("node-0", "a0")); });
+  store->WaitForCalls(1);  // node-0's commit is under way, and waits
+  for (int i = 1; i <= 9; ++i) {
+    threads.emplace_back([&, i] { answers[i] = s.Register(request("node-" + std::to_string(i), "a" + std::to_string(i))); });
+  }
+  threads.emplace_back([&] { answers[10] = s.Register(request("node-3", "another")); });  // a second process of node-3
+  threads.emplace_back([&] { answers[11] = s.Register(request("node-5", "a5")); });       // a retry of node-5's call
+  while (s.RegistrationsQueued() < 11) std::this_thread::yield();
+  store->Open();
+  for (auto& t : threads) t.join();
+
+  for (const auto& a : answers) ASSERT_TRUE(a.ok()) << a.status().ToString();
+  // node-0 alone; the nine that queued behind it in one batch; node-3's
+  // second registration after its first (the retry of node-5 is answered
+  // without a record).
+  EXPECT_EQ(store->sizes, (std::vector<size_t>{1, 9, 1}));
+  std::set<uint64_t> incarnations;
+  for (int i = 0; i <= 10; ++i) incarnations.insert(answers[i]->node().incarnation());
+  EXPECT_EQ(incarnations.size(), 11u) << "each registration its own incarnation";
+  EXPECT_EQ(answers[11]->node().incarnation(), answers[5]->node().incarnation()) << "a retry is the first call's answer";
+  // node-3's two processes, in the order they queued: the later one's incarnation stands.
+  const auto status = s.GetStatus();
+  EXPECT_EQ(FindNode(status, "node-3")->incarnation(),
+            std::max(answers[3]->node().incarnation(), answers[10]->node().incarnation()));
+  for (int i = 0; i <= 9; ++i) EXPECT_NE(FindNode(status, "node-" + std::to_string(i)), nullptr);
 }
 
 // ---- Several sources, each a part of the tensors.

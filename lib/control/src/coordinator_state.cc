@@ -1,6 +1,7 @@
 #include "wsync/control/coordinator_state.h"
 
 #include <algorithm>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -123,7 +124,14 @@ void CoordinatorState::Apply(const Record& r) {
 }
 
 Status CoordinatorState::CommitLocked(const Record* r) {
-  if (unflushed_reports_.empty()) return r ? store_->Append(*r) : Status::Ok();
+  return r ? CommitLocked(std::vector<Record>{*r}) : CommitLocked(std::vector<Record>{});
+}
+
+Status CoordinatorState::CommitLocked(const std::vector<Record>& records) {
+  if (unflushed_reports_.empty()) {
+    if (records.size() == 1) return store_->Append(records[0]);
+    return records.empty() ? Status::Ok() : store_->AppendBatch(records);
+  }
   // The reports in node_reports records of up to about 512 KiB each.
   constexpr size_t kReportBytes = 512 << 10;
   std::vector<Record> batch(1);
@@ -137,7 +145,7 @@ Status CoordinatorState::CommitLocked(const Record* r) {
     *batch.back().mutable_node_reports()->add_nodes() = n;
     bytes += size;
   }
-  if (r) batch.push_back(*r);
+  batch.insert(batch.end(), records.begin(), records.end());
   // On an error they stay for the next try: applying a report again at
   // recovery has the same effect.
   WSYNC_RETURN_IF_ERROR(store_->AppendBatch(batch));
@@ -180,6 +188,17 @@ void CoordinatorState::NotifyLocked() {
 
 // ----------------------------------------------------------------- nodes
 
+size_t CoordinatorState::RegistrationsQueued() {
+  std::lock_guard<std::mutex> queue(register_mu_);
+  return register_queue_.size();
+}
+
+struct CoordinatorState::PendingRegistration {
+  const wsync::v1::RegisterRequest* req;
+  StatusOr<wsync::v1::RegisterResponse> result = InternalError("not answered");
+  bool done = false;  // guarded by register_mu_
+};
+
 StatusOr<wsync::v1::RegisterResponse> CoordinatorState::Register(const wsync::v1::RegisterRequest& req) {
   WSYNC_RETURN_IF_ERROR(CheckName(req.name()));
   if (req.role() == wsync::v1::ROLE_UNSPECIFIED || !wsync::v1::Role_IsValid(req.role())) {
@@ -189,28 +208,87 @@ StatusOr<wsync::v1::RegisterResponse> CoordinatorState::Register(const wsync::v1
     return InvalidArgumentError("TTL " + std::to_string(req.ttl_ms()) + " ms exceeds the maximum " +
                                 std::to_string(options_.max_ttl_ms));
   }
-  std::lock_guard<std::mutex> lock(mu_);
-  ExpireLocked();
-  if (const Node* registered = nodes_->RegisteredBy(req)) {
-    // A retry of the call that made this incarnation (its answer was lost): that answer again.
-    return RegisteredLocked(*registered);
+  PendingRegistration me{&req};
+  std::unique_lock<std::mutex> queue(register_mu_);
+  register_queue_.push_back(&me);
+  while (!me.done) {
+    if (registering_) {
+      registered_.wait(queue);
+      continue;
+    }
+    // This thread commits everything queued, its own registration with it.
+    registering_ = true;
+    std::vector<PendingRegistration*> group(register_queue_.begin(), register_queue_.end());
+    register_queue_.clear();
+    queue.unlock();
+    RegisterGroup(group);
+    queue.lock();
+    registering_ = false;
+    registered_.notify_all();
   }
-  Record r;
-  *r.mutable_node_registered() = nodes_->Registration(req, req.ttl_ms() ? req.ttl_ms() : options_.default_ttl_ms);
-  WSYNC_RETURN_IF_ERROR(Log(r));
-  Node& stored = *nodes_->Find(req.name());
-  versions_->ForgetSource(req.name());  // what a (re)registered source holds: its next heartbeat says
-  // A new process of this name serves nothing yet: its children go to
-  // another holder of their version now, and sinks may take it as a parent
-  // again (once it holds the head).
-  tree_->Restarted(nodes_->nodes(), req.name());
-  stored.set_state(wsync::v1::NODE_ALIVE);
-  nodes_->Touch(req.name(), clock_->NowMs());
-  stored.set_parent("");
-  AssignParentsSoonLocked();
-  spdlog::info("node {} registered as {} from {} (incarnation {})", req.name(), wsync::v1::Role_Name(req.role()),
-               req.host(), stored.incarnation());
-  return RegisteredLocked(stored);
+  return std::move(me.result);
+}
+
+void CoordinatorState::RegisterGroup(const std::vector<PendingRegistration*>& group) {
+  std::vector<std::pair<PendingRegistration*, StatusOr<wsync::v1::RegisterResponse>>> answers;
+  std::vector<PendingRegistration*> later;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    ExpireLocked();
+    std::vector<Record> records;
+    std::vector<PendingRegistration*> registering;
+    std::set<std::string> names;
+    uint64_t incarnation = 0;
+    for (PendingRegistration* p : group) {
+      const wsync::v1::RegisterRequest& req = *p->req;
+      if (const Node* registered = nodes_->RegisteredBy(req)) {
+        // A retry of the call that made this incarnation (its answer was lost): that answer again.
+        answers.emplace_back(p, RegisteredLocked(*registered));
+        continue;
+      }
+      if (!names.insert(req.name()).second) {  // after the one of this group, in the next
+        later.push_back(p);
+        continue;
+      }
+      Record r;
+      *r.mutable_node_registered() = nodes_->Registration(req, req.ttl_ms() ? req.ttl_ms() : options_.default_ttl_ms);
+      if (incarnation == 0) incarnation = r.node_registered().incarnation();
+      r.mutable_node_registered()->set_incarnation(incarnation++);  // in the order committed
+      records.push_back(std::move(r));
+      registering.push_back(p);
+    }
+    if (Status s = CommitLocked(records); !s.ok()) {
+      for (PendingRegistration* p : registering) answers.emplace_back(p, s);
+    } else {
+      for (size_t i = 0; i < records.size(); ++i) {
+        const wsync::v1::RegisterRequest& req = *registering[i]->req;
+        Apply(records[i]);
+        Node& stored = *nodes_->Find(req.name());
+        versions_->ForgetSource(req.name());  // what a (re)registered source holds: its next heartbeat says
+        // A new process of this name serves nothing yet: its children go to
+        // another holder of their version now, and sinks may take it as a
+        // parent again (once it holds the head).
+        tree_->Restarted(nodes_->nodes(), req.name());
+        stored.set_state(wsync::v1::NODE_ALIVE);
+        nodes_->Touch(req.name(), clock_->NowMs());
+        stored.set_parent("");
+        AssignParentsSoonLocked();
+        spdlog::info("node {} registered as {} from {} (incarnation {})", req.name(),
+                     wsync::v1::Role_Name(req.role()), req.host(), stored.incarnation());
+        answers.emplace_back(registering[i], RegisteredLocked(stored));
+      }
+      if (!records.empty()) {
+        MaybeCompactLocked();
+        NotifyLocked();
+      }
+    }
+  }
+  std::lock_guard<std::mutex> queue(register_mu_);
+  for (auto& [p, answer] : answers) {
+    p->result = std::move(answer);
+    p->done = true;
+  }
+  register_queue_.insert(register_queue_.begin(), later.begin(), later.end());
 }
 
 wsync::v1::RegisterResponse CoordinatorState::RegisteredLocked(const Node& node) const {

@@ -14,6 +14,7 @@
 #include <chrono>
 #include <functional>
 #include <condition_variable>
+#include <deque>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -113,6 +114,8 @@ class CoordinatorState {
   void WatchBroken(const std::string& name, uint64_t incarnation);
 
   uint64_t head() const;
+  // Registrations waiting for the next group commit (for metrics and tests).
+  size_t RegistrationsQueued();
 
   // A counter that grows on every change; WaitForChange returns once it
   // differs from `seen` or at `deadline`. Returns the current value.
@@ -161,6 +164,18 @@ class CoordinatorState {
   void NotifyLocked();
   // The answer to the registration that made `node`'s incarnation. REQUIRES: mu_ held.
   wsync::v1::RegisterResponse RegisteredLocked(const wsync::v1::Node& node) const;
+  // Makes the reports not yet durable and `records` durable, in one store
+  // batch (as few etcd transactions as its limits allow). REQUIRES: mu_ held.
+  Status CommitLocked(const std::vector<wsync::store::v1::Record>& records);
+
+  // Registrations are committed in groups: each waits in the queue, and one
+  // waiting thread at a time commits everything queued in one store batch
+  // (group commit), so a storm of registrations over etcd costs a
+  // transaction per group, not per registration.
+  struct PendingRegistration;
+  // Takes mu_; commits `group` and answers each of it. A second
+  // registration of a name already in the group goes back to the queue.
+  void RegisterGroup(const std::vector<PendingRegistration*>& group);
 
   CoordinatorOptions options_;
   const Clock* clock_;
@@ -182,6 +197,11 @@ class CoordinatorState {
   // Applied versions reported and applied in memory, not yet in the store:
   // each node's latest durable fields, by node.
   std::unordered_map<std::string, wsync::store::v1::NodeRecord> unflushed_reports_;
+  // The registrations' queue (Register). Taken after mu_ when both are held.
+  std::mutex register_mu_;
+  std::condition_variable registered_;
+  std::deque<PendingRegistration*> register_queue_;
+  bool registering_ = false;  // a thread is committing a group
 };
 
 }  // namespace wsync::control
