@@ -9,10 +9,12 @@ That memory is a memfd (no name anywhere): its descriptors go to the daemon
 over its memory socket before each registration (again after a daemon
 restart), and it ends with the last process that maps it, so a process
 killed leaves nothing in /dev/shm. Where memfds do not exist, POSIX shared
-memory under /dev/shm (mode 0600, unlinked when closed or at a normal exit). CUDA tensors are never moved: the client exports the
-CUDA IPC handle of the storage that holds each (torch's own storage sharing),
-one region per storage; storages of one caching-allocator segment share one
-handle, which the daemon maps once.
+memory under /dev/shm (mode 0600, unlinked when closed or at a normal exit).
+
+CUDA tensors are never moved: the client exports the CUDA IPC handle of the
+storage that holds each (torch's own storage sharing), one region per
+storage; storages of one caching-allocator segment share one handle, which
+the daemon maps once.
 """
 from __future__ import annotations
 

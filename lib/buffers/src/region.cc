@@ -14,43 +14,27 @@
 namespace wsync::buffers {
 namespace {
 
-class ShmRegion : public Region {
+// Host memory mapped from shared memory (`unlink`: the name this process
+// created, removed when the region goes) or from a memory file another
+// process passed as a descriptor (no name). Unmapped on destruction.
+class MappedRegion : public Region {
  public:
-  ShmRegion(std::string name, uint8_t* data, size_t size, bool unlink)
-      : name_(std::move(name)), data_(data), size_(size), unlink_(unlink) {}
-  ~ShmRegion() override {
+  MappedRegion(std::string description, uint8_t* data, size_t size, std::string unlink = "")
+      : description_(std::move(description)), data_(data), size_(size), unlink_(std::move(unlink)) {}
+  ~MappedRegion() override {
     if (data_ != nullptr && size_ > 0) ::munmap(data_, size_);
-    if (unlink_) ::shm_unlink(name_.c_str());
+    if (!unlink_.empty()) ::shm_unlink(unlink_.c_str());
   }
   uint8_t* data() override { return data_; }
   size_t size() const override { return size_; }
   bool writable() const override { return true; }
-  std::string description() const override { return "shm:" + name_; }
+  std::string description() const override { return description_; }
 
  private:
-  std::string name_;
+  std::string description_;
   uint8_t* data_;
   size_t size_;
-  bool unlink_;
-};
-
-// Memory another process passed as a descriptor: unmapped on destruction,
-// never unlinked (it has no name).
-class MappedFdRegion : public Region {
- public:
-  MappedFdRegion(std::string what, uint8_t* data, size_t size) : what_(std::move(what)), data_(data), size_(size) {}
-  ~MappedFdRegion() override {
-    if (data_ != nullptr && size_ > 0) ::munmap(data_, size_);
-  }
-  uint8_t* data() override { return data_; }
-  size_t size() const override { return size_; }
-  bool writable() const override { return true; }
-  std::string description() const override { return "fd:" + what_; }
-
- private:
-  std::string what_;
-  uint8_t* data_;
-  size_t size_;
+  std::string unlink_;
 };
 
 Status CheckShmName(const std::string& name) {
@@ -89,7 +73,7 @@ StatusOr<std::unique_ptr<Region>> CreateShm(const std::string& name, size_t size
     ::shm_unlink(name.c_str());
     return mapped.status();
   }
-  return std::unique_ptr<Region>(new ShmRegion(name, *mapped, size, unlink_on_close));
+  return std::unique_ptr<Region>(new MappedRegion("shm:" + name, *mapped, size, unlink_on_close ? name : ""));
 }
 
 StatusOr<std::unique_ptr<Region>> OpenShm(const std::string& name) {
@@ -105,7 +89,7 @@ StatusOr<std::unique_ptr<Region>> OpenShm(const std::string& name) {
   auto mapped = Map(fd, static_cast<size_t>(st.st_size), name);
   ::close(fd);
   if (!mapped.ok()) return mapped.status();
-  return std::unique_ptr<Region>(new ShmRegion(name, *mapped, static_cast<size_t>(st.st_size), false));
+  return std::unique_ptr<Region>(new MappedRegion("shm:" + name, *mapped, static_cast<size_t>(st.st_size)));
 }
 
 StatusOr<std::unique_ptr<Region>> MapDescriptor(int fd, const std::string& what) {
@@ -113,7 +97,7 @@ StatusOr<std::unique_ptr<Region>> MapDescriptor(int fd, const std::string& what)
   if (::fstat(fd, &st) != 0) return ErrnoToStatus(errno, "stat " + what);
   if (!S_ISREG(st.st_mode)) return InvalidArgumentError(what + " is not a memory file (memfd)");
   WSYNC_ASSIGN_OR_RETURN(uint8_t* mapped, Map(fd, static_cast<size_t>(st.st_size), what));
-  return std::unique_ptr<Region>(new MappedFdRegion(what, mapped, static_cast<size_t>(st.st_size)));
+  return std::unique_ptr<Region>(new MappedRegion("fd:" + what, mapped, static_cast<size_t>(st.st_size)));
 }
 
 Status ValidateTable(const std::vector<TensorEntry>& table, size_t region_size) {
