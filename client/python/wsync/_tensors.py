@@ -120,6 +120,7 @@ class SharedMemory:
 
     def unlink(self) -> None:
         self._finalizer()
+        self.fd = -1  # closed: never passed again
 
 
 def _room_for_descriptors(regions: int) -> None:
@@ -184,8 +185,12 @@ class Registration:
             sock.settimeout(max(1.0, deadline - time.monotonic()))
             for i in range(0, len(fds), _MAX_FDS_PER_MESSAGE):
                 chunk = fds[i:i + _MAX_FDS_PER_MESSAGE]
-                sock.sendmsg([token.encode()], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", chunk))])
-                if sock.recv(1) != b"k":
+                try:
+                    sock.sendmsg([token.encode()], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", chunk))])
+                    answer = sock.recv(1)
+                except OSError as e:  # the daemon went away, or did not answer in time
+                    raise UnavailableError(f"passing memory to the daemon's memory socket {path}: {e}") from None
+                if answer != b"k":
                     raise UnavailableError(f"the daemon's memory socket {path} refused {len(chunk)} descriptors "
                                            "(its log says why)")
         index = 0
