@@ -77,11 +77,11 @@ class PassedDescriptors {
 };
 
 StatusOr<std::unique_ptr<buffers::Region>> OpenRegion(const v1::MemoryRegion& r, PassedDescriptors* passed) {
-  if (r.fd_token().empty()) return OpenRegion(r.shm_name(), r.cuda_ipc_handle());
-  if (!r.shm_name().empty() || !r.cuda_ipc_handle().empty()) {
+  if (r.shm_name().empty() + r.cuda_ipc_handle().empty() + r.fd_token().empty() != 2) {
     return InvalidArgumentError("needs exactly one of shm_name, cuda_ipc_handle and fd_token");
   }
-  return passed->Map(r.fd_token(), r.fd_index());
+  if (!r.fd_token().empty()) return passed->Map(r.fd_token(), r.fd_index());
+  return OpenRegion(r.shm_name(), r.cuda_ipc_handle());
 }
 
 std::vector<uint64_t> Dims(const google::protobuf::RepeatedField<uint64_t>& f) { return {f.begin(), f.end()}; }

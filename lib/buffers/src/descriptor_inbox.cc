@@ -1,9 +1,9 @@
 #include "wsync/buffers/descriptor_inbox.h"
 
 #include <poll.h>
-#include <sys/mman.h>
 #include <spdlog/spdlog.h>
 #include <sys/eventfd.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -40,6 +40,19 @@ constexpr size_t kMaxToken = 64;
 constexpr int kMaxPerMessage = 253;  // the kernel's SCM_MAX_FD
 
 using Clock = std::chrono::steady_clock;
+
+// The address of the unix socket at `path`; InvalidArgument when it is
+// empty or does not fit.
+StatusOr<sockaddr_un> UnixAddress(const std::string& path) {
+  sockaddr_un addr{};
+  if (path.empty() || path.size() >= sizeof addr.sun_path) {
+    return InvalidArgumentError("memory socket path " + Quoted(path) + " is empty or longer than " +
+                                std::to_string(sizeof addr.sun_path - 1) + " bytes");
+  }
+  addr.sun_family = AF_UNIX;
+  std::memcpy(addr.sun_path, path.data(), path.size());
+  return addr;
+}
 
 bool ValidToken(const std::string& t) {
   if (t.empty() || t.size() > kMaxToken) return false;
@@ -183,17 +196,11 @@ class Inbox final : public DescriptorInbox {
 }  // namespace
 
 StatusOr<std::unique_ptr<DescriptorInbox>> DescriptorInbox::Listen(const std::string& path, Options options) {
-  sockaddr_un addr{};
-  if (path.empty() || path.size() >= sizeof addr.sun_path) {
-    return InvalidArgumentError("memory descriptor socket path " + Quoted(path) + " is empty or longer than " +
-                                std::to_string(sizeof addr.sun_path - 1) + " bytes");
-  }
+  WSYNC_ASSIGN_OR_RETURN(const sockaddr_un addr, UnixAddress(path));
   OwnedFd s(::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0));
   if (s.get() < 0) return ErrnoToStatus(errno, "socket for " + path);
-  addr.sun_family = AF_UNIX;
-  std::memcpy(addr.sun_path, path.data(), path.size());
   ::unlink(path.c_str());
-  if (::bind(s.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) return ErrnoToStatus(errno, "bind " + path);
+  if (::bind(s.get(), reinterpret_cast<const sockaddr*>(&addr), sizeof addr) != 0) return ErrnoToStatus(errno, "bind " + path);
   if (::chmod(path.c_str(), 0600) != 0) return ErrnoToStatus(errno, "chmod 0600 " + path);
   if (::listen(s.get(), 64) != 0) return ErrnoToStatus(errno, "listen on " + path);
   OwnedFd stop(::eventfd(0, EFD_CLOEXEC));
@@ -219,16 +226,13 @@ std::string NewDescriptorToken() {
 
 Status PassDescriptors(const std::string& path, const std::string& token, const std::vector<int>& fds,
                        std::chrono::milliseconds wait) {
-  sockaddr_un addr{};
-  if (path.size() >= sizeof addr.sun_path) return InvalidArgumentError("memory socket path " + Quoted(path) + " is too long");
-  addr.sun_family = AF_UNIX;
-  std::memcpy(addr.sun_path, path.data(), path.size());
+  WSYNC_ASSIGN_OR_RETURN(const sockaddr_un addr, UnixAddress(path));
   const auto deadline = Clock::now() + wait;
   OwnedFd s;
   for (;;) {
     s = OwnedFd(::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0));
     if (s.get() < 0) return ErrnoToStatus(errno, "socket for " + path);
-    if (::connect(s.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0) break;
+    if (::connect(s.get(), reinterpret_cast<const sockaddr*>(&addr), sizeof addr) == 0) break;
     const int err = errno;
     if ((err != ENOENT && err != ECONNREFUSED) || Clock::now() >= deadline) {
       return UnavailableError("the daemon's memory socket " + path + ": " + std::strerror(err) +

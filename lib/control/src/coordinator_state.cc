@@ -124,7 +124,8 @@ void CoordinatorState::Apply(const Record& r) {
 }
 
 Status CoordinatorState::CommitLocked(const Record* r) {
-  return r ? CommitLocked(std::vector<Record>{*r}) : CommitLocked(std::vector<Record>{});
+  if (unflushed_reports_.empty()) return r ? store_->Append(*r) : Status::Ok();
+  return CommitLocked(r ? std::vector<Record>{*r} : std::vector<Record>{});
 }
 
 Status CoordinatorState::CommitLocked(const std::vector<Record>& records) {
