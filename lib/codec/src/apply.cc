@@ -41,14 +41,16 @@ bool HoldsBase(const Container& c, const std::vector<const MutableTensorView*>& 
 }
 
 // The parts of one version (one container each, disjoint tensors) applied
-// as one: keyframes verified first (nothing written), then each patch
-// applied and verified (all undone if any fails), then the keyframes
-// written.
+// as one, in two steps. Staging reads the destination only: keyframes
+// decoded and verified in scratch, patches staged (DeltaApply). Committing
+// writes: each patch's changed values (all undone if any fails), then the
+// keyframes.
 struct PartApply {
   Container c;
   Plan plan;
   std::function<bool()> holds_base;  // patches; null: unknown
-  std::unique_ptr<DeltaApply> delta;  // patches: made by ApplyAll unless decoding began ahead
+  std::unique_ptr<DeltaApply> delta;  // patches: made when staging began
+  std::unique_ptr<KeyframeApply> keyframe;
 };
 
 // Plans a part whose container p->c is read: into destination tensors of
@@ -82,33 +84,46 @@ Status ReadPiecesPart(std::string_view patch, std::span<const RuntimeTensor> run
   return PlanPiecesPart(runtime, other_parts, p);
 }
 
-Status ApplyAll(std::span<PartApply* const> parts, ThreadPool* pool) {
-  std::vector<std::unique_ptr<KeyframeApply>> keyframes;
+Status StageAll(std::span<PartApply* const> parts, ThreadPool* pool) {
   for (PartApply* p : parts) {
-    if (p->c.kind != PatchKind::kKeyframe) continue;
-    keyframes.push_back(std::make_unique<KeyframeApply>(p->c, p->plan, pool));
-    WSYNC_RETURN_IF_ERROR(keyframes.back()->Verify());
+    if (p->c.kind == PatchKind::kKeyframe) {
+      p->keyframe = std::make_unique<KeyframeApply>(p->c, p->plan, pool);
+      WSYNC_RETURN_IF_ERROR(p->keyframe->Verify());
+    } else {
+      if (!p->delta) p->delta = std::make_unique<DeltaApply>(p->c, p->plan, pool);
+      WSYNC_RETURN_IF_ERROR(p->delta->Stage(p->holds_base));
+    }
   }
+  return Status::Ok();
+}
+
+// REQUIRES: StageAll(parts) succeeded.
+Status CommitAll(std::span<PartApply* const> parts) {
   std::vector<DeltaApply*> applied;
   auto undo = [&] {
     for (DeltaApply* d : applied) d->Undo();
   };
   for (PartApply* p : parts) {
-    if (p->c.kind != PatchKind::kPatch) continue;
-    if (!p->delta) p->delta = std::make_unique<DeltaApply>(p->c, p->plan, pool);
-    if (Status s = p->delta->Run(p->holds_base); !s.ok()) {
+    if (!p->delta) continue;
+    if (Status s = p->delta->Commit(); !s.ok()) {
       undo();
       return s;
     }
     applied.push_back(p->delta.get());
   }
-  for (auto& k : keyframes) {
-    if (Status s = k->Write(); !s.ok()) {
+  for (PartApply* p : parts) {
+    if (!p->keyframe) continue;
+    if (Status s = p->keyframe->Write(); !s.ok()) {
       undo();
       return s.WithContext("a verified keyframe failed to decode again");
     }
   }
   return Status::Ok();
+}
+
+Status ApplyAll(std::span<PartApply* const> parts, ThreadPool* pool) {
+  WSYNC_RETURN_IF_ERROR(StageAll(parts, pool));
+  return CommitAll(parts);
 }
 
 Status ApplyWhole(std::string_view patch, std::span<const MutableTensorView> tensors, const ApplyOptions& options) {
@@ -196,9 +211,11 @@ struct ApplyAhead::Impl {
   uint64_t end = 0;      // where the next segment begins
   bool stopped = false;  // something did not parse: Apply reads it again and says what
   size_t decoded = 0;
-  // Prepare's result: the parts checked and decoded, for these bytes.
+  // Prepare's result: the parts checked and staged, for these bytes.
   std::vector<PartApply*> ready;
   std::string_view ready_for;
+  // Apply's: the parts written, for Confirm.
+  std::vector<PartApply*> written;
 
   // Whether the segments read ahead are `stream`'s: the same places and the same heads.
   bool Reads(std::string_view stream, std::span<const std::string_view> split) const {
@@ -254,7 +271,7 @@ struct ApplyAhead::Impl {
     return false;
   }
 
-  // Decodes the works of a patch segment whose streams are in `prefix`.
+  // Stages the works of a patch segment whose streams are in `prefix`.
   void Decode(Segment& seg, std::string_view prefix) {
     PartApply& p = seg.part;
     if (!p.delta || seg.next == seg.order.size()) return;
@@ -264,7 +281,7 @@ struct ApplyAhead::Impl {
     while (upto < seg.order.size() && StreamEnd(p, seg.order[upto]) <= have) ++upto;
     if (upto == seg.next) return;
     const size_t first = seg.next;
-    ParallelFor(options.pool, upto - first, [&](size_t k) { p.delta->Predecode(seg.order[first + k]); });
+    ParallelFor(options.pool, upto - first, [&](size_t k) { p.delta->StageAhead(seg.order[first + k]); });
     decoded += upto - first;
     seg.next = upto;
   }
@@ -305,6 +322,7 @@ Status ApplyAhead::Prepare(std::string_view stream) {
   Impl& m = *impl_;
   m.ready.clear();
   m.ready_for = {};
+  m.written.clear();
   WSYNC_ASSIGN_OR_RETURN(std::vector<std::string_view> segments, SplitSegments(stream));
   if (!m.Reads(stream, segments)) {
     // Another stream than the one read ahead (or a part of none): read this one.
@@ -312,7 +330,7 @@ Status ApplyAhead::Prepare(std::string_view stream) {
     m.end = 0;
     m.stopped = false;
   }
-  Advance(stream);  // every chunk not decoded yet, the last segment's too
+  Advance(stream);  // every chunk not staged yet, the last segment's too
   // Bytes the reader ahead cannot take: Apply applies them as given, and says what is wrong.
   if (!m.Reads(stream, segments)) return Status::Ok();
   std::vector<PartApply*> parts;
@@ -329,6 +347,7 @@ Status ApplyAhead::Prepare(std::string_view stream) {
   } else {
     WSYNC_RETURN_IF_ERROR(CheckWholeParts(Containers(parts), m.tensors, m.options));
   }
+  WSYNC_RETURN_IF_ERROR(StageAll(parts, m.options.pool));
   m.ready = std::move(parts);
   m.ready_for = stream;
   return Status::Ok();
@@ -345,9 +364,22 @@ Status ApplyAhead::Apply(std::string_view stream) {
     return m.pieces ? ApplyPiecesParts(segments, m.runtime, m.options)
                     : ApplyWholeParts(segments, m.tensors, m.options);
   }
-  const std::vector<PartApply*> parts = std::exchange(m.ready, {});
+  std::vector<PartApply*> parts = std::exchange(m.ready, {});
   m.ready_for = {};
-  return ApplyAll(parts, m.options.pool);
+  WSYNC_RETURN_IF_ERROR(CommitAll(parts));
+  m.written = std::move(parts);
+  return Status::Ok();
+}
+
+Status ApplyAhead::Confirm() const {
+  const Impl& m = *impl_;
+  for (const PartApply* p : m.written) {
+    if (auto bad = internal::ResultMismatch(p->c, p->plan, m.options.pool)) {
+      return DataLossError(*bad + ": the destination no longer holds version " + std::to_string(p->c.target_version) +
+                           " (written by another writer after the patch was checked)");
+    }
+  }
+  return Status::Ok();
 }
 
 }  // namespace wsync::codec

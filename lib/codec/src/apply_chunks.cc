@@ -28,51 +28,50 @@ Status WrongBase(const Container& c) {
                                  " (base checksum differs); destination unchanged");
 }
 
-// Verifies what the works wrote (their digests, and each group's tensor
-// checksum), naming the first mismatch.
-class Verifier {
- public:
-  Verifier(const Container& c, const Plan& p) : c_(c), p_(p), tiles_(p.works.size()), groups_(p.GroupBytes(c)) {}
-
-  // Records the result bytes of work i (chunk order).
-  void Record(size_t i, const uint8_t* bytes) {
-    const Work& w = p_.works[i];
-    const TensorEntry& t = c_.tensors[w.tensor];
-    const size_t len = t.tiles[w.chunk].n * DTypeWidth(t.dtype);
-    if (t.gridded()) {
-      tiles_[i] = BlockDigest(bytes, len);
-    } else {
-      groups_.DigestChunk(w.group, internal::FirstBlock(t, w.chunk), bytes, len);
-    }
-  }
-
-  // The first mismatch, as the work or group index.
-  std::optional<std::string> Mismatch() const {
-    for (size_t i = 0; i < p_.works.size(); ++i) {
-      const Work& w = p_.works[i];
-      const TensorEntry& t = c_.tensors[w.tensor];
-      if (t.gridded() && tiles_[i] != t.chunks[w.chunk].digest) {
-        return ChunkWhere(t, w.chunk) + (p_.whole ? "" : " in " + p_.group_where[w.group]);
-      }
-    }
-    for (size_t g = 0; g < p_.group_tensor.size(); ++g) {
-      const TensorEntry& t = c_.tensors[p_.group_tensor[g]];
-      if (!t.gridded() && groups_.Tensor(g) != t.target_checksum) return p_.group_where[g];
-    }
-    return std::nullopt;
-  }
-
- private:
-  const Container& c_;
-  const Plan& p_;
-  std::vector<uint64_t> tiles_;
-  Digests groups_;
-};
-
 }  // namespace
 
+ResultDigests::ResultDigests(const Container& c, const Plan& p)
+    : c_(c), p_(p), tiles_(p.works.size()), groups_(p.GroupBytes(c)) {}
+
+void ResultDigests::Record(size_t i, const uint8_t* bytes) {
+  const Work& w = p_.works[i];
+  const TensorEntry& t = c_.tensors[w.tensor];
+  const size_t len = t.tiles[w.chunk].n * DTypeWidth(t.dtype);
+  if (t.gridded()) {
+    tiles_[i] = BlockDigest(bytes, len);
+  } else {
+    groups_.DigestChunk(w.group, internal::FirstBlock(t, w.chunk), bytes, len);
+  }
+}
+
+std::optional<std::string> ResultDigests::Mismatch() const {
+  for (size_t i = 0; i < p_.works.size(); ++i) {
+    const Work& w = p_.works[i];
+    const TensorEntry& t = c_.tensors[w.tensor];
+    if (t.gridded() && tiles_[i] != t.chunks[w.chunk].digest) {
+      return ChunkWhere(t, w.chunk) + (p_.whole ? "" : " in " + p_.group_where[w.group]);
+    }
+  }
+  for (size_t g = 0; g < p_.group_tensor.size(); ++g) {
+    const TensorEntry& t = c_.tensors[p_.group_tensor[g]];
+    if (!t.gridded() && groups_.Tensor(g) != t.target_checksum) return p_.group_where[g];
+  }
+  return std::nullopt;
+}
+
+std::optional<std::string> ResultMismatch(const Container& c, const Plan& p, ThreadPool* pool) {
+  ResultDigests digests(c, p);
+  ParallelFor(pool, p.works.size(), [&](size_t i) {
+    const Work& w = p.works[i];
+    const TensorEntry& t = c.tensors[w.tensor];
+    thread_local std::vector<uint8_t> scratch;
+    digests.Record(i, internal::ChunkBytes(t.tiles[w.chunk], w.at, DTypeWidth(t.dtype), &scratch));
+  });
+  return digests.Mismatch();
+}
+
 Status KeyframeApply::Verify() {
-  Verifier verifier(c_, p_);
+  ResultDigests verifier(c_, p_);
   FirstError error;
   ParallelFor(pool_, p_.works.size(), [&](size_t i) {
     const Work& w = p_.works[i];
@@ -112,85 +111,126 @@ Status KeyframeApply::Write() {
   return error.status();
 }
 
-void DeltaApply::Predecode(size_t i) {
-  const Work& w = p_.works[i];
-  const TensorEntry& t = c_.tensors[w.tensor];
-  const ChunkEntry& ch = t.chunks[w.chunk];
-  const internal::Tile& tile = t.tiles[w.chunk];
-  WithWidth(DTypeWidth(t.dtype), [&](auto zero) {
-    using T = decltype(zero);
-    thread_local std::vector<uint8_t> scratch;
-    const T* x = reinterpret_cast<const T*>(internal::ChunkBytes(tile, w.at, sizeof(T), &scratch));
-    Status s = internal::DecodeChunk<T>(ch.mode, ch.changed, c_.PosStream(ch), c_.ValStream(ch), x, tile.n,
-                                        ExponentFieldOf(t.dtype), &decoded_[i].Get<T>());
-    ready_[i] = s.ok() ? 1 : 0;
-  });
-}
-
-Status DeltaApply::Run(const std::function<bool()>& holds_base) {
-  Verifier verifier(c_, p_);
-  FirstError error;
-  ParallelFor(pool_, p_.works.size(), [&](size_t i) {
-    const uint8_t* result = nullptr;
-    Status s = Chunk(i, /*undo=*/false, &result);
-    if (!s.ok()) return error.Record(i, s);
-    verifier.Record(i, result);
-  });
-  auto fail = [&](Status s) {
-    Undo();
-    if (holds_base && !holds_base()) return WrongBase(c_);
-    return s;
-  };
-  if (error.failed()) {
-    if (holds_base || error.status().code() != StatusCode::kDataLoss) return fail(error.status());
-    return fail(DataLossError(error.status().message() +
-                              " (the patch is corrupted or the pieces do not hold its base); change undone"));
-  }
-  if (auto bad = verifier.Mismatch()) {
-    return fail(DataLossError(*bad + ": result does not match the patch's checksum (" +
-                              (holds_base ? std::string("the patch is corrupted")
-                                          : std::string("the patch is corrupted or the pieces do not hold its base")) +
-                              "); change undone, destination unchanged"));
-  }
-  return Status::Ok();
-}
-
-void DeltaApply::Undo() {
-  ParallelFor(pool_, p_.works.size(), [&](size_t i) {
-    if (applied_[i]) (void)Chunk(i, /*undo=*/true, nullptr);
-    applied_[i] = 0;
-  });
-}
-
-Status DeltaApply::Chunk(size_t i, bool undo, const uint8_t** result) {
+Status DeltaApply::StageWork(size_t i) {
   const Work& w = p_.works[i];
   const TensorEntry& t = c_.tensors[w.tensor];
   const ChunkEntry& ch = t.chunks[w.chunk];
   const internal::Tile& tile = t.tiles[w.chunk];
   return WithWidth(DTypeWidth(t.dtype), [&](auto zero) -> Status {
     using T = decltype(zero);
+    // The chunk's bytes copied (the destination is only read), decoded
+    // against, changed and digested there.
     thread_local std::vector<uint8_t> scratch;
-    uint8_t* at = internal::ContiguousAt(tile, w.at, sizeof(T));
-    uint8_t* bytes = at;
-    if (at == nullptr) {
-      scratch.resize(tile.n * sizeof(T));
-      internal::Gather(tile, w.at, sizeof(T), scratch.data());
-      bytes = scratch.data();
-    }
-    T* x = reinterpret_cast<T*>(bytes);
+    scratch.resize(tile.n * sizeof(T));
+    internal::Gather(tile, w.at, sizeof(T), scratch.data());
+    T* x = reinterpret_cast<T*>(scratch.data());
     SparseDelta<T>& d = decoded_[i].Get<T>();
-    if (!undo && !ready_[i]) {
-      Status s = internal::DecodeChunk<T>(ch.mode, ch.changed, c_.PosStream(ch), c_.ValStream(ch), x, tile.n,
-                                          ExponentFieldOf(t.dtype), &d);
-      if (!s.ok()) return s.WithContext(ChunkWhere(t, w.chunk));
-    }
-    internal::ScatterAdd<T>(x, d, undo);
-    if (at == nullptr) internal::Scatter(tile, w.at, sizeof(T), bytes);
-    if (!undo) {
-      applied_[i] = 1;
-      *result = bytes;
-    }
+    Status s = internal::DecodeChunk<T>(ch.mode, ch.changed, c_.PosStream(ch), c_.ValStream(ch), x, tile.n,
+                                        ExponentFieldOf(t.dtype), &d);
+    if (!s.ok()) return s.WithContext(ChunkWhere(t, w.chunk));
+    std::vector<T>& old = decoded_[i].Old<T>();
+    old.resize(d.pos.size());
+    for (size_t k = 0; k < d.pos.size(); ++k) old[k] = x[d.pos[k]];
+    internal::ScatterAdd<T>(x, d, /*undo=*/false);
+    digests_.Record(i, scratch.data());
+    staged_[i] = 1;
     return Status::Ok();
+  });
+}
+
+void DeltaApply::StageAhead(size_t i) { (void)StageWork(i); }
+
+Status DeltaApply::Stage(const std::function<bool()>& holds_base) {
+  FirstError error;
+  ParallelFor(pool_, p_.works.size(), [&](size_t i) {
+    if (staged_[i]) return;
+    if (Status s = StageWork(i); !s.ok()) error.Record(i, s);
+  });
+  auto fail = [&](Status s) {
+    if (holds_base && !holds_base()) return WrongBase(c_);
+    return s;
+  };
+  if (error.failed()) {
+    if (holds_base || error.status().code() != StatusCode::kDataLoss) return fail(error.status());
+    return fail(DataLossError(error.status().message() +
+                              " (the patch is corrupted or the pieces do not hold its base); destination unchanged"));
+  }
+  if (auto bad = digests_.Mismatch()) {
+    return fail(DataLossError(*bad + ": result does not match the patch's checksum (" +
+                              (holds_base ? std::string("the patch is corrupted")
+                                          : std::string("the patch is corrupted or the pieces do not hold its base")) +
+                              "); destination unchanged"));
+  }
+  return Status::Ok();
+}
+
+// Where change k of a chunk lies at its placement.
+namespace {
+template <typename T>
+T* ChangeAt(const internal::Tile& tile, const Placement& at, T* contiguous, uint32_t pos) {
+  if (contiguous != nullptr) return contiguous + pos;
+  return reinterpret_cast<T*>(at.data) + PlacedElement(MapOf(tile, at), pos);
+}
+}  // namespace
+
+bool DeltaApply::CommitWork(size_t i) {
+  const Work& w = p_.works[i];
+  const TensorEntry& t = c_.tensors[w.tensor];
+  const internal::Tile& tile = t.tiles[w.chunk];
+  return WithWidth(DTypeWidth(t.dtype), [&](auto zero) -> bool {
+    using T = decltype(zero);
+    T* contiguous = reinterpret_cast<T*>(internal::ContiguousAt(tile, w.at, sizeof(T)));
+    const SparseDelta<T>& d = decoded_[i].Get<T>();
+    const std::vector<T>& old = decoded_[i].Old<T>();
+    for (size_t k = 0; k < d.pos.size(); ++k) {
+      T* x = ChangeAt(tile, w.at, contiguous, d.pos[k]);
+      if (*x != old[k]) {
+        for (size_t j = 0; j < k; ++j) *ChangeAt(tile, w.at, contiguous, d.pos[j]) = old[j];
+        return false;
+      }
+      *x = static_cast<T>(old[k] + d.delta[k]);
+    }
+    committed_[i] = 1;
+    return true;
+  });
+}
+
+void DeltaApply::UndoWork(size_t i) {
+  const Work& w = p_.works[i];
+  const TensorEntry& t = c_.tensors[w.tensor];
+  const internal::Tile& tile = t.tiles[w.chunk];
+  WithWidth(DTypeWidth(t.dtype), [&](auto zero) {
+    using T = decltype(zero);
+    T* contiguous = reinterpret_cast<T*>(internal::ContiguousAt(tile, w.at, sizeof(T)));
+    const SparseDelta<T>& d = decoded_[i].Get<T>();
+    const std::vector<T>& old = decoded_[i].Old<T>();
+    for (size_t k = 0; k < d.pos.size(); ++k) *ChangeAt(tile, w.at, contiguous, d.pos[k]) = old[k];
+  });
+  committed_[i] = 0;
+}
+
+Status DeltaApply::Commit() {
+  FirstError error;
+  ParallelFor(pool_, p_.works.size(), [&](size_t i) {
+    if (CommitWork(i)) return;
+    const Work& w = p_.works[i];
+    const TensorEntry& t = c_.tensors[w.tensor];
+    error.Record(i, FailedPreconditionError(ChunkWhere(t, w.chunk) + (p_.whole ? "" : " in " + p_.group_where[w.group]) +
+                                            ": a value changed after the patch was checked against it (another "
+                                            "writer of the weights); change undone"));
+  });
+  if (error.failed()) Undo();
+  return error.status();
+}
+
+Status DeltaApply::Run(const std::function<bool()>& holds_base) {
+  WSYNC_RETURN_IF_ERROR(Stage(holds_base));
+  return Commit();
+}
+
+void DeltaApply::Undo() {
+  ParallelFor(pool_, p_.works.size(), [&](size_t i) {
+    if (committed_[i]) UndoWork(i);
   });
 }
 

@@ -1,27 +1,36 @@
-// The apply side's per-chunk loops (private): a part's works decoded,
-// added at their placements and verified, all undone on any failure
+// The apply side's per-chunk loops (private): a part's works staged
+// (decoded, added in scratch and verified, reading the destination only),
+// then committed (the changed values written), all undone on any failure
 // (defined in apply_chunks.cc; the works come from apply_plan.h).
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <optional>
+#include <string>
 #include <vector>
 
 #include "apply_plan.h"
 #include "chunk_codec.h"
 #include "format.h"
+#include "patch_common.h"
 #include "wsync/codec/codec.h"
 #include "wsync/util/status.h"
+#include "wsync/util/thread_pool.h"
 
 namespace wsync::codec::internal {
 
-// Type-erased decoded change of one chunk.
+// Type-erased decoded change of one chunk, with the values it replaces.
 struct Decoded {
   SparseDelta<uint8_t> d8;
   SparseDelta<uint16_t> d16;
   SparseDelta<uint32_t> d32;
   SparseDelta<uint64_t> d64;
+  std::vector<uint8_t> old8;
+  std::vector<uint16_t> old16;
+  std::vector<uint32_t> old32;
+  std::vector<uint64_t> old64;
   template <typename T>
   SparseDelta<T>& Get() {
     if constexpr (sizeof(T) == 1) return d8;
@@ -29,7 +38,37 @@ struct Decoded {
     else if constexpr (sizeof(T) == 4) return d32;
     else return d64;
   }
+  // The old value at each position of Get<T>() (as staged).
+  template <typename T>
+  std::vector<T>& Old() {
+    if constexpr (sizeof(T) == 1) return old8;
+    else if constexpr (sizeof(T) == 2) return old16;
+    else if constexpr (sizeof(T) == 4) return old32;
+    else return old64;
+  }
 };
+
+// The digests of a part's results (each gridded chunk's, each placed
+// tensor's blocks), checked against the patch's.
+class ResultDigests {
+ public:
+  ResultDigests(const Container& c, const Plan& p);
+  // Records the result bytes of work i (chunk order). Distinct works may be
+  // recorded concurrently.
+  void Record(size_t i, const uint8_t* bytes);
+  // The first mismatch: the chunk or placed tensor, as errors name it.
+  std::optional<std::string> Mismatch() const;
+
+ private:
+  const Container& c_;
+  const Plan& p_;
+  std::vector<uint64_t> tiles_;
+  Digests groups_;
+};
+
+// Whether the bytes at every work's placement are its result: each digest
+// recorded again from the destination (reads only). The first mismatch.
+std::optional<std::string> ResultMismatch(const Container& c, const Plan& p, ThreadPool* pool);
 
 // A keyframe's works: Verify decodes into scratch and checks every digest
 // (nothing written); Write then decodes into the destination.
@@ -48,41 +87,58 @@ class KeyframeApply {
   ThreadPool* pool_;
 };
 
-// A patch's works: Run decodes, adds and verifies each chunk while it is in
-// cache, and undoes everything itself when anything fails; Undo takes back
-// a successful Run (when a later part of the same version fails).
+// A patch's works, in two steps. Stage reads the destination and writes
+// nothing: each chunk is decoded against the bytes at its placement, its
+// result built in scratch and digested, and the change kept (positions,
+// deltas and the old values there); every digest must match before Stage
+// succeeds. Commit then writes the changed values and nothing else, each
+// only where the destination still holds the old value it was staged
+// against (another writer since staging: everything written is put back).
+// Undo takes back a successful Commit (when a later part of the same
+// version fails). What staging keeps: per change a 4-byte position, the
+// delta and the old value (8 bytes for BF16).
 class DeltaApply {
  public:
   DeltaApply(const Container& c, const Plan& p, ThreadPool* pool)
-      : c_(c), p_(p), pool_(pool), decoded_(p.works.size()), ready_(p.works.size(), 0), applied_(p.works.size(), 0) {}
+      : c_(c), p_(p), pool_(pool), digests_(c, p), decoded_(p.works.size()), staged_(p.works.size(), 0),
+        committed_(p.works.size(), 0) {}
 
-  // Decodes work i against the bytes now at its placement and writes
-  // nothing (ahead of Run, while the rest of the patch arrives); Run then
-  // adds it without decoding it again. A chunk that fails to decode is left
-  // to Run, which decodes it again and names the error. Distinct works may
-  // be decoded concurrently.
-  void Predecode(size_t i);
+  // Stages work i against the bytes now at its placement (ahead of Stage,
+  // while the rest of the patch arrives); Stage then skips it. A chunk that
+  // fails to decode is left to Stage, which decodes it again and names the
+  // error. Distinct works may be staged concurrently.
+  void StageAhead(size_t i);
 
+  // Stages every work not staged ahead and checks every result's digest.
   // holds_base: whether the destination holds the patch's base (asked after
   // a failure, to tell a wrong base from a corrupt patch); null when it
-  // cannot be known (pieces).
+  // cannot be known (pieces). Nothing is written.
+  Status Stage(const std::function<bool()>& holds_base);
+
+  // REQUIRES: Stage succeeded. FailedPrecondition naming the chunk when a
+  // value there changed since staging (the destination then unchanged).
+  Status Commit();
+
+  // Stage then Commit.
   Status Run(const std::function<bool()>& holds_base);
 
   void Undo();
 
  private:
-  // Adds (or with undo subtracts) work i's change at its placement; adding
-  // first decodes it against the bytes there and points *result at the
-  // chunk's new bytes (valid until this thread's next chunk). A chunk that
-  // fails to decode is left untouched.
-  Status Chunk(size_t i, bool undo, const uint8_t** result);
+  // Stages work i: OK, or the chunk's decode error.
+  Status StageWork(size_t i);
+  // Commits work i; on a value changed since staging puts back what it
+  // wrote and returns false.
+  bool CommitWork(size_t i);
+  void UndoWork(size_t i);
 
   const Container& c_;
   const Plan& p_;
   ThreadPool* pool_;
+  ResultDigests digests_;
   std::vector<Decoded> decoded_;
-  std::vector<uint8_t> ready_;  // decoded_[i] holds work i's change (Predecode)
-  std::vector<uint8_t> applied_;
+  std::vector<uint8_t> staged_;     // decoded_[i] holds work i's staged change
+  std::vector<uint8_t> committed_;  // work i's change is written
 };
 
 }  // namespace wsync::codec::internal

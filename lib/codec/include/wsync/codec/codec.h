@@ -205,23 +205,25 @@ class Destination {
 //
 // Whole tensors: matched by name, each with the patch's dtype and shape
 // (tensors the patch does not mention: allow_extra_tensors). A patch is
-// decoded and applied chunk by chunk, then every tensor is verified against
-// its checksum; when a chunk fails to decode or a checksum differs, every
-// applied chunk is undone and the error names the chunk or tensor. A
-// keyframe is decoded and verified before the first byte is written. A
-// selection (SelectForPieces) is refused (FailedPrecondition).
+// decoded chunk by chunk into scratch and every result verified against its
+// checksum before the first byte is written (a chunk that fails to decode
+// or a checksum that differs is named, the destination unchanged); then
+// only the changed values are written. A keyframe is decoded and verified
+// before the first byte is written. A selection (SelectForPieces) is
+// refused (FailedPrecondition).
 //
 // Pieces: exactly the changes that fall inside the pieces, nothing outside
-// them. Only the chunks inside some piece are decoded; each is verified after
-// the apply against its digest (a piece that covers an ungridded tensor whole
-// against the tensor's checksum); on any failure every change is undone.
+// them. Only the chunks inside some piece are decoded; each result is
+// verified before the writes against its digest (a piece that covers an
+// ungridded tensor whole against the tensor's checksum); nothing is written
+// on any failure.
 // FailedPrecondition when a piece cuts a chunk (the source's grid does not
 // include this layout: GridsFor), names a tensor the patch lacks, or the
 // patch lacks a chunk a piece needs; DataLoss when a result differs from its
 // digest (a corrupt patch, or pieces that do not hold the base).
 //
-// Parts: keyframe parts are verified before anything is written, patch
-// parts applied and verified one after the other, and every part undone
+// Parts: every part is verified before anything is written, then the
+// patch parts written one after the other and the keyframes, every part undone
 // when any fails. Tensors are matched by name across the parts; a tensor in
 // two parts is FailedPrecondition, as is a destination tensor (or a piece's
 // tensor) in none (unless allow_extra_tensors, for whole tensors). One part
@@ -264,15 +266,22 @@ StatusOr<std::string> EncodeSegmented(std::span<const TensorView> base, std::spa
                                       std::span<const uint64_t> base_tensor_checksums,
                                       const std::function<Status(size_t, std::string_view)>& on_segment);
 
-// An apply that decodes while the stream arrives. Fed the stream's bytes as
-// they come in (Advance), it decodes each chunk of a patch segment as soon as
-// its streams are in, against the destination's bytes at that moment, and
-// writes nothing. Apply(stream) then adds, verifies and, on any failure,
-// undoes, decoding only what was not decoded ahead: codec::Apply's contract,
-// one segment being one part. The destination
-// must not be written by anyone else from the first Advance to Apply (a
-// chunk decoded against other bytes fails verification, and the apply is
-// undone: never a wrong result). Keyframe segments are decoded by Apply.
+// An apply staged while the stream arrives, so that the destination's
+// readers stop only for the writes. Fed the stream's bytes as they come in
+// (Advance), it stages each chunk of a patch segment as soon as its streams
+// are in: decoded against the destination's bytes at that moment, its
+// result built in scratch and checked against the patch's digest, the
+// change kept with the old values it replaces. Prepare(stream) stages the
+// rest and checks everything; Apply(stream) then writes the changed values
+// and nothing else, each only where the destination still holds the value
+// it was staged against: codec::Apply's contract, one segment being one
+// part. Until Apply only reads the destination (its readers may go on);
+// Apply and Confirm need no other writer. A value changed by another writer
+// between staging and Apply is found as it is overwritten: Apply puts back
+// what it wrote and returns FailedPrecondition naming the chunk. A write
+// elsewhere in a chunk is found by Confirm. Keyframe segments are decoded
+// and verified by Prepare, written by Apply. What staging keeps: per change
+// a 4-byte position, the delta and the old value (8 bytes for BF16).
 // Not thread-safe; the tensors must outlive it.
 class ApplyAhead {
  public:
@@ -288,13 +297,19 @@ class ApplyAhead {
   void Advance(std::string_view prefix);
   // The complete stream, before the destination may be written: checks it
   // (each segment's checksum, its tensors against the destination's) and
-  // decodes every chunk not decoded yet, writing nothing. An error is the
-  // one Apply would return. Apply of the same bytes then only writes and
-  // verifies what it wrote.
+  // stages every chunk not staged yet, writing nothing. An error is the one
+  // Apply would return (a corrupt or mismatched patch is refused here).
+  // Apply of the same bytes then only writes.
   Status Prepare(std::string_view stream);
   // Applies the complete stream (prepared first if Prepare was not given it).
   Status Apply(std::string_view stream);
-  // Chunks decoded ahead so far.
+  // After a successful Apply, reads the destination back (the readers may
+  // have resumed): DataLoss naming the first chunk that is not the
+  // version's (another writer changed a value the patch did not, between
+  // staging and Apply). Ok for a stream Apply could not stage (it was
+  // applied whole and verified then).
+  Status Confirm() const;
+  // Chunks staged while the stream arrived.
   size_t decoded_ahead() const;
 
  private:
