@@ -207,6 +207,18 @@ Status RunLocalStatus(const std::string& local, bool json) {
               st.name().c_str(), st.version(), st.tensors(), st.bytes_served());
   if (st.role() == "sink") {
     std::printf("%" PRIu64 " pulls made, %" PRIu64 " bytes received\n", st.pulls_made(), st.bytes_received());
+    if (st.apply_ms() > 0) {
+      std::printf("last version: staged in %.1f ms while the weights were read, applied in %.1f ms between the holds\n",
+                  st.staging_ms(), st.apply_ms());
+    }
+    if (st.staged_version() > 0) {
+      std::printf("version %" PRIu64 " staged, waiting for the holds to end\n", st.staged_version());
+    }
+    if (st.foreign_writes() > 0) {
+      std::printf("FOREIGN WRITES: %" PRIu64 " time(s) another writer changed the weights while a version was applied "
+                  "(see the daemon's log)\n",
+                  st.foreign_writes());
+    }
   }
   if (st.active_holds() > 0) {
     std::printf("%u hold(s) active, the oldest for %.1f s\n", st.active_holds(), st.oldest_hold_ms() / 1000.0);

@@ -471,6 +471,10 @@ class Sink : public Node, public v1::Local::Service {
     if (!st.sync_error.ok()) resp->set_sync_error(st.sync_error.ToString());
     resp->set_active_holds(st.active_holds);
     resp->set_oldest_hold_ms(st.oldest_hold_ms);
+    resp->set_staged_version(st.timings.staged_version);
+    resp->set_staging_ms(st.timings.staging_ms);
+    resp->set_apply_ms(st.timings.apply_ms);
+    resp->set_foreign_writes(st.timings.foreign_writes);
     return grpc::Status::OK;
   }
 

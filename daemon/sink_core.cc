@@ -147,7 +147,10 @@ SinkStatus SinkCore::status() {
   s.bytes_received = bytes_received_.load();
   s.chunks_decoded_ahead = decoded_ahead_.load();
   s.sync_failures = failures_.load();
-  if (w) s.sync_error = w->sync_error();
+  if (w) {
+    s.sync_error = w->sync_error();
+    s.timings = w->timings();
+  }
   std::tie(s.active_holds, s.oldest_hold_ms) = HoldSummary();
   return s;
 }

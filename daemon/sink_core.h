@@ -54,6 +54,7 @@ struct SinkStatus {
   size_t tensors = 0;
   uint64_t pulls_made = 0, sync_failures = 0, bytes_received = 0;
   uint64_t chunks_decoded_ahead = 0;  // decoded while their stream arrived
+  SinkWeights::Timings timings;       // the registered weights' last apply
   Status sync_error;
   uint32_t active_holds = 0;
   int64_t oldest_hold_ms = 0;

@@ -20,6 +20,15 @@ Status SinkWeights::Apply(const PatchStream& stream) {
 }
 
 Status SinkWeights::ApplyParts(std::span<const PatchStream* const> parts) {
+  if (std::unique_ptr<codec::ApplyAhead> ahead = BeginApplyAhead()) {
+    // The parts as one stream of segments: staged as one.
+    std::string stream;
+    for (const PatchStream* p : parts) {
+      WSYNC_RETURN_IF_ERROR(p->WaitComplete(std::chrono::steady_clock::now()).WithContext("apply"));
+      stream += p->Assemble();
+    }
+    return ApplyStaged(parts, *ahead, stream);
+  }
   std::vector<std::string> bytes;
   std::vector<std::string_view> views;
   uint64_t total = 0;
@@ -46,11 +55,70 @@ std::unique_ptr<codec::ApplyAhead> SinkWeights::BeginApplyAhead() const {
 }
 
 Status SinkWeights::Apply(const PatchStream& stream, codec::ApplyAhead& ahead, std::string_view bytes) {
-  // Checked and decoded while the engine may still hold the weights: the
-  // wait for its holds, then only the writes and their verification.
-  WSYNC_RETURN_IF_ERROR(ahead.Prepare(bytes));
   const PatchStream* one[] = {&stream};
-  return ApplyWith(one, [&] { return ahead.Apply(bytes); }, bytes.size());
+  return ApplyStaged(one, ahead, bytes);
+}
+
+Status SinkWeights::ApplyStaged(std::span<const PatchStream* const> parts, codec::ApplyAhead& ahead,
+                                std::string_view bytes) {
+  using Ms = std::chrono::duration<double, std::milli>;
+  // Staged while the engine may still hold (read) the weights: the wait for
+  // its holds, then only the writes.
+  const auto t0 = std::chrono::steady_clock::now();
+  WSYNC_RETURN_IF_ERROR(ahead.Prepare(bytes));
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    timings_.staging_ms = Ms(std::chrono::steady_clock::now() - t0).count();
+    timings_.staged_version = parts.empty() ? 0 : parts[0]->to();
+  }
+  bool ran = false, wrote = false;
+  double apply_ms = 0;
+  Status s = ApplyWith(
+      parts,
+      [&] {
+        const auto t1 = std::chrono::steady_clock::now();
+        Status applied = ahead.Apply(bytes);
+        apply_ms = Ms(std::chrono::steady_clock::now() - t1).count();
+        ran = true;
+        wrote = applied.ok();
+        return applied;
+      },
+      bytes.size());
+  std::unique_lock<std::mutex> lock(mu_);
+  timings_.staged_version = 0;
+  if (ran) timings_.apply_ms = apply_ms;
+  if (!wrote) {
+    // Staged and applied but refused: the only cause is a value changed
+    // since staging (the apply undid itself).
+    if (ran && s.code() == StatusCode::kFailedPrecondition) ForeignWriteLocked(s, /*undone=*/true);
+    return s;
+  }
+  if (closed_) return s;
+  // Read back with the holders reading again: values changed by someone
+  // else between staging and the writes.
+  confirming_ = true;
+  lock.unlock();
+  Status confirmed = ahead.Confirm();
+  lock.lock();
+  confirming_ = false;
+  if (!confirmed.ok()) {
+    applied_ = 0;  // no version: a keyframe repairs them
+    ForeignWriteLocked(confirmed, /*undone=*/false);
+  }
+  cv_.notify_all();
+  return confirmed;
+}
+
+void SinkWeights::ForeignWriteLocked(const Status& why, bool undone) {
+  ++timings_.foreign_writes;
+  spdlog::error("another writer changed the weights between staging a version and applying it: {}; {}",
+                why.ToString(),
+                undone ? "the apply was undone" : "they hold no version until a keyframe repairs them");
+}
+
+SinkWeights::Timings SinkWeights::timings() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return timings_;
 }
 
 Status SinkWeights::ApplyWith(std::span<const PatchStream* const> parts, const std::function<Status()>& apply,
@@ -111,7 +179,7 @@ void SinkWeights::Close() {
   std::unique_lock<std::mutex> lock(mu_);
   closed_ = true;
   cv_.notify_all();
-  cv_.wait(lock, [&] { return !applying_; });
+  cv_.wait(lock, [&] { return !applying_ && !confirming_; });
 }
 
 void SinkWeights::SetSyncError(const Status& why, bool permanent) {

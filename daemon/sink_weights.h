@@ -7,6 +7,13 @@
 // whole version, never a half-applied one. A failed apply leaves the weights
 // and the version exactly as they were (the codec undoes).
 //
+// Where the store can stage (host memory: codec::ApplyAhead), a version is
+// checked, decoded and proven against the weights while the holders still
+// read them; the apply between the holds only writes the changed values.
+// Then, with the holders reading again, the weights are read back: values
+// another writer changed since staging are reported (a foreign write: the
+// weights hold no version until a keyframe repairs them).
+//
 // Thread safety: thread-safe.
 #pragma once
 
@@ -42,13 +49,23 @@ class SinkWeights {
   // The parts of one version from several sources (complete streams to
   // the same version), applied as one.
   Status ApplyParts(std::span<const PatchStream* const> parts);
-  // Decoding while a stream arrives: an ApplyAhead over the tensors (null
-  // where the store does not decode ahead), then Apply with it and the
-  // stream's bytes (`stream` complete, `bytes` its Assemble()): checked and
-  // every chunk decoded before it waits for the engine's holds, so that
-  // only the writes and their verification wait for them.
+  // Staging while a stream arrives: an ApplyAhead over the tensors (null
+  // where the store does not stage), then Apply with it and the stream's
+  // bytes (`stream` complete, `bytes` its Assemble()): staged before it
+  // waits for the engine's holds, so that only the writes wait for them.
+  // DataLoss when the read-back after the apply finds a foreign write (the
+  // applied version is then 0: the caller pulls a keyframe).
   std::unique_ptr<codec::ApplyAhead> BeginApplyAhead() const;
   Status Apply(const PatchStream& stream, codec::ApplyAhead& ahead, std::string_view bytes);
+
+  // The last apply's times, and the foreign writes found.
+  struct Timings {
+    uint64_t staged_version = 0;  // staged, waiting for the holds to end (0: none)
+    double staging_ms = 0;        // the last version's staging (off the pause)
+    double apply_ms = 0;          // its apply between the holds (the pause's share)
+    uint64_t foreign_writes = 0;  // values changed by another writer, found since registration
+  };
+  Timings timings() const;
 
   // Waits for an apply in progress, then refuses every later one: the
   // owner may free the memory once the SinkWeights is gone.
@@ -83,6 +100,11 @@ class SinkWeights {
   // Waits for the holds, checks that every patch starts at the applied
   // version, runs `apply` and records the version.
   Status ApplyWith(std::span<const PatchStream* const> parts, const std::function<Status()>& apply, uint64_t bytes);
+  // Stages `bytes` (the parts' streams back to back) with `ahead`, applies
+  // them between the holds, then reads them back.
+  Status ApplyStaged(std::span<const PatchStream* const> parts, codec::ApplyAhead& ahead, std::string_view bytes);
+  // Counts and logs a foreign write (undone: the apply was refused).
+  void ForeignWriteLocked(const Status& why, bool undone);
 
   const std::unique_ptr<WeightStore> store_;
   ThreadPool* pool_;
@@ -92,7 +114,9 @@ class SinkWeights {
   int holds_ = 0;
   int applies_waiting_ = 0;
   bool applying_ = false;
+  bool confirming_ = false;  // reading the weights back after an apply
   bool closed_ = false;
+  Timings timings_;
   Status sync_error_;
   bool sync_error_permanent_ = false;
 };

@@ -199,5 +199,60 @@ TEST(SinkWeights, ClosingEndsWaits) {
   EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(30));
 }
 
+
+// Element indices where tensor a and b differ (changed) or not.
+std::vector<size_t> Elements(const OwnedTensor& a, const OwnedTensor& b, bool changed) {
+  std::vector<size_t> out;
+  for (size_t i = 0; i < a.bytes.size() / 2; ++i) {
+    if ((std::memcmp(&a.bytes[2 * i], &b.bytes[2 * i], 2) != 0) == changed) out.push_back(i);
+  }
+  return out;
+}
+
+// A version is staged while the weights are held, then applied once the
+// hold ends; a writer other than wsync that changes the weights meanwhile
+// is found: at a value the version changes, the apply is undone; elsewhere,
+// the read-back after the apply reports it and the weights hold no version.
+TEST(SinkWeights, AVersionIsStagedUnderTheHoldsAndForeignWritesAreFound) {
+  Fixture s = Make(2);
+  for (bool at_a_change : {true, false}) {
+    SCOPED_TRACE(at_a_change ? "a changed value" : "an unchanged value");
+    SinkWeights w(Store(RegionWith(s, s.versions[0])), nullptr, 1);
+    ASSERT_EQ(w.Hold(), 1u);
+    Status applied;
+    std::thread sync([&] { applied = w.Apply(**s.history->Open(1, 2)); });
+    // Staged while held: it waits for the hold with nothing written.
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+    while (w.timings().staged_version != 2 && std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    ASSERT_EQ(w.timings().staged_version, 2u);
+    EXPECT_EQ(codec::SetChecksum(w.Views()), codec::SetChecksum(buffers::Views(s.versions[0])));
+    // The holder writes one element of 'x' (a foreign writer), then releases.
+    const std::vector<size_t> at = Elements(s.versions[0][0], s.versions[1][0], at_a_change);
+    ASSERT_FALSE(at.empty());
+    auto* x = const_cast<uint8_t*>(w.Views()[0].data);
+    x[2 * at[at.size() / 2]] ^= 0x01;
+    std::vector<OwnedTensor> written = s.versions[0];
+    written[0].bytes[2 * at[at.size() / 2]] ^= 0x01;
+    w.Release();
+    sync.join();
+    EXPECT_EQ(w.timings().foreign_writes, 1u);
+    EXPECT_GT(w.timings().staging_ms, 0);
+    if (at_a_change) {
+      EXPECT_EQ(applied.code(), StatusCode::kFailedPrecondition) << applied.ToString();
+      EXPECT_EQ(w.applied(), 1u);
+      EXPECT_EQ(codec::SetChecksum(w.Views()), codec::SetChecksum(buffers::Views(written))) << "undone";
+    } else {
+      EXPECT_EQ(applied.code(), StatusCode::kDataLoss) << applied.ToString();
+      EXPECT_EQ(w.applied(), 0u) << "no version until a keyframe";
+    }
+    // The keyframe the sink then pulls repairs them.
+    ASSERT_TRUE(w.Apply(**s.history->Open(0, 2)).ok());
+    EXPECT_EQ(codec::SetChecksum(w.Views()), codec::SetChecksum(buffers::Views(s.versions[1])));
+    EXPECT_EQ(w.applied(), 2u);
+  }
+}
+
 }  // namespace
 }  // namespace wsync::daemon
