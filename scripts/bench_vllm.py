@@ -7,16 +7,21 @@ each step through vLLM's trainer-side API with the `wsync` backend; two vLLM
 engines (TP 1, torch.compile on, as vLLM runs by default) hold the weights:
   - wsync:  the `wsync` weight-transfer backend; its pause is the
             start_weight_update / update_weights / finish_weight_update
-            round trip (the sink applies the patch in place meanwhile);
+            round trip (the sink writes the changed values meanwhile: it
+            pulled, checked, decoded and proved the version against the
+            weights before, while the engine held them, and the bench
+            starts the update once the sink says the version is staged);
   - dense:  vLLM's own dense path, `reload_weights` of the step's full
             tensors (read in the worker from the step's safetensors file,
             in the page cache): what RL frameworks call after shipping
             every tensor;
 and after each step both must generate the same greedy tokens and logprobs.
-Printed: the pause of each per version, medians, and the bytes each moves
-(wsync's patch against the full BF16 tensors).
+Printed per version: the fraction of BF16 values that changed, the sink's
+staging (off the pause) and its writes between the holds (as the sink
+measured them), the engine's pause with each, and the bytes each moves
+(wsync's patch against the full BF16 tensors); then medians.
 
-    <vLLM python> scripts/bench_vllm.py --build build [--hidden 1024 --layers 8 --steps 5]
+    <vLLM python> scripts/bench_vllm.py --build build [--hidden 1024 --layers 8 --steps 5 --lr 1e-5]
 """
 import argparse
 import os
@@ -52,6 +57,7 @@ def main():
     from vllm import LLM
     from vllm.distributed.weight_transfer.base import ModuleSource
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+    from wsync import Sink
     from wsync.vllm import LLMClient, WsyncTrainerInitInfo
 
     build = os.path.abspath(args.build)
@@ -69,7 +75,7 @@ def main():
         model = transformers.LlamaForCausalLM(config).float()
         params = sum(p.numel() for p in model.parameters())
         ckpt = os.path.join(tmp, "step-0")
-        T.save_checkpoint(model, ckpt)
+        loaded = T.save_checkpoint(model, ckpt)
         print(f"model: {params / 1e6:.0f} M parameters, {params * 2 / 1e6:.0f} MB in BF16; "
               f"{'eager' if args.eager else 'torch.compile'}", flush=True)
 
@@ -87,6 +93,21 @@ def main():
             client=LLMClient(ws), source=ModuleSource(model))
         trainer.send_weights()  # version 1: the loaded weights (a keyframe)
         T.generate(ws), T.generate(dense)  # compiled graphs warm
+        sink = Sink(f"unix:{tmp}/sink-tp1-0.sock")
+
+        def staged(version):
+            # The engine holds the weights between updates: the sink stages the version, then waits.
+            deadline = time.time() + 120
+            while time.time() < deadline:
+                st = sink.status()
+                if st.staged_version == version or st.version >= version:
+                    return
+                time.sleep(0.005)
+            raise SystemExit(f"the sink did not stage version {version} in 120 s: {sink.status()}")
+
+        def bits(tensors):
+            return {k: v.view(torch.int16) if v.dtype == torch.bfloat16 else v for k, v in tensors.items()}
+        prev = bits(loaded)
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
         gen = torch.Generator().manual_seed(2)
         rows = []
@@ -99,21 +120,27 @@ def main():
                 path = os.path.join(tmp, f"step-{step}")
                 tensors = T.save_checkpoint(model, path)
                 dense_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+                now = bits(tensors)
+                changed = sum(int((now[k] != prev[k]).sum()) for k in now) / sum(v.numel() for v in now.values())
+                prev = now
                 # wsync: the publish (encode) runs while the engine may generate; the pause is the update.
                 stats = trainer.wsync.publish()
+                staged(stats.version)
                 t0 = time.perf_counter()
                 trainer.client.start_weight_update()
                 trainer.client.update_weights({"version": stats.version, "timeout": 60.0})
                 trainer.client.finish_weight_update(str(stats.version))
                 t1 = time.perf_counter()
+                st = sink.status()
                 dense.collective_rpc("reload_weights", kwargs={"weights_path": path})
                 dense.reset_prefix_cache()
                 t2 = time.perf_counter()
                 same = T.generate(ws) == T.generate(dense)
-                rows.append((t1 - t0, t2 - t1, stats.patch_bytes, dense_bytes))
-                print(f"  version {stats.version}: wsync pause {1e3 * (t1 - t0):7.1f} ms, {stats.patch_bytes:>11,} bytes "
-                      f"(encode {stats.encode_ms:.0f} ms, off the pause) | dense pause {1e3 * (t2 - t1):7.1f} ms, "
-                      f"{dense_bytes:>11,} bytes | same tokens and logprobs: {same}", flush=True)
+                rows.append((t1 - t0, t2 - t1, stats.patch_bytes, dense_bytes, changed, st.staging_ms, st.apply_ms))
+                print(f"  version {stats.version}: {100 * changed:.2f}% changed | wsync pause {1e3 * (t1 - t0):6.1f} ms "
+                      f"(sink: staged {st.staging_ms:.0f} ms before, wrote {st.apply_ms:.1f} ms in it), "
+                      f"{stats.patch_bytes:>11,} bytes | dense pause {1e3 * (t2 - t1):6.1f} ms, {dense_bytes:>11,} bytes "
+                      f"| same tokens and logprobs: {same}", flush=True)
                 if not same:
                     raise SystemExit("the two engines disagree: the weights are not the same")
         finally:
@@ -125,8 +152,12 @@ def main():
         d = statistics.median(r[1] for r in rows)
         pb = statistics.median(r[2] for r in rows)
         db = statistics.median(r[3] for r in rows)
-        print(f"medians over {len(rows)} versions: pause {1e3 * w:.0f} ms with wsync, {1e3 * d:.0f} ms dense "
-              f"({d / w:.1f}x); bytes {pb:,.0f} with wsync, {db:,.0f} dense ({db / pb:.0f}x fewer)")
+        ch = statistics.median(r[4] for r in rows)
+        stage = statistics.median(r[5] for r in rows)
+        write = statistics.median(r[6] for r in rows)
+        print(f"medians over {len(rows)} versions at lr {args.lr:g} ({100 * ch:.2f}% changed): pause {1e3 * w:.1f} ms "
+              f"with wsync ({100 * w / d:.0f}% of dense; the sink's writes {write:.1f} ms, its staging {stage:.0f} ms "
+              f"before), {1e3 * d:.0f} ms dense; bytes {pb:,.0f} with wsync, {db:,.0f} dense ({db / pb:.0f}x fewer)")
     finally:
         s.stop()  # also when an engine fails to start
 
