@@ -37,42 +37,62 @@ sys.path.insert(0, os.path.join(HERE, "..", "tests", "python"))
 from vllm_env import prepare_cpu  # noqa: E402
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def model_arguments(ap):
+    """The build and the model's shape and learning rate (the vLLM benches share them)."""
     ap.add_argument("--build", default="build")
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--vocab", type=int, default=32000)
-    ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--lr", type=float, default=1e-5)
+
+
+def llama(args, positions):
+    """The Llama-style model of those arguments, in FP32, seeded."""
+    import torch
+    import transformers
+    h = args.hidden
+    config = transformers.LlamaConfig(vocab_size=args.vocab, hidden_size=h, intermediate_size=h * 11 // 4,
+                                      num_hidden_layers=args.layers, num_attention_heads=h // 64,
+                                      num_key_value_heads=max(1, h // 256), max_position_embeddings=positions,
+                                      tie_word_embeddings=False)
+    torch.manual_seed(1)
+    return transformers.LlamaForCausalLM(config).float()
+
+
+def system_with_sink(build, tmp):
+    """A coordinator, a source and the TP 1 engine's sink (sink-tp1-0) on loopback, under tmp."""
+    from system_demo import System
+    s = System(os.path.abspath(build), 0, 4, tmp)
+    try:
+        s.start_sink("sink-tp1-0")
+        s.wait_for(lambda: os.path.exists(f"{tmp}/sink-tp1-0.sock"), "the sink's local API")
+    except BaseException:
+        s.stop()
+        raise
+    return s
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    model_arguments(ap)
+    ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--eager", action="store_true", help="enforce_eager (no torch.compile)")
     args = ap.parse_args()
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     prepare_cpu()
 
     import torch
-    import transformers
     import vllm_test as T
-    from system_demo import System
     from vllm import LLM
     from vllm.distributed.weight_transfer.base import ModuleSource
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
     from wsync import Sink
     from wsync.vllm import LLMClient, WsyncTrainerInitInfo
 
-    build = os.path.abspath(args.build)
     tmp = tempfile.mkdtemp(prefix="wsync_bench_vllm_")
-    s = System(build, 0, 4, tmp)
+    s = system_with_sink(args.build, tmp)
     try:
-        s.start_sink("sink-tp1-0")
-        s.wait_for(lambda: os.path.exists(f"{tmp}/sink-tp1-0.sock"), "the sink's local API")
-        h = args.hidden
-        config = transformers.LlamaConfig(vocab_size=args.vocab, hidden_size=h, intermediate_size=h * 11 // 4,
-                                          num_hidden_layers=args.layers, num_attention_heads=h // 64,
-                                          num_key_value_heads=max(1, h // 256), max_position_embeddings=512,
-                                          tie_word_embeddings=False)
-        torch.manual_seed(1)
-        model = transformers.LlamaForCausalLM(config).float()
+        model = llama(args, positions=512)
         params = sum(p.numel() for p in model.parameters())
         ckpt = os.path.join(tmp, "step-0")
         loaded = T.save_checkpoint(model, ckpt)

@@ -36,6 +36,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "tests", "python"))
 
+from bench_vllm import llama, model_arguments, system_with_sink  # noqa: E402
 from vllm_env import prepare_cpu  # noqa: E402
 
 
@@ -46,11 +47,7 @@ def percentile(xs, p):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--build", default="build")
-    ap.add_argument("--hidden", type=int, default=1024)
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--vocab", type=int, default=32000)
-    ap.add_argument("--lr", type=float, default=1e-5)
+    model_arguments(ap)
     ap.add_argument("--requests", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=240)
     ap.add_argument("--every", type=int, default=40, help="tokens of the first sequence between versions")
@@ -60,9 +57,7 @@ def main():
     prepare_cpu()
 
     import torch
-    import transformers
     import vllm_test as T
-    from system_demo import System
     from vllm import AsyncEngineArgs, SamplingParams
     from vllm.distributed.weight_transfer.base import WeightTransferInitRequest, WeightTransferUpdateRequest
     from vllm.sampling_params import RequestOutputKind
@@ -71,19 +66,10 @@ def main():
     from wsync.checkpoint import checkpoint_tensors
     from wsync.vllm import WsyncInitInfo, WsyncUpdateInfo
 
-    build = os.path.abspath(args.build)
     tmp = tempfile.mkdtemp(prefix="wsync_bench_latency_")
-    s = System(build, 0, 4, tmp)
+    s = system_with_sink(args.build, tmp)
     try:
-        s.start_sink("sink-tp1-0")
-        s.wait_for(lambda: os.path.exists(f"{tmp}/sink-tp1-0.sock"), "the sink's local API")
-        h = args.hidden
-        config = transformers.LlamaConfig(vocab_size=args.vocab, hidden_size=h, intermediate_size=h * 11 // 4,
-                                          num_hidden_layers=args.layers, num_attention_heads=h // 64,
-                                          num_key_value_heads=max(1, h // 256),
-                                          max_position_embeddings=args.tokens + 64, tie_word_embeddings=False)
-        torch.manual_seed(1)
-        model = transformers.LlamaForCausalLM(config).float()
+        model = llama(args, positions=args.tokens + 64)
         ckpt = os.path.join(tmp, "step-0")
         T.save_checkpoint(model, ckpt)
         initial = {n: t.detach().to(torch.bfloat16).clone() for n, t in checkpoint_tensors(model).tensors.items()}
