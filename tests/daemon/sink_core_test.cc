@@ -369,6 +369,9 @@ TEST_F(SinkCoreTest, AVersionIsPulledWhileItsSourceEncodesIt) {
   TestSink sink("sink-0", state_.get(), fabric_);
   ASSERT_TRUE(sink.RegisterMemory(v[0], 1).ok());
   hold_next = true;
+  // What the source served before version 2 (its first full chunks may go
+  // out before this thread learns that the encode paused).
+  const uint64_t served = source.plane.server->bytes_served();
   auto publishing = std::async(std::launch::async, [&] { source.Publish(2, v[1]); });
   if (streaming.get_future().wait_for(kEventDeadline) != std::future_status::ready) {
     go_on.set_value();
@@ -376,7 +379,6 @@ TEST_F(SinkCoreTest, AVersionIsPulledWhileItsSourceEncodesIt) {
     FAIL() << "version 2 was not streamed while it was encoded";
   }
   // The sink has learned of version 2 and receives it while it is encoded.
-  const uint64_t served = source.plane.server->bytes_served();
   const auto until = std::chrono::steady_clock::now() + kEventDeadline;
   while (source.plane.server->bytes_served() == served && std::chrono::steady_clock::now() < until) {
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
