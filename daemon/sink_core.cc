@@ -145,7 +145,7 @@ SinkStatus SinkCore::status() {
   s.tensors = w ? w->Views().size() : 0;
   s.pulls_made = pulls_made_.load();
   s.bytes_received = bytes_received_.load();
-  s.chunks_decoded_ahead = decoded_ahead_.load();
+  s.chunks_staged_ahead = staged_ahead_.load();
   s.sync_failures = failures_.load();
   if (w) {
     s.sync_error = w->sync_error();
@@ -563,7 +563,7 @@ Status SinkCore::SyncOnce(const std::shared_ptr<SinkWeights>& w, const std::vect
   auto received = t0;
   for (const auto& stream : streams) received = std::max(received, stream->completed_at());
   WSYNC_RETURN_IF_ERROR(ahead ? w->Apply(*streams[0], *ahead, assembled) : w->ApplyParts(parts));
-  if (ahead) decoded_ahead_ += ahead->decoded_ahead();
+  if (ahead) staged_ahead_ += ahead->staged_ahead();
   ReportApplied(w->applied());
   using Ms = std::chrono::duration<double, std::milli>;
   const auto done = Clock::now();
@@ -571,7 +571,7 @@ Status SinkCore::SyncOnce(const std::shared_ptr<SinkWeights>& w, const std::vect
                config_.name, w->applied(), pulls.size() == 1 ? pulls[0].node : std::to_string(pulls.size()) + " parts",
                streams[0]->kind() == codec::PatchKind::kKeyframe ? "keyframe" : "patch", bytes, Ms(done - t0).count(),
                Ms(received - t0).count(), Ms(done - received).count(),
-               ahead ? "; " + std::to_string(ahead->decoded_ahead()) + " chunks decoded while arriving" : "");
+               ahead ? "; " + std::to_string(ahead->staged_ahead()) + " chunks staged while arriving" : "");
   return wsync::Status::Ok();
 }
 

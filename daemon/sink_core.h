@@ -53,7 +53,7 @@ struct SinkStatus {
   uint64_t applied = 0, head = 0;
   size_t tensors = 0;
   uint64_t pulls_made = 0, sync_failures = 0, bytes_received = 0;
-  uint64_t chunks_decoded_ahead = 0;  // decoded while their stream arrived
+  uint64_t chunks_staged_ahead = 0;  // staged while their stream arrived
   SinkWeights::Timings timings;       // the registered weights' last apply
   Status sync_error;
   uint32_t active_holds = 0;
@@ -218,7 +218,7 @@ class SinkCore : public exchange::PatchProvider {
   std::atomic<uint64_t> head_{0};
   std::atomic<uint64_t> pulls_made_{0};
   std::atomic<uint64_t> bytes_received_{0};
-  std::atomic<uint64_t> decoded_ahead_{0};
+  std::atomic<uint64_t> staged_ahead_{0};
   std::atomic<uint64_t> failures_{0};  // consecutive failed sync attempts
   // Consecutive attempts the parent answered NotFound (it lacks the version
   // yet); the first kNotYetTries are retried within kNotYetMs.

@@ -184,7 +184,7 @@ TEST(Streams, DecodingAheadInAnySlicesGivesTheSameBitsAsApplyingAtOnce) {
       ApplyAhead ahead(MutableViews(work), o);
       Feed(ahead, *stream, rng);
       EXPECT_TRUE(testing::SameBits(work, v0)) << "nothing is written before Apply";
-      EXPECT_GT(ahead.decoded_ahead(), 10u);
+      EXPECT_GT(ahead.staged_ahead(), 10u);
       Status s = ahead.Apply(*stream);
       ASSERT_TRUE(s.ok()) << s.message();
       EXPECT_TRUE(testing::SameBits(work, v1));
@@ -209,9 +209,9 @@ TEST(Streams, PrepareChecksAndDecodesEverythingSoThatApplyOnlyWrites) {
   auto work = v0;
   ApplyAhead ahead(MutableViews(work), {});
   ahead.Advance(std::string_view(stream).substr(0, stream.size() / 2));
-  const size_t half = ahead.decoded_ahead();
+  const size_t half = ahead.staged_ahead();
   ASSERT_TRUE(ahead.Prepare(stream).ok());
-  EXPECT_GT(ahead.decoded_ahead(), half) << "the rest, the last segment's chunks too";
+  EXPECT_GT(ahead.staged_ahead(), half) << "the rest, the last segment's chunks too";
   EXPECT_TRUE(testing::SameBits(work, v0)) << "Prepare writes nothing";
   ASSERT_TRUE(ahead.Apply(stream).ok());
   EXPECT_TRUE(testing::SameBits(work, v1));

@@ -507,7 +507,7 @@ TEST(Parts, RanksApplyTheirPiecesOfEveryPartFromTheirSelections) {
     ApplyAhead ahead(ahead_ranks[r].layout, {});
     for (size_t at = 0; at <= stream.size(); at += 977) ahead.Advance(std::string_view(stream).substr(0, at));
     ahead.Advance(stream);
-    EXPECT_GT(ahead.decoded_ahead(), 0u);
+    EXPECT_GT(ahead.staged_ahead(), 0u);
     s = ahead.Apply(stream);
     ASSERT_TRUE(s.ok()) << s.message();
     EXPECT_TRUE(testing::SameBits(ahead_ranks[r].tensors, Expected(4, r, v1))) << "rank " << r << ", decoded ahead";

@@ -324,8 +324,8 @@ TEST_F(SinkCoreTest, PatchesAreDecodedWhileTheyArrive) {
     ahead.ExpectReaches(k + 1, v[k]);
     after.ExpectReaches(k + 1, v[k]);
   }
-  EXPECT_GT(ahead.core->status().chunks_decoded_ahead, 0u) << "patches are decoded while they arrive";
-  EXPECT_EQ(after.core->status().chunks_decoded_ahead, 0u);
+  EXPECT_GT(ahead.core->status().chunks_staged_ahead, 0u) << "patches are staged while they arrive";
+  EXPECT_EQ(after.core->status().chunks_staged_ahead, 0u);
 }
 
 // A source that encodes in segments announces the version once its first

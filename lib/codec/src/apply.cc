@@ -200,7 +200,7 @@ struct ApplyAhead::Impl {
     std::string head;       // those bytes, to check that Apply is given the same
     PartApply part;
     std::vector<size_t> order;  // patches: works by where their streams end
-    size_t next = 0;            // works of `order` decoded ahead
+    size_t next = 0;            // works of `order` staged ahead
   };
 
   std::vector<MutableTensorView> tensors;
@@ -210,7 +210,7 @@ struct ApplyAhead::Impl {
   std::vector<std::unique_ptr<Segment>> segments;
   uint64_t end = 0;      // where the next segment begins
   bool stopped = false;  // something did not parse: Apply reads it again and says what
-  size_t decoded = 0;
+  size_t staged = 0;
   // Prepare's result: the parts checked and staged, for these bytes.
   std::vector<PartApply*> ready;
   std::string_view ready_for;
@@ -272,7 +272,7 @@ struct ApplyAhead::Impl {
   }
 
   // Stages the works of a patch segment whose streams are in `prefix`.
-  void Decode(Segment& seg, std::string_view prefix) {
+  void Stage(Segment& seg, std::string_view prefix) {
     PartApply& p = seg.part;
     if (!p.delta || seg.next == seg.order.size()) return;
     const uint64_t have = std::min<uint64_t>(prefix.size() - seg.begin, seg.total) - seg.header;
@@ -282,7 +282,7 @@ struct ApplyAhead::Impl {
     if (upto == seg.next) return;
     const size_t first = seg.next;
     ParallelFor(options.pool, upto - first, [&](size_t k) { p.delta->StageAhead(seg.order[first + k]); });
-    decoded += upto - first;
+    staged += upto - first;
     seg.next = upto;
   }
 };
@@ -304,12 +304,12 @@ ApplyAhead::ApplyAhead(ApplyAhead&&) noexcept = default;
 ApplyAhead& ApplyAhead::operator=(ApplyAhead&&) noexcept = default;
 ApplyAhead::~ApplyAhead() = default;
 
-size_t ApplyAhead::decoded_ahead() const { return impl_->decoded; }
+size_t ApplyAhead::staged_ahead() const { return impl_->staged; }
 
 void ApplyAhead::Advance(std::string_view prefix) {
   Impl& m = *impl_;
   while (!m.stopped) {
-    if (!m.segments.empty()) m.Decode(*m.segments.back(), prefix);
+    if (!m.segments.empty()) m.Stage(*m.segments.back(), prefix);
     if (m.segments.empty() || prefix.size() >= m.end) {
       if (!m.Open(prefix)) break;
     } else {

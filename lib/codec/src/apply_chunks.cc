@@ -28,6 +28,13 @@ Status WrongBase(const Container& c) {
                                  " (base checksum differs); destination unchanged");
 }
 
+// Where change k of a chunk lies at its placement.
+template <typename T>
+T* ChangeAt(const internal::Tile& tile, const Placement& at, T* contiguous, uint32_t pos) {
+  if (contiguous != nullptr) return contiguous + pos;
+  return reinterpret_cast<T*>(at.data) + PlacedElement(MapOf(tile, at), pos);
+}
+
 }  // namespace
 
 ResultDigests::ResultDigests(const Container& c, const Plan& p)
@@ -131,7 +138,7 @@ Status DeltaApply::StageWork(size_t i) {
     std::vector<T>& old = decoded_[i].Old<T>();
     old.resize(d.pos.size());
     for (size_t k = 0; k < d.pos.size(); ++k) old[k] = x[d.pos[k]];
-    internal::ScatterAdd<T>(x, d, /*undo=*/false);
+    internal::ScatterAdd<T>(x, d);
     digests_.Record(i, scratch.data());
     staged_[i] = 1;
     return Status::Ok();
@@ -163,15 +170,6 @@ Status DeltaApply::Stage(const std::function<bool()>& holds_base) {
   }
   return Status::Ok();
 }
-
-// Where change k of a chunk lies at its placement.
-namespace {
-template <typename T>
-T* ChangeAt(const internal::Tile& tile, const Placement& at, T* contiguous, uint32_t pos) {
-  if (contiguous != nullptr) return contiguous + pos;
-  return reinterpret_cast<T*>(at.data) + PlacedElement(MapOf(tile, at), pos);
-}
-}  // namespace
 
 bool DeltaApply::CommitWork(size_t i) {
   const Work& w = p_.works[i];

@@ -314,13 +314,9 @@ bool ChunkNeedsBase(ChunkMode mode, std::string_view pos) {
 }
 
 template <typename T>
-void ScatterAdd(T* x, const SparseDelta<T>& d, bool undo) {
+void ScatterAdd(T* x, const SparseDelta<T>& d) {
   const size_t m = d.pos.size();
-  if (undo) {
-    for (size_t i = 0; i < m; ++i) x[d.pos[i]] = static_cast<T>(x[d.pos[i]] - d.delta[i]);
-  } else {
-    for (size_t i = 0; i < m; ++i) x[d.pos[i]] = static_cast<T>(x[d.pos[i]] + d.delta[i]);
-  }
+  for (size_t i = 0; i < m; ++i) x[d.pos[i]] = static_cast<T>(x[d.pos[i]] + d.delta[i]);
 }
 
 #define WSYNC_INSTANTIATE(T) \
@@ -334,7 +330,7 @@ void ScatterAdd(T* x, const SparseDelta<T>& d, bool undo) {
    template Status DecodeChunkPositions<T>(ChunkMode, uint64_t, std::string_view, std::string_view, size_t, ExponentField, ChunkPositions*, SparseDelta<T>*); \
    template Status DecodeChunkValues<T>(std::string_view, const ChunkPositions&, const T*, SparseDelta<T>*); \
    template Status DecodeChunk<T>(ChunkMode, uint64_t, std::string_view, std::string_view, const T*, size_t, ExponentField, SparseDelta<T>*); \
-   template void ScatterAdd<T>(T*, const SparseDelta<T>&, bool);
+   template void ScatterAdd<T>(T*, const SparseDelta<T>&);
 
 WSYNC_FOR_EACH_WIDTH(WSYNC_INSTANTIATE)
 #undef WSYNC_INSTANTIATE

@@ -162,9 +162,9 @@ Status LocateSparseStreams(std::string_view pos, std::string_view val, ExponentF
 // Whether a chunk's decoding needs the base (its class count is > 1).
 bool ChunkNeedsBase(ChunkMode mode, std::string_view pos);
 
-// Applies (or, with undo, reverts) a decoded change in place.
+// Applies a decoded change in place.
 template <typename T>
-void ScatterAdd(T* x, const SparseDelta<T>& d, bool undo);
+void ScatterAdd(T* x, const SparseDelta<T>& d);
 
 // Keyframe chunk: byte planes of the values, zstd.
 template <typename T>

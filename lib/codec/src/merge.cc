@@ -136,7 +136,7 @@ StatusOr<std::string> MergePatches(std::string_view first, std::string_view seco
       Status s = internal::DecodeKeyframeChunk<T>(a.PosStream(ca), n, values.data());
       if (s.ok()) s = internal::DecodeChunk<T>(cb.mode, cb.changed, b.PosStream(cb), b.ValStream(cb), values.data(), n, ef, &db);
       if (!s.ok()) return error.Record(i, s.WithContext(where));
-      internal::ScatterAdd(values.data(), db, false);
+      internal::ScatterAdd(values.data(), db);
       internal::EncodeKeyframeChunk(values.data(), n, options.zstd_level, &encoded[i].pos);
       return;
     }
@@ -150,7 +150,7 @@ StatusOr<std::string> MergePatches(std::string_view first, std::string_view seco
     std::vector<T> version_k;
     if (internal::ChunkNeedsBase(cb.mode, b.PosStream(cb)) && bj != nullptr) {
       version_k.assign(bj, bj + n);
-      internal::ScatterAdd(version_k.data(), da, false);
+      internal::ScatterAdd(version_k.data(), da);
     }
     s = internal::DecodeChunk<T>(cb.mode, cb.changed, b.PosStream(cb), b.ValStream(cb),
                                  version_k.empty() ? nullptr : version_k.data(), n, ef, &db);

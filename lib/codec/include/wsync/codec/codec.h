@@ -310,7 +310,7 @@ class ApplyAhead {
   // applied whole and verified then).
   Status Confirm() const;
   // Chunks staged while the stream arrived.
-  size_t decoded_ahead() const;
+  size_t staged_ahead() const;
 
  private:
   struct Impl;
