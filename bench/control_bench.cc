@@ -56,6 +56,7 @@ struct Load {
   double offered_rps = 0;  // --fleet: the rate the fleet makes
   uint64_t versions = 0, errors = 0, late = 0;
   std::vector<double> reg, hb, rep;  // microseconds
+  std::vector<double> watch;          // --watch: from a version's publish to each watcher's receipt, microseconds
 };
 
 // --fleet: the address that answers the fleet's calls (the one
@@ -88,15 +89,42 @@ class FleetDriver {
     }
   }
 
-  // Drives until `stop`; then waits for the calls in flight.
+  // With --watch, every sink opens its Watch stream first, as a sink
+  // daemon does (open until Run ends).
+  void OpenWatches(const std::atomic<uint64_t>& head, const std::atomic<int64_t>& published_at_us) {
+    if (!o_.watch) return;
+    for (int i = 0; i < o_.sinks; ++i) {
+      auto* ws = new WatchStream(this, head, published_at_us);
+      ws->req.set_node("sink-" + std::to_string(i));
+      ws->req.set_after(head.load());
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        ++in_flight_;
+        watches_.push_back(ws);
+      }
+      stubs_[i % o_.workers]->async()->Watch(&ws->ctx, &ws->req, ws);
+      ws->StartRead(&ws->msg);
+      ws->StartCall();
+    }
+  }
+
+  // Drives until `stop`; then ends the watches and waits for the calls in flight.
   void Run(const std::atomic<bool>& stop, const std::atomic<uint64_t>& head,
            const std::atomic<int64_t>& published_at_us) {
     std::vector<std::thread> threads;
     for (int w = 0; w < o_.workers; ++w) threads.emplace_back([&, w] { Schedule(w, stop, head, published_at_us); });
     for (auto& t : threads) t.join();
     std::unique_lock<std::mutex> lock(mu_);
+    for (WatchStream* ws : watches_) ws->ctx.TryCancel();
     done_.wait_for(lock, std::chrono::seconds(60), [&] { return in_flight_ == 0; });
   }
+
+  // Microseconds from each version's publish to each watcher's receipt of it.
+  std::vector<double> WatchLatencies() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return watch_lat_;
+  }
+  uint64_t watch_errors() const { return watch_errors_; }
 
   std::vector<double> Latencies(bool report) {
     std::lock_guard<std::mutex> lock(mu_);
@@ -118,6 +146,35 @@ class FleetDriver {
   };
   struct Lat {
     std::vector<double> hb, rep;
+  };
+  // One sink's Watch stream: each version read is timed from its publish.
+  class WatchStream : public grpc::ClientReadReactor<v1::VersionSummary> {
+   public:
+    WatchStream(FleetDriver* d, const std::atomic<uint64_t>& head, const std::atomic<int64_t>& published_at_us)
+        : d_(d), head_(head), published_at_us_(published_at_us) {}
+    void OnReadDone(bool ok) override {
+      if (!ok) return;  // the stream ends: OnDone follows
+      if (msg.version() == head_.load()) {
+        const int64_t now_us =
+            std::chrono::duration_cast<std::chrono::microseconds>(Clock::now().time_since_epoch()).count();
+        std::lock_guard<std::mutex> lock(d_->mu_);
+        d_->watch_lat_.push_back(static_cast<double>(now_us - published_at_us_.load()));
+      }
+      StartRead(&msg);
+    }
+    void OnDone(const grpc::Status& s) override {
+      if (!s.ok() && s.error_code() != grpc::StatusCode::CANCELLED) ++d_->watch_errors_;
+      std::lock_guard<std::mutex> lock(d_->mu_);
+      if (--d_->in_flight_ == 0) d_->done_.notify_all();
+    }
+    grpc::ClientContext ctx;
+    v1::WatchRequest req;
+    v1::VersionSummary msg;
+
+   private:
+    FleetDriver* d_;
+    const std::atomic<uint64_t>& head_;
+    const std::atomic<int64_t>& published_at_us_;
   };
 
   void Schedule(int w, const std::atomic<bool>& stop, const std::atomic<uint64_t>& head,
@@ -190,11 +247,18 @@ class FleetDriver {
 
   const ControlBenchOptions& o_;
   std::vector<std::unique_ptr<v1::Coordinator::Stub>> stubs_;
-  std::atomic<uint64_t> errors_{0}, late_{0};
+  std::atomic<uint64_t> errors_{0}, late_{0}, watch_errors_{0};
   std::mutex mu_;
   std::condition_variable done_;
   uint64_t in_flight_ = 0;
   std::vector<Lat> lat_;
+  std::vector<WatchStream*> watches_;  // owned: deleted with the driver, after every OnDone
+  std::vector<double> watch_lat_;
+
+ public:
+  ~FleetDriver() {
+    for (WatchStream* ws : watches_) delete ws;
+  }
 };
 
 // Simulated sinks against `address` (one coordinator, or replicas): they
@@ -268,6 +332,7 @@ Load Drive(const std::string& address, const ControlBenchOptions& o,
       ++errors;
     }
   }
+  if (fleet) fleet->OpenWatches(head, published_at_us);
   const auto steady_start = Clock::now();
   if (fleet) {
     threads.emplace_back([&] { fleet->Run(stop, head, published_at_us); });
@@ -304,8 +369,9 @@ Load Drive(const std::string& address, const ControlBenchOptions& o,
   l.hb = fleet ? fleet->Latencies(false) : merge(hb_lat);
   l.rep = fleet ? fleet->Latencies(true) : merge(rep_lat);
   if (fleet) {
-    errors += fleet->errors();
+    errors += fleet->errors() + fleet->watch_errors();
     late += fleet->late();
+    l.watch = fleet->WatchLatencies();
   }
   l.register_per_s = l.reg.size() / register_s;
   l.rps = (l.hb.size() + l.rep.size()) / l.steady_s;
@@ -397,7 +463,8 @@ void PrintLoad(const char* what, const Load& l) {
   }
   std::printf("%-14s %10s %10s %10s\n", "method", "count", "p50 us", "p99 us");
   for (auto [name, v] : {std::pair<const char*, const std::vector<double>*>{"Register", &l.reg},
-                         {"Heartbeat", &l.hb}, {"ReportApplied", &l.rep}}) {
+                         {"Heartbeat", &l.hb}, {"ReportApplied", &l.rep}, {"Watch (deliver)", &l.watch}}) {
+    if (v == &l.watch && v->empty()) continue;
     std::vector<double> copy = *v;
     std::printf("%-14s %10zu %10.0f %10.0f\n", name, v->size(), Percentile(copy, 0.5), Percentile(copy, 0.99));
   }
@@ -414,7 +481,7 @@ nlohmann::ordered_json LoadJson(const Load& l) {
     j["late_calls"] = l.late;
   }
   for (auto [name, v] : {std::pair<const char*, const std::vector<double>*>{"register", &l.reg},
-                         {"heartbeat", &l.hb}, {"report_applied", &l.rep}}) {
+                         {"heartbeat", &l.hb}, {"report_applied", &l.rep}, {"watch_delivery", &l.watch}}) {
     std::vector<double> copy = *v;
     j[name] = {{"count", v->size()}, {"p50_us", Percentile(copy, 0.5)}, {"p99_us", Percentile(copy, 0.99)}};
   }

@@ -23,6 +23,7 @@ struct ControlBenchOptions {
   bool fleet = false;
   int heartbeat_ms = 2500;     // --fleet: each sink's heartbeat period (the daemons': their TTL / 4)
   int report_spread_ms = 1000; // --fleet: sinks report a version within this after it is published
+  bool watch = true;           // --fleet: every sink holds a Watch stream open, as sink daemons do
   std::string address;     // empty: an in-process coordinator on 127.0.0.1:0
   std::string store_dir;   // in-process coordinator's durable store (empty: none)
   std::string etcd;        // set: also three in-process replicas over this etcd cluster (host:port,...)

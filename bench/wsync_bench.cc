@@ -320,6 +320,7 @@ int main(int argc, char** argv) {
   control->add_option("--heartbeat-ms", cb.heartbeat_ms, "--fleet: heartbeat period per sink")->capture_default_str();
   std::optional<int> publish_every;
   control->add_option("--publish-every-ms", publish_every, "a version every this many ms (default 100; --fleet 5000)");
+  control->add_flag("!--no-watch", cb.watch, "--fleet: the sinks hold no Watch streams open (sink daemons do)");
   control->add_option("--report-spread-ms", cb.report_spread_ms, "--fleet: sinks report a version within this")
       ->capture_default_str();
   control->callback([&] {

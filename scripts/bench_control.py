@@ -7,11 +7,13 @@ control --fleet`: every simulated sink heart-beats and reports each version
 at the rate a fleet of that size makes at the daemons' defaults. The same
 driver measures every coordinator, interleaved by sink count. Prints, per
 sink count, coordinator and build: the RPC rate offered and served, the
-heartbeat p50/p99, the report p99 and the calls that started late.
+heartbeat p50/p99, the report p99, the calls that started late, and (each
+sink holding its Watch stream open, as sink daemons do; --no-watch: none)
+the time from a version's publish to every watcher's receipt of it.
 
     bench_control.py --build build [--baseline OLD_BUILD] [--sinks 1000,10000,30000] [--seconds 20]
                      [--heartbeat-ms 2500] [--publish-every-ms 5000] [--report-spread-ms 1000]
-                     [--where memory,etcd]
+                     [--where memory,etcd] [--no-watch]
 """
 import argparse
 import json
@@ -55,7 +57,7 @@ def drive(bench, addresses, sinks, args):
     argv = [bench, "--json", "control", "--fleet", "--sinks", str(sinks), "--seconds", str(args.seconds),
             "--heartbeat-ms", str(args.heartbeat_ms), "--publish-every-ms", str(args.publish_every_ms),
             "--report-spread-ms", str(args.report_spread_ms),
-            "--coordinator", ",".join(addresses)]
+            "--coordinator", ",".join(addresses)] + (["--no-watch"] if args.no_watch else [])
     p = subprocess.run(argv, capture_output=True, text=True, timeout=args.seconds + 900)
     try:
         return json.loads(p.stdout)["external"]
@@ -73,6 +75,7 @@ def main():
     ap.add_argument("--publish-every-ms", type=int, default=5000)
     ap.add_argument("--report-spread-ms", type=int, default=1000, help="sinks report a version within this")
     ap.add_argument("--where", default="memory,etcd", help="which coordinators: memory, etcd or both")
+    ap.add_argument("--no-watch", action="store_true", help="the simulated sinks hold no Watch streams")
     args = ap.parse_args()
     if shutil.which("etcd") is None:
         sys.exit("etcd is not installed (scripts/install-deps.sh installs etcd-server)")
@@ -100,18 +103,21 @@ def main():
                     print(f"{sinks:>6} sinks, {where:<21} {name:<10}: {r['offered_rpcs_per_s']:7.0f} RPCs/s offered, "
                           f"{r['steady_rpcs_per_s']:7.0f} served; heartbeat p50 {r['heartbeat']['p50_us'] / 1000:6.2f} "
                           f"p99 {r['heartbeat']['p99_us'] / 1000:7.2f} ms; report p99 "
-                          f"{r['report_applied']['p99_us'] / 1000:7.2f} ms; {r['late_calls']} late, "
+                          f"{r['report_applied']['p99_us'] / 1000:7.2f} ms; watch p99 "
+                          f"{r['watch_delivery']['p99_us'] / 1000:7.2f} ms; {r['late_calls']} late, "
                           f"{r['register_per_s']:.0f} registrations/s, "
                           f"{r['errors']} errors", flush=True)
     finally:
         etcd.stop()
-    print("\n| sinks | coordinator | build | RPCs/s offered | served | heartbeat p50 / p99 | report p99 | late calls "
-          "| registrations/s |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("\n| sinks | coordinator | build | RPCs/s offered | served | heartbeat p50 / p99 | report p99 "
+          "| version to every watcher p50 / p99 | late calls | registrations/s |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for sinks, where, name, r in rows:
         print(f"| {sinks:,} | {where} | {name} | {r['offered_rpcs_per_s']:,.0f} | {r['steady_rpcs_per_s']:,.0f} | "
               f"{r['heartbeat']['p50_us'] / 1000:.2f} / {r['heartbeat']['p99_us'] / 1000:.2f} ms | "
-              f"{r['report_applied']['p99_us'] / 1000:.2f} ms | {r['late_calls']:,} | {r['register_per_s']:,.0f} |")
+              f"{r['report_applied']['p99_us'] / 1000:.2f} ms | "
+              f"{r['watch_delivery']['p50_us'] / 1000:.2f} / {r['watch_delivery']['p99_us'] / 1000:.2f} ms | "
+              f"{r['late_calls']:,} | {r['register_per_s']:,.0f} |")
     shutil.rmtree(tmp, ignore_errors=True)
 
 

@@ -445,6 +445,25 @@ TEST(CoordinatorComponents, RelayTreeGivesChildrenBackToAParentWhoseWatchBroke) 
   EXPECT_EQ(nodes["child"].parent(), "src");
 }
 
+// A restarted node serves nothing yet: its children lose it. A name that
+// joins has no children; for both, nobody avoids it any longer.
+TEST(CoordinatorComponents, RelayTreeForgetsAnAvoidedParentThatRestartsOrJoinsAgain) {
+  TreeWithSource t;
+  auto& [clock, tree, nodes] = t;
+  Add(nodes, "relay", wsync::v1::ROLE_SINK, 1, "src");
+  Add(nodes, "child", wsync::v1::ROLE_SINK, 1, "relay");
+  Add(nodes, "other", wsync::v1::ROLE_SINK, 1, "src");
+  tree.Avoid("other", "relay");
+  ASSERT_TRUE(tree.Avoids("other", "relay"));
+  tree.Restarted(nodes, "relay");
+  EXPECT_EQ(nodes["child"].parent(), "");
+  EXPECT_FALSE(tree.Avoids("other", "relay"));
+
+  tree.Avoid("other", "gone");
+  tree.Joined("gone");
+  EXPECT_FALSE(tree.Avoids("other", "gone"));
+}
+
 TEST(CoordinatorComponents, RelayTreeReachesTheHeadThroughARelayOrAsksTheSource) {
   TreeWithSource t;
   NodeMap& nodes = t.nodes;

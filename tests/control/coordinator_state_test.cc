@@ -476,6 +476,28 @@ TEST(CoordinatorState, WaitForChangeWakesOnPublish) {
   EXPECT_EQ(s->head(), 1u);
 }
 
+// Watchers wait for versions only: a fleet's reports, heartbeats and
+// registrations (thousands a second) must not wake every watcher.
+TEST(CoordinatorState, WatchersWakeForVersionsNotForTheFleet) {
+  FakeClock clock;
+  auto s = Make(&clock);
+  ASSERT_TRUE(s->Publish(V(1)).ok());
+  const uint64_t g = s->versions_generation();
+  ASSERT_TRUE(s->Register(Reg("sink-0", wsync::v1::ROLE_SINK, 1000)).ok());
+  ASSERT_TRUE(s->ReportApplied("sink-0", 1).ok());
+  wsync::v1::HeartbeatRequest hb;
+  hb.set_name("sink-0");
+  ASSERT_TRUE(s->Heartbeat(hb).ok());
+  EXPECT_EQ(s->versions_generation(), g);
+  EXPECT_EQ(s->WaitForVersions(g, std::chrono::steady_clock::now() + std::chrono::milliseconds(1)), g);
+  std::thread publisher([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    ASSERT_TRUE(s->Publish(V(2)).ok());
+  });
+  EXPECT_NE(s->WaitForVersions(g, std::chrono::steady_clock::now() + std::chrono::seconds(10)), g);
+  publisher.join();
+}
+
 TEST(CoordinatorState, RecoversEverythingFromItsStore) {
   const std::string dir = ::testing::TempDir() + "/wsync_state_" + std::to_string(::getpid());
   std::filesystem::remove_all(dir);

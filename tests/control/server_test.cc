@@ -1,6 +1,7 @@
 // The coordinator over real gRPC: TCP on port 0 and a unix socket, the bearer
-// token, health checks without it, Watch with resume, MayPublish waiting,
-// TLS and mTLS with certificates generated for the test.
+// token, health checks without it, Watch with resume (a fleet's streams on
+// no thread each, a broken one marking its node), MayPublish waiting, TLS
+// and mTLS with certificates generated for the test.
 #include "wsync/control/server.h"
 
 #include <grpcpp/generic/generic_stub.h>
@@ -14,12 +15,15 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <condition_variable>
 #include <cstdlib>
 #include <filesystem>
+#include <mutex>
 #include <thread>
 
 #include "wsync/control/client.h"
 #include "wsync/control/rpc_status.h"
+#include "wsync/v1/coordinator.grpc.pb.h"
 #include "wsync/v1/errors.pb.h"
 #include "wsync/util/file.h"
 
@@ -203,6 +207,125 @@ TEST(CoordinatorServer, WatchStreamsBacklogThenNewVersionsAndResumes) {
                        return false;
                      }).ok());
   EXPECT_EQ(resumed, (std::vector<uint64_t>{5}));
+}
+
+// A sink's Watch stream as a fleet's are served: the versions it reads,
+// counted; Wait* wait for events, not for time.
+class WatchStream : public grpc::ClientReadReactor<v1::VersionSummary> {
+ public:
+  WatchStream(v1::Coordinator::Stub* stub, v1::WatchRequest req) : req_(std::move(req)) {
+    stub->async()->Watch(&ctx, &req_, this);
+    StartRead(&msg_);
+    StartCall();
+  }
+  void OnReadDone(bool ok) override {
+    if (!ok) return;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      last_ = msg_.version();
+    }
+    cv_.notify_all();
+    StartRead(&msg_);
+  }
+  void OnDone(const grpc::Status& s) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    status_ = s;
+    done_ = true;
+    cv_.notify_all();
+  }
+  bool WaitForVersion(uint64_t v) {
+    std::unique_lock<std::mutex> lock(mu_);
+    return cv_.wait_for(lock, std::chrono::seconds(30), [&] { return last_ >= v || done_; }) && last_ >= v;
+  }
+  grpc::Status WaitDone() {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait_for(lock, std::chrono::seconds(30), [&] { return done_; });
+    return done_ ? status_ : grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED, "stream still open");
+  }
+  grpc::ClientContext ctx;
+
+ private:
+  v1::WatchRequest req_;
+  v1::VersionSummary msg_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  uint64_t last_ = 0;
+  bool done_ = false;
+  grpc::Status status_;
+};
+
+size_t ThreadsOfThisProcess() {
+  size_t n = 0;
+  for ([[maybe_unused]] const auto& e : std::filesystem::directory_iterator("/proc/self/task")) ++n;
+  return n;
+}
+
+// Every sink holds a Watch stream open: a fleet's streams must not hold a
+// server thread each (thousands of threads, each woken by every change).
+TEST(CoordinatorServer, WatchStreamsHoldNoServerThreadEach) {
+  ServerOptions o;
+  o.listen = {"127.0.0.1:0"};
+  Running r = StartServer(o);
+  auto publisher = Client(r.tcp);
+  ASSERT_TRUE(publisher->Publish(V(1)).ok());
+  auto stub = v1::Coordinator::NewStub(grpc::CreateChannel(r.tcp, grpc::InsecureChannelCredentials()));
+  const size_t threads_before = ThreadsOfThisProcess();
+  constexpr int kStreams = 300;
+  std::vector<std::unique_ptr<WatchStream>> streams;
+  for (int i = 0; i < kStreams; ++i) streams.push_back(std::make_unique<WatchStream>(stub.get(), WatchFrom(0)));
+  for (auto& w : streams) ASSERT_TRUE(w->WaitForVersion(1));
+  ASSERT_TRUE(publisher->Publish(V(2)).ok());
+  for (auto& w : streams) ASSERT_TRUE(w->WaitForVersion(2)) << "every stream gets the new version";
+  EXPECT_LT(ThreadsOfThisProcess(), threads_before + kStreams / 10)
+      << "threads grew with the open streams (before: " << threads_before << ")";
+  // The server stopping ends every stream.
+  r.server->Shutdown();
+  for (auto& w : streams) EXPECT_TRUE(w->WaitDone().ok());
+}
+
+// A stream that breaks under its sink (the process died) marks the node
+// disconnected at once: its children move without waiting out its TTL.
+TEST(CoordinatorServer, ABrokenWatchMarksItsNodeDisconnected) {
+  ServerOptions o;
+  o.listen = {"127.0.0.1:0"};
+  Running r = StartServer(o);
+  auto c = Client(r.tcp);
+  v1::RegisterRequest reg;
+  reg.set_name("sink");
+  reg.set_role(v1::ROLE_SINK);
+  auto registered = c->Register(reg);
+  ASSERT_TRUE(registered.ok());
+  ASSERT_TRUE(c->Publish(V(1)).ok());
+  auto stub = v1::Coordinator::NewStub(grpc::CreateChannel(r.tcp, grpc::InsecureChannelCredentials()));
+  v1::WatchRequest req = WatchFrom(0);
+  req.set_node("sink");
+  req.set_incarnation(registered->node().incarnation());
+  WatchStream w(stub.get(), req);
+  ASSERT_TRUE(w.WaitForVersion(1));
+  auto state_of_sink = [&] {
+    const v1::StatusResponse status = r.state->GetStatus();
+    for (const auto& n : status.nodes()) {
+      if (n.name() == "sink") return n.state();
+    }
+    return v1::NODE_STATE_UNSPECIFIED;
+  };
+  EXPECT_EQ(state_of_sink(), v1::NODE_ALIVE);
+  w.ctx.TryCancel();
+  EXPECT_EQ(w.WaitDone().error_code(), grpc::StatusCode::CANCELLED);
+  for (int i = 0; i < 3000 && state_of_sink() != v1::NODE_DISCONNECTED; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_EQ(state_of_sink(), v1::NODE_DISCONNECTED);
+}
+
+TEST(CoordinatorServer, AWatchNeedsTheToken) {
+  ServerOptions o;
+  o.listen = {"127.0.0.1:0"};
+  o.token = "s3cret-token";
+  Running r = StartServer(o);
+  auto stub = v1::Coordinator::NewStub(grpc::CreateChannel(r.tcp, grpc::InsecureChannelCredentials()));
+  WatchStream w(stub.get(), WatchFrom(0));
+  EXPECT_EQ(w.WaitDone().error_code(), grpc::StatusCode::UNAUTHENTICATED);
 }
 
 TEST(CoordinatorServer, MayPublishWaitsUntilTheLaggardCatchesUp) {

@@ -99,9 +99,11 @@ void CoordinatorState::Apply(const Record& r) {
       break;
     case Record::kVersionPublished:
       versions_->ApplyPublished(r.version_published());
+      VersionsChangedLocked();
       break;
     case Record::kVersionPart:
       versions_->ApplyPart(r.version_part());
+      VersionsChangedLocked();
       break;
     case Record::kLeaseGranted:
       leases_->ApplyGranted(r.lease_granted());
@@ -114,6 +116,7 @@ void CoordinatorState::Apply(const Record& r) {
       break;
     case Record::kVersionFloor:
       versions_->ApplyFloor(r.version_floor());
+      VersionsChangedLocked();
       break;
     case Record::kNodeReports:
       for (const auto& n : r.node_reports().nodes()) nodes_->Apply(n);
@@ -185,6 +188,11 @@ wsync::store::v1::Snapshot CoordinatorState::MakeSnapshot() const {
 void CoordinatorState::NotifyLocked() {
   ++generation_;
   changed_.notify_all();
+}
+
+void CoordinatorState::VersionsChangedLocked() {
+  ++versions_generation_;
+  versions_changed_.notify_all();
 }
 
 // ----------------------------------------------------------------- nodes
@@ -263,13 +271,19 @@ void CoordinatorState::RegisterGroup(const std::vector<PendingRegistration*>& gr
     } else {
       for (size_t i = 0; i < records.size(); ++i) {
         const wsync::v1::RegisterRequest& req = *registering[i]->req;
+        const bool known = nodes_->Find(req.name()) != nullptr;
         Apply(records[i]);
         Node& stored = *nodes_->Find(req.name());
         versions_->ForgetSource(req.name());  // what a (re)registered source holds: its next heartbeat says
         // A new process of this name serves nothing yet: its children go to
         // another holder of their version now, and sinks may take it as a
-        // parent again (once it holds the head).
-        tree_->Restarted(nodes_->nodes(), req.name());
+        // parent again (once it holds the head). A name new to the nodes has
+        // no children to look for (a fleet joins without a pass over it each).
+        if (known) {
+          tree_->Restarted(nodes_->nodes(), req.name());
+        } else {
+          tree_->Joined(req.name());
+        }
         stored.set_state(wsync::v1::NODE_ALIVE);
         nodes_->Touch(req.name(), clock_->NowMs());
         stored.set_parent("");
@@ -589,14 +603,14 @@ bool CoordinatorState::WatchVersions(uint64_t after,
                                      const std::function<bool()>& stop) const {
   while (!stop()) {
     // Read the generation first: a publish after the listing wakes us.
-    const uint64_t gen = generation();
+    const uint64_t gen = versions_generation();
     const wsync::v1::ListVersionsResponse pending = ListVersions(after);
     for (const auto& v : pending.versions()) {
       if (!on_version(v)) return true;
       after = v.version();
     }
     if (stop()) break;
-    WaitForChange(gen, std::chrono::steady_clock::now() + std::chrono::milliseconds(200));
+    WaitForVersions(gen, std::chrono::steady_clock::now() + std::chrono::milliseconds(200));
   }
   return false;
 }
@@ -615,6 +629,17 @@ uint64_t CoordinatorState::WaitForChange(uint64_t seen, std::chrono::steady_cloc
   std::unique_lock<std::mutex> lock(mu_);
   changed_.wait_until(lock, deadline, [&] { return generation_ != seen; });
   return generation_;
+}
+
+uint64_t CoordinatorState::versions_generation() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return versions_generation_;
+}
+
+uint64_t CoordinatorState::WaitForVersions(uint64_t seen, std::chrono::steady_clock::time_point deadline) const {
+  std::unique_lock<std::mutex> lock(mu_);
+  versions_changed_.wait_until(lock, deadline, [&] { return versions_generation_ != seen; });
+  return versions_generation_;
 }
 
 }  // namespace wsync::control

@@ -25,6 +25,10 @@ void RelayTree::Restarted(NodeMap& nodes, const std::string& name) {
   for (auto& [child, n] : nodes) {
     if (n.parent() == name) n.set_parent("");
   }
+  Joined(name);
+}
+
+void RelayTree::Joined(const std::string& name) {
   std::erase_if(avoid_, [&](const auto& e) { return e.second.first == name; });
   std::erase_if(former_parent_, [&](const auto& e) { return e.second == name; });
 }

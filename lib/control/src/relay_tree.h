@@ -49,7 +49,11 @@ class RelayTree {
 
   // A new process registered as `name`: it serves nothing yet, so its
   // children lose it; nobody avoids it, nothing is given back to it.
+  // O(nodes).
   void Restarted(NodeMap& nodes, const std::string& name);
+  // A name not in the nodes registered (a fleet joining): it has no
+  // children; nobody avoids it, nothing is given back to it. O(avoided).
+  void Joined(const std::string& name);
   // `name`'s watch broke: the children it has now are given back if it
   // returns (GiveBackChildren).
   void Disconnected(const NodeMap& nodes, const std::string& name);

@@ -16,9 +16,11 @@
 
 #include <atomic>
 #include <chrono>
+#include <mutex>
 #include <thread>
 
 #include "fault_injection.h"
+#include "watch_streams.h"
 #include "wsync/control/rpc_status.h"
 #include "wsync/util/file.h"
 #include "wsync/v1/coordinator.grpc.pb.h"
@@ -69,8 +71,12 @@ class Metrics {
     auto ports = exposer_->GetListeningPorts();
     return ports.empty() ? 0 : ports[0];
   }
-  void Rpc(const std::string& method, grpc::StatusCode code, double seconds) {
+  // A call that ended (a stream: that started), by code.
+  void Count(const std::string& method, grpc::StatusCode code) {
     rpcs_->Add({{"method", method}, {"code", std::to_string(static_cast<int>(code))}}).Increment();
+  }
+  void Rpc(const std::string& method, grpc::StatusCode code, double seconds) {
+    Count(method, code);
     latency_->Add({{"method", method}}, prometheus::Histogram::BucketBoundaries{1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.5, 1})
         .Observe(seconds);
   }
@@ -100,17 +106,20 @@ class Metrics {
 // fleet's rate the hand-offs were most of the coordinator's CPU). Their
 // handlers wait only for the state's mutex (held through another call's
 // store write) and, when a lease has just expired, for the record of its end.
-// The other calls wait by design (a commit to etcd, MayPublish, Watch) and
-// stay synchronous.
-using ServiceBase =
-    v1::Coordinator::WithCallbackMethod_Heartbeat<v1::Coordinator::WithCallbackMethod_ReportApplied<v1::Coordinator::Service>>;
+// Watch streams too (every sink holds one open): watch_streams.h. The other
+// calls wait by design (a commit to etcd, MayPublish) and stay synchronous.
+using ServiceBase = v1::Coordinator::WithCallbackMethod_Heartbeat<
+    v1::Coordinator::WithCallbackMethod_ReportApplied<v1::Coordinator::WithCallbackMethod_Watch<v1::Coordinator::Service>>>;
 
 class Service final : public ServiceBase {
  public:
   Service(StateHolder* holder, std::string token, Metrics* metrics, bool inject_faults)
       : holder_(holder), token_(std::move(token)), metrics_(metrics), inject_faults_(inject_faults) {}
 
-  void Stop() { stopping_ = true; }
+  void Stop() {
+    stopping_ = true;
+    watches_.Stop();
+  }
 
   grpc::Status Register(ServerContext* ctx, const v1::RegisterRequest* req, v1::RegisterResponse* resp) override {
     return Handle("Register", ctx, [&](CoordinatorState* state) { return Fill(state->Register(*req), resp); });
@@ -138,17 +147,15 @@ class Service final : public ServiceBase {
       return wsync::Status::Ok();
     });
   }
-  grpc::Status Watch(ServerContext* ctx, const v1::WatchRequest* req,
-                     grpc::ServerWriter<v1::VersionSummary>* writer) override {
-    return Handle("Watch", ctx, [&](CoordinatorState* state) {
-      const bool broken = state->WatchVersions(
-          req->after(), [&](const v1::VersionSummary& v) { return writer->Write(v) && !ctx->IsCancelled(); },
-          [&] { return stopping_.load() || ctx->IsCancelled() || !Holds(state); });
-      if ((broken || ctx->IsCancelled()) && !stopping_ && !req->node().empty()) {
-        state->WatchBroken(req->node(), req->incarnation());
-      }
-      return wsync::Status::Ok();
-    });
+  grpc::ServerWriteReactor<v1::VersionSummary>* Watch(grpc::CallbackServerContext* ctx,
+                                                      const v1::WatchRequest* req) override {
+    wsync::Status s = Authenticate(ctx);
+    auto state = s.ok() ? holder_->Current() : StatusOr<std::shared_ptr<CoordinatorState>>(s);
+    if (metrics_ != nullptr) metrics_->Count("Watch", ToGrpc(state.status()).error_code());
+    if (!state.ok()) return new RefusedWatch(ToGrpc(state.status()));
+    auto* reactor = new WatchReactor(&watches_, std::move(*state), *req);
+    watches_.Add(reactor);
+    return reactor;
   }
   grpc::ServerUnaryReactor* ReportApplied(grpc::CallbackServerContext* ctx, const v1::ReportAppliedRequest* req,
                                           v1::ReportAppliedResponse* resp) override {
@@ -286,6 +293,7 @@ class Service final : public ServiceBase {
   Metrics* metrics_;
   const bool inject_faults_;
   std::atomic<bool> stopping_{false};
+  WatchHub watches_{holder_};
 };
 
 // The embedded coordinator's state: always here.

@@ -121,12 +121,18 @@ class CoordinatorState {
   // differs from `seen` or at `deadline`. Returns the current value.
   uint64_t generation() const;
   uint64_t WaitForChange(uint64_t seen, std::chrono::steady_clock::time_point deadline) const;
+  // The same for what ListVersions answers only (a version or a part
+  // announced, the floor raised): what watchers wait for. A fleet's
+  // heartbeats, reports and registrations do not wake them.
+  uint64_t versions_generation() const;
+  uint64_t WaitForVersions(uint64_t seen, std::chrono::steady_clock::time_point deadline) const;
 
-  // The Watch call's loop, for every adapter: on_version for each version
-  // after `after`, then for new ones as they are published, until it returns
-  // false (the watcher went away) or stop() is true (checked at least every
-  // 200 ms). True when the watcher went away, so the adapter reports
-  // WatchBroken; false when stopped.
+  // The Watch call's loop, for an adapter with a thread per watcher (the
+  // in-process client): on_version for each version after `after`, then
+  // for new ones as they are published, until it returns false (the
+  // watcher went away) or stop() is true (checked at least every 200 ms).
+  // True when the watcher went away, so the adapter reports WatchBroken;
+  // false when stopped.
   bool WatchVersions(uint64_t after, const std::function<bool(const wsync::v1::VersionSummary&)>& on_version,
                      const std::function<bool()>& stop) const;
   // MayPublish, waiting until it is allowed, `deadline`, or stop().
@@ -162,6 +168,9 @@ class CoordinatorState {
   // it, or a source whose history does). REQUIRES: mu_ held.
   bool HeadReachableLocked(const wsync::v1::Node& sink, uint64_t head) const;
   void NotifyLocked();
+  // What ListVersions answers changed (after NotifyLocked's waiters, the
+  // watchers'). REQUIRES: mu_ held.
+  void VersionsChangedLocked();
   // The answer to the registration that made `node`'s incarnation. REQUIRES: mu_ held.
   wsync::v1::RegisterResponse RegisteredLocked(const wsync::v1::Node& node) const;
   // Makes the reports not yet durable and `records` durable, in one store
@@ -186,6 +195,8 @@ class CoordinatorState {
   mutable std::mutex mu_;
   mutable std::condition_variable changed_;
   uint64_t generation_ = 0;
+  mutable std::condition_variable versions_changed_;
+  uint64_t versions_generation_ = 0;
   std::unique_ptr<NodeRegistry> nodes_;      // nodes and liveness
   std::unique_ptr<VersionLog> versions_;     // versions, their parts, what sources hold
   std::unique_ptr<LeaseTable> leases_;
