@@ -47,9 +47,9 @@ inline bool Eventually(const std::function<bool()>& pred, std::chrono::milliseco
 // One etcd member on loopback, in a directory of its own; with `tls_dir`,
 // serving TLS with that directory's server certificate and requiring client
 // certificates of its CA.
-class Etcd {
+class EtcdMember {
  public:
-  explicit Etcd(const std::string& tls_dir = "") : tls_dir_(tls_dir) {
+  explicit EtcdMember(const std::string& tls_dir = "") : tls_dir_(tls_dir) {
     dir_ = std::filesystem::path(::testing::TempDir()) / ("wsync_etcd_" + std::to_string(::getpid()));
     std::filesystem::remove_all(dir_);
     endpoint_ = "127.0.0.1:" + std::to_string(FreePort());
@@ -70,7 +70,7 @@ class Etcd {
     argv.push_back(nullptr);
     if (::posix_spawnp(&pid_, "etcd", nullptr, nullptr, argv.data(), environ) != 0) pid_ = -1;
   }
-  ~Etcd() {
+  ~EtcdMember() {
     if (pid_ > 0) {
       ::kill(pid_, SIGKILL);
       ::waitpid(pid_, nullptr, 0);

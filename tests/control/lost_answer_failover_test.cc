@@ -24,7 +24,7 @@ using namespace std::chrono_literals;
 
 class Replica {
  public:
-  Replica(const Etcd& etcd, const std::string& prefix, bool inject) {
+  Replica(const EtcdMember& etcd, const std::string& prefix, bool inject) {
     address_ = "127.0.0.1:" + std::to_string(FreePort());
     std::vector<std::string> args = {WSYNCD_BINARY, "coordinator", "--listen", address_, "--advertise", address_,
                                      "--etcd", etcd.endpoint(), "--etcd-prefix", prefix, "--lease-ttl-s", "1"};
@@ -86,7 +86,7 @@ v1::VersionSummary Version(uint64_t v) {
 // take over, and `call` must succeed there; `check` runs after.
 class LostAnswerTest : public ::testing::Test {
  protected:
-  static void SetUpTestSuite() { etcd_ = new Etcd(); }
+  static void SetUpTestSuite() { etcd_ = new EtcdMember(); }
   static void TearDownTestSuite() {
     delete etcd_;
     etcd_ = nullptr;
@@ -115,12 +115,12 @@ class LostAnswerTest : public ::testing::Test {
         << "the leader did not die after the commit: the fault was not exercised";
   }
 
-  static Etcd* etcd_;
+  static EtcdMember* etcd_;
   std::vector<std::unique_ptr<Replica>> replicas_;
   std::string addresses_;
   std::unique_ptr<CoordinatorClient> plain_, injected_;
 };
-Etcd* LostAnswerTest::etcd_ = nullptr;
+EtcdMember* LostAnswerTest::etcd_ = nullptr;
 
 TEST_F(LostAnswerTest, RegisterGivesOneIncarnation) {
   ASSERT_TRUE(plain_->Register(Node("first")).ok());

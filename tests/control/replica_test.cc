@@ -110,7 +110,7 @@ TEST(ReplicaClient, WithoutALeaderACallFailsAtItsDeadlineNamingWhy) {
   EXPECT_LT(took, 5s);
 }
 
-ReplicaOptions Options(const Etcd& etcd, const std::string& advertise) {
+ReplicaOptions Options(const EtcdMember& etcd, const std::string& advertise) {
   ReplicaOptions o;
   o.etcd_endpoints = {etcd.endpoint()};
   o.prefix = "/wsync-test";
@@ -121,7 +121,7 @@ ReplicaOptions Options(const Etcd& etcd, const std::string& advertise) {
 }
 
 TEST(ReplicaOverEtcd, AReplacedLeaderCannotWriteAndTheNextHoldsWhatItAcknowledged) {
-  Etcd etcd;
+  EtcdMember etcd;
   ASSERT_TRUE(etcd.started()) << "etcd is not installed (scripts/install-deps.sh installs etcd-server)";
   ASSERT_TRUE(Eventually([&] { return etcd.Ctl("endpoint health") == 0; })) << "etcd did not come up";
 
@@ -163,7 +163,7 @@ TEST(ReplicaOverEtcd, AReplacedLeaderCannotWriteAndTheNextHoldsWhatItAcknowledge
 }
 
 TEST(ReplicaOverEtcd, WithoutEtcdACallFailsSoonNamingEtcdAndCallsResumeWhenItReturns) {
-  Etcd etcd;
+  EtcdMember etcd;
   ASSERT_TRUE(etcd.started()) << "etcd is not installed (scripts/install-deps.sh installs etcd-server)";
   ASSERT_TRUE(Eventually([&] { return etcd.Ctl("endpoint health") == 0; })) << "etcd did not come up";
   ReplicaOptions oa = Options(etcd, "replica-a:1"), ob = Options(etcd, "replica-b:1");
@@ -215,7 +215,7 @@ TEST(ReplicaOverEtcd, WithoutEtcdACallFailsSoonNamingEtcdAndCallsResumeWhenItRet
 }
 
 TEST(ReplicaOverEtcd, AFollowerLearnsOfAVacancyFromTheWatchNotAPoll) {
-  Etcd etcd;
+  EtcdMember etcd;
   ASSERT_TRUE(etcd.started()) << "etcd is not installed (scripts/install-deps.sh installs etcd-server)";
   ASSERT_TRUE(Eventually([&] { return etcd.Ctl("endpoint health") == 0; })) << "etcd did not come up";
   auto a = Replica::Start(Options(etcd, "replica-a:1"), SystemClock());
@@ -232,7 +232,7 @@ TEST(ReplicaOverEtcd, AFollowerLearnsOfAVacancyFromTheWatchNotAPoll) {
 }
 
 TEST(ReplicaOverEtcd, ALeaderThatResignsIsReplacedAtOnceWithItsState) {
-  Etcd etcd;
+  EtcdMember etcd;
   ASSERT_TRUE(etcd.started()) << "etcd is not installed (scripts/install-deps.sh installs etcd-server)";
   ASSERT_TRUE(Eventually([&] { return etcd.Ctl("endpoint health") == 0; })) << "etcd did not come up";
   auto a = Replica::Start(Options(etcd, "replica-a:1"), SystemClock());
@@ -255,7 +255,7 @@ TEST(ReplicaOverEtcd, ALeaderThatResignsIsReplacedAtOnceWithItsState) {
 }
 
 TEST(ReplicaOverEtcd, AuthenticatesAsItsUserAndSaysNothingWorksWithAWrongPassword) {
-  Etcd etcd;
+  EtcdMember etcd;
   ASSERT_TRUE(etcd.started()) << "etcd is not installed (scripts/install-deps.sh installs etcd-server)";
   ASSERT_TRUE(Eventually([&] { return etcd.Ctl("endpoint health") == 0; })) << "etcd did not come up";
   for (const char* cmd : {"user add root:rootpw", "user add wsync:secret", "role add wsync",
@@ -299,7 +299,7 @@ TEST(ReplicaOverEtcd, TalksTlsWithAClientCertificate) {
       "openssl x509 -req -in client.csr -CA ca.pem -CAkey ca.key -CAcreateserial -out client.pem -days 1 -extfile client.ext 2>/dev/null";
   ASSERT_EQ(std::system(("bash -c \"" + script + "\"").c_str()), 0);
   {
-    Etcd etcd(dir);
+    EtcdMember etcd(dir);
     ASSERT_TRUE(etcd.started()) << "etcd is not installed (scripts/install-deps.sh installs etcd-server)";
     ASSERT_TRUE(Eventually([&] { return etcd.Ctl("endpoint health") == 0; })) << "etcd did not come up with TLS";
     ReplicaOptions o = Options(etcd, "replica-a:1");
