@@ -2,7 +2,7 @@
 FP8 weight quantization on consecutive BF16 snapshots (docs/fp8.md).
 
     <vLLM python> scripts/measure_fp8.py --data ../shared/data/rl-small-lr1e-6 \
-        [--data DIR2] [--gap 1] [--per-pair] [--check-engine]
+        [--data DIR2] [--gap 1] [--per-pair] [--check-engine] [--codec BUILD]
 
 Every directory holds `step_NNNN.safetensors` (BF16, identical tensor names)
 and may hold `config.json`. Each snapshot's linear weights are grouped the way
@@ -37,6 +37,14 @@ re-quantizes), the shadow's size and the sink's re-quantization work.
 Medians over pairs. Patch sizes are raw estimates (varint gap index + raw
 value, no entropy coding, each tensor capped at its dense size), the same rule
 for both options.
+
+--codec BUILD also measures both options with wsync's own codec (entropy
+coded): each snapshot is written as the FP8 engine's tensors (every quantized
+module's codes as F8_E4M3 `<module>.weight` and its scales as F32
+`<module>.weight_scale`, the rest BF16; option a) into a temporary directory,
+and BUILD's `wsync-bench codec` encodes consecutive pairs of it and of the
+BF16 snapshots themselves (option b ships today's BF16 patches). Bytes per
+version, medians over pairs.
 
 --check-engine starts vLLM (CPU) on the first snapshot of the first --data
 directory for each mode, in a child process each, and compares every
@@ -413,6 +421,57 @@ def check_engine(Q, d):
 
 # --------------------------------------------------------------------------- main
 
+# --------------------------------------------------------------------------- wsync's codec
+
+def write_fp8_snapshots(Q, d, mode, out):
+    """Each snapshot of `d` as an FP8 engine of `mode` holds it, into `out`
+    (mode None: the BF16 rest alone, what both options ship as today)."""
+    import torch
+    from safetensors.torch import save_file
+    for path in snapshots(d):
+        quant, rest = split_model(load(path))
+        tensors = dict(rest)
+        for mod, w in quant.items() if mode else ():
+            codes, scale = Q(mode, w)
+            tensors[f"{mod}.weight"] = codes.view(torch.float8_e4m3fn).contiguous()
+            tensors[f"{mod}.weight_scale"] = scale.contiguous()
+        save_file(tensors, os.path.join(out, os.path.basename(path)))
+
+
+def codec_bytes(build, d, gap):
+    """wsync's patch bytes per pair of `d` (BUILD's wsync-bench codec), and the dense bytes."""
+    import json
+    bench = os.path.join(build, "bench", "wsync-bench")
+    p = subprocess.run([bench, "--json", "--repeat", "1", "codec", d, "--gap", str(gap), "--no-baselines"],
+                       capture_output=True, text=True)
+    if p.returncode != 0:
+        sys.exit(f"{bench} codec {d} failed ({p.returncode}): {p.stderr[-2000:]}")
+    pairs = json.loads(p.stdout)["pairs"]
+    return [q["wsync"]["bytes"] for q in pairs], pairs[0]["dense_bytes"]
+
+
+def measure_codec(Q, build, d, gap):
+    print(f"\n== {d}: wsync's codec, bytes per version (gap {gap}, medians over pairs; whole model: the "
+          "quantized set and the rest)")
+    def measured(mode):
+        with tempfile.TemporaryDirectory(prefix="wsync_fp8_") as out:
+            write_fp8_snapshots(Q, d, mode, out)
+            return codec_bytes(build, out, gap)
+
+    b, dense_b = codec_bytes(build, d, gap)
+    rest, _ = measured(None)
+    # The quantized set's share of a version: the whole version less the rest's patch, pair by pair.
+    b_q = statistics.median(x - r for x, r in zip(b, rest))
+    print(f"  (b) BF16 patches, as today:                  {kb(statistics.median(b)):>10}   (dense BF16 {kb(dense_b)}); "
+          f"of which the quantized set {kb(b_q)}, the BF16 rest {kb(statistics.median(rest))}")
+    for mode in MODES:
+        a, dense_a = measured(mode)
+        a_q = statistics.median(x - r for x, r in zip(a, rest))
+        print(f"  (a) FP8 codes + scales ({mode:<7}), BF16 rest: {kb(statistics.median(a)):>10}   "
+              f"(dense {kb(dense_a)}); of which the quantized set {kb(a_q)}; (b) / (a): whole "
+              f"{statistics.median(b) / statistics.median(a):.1f}, quantized set {b_q / a_q:.1f}")
+
+
 def main():
     if len(sys.argv) > 1 and sys.argv[1] == "--_engine-child":
         engine_child(*sys.argv[2:5])
@@ -424,6 +483,7 @@ def main():
     ap.add_argument("--check-engine", action="store_true",
                     help="also load vLLM (CPU) per mode and compare its FP8 parameters bit for bit")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    ap.add_argument("--codec", metavar="BUILD", help="also measure both options with this build's wsync-bench codec")
     args = ap.parse_args()
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     import torch
@@ -438,6 +498,8 @@ def main():
     for d in args.data:
         files, pairs, quant, rest, results = run_dir(Q, d, args.gap, args.per_pair)
         print_table(d, args.gap, files, pairs, quant, rest, results)
+        if args.codec:
+            measure_codec(Q, args.codec, d, args.gap)
     if args.check_engine:
         check_engine(Q, args.data[0])
 
