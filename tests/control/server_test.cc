@@ -65,6 +65,13 @@ std::unique_ptr<CoordinatorClient> Client(const std::string& address, const std:
   return std::move(*c);
 }
 
+v1::RegisterRequest Registration(const std::string& name, v1::Role role) {
+  v1::RegisterRequest r;
+  r.set_name(name);
+  r.set_role(role);
+  return r;
+}
+
 v1::VersionSummary V(uint64_t v) {
   v1::VersionSummary s;
   s.set_version(v);
@@ -81,9 +88,7 @@ TEST(CoordinatorServer, ServesOnPortZeroAndUnixSocket) {
   ASSERT_GT(r.server->ports()[0], 0);
   auto tcp = Client(r.tcp);
   auto local = Client("unix:" + sock);
-  v1::RegisterRequest reg;
-  reg.set_name("src");
-  reg.set_role(v1::ROLE_SOURCE);
+  v1::RegisterRequest reg = Registration("src", v1::ROLE_SOURCE);
   reg.set_data_address(std::string("\x00\x01opaque", 8));
   auto resp = tcp->Register(reg);
   ASSERT_TRUE(resp.ok()) << resp.status().ToString();
@@ -114,9 +119,7 @@ TEST(CoordinatorServer, LargeLayoutsAreOfferedAndListedAndGoWithTheirNode) {
   o.listen = {"127.0.0.1:0"};
   Running r = StartServer(o);
   auto c = Client(r.tcp);
-  v1::RegisterRequest reg;
-  reg.set_name("rank-0");
-  reg.set_role(v1::ROLE_SINK);
+  const v1::RegisterRequest reg = Registration("rank-0", v1::ROLE_SINK);
   ASSERT_TRUE(c->Register(reg).ok());
   v1::ServedLayout layout;
   for (int e = 0; e < 60000; ++e) {
@@ -290,9 +293,7 @@ TEST(CoordinatorServer, ABrokenWatchMarksItsNodeDisconnected) {
   o.listen = {"127.0.0.1:0"};
   Running r = StartServer(o);
   auto c = Client(r.tcp);
-  v1::RegisterRequest reg;
-  reg.set_name("sink");
-  reg.set_role(v1::ROLE_SINK);
+  const v1::RegisterRequest reg = Registration("sink", v1::ROLE_SINK);
   auto registered = c->Register(reg);
   ASSERT_TRUE(registered.ok());
   ASSERT_TRUE(c->Publish(V(1)).ok());
@@ -335,9 +336,7 @@ TEST(CoordinatorServer, MayPublishWaitsUntilTheLaggardCatchesUp) {
   so.max_staleness = 1;
   Running r = StartServer(o, so);
   auto c = Client(r.tcp);
-  v1::RegisterRequest reg;
-  reg.set_name("sink");
-  reg.set_role(v1::ROLE_SINK);
+  const v1::RegisterRequest reg = Registration("sink", v1::ROLE_SINK);
   ASSERT_TRUE(c->Register(reg).ok());
   ASSERT_TRUE(c->Publish(V(1)).ok());
   ASSERT_TRUE(c->Publish(V(2)).ok());
@@ -441,9 +440,7 @@ TEST(CoordinatorServer, ExportsPrometheusMetrics) {
   Running r = StartServer(o);
   ASSERT_GT(r.server->metrics_port(), 0);
   auto c = Client(r.tcp);
-  v1::RegisterRequest reg;
-  reg.set_name("sink-m");
-  reg.set_role(v1::ROLE_SINK);
+  const v1::RegisterRequest reg = Registration("sink-m", v1::ROLE_SINK);
   ASSERT_TRUE(c->Register(reg).ok());
   ASSERT_TRUE(c->Publish(V(7)).ok());
   std::this_thread::sleep_for(std::chrono::milliseconds(100));
@@ -464,9 +461,7 @@ TEST(CoordinatorServer, MetricsAreBehindTheToken) {
   o.tick_ms = 20;
   Running r = StartServer(o);
   auto c = Client(r.tcp, "s3cret");
-  v1::RegisterRequest reg;
-  reg.set_name("sink-secret-name");
-  reg.set_role(v1::ROLE_SINK);
+  const v1::RegisterRequest reg = Registration("sink-secret-name", v1::ROLE_SINK);
   ASSERT_TRUE(c->Register(reg).ok());
   std::this_thread::sleep_for(std::chrono::milliseconds(100));
   const std::string anonymous = HttpGet(r.server->metrics_port(), "/metrics");
