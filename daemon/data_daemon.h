@@ -49,6 +49,10 @@ struct DataDaemonConfig {
   // Sinks: decode a pulled stream chunk by chunk while it arrives (host
   // tensors; docs/data-plane.md, "Streaming"). Off: decode once it is in.
   bool decode_ahead = true;
+  // Sinks: a keyframe whose weights take at most this many bytes is
+  // decoded into memory and checked before the engine's holds end, and
+  // copied in between them; a larger one is decoded between them.
+  uint64_t keyframe_keep_bytes = 1ull << 30;
   // Sources: a version of host weights larger than this is encoded in
   // segments of whole tensors of about this many bytes, announced once the
   // first is encoded and served to its pullers as it is encoded (0: encoded

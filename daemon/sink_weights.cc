@@ -4,8 +4,16 @@
 
 namespace wsync::daemon {
 
-SinkWeights::SinkWeights(std::unique_ptr<WeightStore> store, ThreadPool* pool, uint64_t applied_version)
-    : store_(std::move(store)), pool_(pool), applied_(applied_version) {}
+SinkWeights::SinkWeights(std::unique_ptr<WeightStore> store, ThreadPool* pool, uint64_t applied_version,
+                         uint64_t keyframe_keep_bytes)
+    : store_(std::move(store)), pool_(pool), keyframe_keep_bytes_(keyframe_keep_bytes), applied_(applied_version) {}
+
+codec::ApplyOptions SinkWeights::Options() const {
+  codec::ApplyOptions options;
+  options.pool = pool_;
+  options.keyframe_keep_bytes = keyframe_keep_bytes_;
+  return options;
+}
 
 SinkWeights::~SinkWeights() = default;
 
@@ -40,18 +48,12 @@ Status SinkWeights::ApplyParts(std::span<const PatchStream* const> parts) {
   for (const auto& b : bytes) views.push_back(b);
   return ApplyWith(
       parts,
-      [&] {
-        codec::ApplyOptions options;
-        options.pool = pool_;
-        return store_->Apply(views, options);
-      },
+      [&] { return store_->Apply(views, Options()); },
       total);
 }
 
 std::unique_ptr<codec::ApplyAhead> SinkWeights::BeginApplyAhead() const {
-  codec::ApplyOptions options;
-  options.pool = pool_;
-  return store_->ApplyAhead(options);
+  return store_->ApplyAhead(Options());
 }
 
 Status SinkWeights::Apply(const PatchStream& stream, codec::ApplyAhead& ahead, std::string_view bytes) {

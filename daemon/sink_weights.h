@@ -36,8 +36,11 @@ using exchange::PatchStream;
 
 class SinkWeights {
  public:
-  // pool may be null.
-  SinkWeights(std::unique_ptr<WeightStore> store, ThreadPool* pool, uint64_t applied_version = 0);
+  // pool may be null. A keyframe whose weights take at most
+  // `keyframe_keep_bytes` is kept decoded from its check (before the holds
+  // end, when staged) and copied in (codec::ApplyOptions).
+  SinkWeights(std::unique_ptr<WeightStore> store, ThreadPool* pool, uint64_t applied_version = 0,
+              uint64_t keyframe_keep_bytes = 0);
   ~SinkWeights();
 
   uint64_t applied() const;
@@ -108,6 +111,8 @@ class SinkWeights {
 
   const std::unique_ptr<WeightStore> store_;
   ThreadPool* pool_;
+  const uint64_t keyframe_keep_bytes_;
+  codec::ApplyOptions Options() const;
   mutable std::mutex mu_;
   mutable std::condition_variable cv_;
   uint64_t applied_;

@@ -274,6 +274,14 @@ int main(int argc, char** argv) {
     cmd->add_flag("--no-decode-ahead", [&data](int64_t) { data.decode_ahead = false; },
                   "sinks: decode a patch once all of it is in, not while it arrives (figures: "
                   "scripts/bench_shaped_link.py)");
+    cmd->add_option("--keyframe-stage-mib", [&data](const std::vector<std::string>& v) {
+                      data.keyframe_keep_bytes = static_cast<uint64_t>(std::stod(v.at(0)) * (1 << 20));
+                      return true;
+                    },
+                    "sinks: a keyframe whose weights take at most this many MiB is decoded into memory and "
+                    "checked while the engine still generates, then copied in during the pause; a larger one "
+                    "is decoded during the pause (0: every keyframe is)")
+        ->default_str("1024")->check(CLI::Range(0.0, 1048576.0));
     cmd->add_option("--inject-corrupt-every", data.corrupt_every, "fault injection: corrupt every Nth chunk sent")
         ->group("");
     cmd->add_option("--inject-fail-announce", data.fail_announce,

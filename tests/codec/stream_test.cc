@@ -235,6 +235,45 @@ TEST(Streams, PrepareChecksAndDecodesEverythingSoThatApplyOnlyWrites) {
   EXPECT_TRUE(testing::SameBits(other, v1));
 }
 
+// A keyframe within ApplyOptions::keyframe_keep_bytes is decoded once, when
+// it is checked before the writes: Apply copies what Prepare kept (bytes
+// changed under it afterwards do not reach the weights). Over the budget it
+// is decoded again in Apply.
+TEST(Streams, AKeyframeKeptFromItsCheckIsCopiedInNotDecodedAgain) {
+  std::mt19937_64 rng(9);
+  const auto v0 = Model(rng);
+  const auto v1 = Step(v0, rng);
+  auto kf = EncodeKeyframe(Views(v1), {});
+  ASSERT_TRUE(kf.ok());
+  for (const uint64_t keep : {uint64_t{0}, uint64_t{1} << 30}) {
+    std::string stream = *kf;
+    auto work = v0;
+    ApplyOptions o;
+    o.keyframe_keep_bytes = keep;
+    ApplyAhead ahead(MutableViews(work), o);
+    ASSERT_TRUE(ahead.Prepare(stream).ok());
+    EXPECT_TRUE(testing::SameBits(work, v0)) << "Prepare writes nothing";
+    for (size_t i = stream.size() / 2; i < stream.size(); i += 97) stream[i] ^= 0x5a;
+    const Status s = ahead.Apply(stream);
+    if (keep != 0) {
+      ASSERT_TRUE(s.ok()) << s.message();
+      EXPECT_TRUE(testing::SameBits(work, v1)) << "the values checked, copied in";
+    } else {
+      EXPECT_FALSE(s.ok() && testing::SameBits(work, v1)) << "decoded again, from the bytes as they are now";
+    }
+  }
+  // Kept or not, a keyframe applied at once gives the same bits.
+  const std::string whole = *EncodeKeyframe(Views(v1), {});
+  for (const uint64_t keep : {uint64_t{0}, uint64_t{1} << 30}) {
+    auto work = v0;
+    ApplyOptions o;
+    o.keyframe_keep_bytes = keep;
+    const auto views = MutableViews(work);
+    ASSERT_TRUE(Apply(whole, views, o).ok());
+    EXPECT_TRUE(testing::SameBits(work, v1));
+  }
+}
+
 TEST(Streams, AKeyframeSegmentAndPatchSegmentsApplyAsOne) {
   std::mt19937_64 rng(3);
   const auto v0 = Model(rng);

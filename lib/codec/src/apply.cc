@@ -84,11 +84,14 @@ Status ReadPiecesPart(std::string_view patch, std::span<const RuntimeTensor> run
   return PlanPiecesPart(runtime, other_parts, p);
 }
 
-Status StageAll(std::span<PartApply* const> parts, ThreadPool* pool) {
+Status StageAll(std::span<PartApply* const> parts, const ApplyOptions& options) {
+  ThreadPool* pool = options.pool;
+  uint64_t keep = options.keyframe_keep_bytes;  // shared by the version's keyframes
   for (PartApply* p : parts) {
     if (p->c.kind == PatchKind::kKeyframe) {
-      p->keyframe = std::make_unique<KeyframeApply>(p->c, p->plan, pool);
+      p->keyframe = std::make_unique<KeyframeApply>(p->c, p->plan, pool, keep);
       WSYNC_RETURN_IF_ERROR(p->keyframe->Verify());
+      keep -= std::min(keep, p->keyframe->kept_bytes());
     } else {
       if (!p->delta) p->delta = std::make_unique<DeltaApply>(p->c, p->plan, pool);
       WSYNC_RETURN_IF_ERROR(p->delta->Stage(p->holds_base));
@@ -121,8 +124,8 @@ Status CommitAll(std::span<PartApply* const> parts) {
   return Status::Ok();
 }
 
-Status ApplyAll(std::span<PartApply* const> parts, ThreadPool* pool) {
-  WSYNC_RETURN_IF_ERROR(StageAll(parts, pool));
+Status ApplyAll(std::span<PartApply* const> parts, const ApplyOptions& options) {
+  WSYNC_RETURN_IF_ERROR(StageAll(parts, options));
   return CommitAll(parts);
 }
 
@@ -130,14 +133,14 @@ Status ApplyWhole(std::string_view patch, std::span<const MutableTensorView> ten
   PartApply part;
   WSYNC_RETURN_IF_ERROR(ReadWholePart(patch, tensors, options.allow_extra_tensors, options, &part));
   PartApply* parts[] = {&part};
-  return ApplyAll(parts, options.pool);
+  return ApplyAll(parts, options);
 }
 
 Status ApplyPieces(std::string_view patch, std::span<const RuntimeTensor> runtime, const ApplyOptions& options) {
   PartApply part;
   WSYNC_RETURN_IF_ERROR(ReadPiecesPart(patch, runtime, /*other_parts=*/false, options, &part));
   PartApply* parts[] = {&part};
-  return ApplyAll(parts, options.pool);
+  return ApplyAll(parts, options);
 }
 
 std::vector<PartApply*> Pointers(std::vector<PartApply>& parts) {
@@ -161,7 +164,7 @@ Status ApplyWholeParts(std::span<const std::string_view> patches, std::span<cons
   }
   const std::vector<PartApply*> all = Pointers(parts);
   WSYNC_RETURN_IF_ERROR(CheckWholeParts(Containers(all), tensors, options));
-  return ApplyAll(all, options.pool);
+  return ApplyAll(all, options);
 }
 
 Status ApplyPiecesParts(std::span<const std::string_view> patches, std::span<const RuntimeTensor> runtime,
@@ -173,7 +176,7 @@ Status ApplyPiecesParts(std::span<const std::string_view> patches, std::span<con
   }
   const std::vector<PartApply*> all = Pointers(parts);
   WSYNC_RETURN_IF_ERROR(CheckPiecesParts(Containers(all), runtime));
-  return ApplyAll(all, options.pool);
+  return ApplyAll(all, options);
 }
 
 }  // namespace
@@ -347,7 +350,7 @@ Status ApplyAhead::Prepare(std::string_view stream) {
   } else {
     WSYNC_RETURN_IF_ERROR(CheckWholeParts(Containers(parts), m.tensors, m.options));
   }
-  WSYNC_RETURN_IF_ERROR(StageAll(parts, m.options.pool));
+  WSYNC_RETURN_IF_ERROR(StageAll(parts, m.options));
   m.ready = std::move(parts);
   m.ready_for = stream;
   return Status::Ok();

@@ -12,6 +12,8 @@
 #include "apply_chunks.h"
 #include "apply_plan.h"
 #include "chunk_codec.h"
+#include <cstring>
+
 #include "format.h"
 #include "patch_common.h"
 #include "wsync/codec/checksum.h"
@@ -78,6 +80,13 @@ std::optional<std::string> ResultMismatch(const Container& c, const Plan& p, Thr
 }
 
 Status KeyframeApply::Verify() {
+  uint64_t bytes = 0;
+  for (const Work& w : p_.works) {
+    const TensorEntry& t = c_.tensors[w.tensor];
+    bytes += t.tiles[w.chunk].n * DTypeWidth(t.dtype);
+  }
+  kept_.assign(bytes <= keep_bytes_ ? p_.works.size() : 0, {});
+  kept_bytes_ = kept_.empty() ? 0 : bytes;
   ResultDigests verifier(c_, p_);
   FirstError error;
   ParallelFor(pool_, p_.works.size(), [&](size_t i) {
@@ -85,20 +94,43 @@ Status KeyframeApply::Verify() {
     const TensorEntry& t = c_.tensors[w.tensor];
     WithWidth(DTypeWidth(t.dtype), [&](auto zero) {
       using T = decltype(zero);
-      std::vector<T> scratch(t.tiles[w.chunk].n);
-      Status s = internal::DecodeKeyframeChunk<T>(c_.PosStream(t.chunks[w.chunk]), scratch.size(), scratch.data());
+      std::vector<uint8_t> local;
+      std::vector<uint8_t>& scratch = kept_.empty() ? local : kept_[i];
+      scratch.resize(t.tiles[w.chunk].n * sizeof(T));
+      Status s = internal::DecodeKeyframeChunk<T>(c_.PosStream(t.chunks[w.chunk]), t.tiles[w.chunk].n,
+                                                  reinterpret_cast<T*>(scratch.data()));
       if (!s.ok()) return error.Record(i, s.WithContext(ChunkWhere(t, w.chunk)));
-      verifier.Record(i, reinterpret_cast<const uint8_t*>(scratch.data()));
+      verifier.Record(i, scratch.data());
     });
   });
-  WSYNC_RETURN_IF_ERROR(error.status());
+  if (Status s = error.status(); !s.ok()) {
+    Release();
+    return s;
+  }
   if (auto bad = verifier.Mismatch()) {
+    Release();
     return DataLossError(*bad + ": keyframe content does not match its checksum; destination not modified");
   }
   return Status::Ok();
 }
 
 Status KeyframeApply::Write() {
+  if (!kept_.empty()) {
+    // The values checked before: copied in, nothing decoded now.
+    ParallelFor(pool_, p_.works.size(), [&](size_t i) {
+      const Work& w = p_.works[i];
+      const TensorEntry& t = c_.tensors[w.tensor];
+      const size_t width = DTypeWidth(t.dtype);
+      const internal::Tile& tile = t.tiles[w.chunk];
+      if (uint8_t* at = internal::ContiguousAt(tile, w.at, width)) {
+        std::memcpy(at, kept_[i].data(), kept_[i].size());
+      } else {
+        internal::Scatter(tile, w.at, width, kept_[i].data());
+      }
+    });
+    Release();
+    return Status::Ok();
+  }
   FirstError error;
   ParallelFor(pool_, p_.works.size(), [&](size_t i) {
     const Work& w = p_.works[i];

@@ -71,20 +71,34 @@ class ResultDigests {
 std::optional<std::string> ResultMismatch(const Container& c, const Plan& p, ThreadPool* pool);
 
 // A keyframe's works: Verify decodes into scratch and checks every digest
-// (nothing written); Write then decodes into the destination.
+// (nothing written); Write then writes the destination: from the values
+// Verify kept when they take at most `keep_bytes`, else decoded again.
 class KeyframeApply {
  public:
-  KeyframeApply(const Container& c, const Plan& p, ThreadPool* pool) : c_(c), p_(p), pool_(pool) {}
+  KeyframeApply(const Container& c, const Plan& p, ThreadPool* pool, uint64_t keep_bytes)
+      : c_(c), p_(p), pool_(pool), keep_bytes_(keep_bytes) {}
 
   Status Verify();
 
   // REQUIRES: Verify() succeeded (the same bytes decode the same way).
   Status Write();
 
+  // What Verify kept of the decoded values (Write copies them), in bytes.
+  uint64_t kept_bytes() const { return kept_bytes_; }
+
  private:
+  void Release() {
+    kept_.clear();
+    kept_.shrink_to_fit();
+    kept_bytes_ = 0;
+  }
+
   const Container& c_;
   const Plan& p_;
   ThreadPool* pool_;
+  const uint64_t keep_bytes_;
+  std::vector<std::vector<uint8_t>> kept_;  // per work, its decoded values
+  uint64_t kept_bytes_ = 0;
 };
 
 // A patch's works, in two steps. Stage reads the destination and writes

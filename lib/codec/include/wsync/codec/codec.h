@@ -124,6 +124,12 @@ struct ApplyOptions {
   bool verify_patch_checksum = true;
   // Accept destination tensors that the patch does not mention (left as is).
   bool allow_extra_tensors = false;
+  // A keyframe whose values take at most this many bytes is kept decoded
+  // from its check (for an ApplyAhead: before the destination is written)
+  // and copied into the destination when written; a larger one is decoded
+  // a second time then. 0: always decoded again (no memory beyond a
+  // chunk's per thread).
+  uint64_t keyframe_keep_bytes = 0;
 };
 
 // Merges patch(j->k) and patch(k->l) into patch(j->l), identical in effect
