@@ -62,3 +62,34 @@ def prepare_cpu() -> None:
     os.environ["PYTHONPATH"] = os.pathsep.join([shim] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
     exec(_SHIM)
     sys.path.insert(0, shim)
+
+
+def shm_names() -> set:
+    """The names in /dev/shm now."""
+    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+
+
+def remove_leaked_vllm_shm(before: set) -> list:
+    """vLLM's CPU backend at TP > 1 shares memory between its ranks through
+    /dev/shm (``vllm_dist_*``), and ranks it SIGKILLs at shutdown never
+    unlink theirs. Unlinks those that appeared since `before` and that no
+    live process maps; returns their names."""
+    mapped = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                for line in f:
+                    at = line.find("/dev/shm/")
+                    if at >= 0:
+                        mapped.add(line[at + len("/dev/shm/"):].strip().removesuffix(" (deleted)"))
+        except OSError:
+            continue  # gone, or not ours to read
+    removed = []
+    for name in sorted(shm_names() - before):
+        if name.startswith("vllm_dist_") and name not in mapped:
+            try:
+                os.unlink(os.path.join("/dev/shm", name))
+                removed.append(name)
+            except OSError:
+                pass
+    return removed

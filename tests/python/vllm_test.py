@@ -61,7 +61,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "..", "scripts"))
 
-from vllm_env import prepare_cpu  # noqa: E402
+from vllm_env import prepare_cpu, remove_leaked_vllm_shm, shm_names  # noqa: E402
 
 CONFIGS = {
     "llama": dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=1000, hidden_size=128,
@@ -543,11 +543,20 @@ def main():
     prepare_cpu()
     build = os.path.abspath(args.build)
     start = time.time()
-    for family in args.families.split(","):
-        if family == "serve":
-            run_served(build, args.steps)
-        else:
-            run_family(build, family, args.steps)
+    shm_before = shm_names()
+    try:
+        for family in args.families.split(","):
+            if family == "serve":
+                run_served(build, args.steps)
+            else:
+                run_family(build, family, args.steps)
+    finally:
+        # The suite leaves /dev/shm as it found it: vLLM's own segments that its
+        # SIGKILLed ranks leave are removed; wsync's must be gone already.
+        removed = remove_leaked_vllm_shm(shm_before)
+        print(f"removed {len(removed)} shared-memory segments vLLM's ranks left in /dev/shm")
+    left = sorted(n for n in shm_names() - shm_before if n.startswith("wsync"))
+    check(not left, f"wsync left nothing in /dev/shm (left: {left[:4]})")
     print(f"{len(failures)} failed checks in {time.time() - start:.0f} s")
     sys.exit(1 if failures else 0)
 
