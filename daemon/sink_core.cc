@@ -106,7 +106,8 @@ StatusOr<uint64_t> SinkCore::RegisterTensors(buffers::MappedTensors reg, uint64_
   std::shared_ptr<SinkWeights> old;
   {
     std::lock_guard<std::mutex> lock(state_mu_);
-    old = std::exchange(weights_, std::make_shared<SinkWeights>(std::move(store), env_.pool, applied, config_.keyframe_keep_bytes));
+    old = std::exchange(weights_,
+                        std::make_shared<SinkWeights>(std::move(store), env_.pool, applied, config_.keyframe_keep_bytes));
   }
   // The caller may reuse or free the old memory from now on.
   if (old) Retire(old, "the tensors were registered again");

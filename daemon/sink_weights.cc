@@ -4,16 +4,20 @@
 
 namespace wsync::daemon {
 
-SinkWeights::SinkWeights(std::unique_ptr<WeightStore> store, ThreadPool* pool, uint64_t applied_version,
-                         uint64_t keyframe_keep_bytes)
-    : store_(std::move(store)), pool_(pool), keyframe_keep_bytes_(keyframe_keep_bytes), applied_(applied_version) {}
+namespace {
 
-codec::ApplyOptions SinkWeights::Options() const {
+codec::ApplyOptions ApplyOptionsOf(ThreadPool* pool, uint64_t keyframe_keep_bytes) {
   codec::ApplyOptions options;
-  options.pool = pool_;
-  options.keyframe_keep_bytes = keyframe_keep_bytes_;
+  options.pool = pool;
+  options.keyframe_keep_bytes = keyframe_keep_bytes;
   return options;
 }
+
+}  // namespace
+
+SinkWeights::SinkWeights(std::unique_ptr<WeightStore> store, ThreadPool* pool, uint64_t applied_version,
+                         uint64_t keyframe_keep_bytes)
+    : store_(std::move(store)), options_(ApplyOptionsOf(pool, keyframe_keep_bytes)), applied_(applied_version) {}
 
 SinkWeights::~SinkWeights() = default;
 
@@ -48,12 +52,12 @@ Status SinkWeights::ApplyParts(std::span<const PatchStream* const> parts) {
   for (const auto& b : bytes) views.push_back(b);
   return ApplyWith(
       parts,
-      [&] { return store_->Apply(views, Options()); },
+      [&] { return store_->Apply(views, options_); },
       total);
 }
 
 std::unique_ptr<codec::ApplyAhead> SinkWeights::BeginApplyAhead() const {
-  return store_->ApplyAhead(Options());
+  return store_->ApplyAhead(options_);
 }
 
 Status SinkWeights::Apply(const PatchStream& stream, codec::ApplyAhead& ahead, std::string_view bytes) {

@@ -110,9 +110,7 @@ class SinkWeights {
   void ForeignWriteLocked(const Status& why, bool undone);
 
   const std::unique_ptr<WeightStore> store_;
-  ThreadPool* pool_;
-  const uint64_t keyframe_keep_bytes_;
-  codec::ApplyOptions Options() const;
+  const codec::ApplyOptions options_;  // every apply's: the codec's threads, the keyframe budget
   mutable std::mutex mu_;
   mutable std::condition_variable cv_;
   uint64_t applied_;
