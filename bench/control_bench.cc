@@ -56,7 +56,7 @@ struct Load {
   double offered_rps = 0;  // --fleet: the rate the fleet makes
   uint64_t versions = 0, errors = 0, late = 0;
   std::vector<double> reg, hb, rep;  // microseconds
-  std::vector<double> watch;          // --watch: from a version's publish to each watcher's receipt, microseconds
+  std::vector<double> watch;          // --fleet: from a version's publish to each watcher's receipt, microseconds
 };
 
 // --fleet: the address that answers the fleet's calls (the one
@@ -88,8 +88,12 @@ class FleetDriver {
       stubs_.push_back(v1::Coordinator::NewStub(grpc::CreateCustomChannel(leader, grpc::InsecureChannelCredentials(), args)));
     }
   }
+  // The watch streams are deleted here, after Run has seen every one end.
+  ~FleetDriver() {
+    for (WatchStream* ws : watches_) delete ws;
+  }
 
-  // With --watch, every sink opens its Watch stream first, as a sink
+  // Unless --no-watch, every sink opens its Watch stream first, as a sink
   // daemon does (open until Run ends).
   void OpenWatches(const std::atomic<uint64_t>& head, const std::atomic<int64_t>& published_at_us) {
     if (!o_.watch) return;
@@ -254,11 +258,6 @@ class FleetDriver {
   std::vector<Lat> lat_;
   std::vector<WatchStream*> watches_;  // owned: deleted with the driver, after every OnDone
   std::vector<double> watch_lat_;
-
- public:
-  ~FleetDriver() {
-    for (WatchStream* ws : watches_) delete ws;
-  }
 };
 
 // Simulated sinks against `address` (one coordinator, or replicas): they

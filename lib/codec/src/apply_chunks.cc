@@ -1,8 +1,9 @@
 // The apply side's per-chunk loops (apply_chunks.h): keyframe chunks
-// verified then written, patch chunks decoded, added and verified while in
+// verified then written (copied from what was verified, or decoded again), patch chunks decoded, added and verified while in
 // cache, and undone.
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <functional>
 #include <optional>
 #include <string>
@@ -12,8 +13,6 @@
 #include "apply_chunks.h"
 #include "apply_plan.h"
 #include "chunk_codec.h"
-#include <cstring>
-
 #include "format.h"
 #include "patch_common.h"
 #include "wsync/codec/checksum.h"
