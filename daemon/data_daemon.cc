@@ -327,6 +327,14 @@ class Source : public Node, public v1::Local::Service {
     return grpc::Status::OK;
   }
 
+  grpc::Status OfferedLayouts(grpc::ServerContext*, const v1::OfferedLayoutsRequest*,
+                              v1::OfferedLayoutsResponse* resp) override {
+    auto offered = coordinator_->ListOfferedLayouts();
+    if (!offered.ok()) return ToGrpc(offered.status().WithContext("the layouts sinks offered"));
+    for (auto& l : *offered) *resp->add_layouts() = std::move(l);
+    return grpc::Status::OK;
+  }
+
   grpc::Status Status(grpc::ServerContext*, const v1::LocalStatusRequest*, v1::LocalStatusResponse* resp) override {
     const SourceStatus st = core_->status();
     resp->set_role("source");
