@@ -111,12 +111,16 @@ class SharedMemory:
             os.close(fd)
         self._finalizer = weakref.finalize(self, _unlink, self.name)
 
-    def tensor(self, offset: int, like: torch.Tensor) -> torch.Tensor:
-        """A tensor shaped like `like` at `offset` in this segment."""
+    def tensor(self, offset: int, like: torch.Tensor, strided: bool = False) -> torch.Tensor:
+        """A contiguous tensor shaped like `like` at `offset` in this segment;
+        `strided`: strided like `like` too (dense: a permutation of a
+        contiguous tensor, such as the transpose an FP8 engine holds its
+        codes as)."""
         nbytes = like.numel() * like.element_size()
         raw = torch.frombuffer(self.mmap, dtype=torch.uint8, count=nbytes, offset=offset) if nbytes else \
             torch.empty(0, dtype=torch.uint8)
-        return raw.view(like.dtype).view(like.shape)
+        raw = raw.view(like.dtype)
+        return raw.as_strided(like.shape, like.stride()) if strided else raw.view(like.shape)
 
     def unlink(self) -> None:
         self._finalizer()
@@ -205,12 +209,28 @@ def _spec(name: str, t: torch.Tensor, region: int, offset: int) -> pb.TensorSpec
 
 
 def _owner(t: torch.Tensor) -> torch.Tensor:
-    """What moves for `t`: the Parameter `t` is a slice of (one expert of a
-    fused MoE parameter: the module reads the Parameter, which is rebound),
-    else `t` itself (a view of anything else, a file's buffer say, is what
-    its holder reads: it moves on its own)."""
+    """What moves for `t`: the Parameter `t` is a view of (one expert of a
+    fused MoE parameter, the transpose of one: the module reads the
+    Parameter, which is rebound), or the one named by ``t.wsync_owner`` (a
+    view in another dtype, which torch does not link to its base); else `t`
+    itself (a view of anything else, a file's buffer say, is what its holder
+    reads: it moves on its own)."""
+    owner = getattr(t, "wsync_owner", None)
+    if owner is not None:
+        return owner
     base = t._base
     return base if isinstance(base, torch.nn.Parameter) else t
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Whether `t` covers its elements' span exactly once (contiguous, or a
+    permutation of a contiguous tensor)."""
+    span = 1
+    for stride, n in sorted((s, n) for s, n in zip(t.stride(), t.shape) if n > 1):
+        if stride != span:
+            return False
+        span *= n
+    return True
 
 
 def share_host(tensors: List[Tuple[str, torch.Tensor]], role: str, pack: bool) -> Registration:
@@ -225,6 +245,9 @@ def share_host(tensors: List[Tuple[str, torch.Tensor]], role: str, pack: bool) -
         base = _owner(t)
         if base is not t and not t.is_contiguous():
             raise ValueError(f"tensor {name!r} is a view that is not contiguous: the daemon writes it as a dense array")
+        if base is not t and not _dense(base):
+            raise ValueError(f"tensor {name!r} is a view of a parameter with gaps or overlaps (strides "
+                             f"{base.stride()}): it cannot move into shared memory as the parameter is laid out")
         units.setdefault(id(base), (base, []))[1].append((name, t))
     groups = [list(units.values())] if pack else [[u] for u in units.values()]
     _room_for_descriptors(len(groups))
@@ -238,7 +261,8 @@ def share_host(tensors: List[Tuple[str, torch.Tensor]], role: str, pack: bool) -
         reg.request.regions.append(pb.MemoryRegion(shm_name=shm.name))  # a memfd's is set as it is passed
         for (base, members), off in zip(group, offsets):
             starts = [t.data_ptr() - base.data_ptr() for _, t in members]
-            view = shm.tensor(off, base)
+            # A Parameter that registered views live in keeps its strides: they were taken from them.
+            view = shm.tensor(off, base, strided=any(t is not base for _, t in members))
             with torch.no_grad():
                 view.copy_(base)
             base.data = view  # the caller's tensor (a Parameter stays the same object) now lives in shared memory
