@@ -19,9 +19,15 @@ and after each step both must generate the same greedy tokens and logprobs.
 Printed per version: the fraction of BF16 values that changed, the sink's
 staging (off the pause) and its writes between the holds (as the sink
 measured them), the engine's pause with each, and the bytes each moves
-(wsync's patch against the full BF16 tensors); then medians.
+(what the sink pulled against the full BF16 tensors); then medians.
+
+`--quantization fp8_per_channel`: both engines are FP8 engines (vLLM's
+online per-channel FP8): wsync ships the codes and scales the trainer
+quantizes (docs/fp8.md); the dense path reloads the BF16 tensors and
+vLLM quantizes them again.
 
     <vLLM python> scripts/bench_vllm.py --build build [--hidden 1024 --layers 8 --steps 5 --lr 1e-5]
+                                        [--quantization fp8_per_channel]
 """
 import argparse
 import os
@@ -77,6 +83,7 @@ def main():
     model_arguments(ap)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--eager", action="store_true", help="enforce_eager (no torch.compile)")
+    ap.add_argument("--quantization", default=None, help="both engines' quantization (fp8_per_channel)")
     args = ap.parse_args()
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     prepare_cpu()
@@ -97,10 +104,12 @@ def main():
         ckpt = os.path.join(tmp, "step-0")
         loaded = T.save_checkpoint(model, ckpt)
         print(f"model: {params / 1e6:.0f} M parameters, {params * 2 / 1e6:.0f} MB in BF16; "
-              f"{'eager' if args.eager else 'torch.compile'}", flush=True)
+              f"{'eager' if args.eager else 'torch.compile'}; engines {args.quantization or 'BF16'}", flush=True)
 
         def engine(wsync):
             extra = {"weight_transfer_config": {"backend": "wsync"}} if wsync else {}
+            if args.quantization:
+                extra["quantization"] = args.quantization
             return LLM(model=ckpt, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=128, seed=0,
                        max_num_seqs=len(T.PROMPTS), max_num_batched_tokens=128, enforce_eager=args.eager, **extra)
 
@@ -144,6 +153,7 @@ def main():
                 changed = sum(int((now[k] != prev[k]).sum()) for k in now) / sum(v.numel() for v in now.values())
                 prev = now
                 # wsync: the publish (encode) runs while the engine may generate; the pause is the update.
+                received = sink.status().bytes_received
                 stats = trainer.wsync.publish()
                 staged(stats.version)
                 t0 = time.perf_counter()
@@ -152,17 +162,21 @@ def main():
                 trainer.client.finish_weight_update(str(stats.version))
                 t1 = time.perf_counter()
                 st = sink.status()
+                pulled = st.bytes_received - received
                 dense.collective_rpc("reload_weights", kwargs={"weights_path": path})
                 dense.reset_prefix_cache()
                 t2 = time.perf_counter()
                 same = T.generate(ws) == T.generate(dense)
-                rows.append((t1 - t0, t2 - t1, stats.patch_bytes, dense_bytes, changed, st.staging_ms, st.apply_ms))
+                rows.append((t1 - t0, t2 - t1, pulled, dense_bytes, changed, st.staging_ms, st.apply_ms))
                 print(f"  version {stats.version}: {100 * changed:.2f}% changed | wsync pause {1e3 * (t1 - t0):6.1f} ms "
                       f"(sink: staged {st.staging_ms:.0f} ms before, wrote {st.apply_ms:.1f} ms in it), "
-                      f"{stats.patch_bytes:>11,} bytes | dense pause {1e3 * (t2 - t1):6.1f} ms, {dense_bytes:>11,} bytes "
+                      f"{pulled:>11,} bytes pulled | dense pause {1e3 * (t2 - t1):6.1f} ms, {dense_bytes:>11,} bytes "
                       f"| same tokens and logprobs: {same}", flush=True)
                 if not same:
-                    raise SystemExit("the two engines disagree: the weights are not the same")
+                    # Which of them differs from vLLM's own fresh load of the step (parameters, bit for bit)?
+                    bad = {what: T.state_differs(llm, path) for what, llm in (("wsync", ws), ("dense", dense))}
+                    raise SystemExit("the two engines disagree; parameters that differ from a fresh load of the step: "
+                                     + "; ".join(f"{w}: {len(b)} {b[:3]}" for w, b in bad.items()))
         finally:
             trainer.shutdown()
             T.shutdown(ws)

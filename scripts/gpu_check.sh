@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The checks only a GPU can run, in one go: the device codec's tests, CUDA IPC
 # between processes, the Python client with CUDA tensors, the whole system and
-# its fault scenarios with every weight in GPU memory, and `wsync-bench gpu`.
+# its fault scenarios with every weight in GPU memory, `wsync-bench gpu`, and
+# (with WSYNC_VLLM_PYTHON) a real vLLM's BF16 and FP8 engines on the GPU.
 # Logs go to LOGS (default $OUT or /tmp/wsync-gpu); a table of results is
 # printed last.
 #
@@ -48,6 +49,14 @@ if [ -n "${WSYNC_BENCH_BEFORE:-}" ]; then
 fi
 step bench_gpu_16 90 "$build/bench/wsync-bench" gpu --params 536870912 --steps 2 --host-threads 16
 step faults_gpu 300 env WSYNC_TEST_DEVICE=0 "$py" "$src/tests/python/system_faults_test.py" "$build" "$data"
+# WSYNC_VLLM_PYTHON: a Python with a CUDA build of vLLM 0.32 and this build's wsync package installed.
+# vLLM's FP8 engines generate on the GPU (docs/fp8.md): a BF16 and an FP8 engine, TP 1, each version
+# bit-identical to vLLM's own load of that step and its tokens and logprobs to a fresh engine's.
+if [ -n "${WSYNC_VLLM_PYTHON:-}" ]; then
+  step vllm_fp8_gpu 600 "$WSYNC_VLLM_PYTHON" "$src/tests/python/vllm_test.py" "$build" --families llama,llama_fp8 --tp 1
+else
+  results+=("$(printf '%-22s %-6s' vllm_fp8_gpu skip) (set WSYNC_VLLM_PYTHON to a CUDA vLLM's Python)")
+fi
 
 echo "== wsync-bench gpu" >&2
 for f in "$logs"/bench_*.log; do

@@ -4,8 +4,11 @@ stacked parameters, padding fills), and the ways it must refuse (a computed
 tensor copied in, a transposed copy, an indexed write, a replaced tensor, a
 loader that cannot run on the meta device): the layout is exact, or the
 refusal names the parameter and why; the parameters are restored whatever
-happens. vLLM's real loaders: vllm_test.py. Needs torch 2.x (the vLLM
-environment's Python).
+happens. Also what FP8 engines add: the layout of their codes and row
+scales, the tensors a trainer is asked for, the refusal of quantizations
+wsync does not keep, and codes held transposed moving into shared memory
+as they are laid out. vLLM's real loaders and a real FP8 engine:
+vllm_test.py. Needs torch 2.x (the vLLM environment's Python).
 
     loader_test.py BUILD
 """
@@ -17,7 +20,10 @@ sys.path.insert(0, os.path.join(sys.argv[1], "python"))
 
 import torch  # noqa: E402
 
-from wsync.layouts import Piece  # noqa: E402
+from wsync._tensors import share  # noqa: E402
+from wsync.layouts import Piece, RuntimeTensor  # noqa: E402
+from wsync.quantized import requested  # noqa: E402
+from wsync.vllm import fp8  # noqa: E402
 from wsync.vllm.loader import derive_layout  # noqa: E402
 
 failures = []
@@ -89,6 +95,85 @@ CHECKPOINT = {"q": ((8, 8), torch.float32), "k": ((4, 8), torch.float32), "o": (
               "embed": ((20, 8), torch.float32), "kv_b": ((4, 4), torch.float32), "lm_head": ((20, 8), torch.float32)}
 
 
+class Fp8Linear(torch.nn.Module):
+    """A linear layer as vLLM's online per-channel FP8 leaves it: E4M3
+    codes seen transposed ((K, N) over an (N, K) buffer), (N, 1) F32 row
+    scales, and its quantization method (named as vLLM names it)."""
+
+    def __init__(self, n, k, method="Fp8PtpcOnlineLinearMethod"):
+        super().__init__()
+        codes = torch.randn(n, k).to(torch.float8_e4m3fn)
+        self.weight = torch.nn.Parameter(codes.t(), requires_grad=False)
+        self.weight_scale = torch.nn.Parameter(torch.rand(n, 1), requires_grad=False)
+        self.quant_method = type(method, (), {})()
+
+
+def check_fp8():
+    print("== FP8 engines: codes and row scales laid out as the loader places the BF16 weight")
+    m = torch.nn.Module()
+    m.qkv = Fp8Linear(6, 8)
+    m.o = Fp8Linear(8, 4)
+    m.norm = torch.nn.Linear(2, 2)
+    m.gate = torch.nn.Linear(2, 2)
+    m.gate.quant_method = type("_GateLinearMethod", (type("UnquantizedLinearMethod", (), {}),), {})()
+    layers = fp8.quantized_layers(m)
+    check(layers == {"qkv": fp8.PER_CHANNEL, "o": fp8.PER_CHANNEL}, f"the quantized layers: {layers}")
+    bf16 = [RuntimeTensor("qkv.weight", (6, 8), (Piece("q", (4, 0), (4, 8), (0, 0)), Piece("k", (2, 0), (2, 8), (4, 0)))),
+            RuntimeTensor("o.weight", (8, 4), (Piece("o", (0, 4), (8, 4), (0, 0)),)),
+            RuntimeTensor("norm.weight", (2, 2), (Piece("norm", (0, 0), (2, 2), (0, 0)),))]
+    tensors, written = fp8.quantized_layout(m, bf16, layers)
+    got = {rt.name: rt.pieces for rt in tensors}
+    want = {
+        "qkv.weight": (Piece("fp8_per_channel:q", (4, 0), (4, 8), (0, 0)), Piece("fp8_per_channel:k", (2, 0), (2, 8), (4, 0))),
+        "qkv.weight_scale": (Piece("fp8_per_channel:q_scale", (4, 0), (4, 1), (0, 0)),
+                             Piece("fp8_per_channel:k_scale", (2, 0), (2, 1), (4, 0))),
+        "o.weight": (Piece("fp8_per_channel:o", (0, 4), (8, 4), (0, 0)),),
+        "o.weight_scale": (Piece("fp8_per_channel:o_scale", (0, 0), (8, 1), (0, 0)),),  # a row-parallel layer: whole rows
+        "norm.weight": (Piece("norm", (0, 0), (2, 2), (0, 0)),),
+    }
+    check(got == want, f"codes where the weight's pieces are, scales in their rows, the rest as it was: {got}")
+    check(requested([tensors]) == {"q": "fp8_per_channel", "k": "fp8_per_channel", "o": "fp8_per_channel"},
+          f"a trainer is asked for the codes and scales of q, k and o: {requested([tensors])}")
+    try:
+        requested([[RuntimeTensor("x", (2, 2), (Piece("nvfp4:x", (0, 0), (2, 2), (0, 0)),))]])
+        check(False, "a scheme the trainer does not know: refused")
+    except ValueError as e:
+        check("'nvfp4'" in str(e), f"a scheme the trainer does not know: {str(e)[:120]}")
+
+    print("== codes held transposed move into shared memory as they are laid out")
+    codes, scales = m.qkv.weight, m.qkv.weight_scale
+    values, bits = codes.t().contiguous().view(torch.uint8).clone(), scales.view(torch.int32).clone()
+    reg = share({n: written[n] for n in ("qkv.weight", "qkv.weight_scale")}, "sink")
+    try:
+        moved = m.qkv.weight is codes and m.qkv.weight_scale is scales
+        check(moved and codes.stride() == (1, 8) and torch.equal(codes.t().contiguous().view(torch.uint8), values)
+              and torch.equal(scales.view(torch.int32), bits),
+              f"the Parameters stay the same objects, strides {codes.stride()} and values")
+        shm = reg.memory[0]
+        specs = {t.name: t for t in reg.request.tensors}
+        raw = torch.frombuffer(shm.mmap, dtype=torch.uint8)
+        c, sc = specs["qkv.weight"], specs["qkv.weight_scale"]
+        check(c.dtype == "F8_E4M3" and list(c.shape) == [6, 8] and sc.dtype == "I32" and list(sc.shape) == [6, 1],
+              f"registered as the (N, K) codes and the scales' bits: {c.dtype} {list(c.shape)}, {sc.dtype} {list(sc.shape)}")
+        check(torch.equal(raw[c.offset:c.offset + 48], values.reshape(-1))
+              and torch.equal(raw[sc.offset:sc.offset + 24], bits.reshape(-1).view(torch.uint8)),
+              "what the sink writes at each registered offset is what the engine reads")
+        raw[c.offset] = 0x7E  # the sink writes code (0, 0) as 448
+        check(float(codes[0, 0]) == 448.0, f"a write at the codes' offset reaches the engine's parameter: {float(codes[0, 0])}")
+    finally:
+        reg.unlink()
+
+    print("== quantizations wsync does not keep are refused, naming the layer")
+    m.experts = Fp8Linear(4, 4, "Fp8PerChannelOnlineMoEMethod")
+    m.blocks = Fp8Linear(4, 4, "Fp8PerBlockOnlineLinearMethod")
+    try:
+        fp8.quantized_layers(m)
+        check(False, "MoE experts and per-block FP8: refused")
+    except ValueError as e:
+        check("2 layer(s)" in str(e) and "experts (Fp8PerChannelOnlineMoEMethod)" in str(e),
+              f"MoE experts and per-block FP8: {str(e)[:200]}")
+
+
 def main():
     print("== what each parameter holds, as the loader places it")
     m = Engine()
@@ -145,6 +230,7 @@ def main():
         check(all(p.device.type == "cpu" and torch.equal(p, before[n]) for n, p in m.named_parameters()),
               f"{mode}: the parameters are restored")
 
+    check_fp8()
     print(f"{len(failures)} failed checks" if failures else "PASS")
     sys.exit(1 if failures else 0)
 

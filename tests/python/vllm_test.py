@@ -27,6 +27,12 @@ version:
     backend runs deterministically equal a fresh vLLM engine's of the same
     TP degree loaded from that step's checkpoint (one more engine start per
     family: the parameters' bits above already hold for every engine).
+An FP8 engine (Llama with vLLM's online per-channel FP8, the FP8 mode
+vLLM's CPU backend runs) holds E4M3 codes and F32 row scales: those are
+what is compared, bit for bit, with vLLM's own FP8 load of the step's BF16
+checkpoint, and its tokens and logprobs with a fresh FP8 engine's. Per-tensor
+and per-block FP8 and FP8 experts do not run on this CPU (docs/fp8.md). An
+INT8 engine is refused, naming the setting.
 Mixtral runs at TP 2 with expert parallelism (whole experts per rank); its
 parameters are checked, not its outputs: vLLM 0.32's CPU backend dies
 generating with expert parallelism, wsync or not.
@@ -47,7 +53,7 @@ The engines run eagerly (enforce_eager, TORCHDYNAMO_DISABLE): torch.compile
 would cost each of the ~35 engine starts 10-60 s here. The compiled path is
 checked by scripts/bench_vllm.py.
 
-    vllm_test.py BUILD [--families llama,...,deepseek_v2,serve] [--steps N]
+    vllm_test.py BUILD [--families llama,...,deepseek_v2,serve] [--steps N] [--tp 1,2]
 
 Run it with the Python of the environment scripts/install-vllm.sh makes.
 """
@@ -118,6 +124,10 @@ CONFIGS = {
                         topk_method="noaux_tc", scoring_func="sigmoid", num_mtp_layers=0, bos_token_id=1,
                         eos_token_id=2),
 }
+# An FP8 engine: vLLM's online per-channel FP8 (the FP8 mode its CPU backend runs), its linear layers
+# codes and row scales kept by wsync; the reference is vLLM's own FP8 load of each step's BF16 checkpoint.
+CONFIGS["llama_fp8"] = CONFIGS["llama"]
+ENGINE_ARGS = {"llama_fp8": {"quantization": "fp8_per_channel"}}
 # Engines per family: (TP degree, expert parallelism). Mixtral at TP 2 with its experts split whole over
 # the ranks: vLLM 0.32's CPU backend dies (SIGSEGV in a worker) generating with expert parallelism, wsync or
 # not, so that engine's parameters are checked and its outputs are not (Qwen3-MoE's are).
@@ -245,12 +255,12 @@ def shutdown(llm):
     gc.collect()
 
 
-def reference(path, tp):
+def reference(path, tp, **kw):
     """The greedy tokens and logprobs of a fresh engine loaded from a
     checkpoint. It is configured with the wsync backend (so that vLLM's CPU
     backend runs the same kernels) and never initialized: nothing of wsync
     touches it."""
-    llm = engine(path, tp)
+    llm = engine(path, tp, **kw)
     try:
         return generate(llm)
     finally:
@@ -296,6 +306,21 @@ def worker_extension(tmp, ckpt, trainer, last):
         del os.environ["VLLM_PLUGINS"]
 
 
+def refused_quantization(ckpt):
+    """An engine quantized in a way wsync does not keep (INT8 weights:
+    vLLM's online int8_per_channel_weight_only, which loads on this CPU) is
+    refused at registration, naming the setting."""
+    llm = engine(ckpt, 1, quantization="int8_per_channel_weight_only")
+    try:
+        llm.init_weight_transfer_engine({"init_info": {"sink_address": "unix:/nonexistent/sink.sock", "timeout": 1.0}})
+        check(False, "an INT8 engine is refused")
+    except Exception as e:  # noqa: BLE001 - vLLM wraps the worker's ValueError
+        check("quantization='int8_per_channel_weight_only'" in str(e),
+              f"an INT8 engine is refused, naming the setting ({str(e).splitlines()[-1][:160]})")
+    finally:
+        shutdown(llm)
+
+
 def run_family(build, family, steps):
     import torch
     from system_demo import System
@@ -304,6 +329,7 @@ def run_family(build, family, steps):
     from wsync.vllm import LLMClient, WsyncTrainerInitInfo
 
     engines = ENGINES.get(family, TP_DEGREES)
+    kw = ENGINE_ARGS.get(family, {})
     print(f"== {family}: " + " and ".join(f"TP {tp}" + (" expert parallel" if ep else "") for tp, ep in engines)
           + f", {steps} trained steps", flush=True)
     tmp = tempfile.mkdtemp(prefix=f"wsync_vllm_{family}_")
@@ -322,7 +348,7 @@ def run_family(build, family, steps):
         ckpt = [os.path.join(tmp, "step-0")]
         save_checkpoint(model, ckpt[0])
         for tp, ep in engines:
-            llms[tp, ep] = engine(ckpt[0], tp, ep=ep)
+            llms[tp, ep] = engine(ckpt[0], tp, ep=ep, **kw)
         template = f"unix:{tmp}/sink-tp{{tp_size}}-{{tp_rank}}.sock"
         trainer = WeightTransferTrainerFactory.trainer_init(
             WsyncTrainerInitInfo(rank=0, source_address=f"unix:{tmp}/source.sock", sink_address=template),
@@ -367,8 +393,8 @@ def run_family(build, family, steps):
                 print(f"  skip: {what}: vLLM's CPU backend does not generate deterministically here (the same "
                       "engine's logprobs differ between runs); compared by parameters only", flush=True)
                 continue
-            want = reference(ckpt[steps], tp)
-            if outputs[tp] != want and reference(ckpt[steps], tp) != want:
+            want = reference(ckpt[steps], tp, **kw)
+            if outputs[tp] != want and reference(ckpt[steps], tp, **kw) != want:
                 # Engines whose parameters are bit-identical (checked above) can still differ run to run on
                 # this backend (DeepSeek's latent attention on CPU: two fresh engines of one checkpoint
                 # disagree in the fifth digit of a logprob).
@@ -383,6 +409,8 @@ def run_family(build, family, steps):
             break
         if family == "llama":
             worker_extension(tmp, ckpt[0], trainer, ckpt[-1])
+        if family == "llama_fp8":
+            refused_quantization(ckpt[0])
         trainer.shutdown()
     finally:
         for llm in llms.values():
@@ -535,7 +563,11 @@ def main():
     ap.add_argument("--families", default=",".join(list(CONFIGS) + ["serve"]),
                     help="model families, and serve: vllm serve with data-parallel replicas")
     ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--tp", default="1,2", help="the TP degrees of each family's engines (a GPU machine with "
+                                                "one device: 1)")
     args = ap.parse_args()
+    global TP_DEGREES
+    TP_DEGREES = tuple((int(tp), False) for tp in args.tp.split(","))
     os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # each engine's core in this process
     os.environ.setdefault("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", "1")

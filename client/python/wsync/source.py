@@ -5,9 +5,11 @@ from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
 from ._rpc import Local, again_if_forgotten, backoff, pb, transient
-from ._tensors import Registration, TensorsLike, share, served_layout
+from ._tensors import Registration, TensorsLike, named_tensors, share, served_layout
 from .errors import (STALE_VERSION, DeadlineExceededError, FailedPreconditionError, StaleVersionError,
                      UnavailableError)
+from .layouts import Piece, RuntimeTensor
+from .quantized import QuantizedTensors, requested
 
 
 @dataclass
@@ -69,6 +71,7 @@ class Source:
         """`timeout`: seconds for calls other than publish's own wait."""
         self._local = Local(address, timeout)
         self._registration: Optional[Registration] = None
+        self._quantized: Optional[QuantizedTensors] = None
         self._next_version = 1
 
     def register(self, model: TensorsLike, *, pack: bool = True, serve: Sequence[Sequence] = (),
@@ -92,6 +95,12 @@ class Source:
         every publish: a layout offered later is served from the next
         version on.
 
+        Layouts whose sinks hold quantized forms of tensors (an FP8 engine's
+        codes and scales: wsync.quantized names them) get them: the source
+        quantizes those tensors with the engine's own functions (vLLM's, in
+        this process) and registers them too, and quantizes them again
+        before every publish.
+
         `part=(i, n)`: this source is one of n (trainer ranks or pipeline
         stages), each registering a disjoint subset of the tensors and
         publishing the same version numbers; a version reaches the sinks only
@@ -106,6 +115,15 @@ class Source:
         InvalidArgumentError naming a served piece that does not fit the
         model.
         """
+        layouts = [list(layout) for layout in serve] + (self.offered_layouts() if serve_offered else [])
+        wanted = requested(layouts)
+        quantized = None
+        if wanted:
+            weights = dict(named_tensors(model))
+            if part is not None:  # the other parts quantize theirs
+                wanted = {n: s for n, s in wanted.items() if n in weights}
+            quantized = QuantizedTensors(weights, wanted)
+            model = {**weights, **quantized.tensors}
         reg = share(model, "source", pack)
         if part is not None:
             reg.request.part, reg.request.parts = int(part[0]), int(part[1])
@@ -118,6 +136,7 @@ class Source:
         old, self._registration = self._registration, reg
         if old is not None:
             old.unlink()
+        self._quantized = quantized
         self._next_version = resp.next_version or resp.head_version + 1
         return RegisterInfo(reg.names, list(resp.cast_to_bf16), resp.head_version, self._next_version)
 
@@ -148,6 +167,8 @@ class Source:
         if self._registration is None:
             raise FailedPreconditionError("publish: nothing registered (call register first)", "FAILED_PRECONDITION")
         v = self._next_version if version is None else int(version)
+        if self._quantized is not None:
+            self._quantized.refresh()
         req = pb.LocalPublishRequest(version=v, wait_ms=int(wait * 1000), return_after_copy=after_copy)
         def call():
             # The source announces an unconfirmed version again; a version it
@@ -183,6 +204,17 @@ class Source:
     def _reregister(self) -> None:
         self._registration.pass_descriptors(self._local.address, self._local.timeout)
         self._local.call("RegisterTensors", self._registration.request, wait_for_ready=True)
+
+    def offered_layouts(self) -> List[List[RuntimeTensor]]:
+        """The layouts sinks offered to the coordinator (each a list of
+        wsync.layouts.RuntimeTensor), as they offered them: what the
+        engines' ranks hold. A trainer reads them before registering to
+        learn which tensors to publish (an FP8 engine's sinks name the FP8
+        codes and scales they hold: docs/fp8.md)."""
+        resp = self._local.call("OfferedLayouts", pb.OfferedLayoutsRequest(), wait_for_ready=True)
+        return [[RuntimeTensor(t.name, tuple(t.shape), tuple(Piece(p.canonical, tuple(p.start), tuple(p.extent),
+                                                                     tuple(p.at)) for p in t.pieces))
+                 for t in layout.tensors] for layout in resp.layouts]
 
     def status(self) -> pb.LocalStatusResponse:
         """The daemon's view: head version, tensors, bytes and pulls served."""

@@ -267,7 +267,11 @@ if HAS_WEIGHT_TRANSFER:
             """Initializes the workers' engines first (each derives its
             layout from vLLM's loader and registers with its sink, which
             offers it), then registers the model with the trainer's source,
-            serving every layout offered."""
+            serving every layout offered. Engines that hold FP8 weights
+            (wsync.vllm.fp8) name the codes and scales they hold in the
+            layouts they offer: the source quantizes those with vLLM's own
+            functions and publishes them beside the model's tensors
+            (wsync.quantized)."""
             if source is None:
                 raise ValueError("the wsync trainer engine needs the model: source=ModuleSource(model)")
             engine = cls(client=client, source=source, is_sender=init_info.is_sender)

@@ -209,11 +209,16 @@ def _overlapping(pieces: Sequence[Piece]) -> bool:
 
 
 def derive_layout(model: torch.nn.Module, checkpoint: Mapping[str, Tuple[Tuple[int, ...], torch.dtype]],
-                  weights: Optional[Iterable[str]] = None) -> LoaderLayout:
+                  weights: Optional[Iterable[str]] = None,
+                  formats: Optional[Mapping[str, torch.Tensor]] = None) -> LoaderLayout:
     """The layout of this rank: `model` (a vLLM model, loaded) over the
     `checkpoint`'s tensors (name -> (shape, dtype); checkpoint_shapes), as
     ``model.load_weights`` places them. The parameters are swapped for meta
-    tensors while it runs and restored after, whatever happens.
+    tensors while it runs and restored after, whatever happens. `formats`:
+    parameters the loader writes in another form than the engine holds them
+    now (a quantized layer's weight before quantization), by name: meta
+    tensors with their weight loaders, which take those parameters' places
+    while the loader runs (their runtime tensors are in that form).
 
     Raises ValueError naming every parameter whose values the loader does
     not copy from the checkpoint as boxes (computed, transposed or indexed
@@ -247,6 +252,13 @@ def derive_layout(model: torch.nn.Module, checkpoint: Mapping[str, Tuple[Tuple[i
                     replaced.append((module, attr, p))
                 meta[id(p)] = twin
             params[meta[id(p)].untyped_storage()._cdata] = (n, tuple(p.shape))
+        modules = dict(model.named_modules())
+        for n, twin in (formats or {}).items():
+            owner, _, attr = n.rpartition(".")
+            module = modules[owner]
+            replaced.append((module, attr, module._parameters[attr]))
+            module._parameters[attr] = twin
+            params[twin.untyped_storage()._cdata] = (n, tuple(twin.shape))
         sources = [(n, torch.empty(checkpoint[n][0], dtype=checkpoint[n][1], device="meta")) for n in names]
         recorder = _Recorder(params, {t.untyped_storage()._cdata: (n, tuple(t.shape)) for n, t in sources})
         try:
@@ -289,7 +301,6 @@ def derive_layout(model: torch.nn.Module, checkpoint: Mapping[str, Tuple[Tuple[i
                          "keep them (copies of boxes of checkpoint tensors): " + "; ".join(lines[:8]))
 
     loaded = {rt.partition("[")[0] for rt in pieces}
-    modules = dict(model.named_modules())
     derived: Dict[str, Derived] = {}
     constants = []
     for n, _ in unique.values():

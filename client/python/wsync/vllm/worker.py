@@ -12,6 +12,7 @@ from typing import Optional
 import torch
 
 from ..rank_sync import RankSync, rank_address
+from .fp8 import checkpoint_format, quantized_layers, quantized_layout
 from .loader import LoaderLayout, checkpoint_shapes, derive_layout
 
 __all__ = ["DEFAULT_ADDRESS", "VllmWorkerExtension", "check_vllm_memory", "check_vllm_quantization",
@@ -21,10 +22,12 @@ DEFAULT_ADDRESS = "unix:/run/wsync/sink-{rank}.sock"
 log = logging.getLogger("wsync.vllm")
 
 
-def rank_layout(model: torch.nn.Module, vllm_config, checkpoint=None) -> LoaderLayout:
-    """This rank's layout, from vLLM's loader over the checkpoint it loaded."""
+def rank_layout(model: torch.nn.Module, vllm_config, checkpoint=None, formats=None) -> LoaderLayout:
+    """This rank's layout, from vLLM's loader over the checkpoint it loaded
+    (`formats`: wsync.vllm.loader.derive_layout's)."""
     start = time.perf_counter()
-    layout = derive_layout(model, checkpoint if checkpoint is not None else checkpoint_shapes(vllm_config))
+    layout = derive_layout(model, checkpoint if checkpoint is not None else checkpoint_shapes(vllm_config),
+                           formats=formats)
     log.info("wsync: layout of %d runtime tensors derived from vLLM's loader in %.2f s (%d derived layers, "
              "%d constant parameters)", len(layout.tensors), time.perf_counter() - start, len(layout.derived),
              len(layout.constants))
@@ -37,16 +40,22 @@ def vllm_rank_sync(model: torch.nn.Module, vllm_config, address: str = DEFAULT_A
     place with the sink at `address` (a template with {rank}/{tp_rank},
     {tp_size}, {dp_rank}), laid out as vLLM's loader places the checkpoint
     (the sink offers that layout to the coordinator, for the source to
-    serve). Refuses, naming the setting, an engine whose weights wsync
-    could not keep exact: pipeline parallelism, quantization, expert load
-    balancing, sleep mode, CUDA expandable segments, inductor freezing, on
-    CPU parameters vLLM repacked for its GEMM kernels, and parameters the
+    serve). An engine with vLLM's online per-channel FP8 holds its quantized
+    layers' codes and scales, which the sink writes (wsync.vllm.fp8).
+    Refuses, naming the setting, an engine whose weights wsync could not
+    keep exact: pipeline parallelism, quantization other than that, expert
+    load balancing, sleep mode, CUDA expandable segments, inductor freezing,
+    on CPU parameters vLLM repacked for its GEMM kernels, and parameters the
     loader writes other than as copies of the checkpoint."""
     from vllm.distributed import parallel_state as ps
     if ps.get_pp_group().world_size != 1:
         raise ValueError("wsync's vLLM integration supports tensor, data and expert parallelism, not pipeline "
                          f"parallelism (pipeline_parallel_size={ps.get_pp_group().world_size})")
     check_vllm_quantization(vllm_config)
+    layers = quantized_layers(model)
+    if layers and vllm_config.model_config.dtype != torch.bfloat16:
+        raise ValueError(f"an FP8 engine of dtype {vllm_config.model_config.dtype}: wsync's FP8 codes are quantized "
+                         "from the published BF16 weights, as vLLM quantizes them in a BF16 engine (dtype='bfloat16')")
     check_vllm_memory(model, vllm_config)
     _check_moe(model)
     tp = ps.get_tp_group()
@@ -56,14 +65,15 @@ def vllm_rank_sync(model: torch.nn.Module, vllm_config, address: str = DEFAULT_A
     dp_rank = int(getattr(pc, "data_parallel_index", None) or getattr(pc, "data_parallel_rank", 0) or 0)
     target = rank_address(address, tp_rank=tp.rank_in_group, tp_size=tp.world_size, dp_rank=dp_rank)
     checkpoint = checkpoint_shapes(vllm_config)
-    layout = rank_layout(model, vllm_config, checkpoint)
+    layout = rank_layout(model, vllm_config, checkpoint, formats=checkpoint_format(model, layers))
     params = dict(model.named_parameters())
     unpacked = {n: (p.wsync_unpacked[0], functools.partial(_repack_cpu_moe, p))
                 for n, p in params.items() if hasattr(p, "wsync_unpacked")}
-    unpacked.update(_widened(params, layout, checkpoint))
+    tensors, written = quantized_layout(model, layout.tensors, layers)
+    unpacked.update(_widened(params, [rt for rt in tensors if rt.name not in written], checkpoint))
     act_dtype = vllm_config.model_config.dtype
     derived = [functools.partial(d.recompute, act_dtype) for d in layout.derived]
-    return RankSync(params, layout.tensors, target, timeout, unpacked=unpacked, after_version=derived,
+    return RankSync({**params, **written}, tensors, target, timeout, unpacked=unpacked, after_version=derived,
                     what=f"rank {tp.rank_in_group} of {tp.world_size}")
 
 
@@ -72,14 +82,14 @@ def _published_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.bfloat16 if dtype == torch.float32 else dtype
 
 
-def _widened(params, layout: LoaderLayout, checkpoint) -> dict:
+def _widened(params, tensors, checkpoint) -> dict:
     """Parameters the engine keeps in a wider dtype than the published
     tensors they hold (a router's bias correction in F32, say): the sink
     writes a copy in the published dtype, and every version widens it into
     the parameter (exact, as vLLM's loader's own copy). Raises ValueError
     for a parameter holding tensors of several published dtypes."""
     out = {}
-    for rt in layout.tensors:
+    for rt in tensors:
         name = rt.name.partition("[")[0]
         dtypes = {_published_dtype(checkpoint[p.canonical][1]) for p in rt.pieces}
         if len(dtypes) != 1:
@@ -106,14 +116,16 @@ def _repack_cpu_moe(param: torch.Tensor) -> None:
 
 
 def check_vllm_quantization(vllm_config) -> None:
-    """Raises ValueError naming the quantization: wsync writes the
-    checkpoint's values into the parameters, which a quantized engine does
-    not hold (it holds codes and scales computed from them)."""
+    """Raises ValueError naming the quantization unless it is vLLM's online
+    quantization of a BF16 checkpoint ('fp8_per_channel', or 'online' with
+    a quantization_config), whose layers wsync.vllm.fp8 then checks one by
+    one: wsync writes what the parameters hold, which for any other
+    quantization it does not reproduce exactly."""
     quantization = getattr(vllm_config.model_config, "quantization", None)
-    if quantization:
+    if quantization and quantization not in ("fp8_per_channel", "online"):
         raise ValueError(f"the engine is quantized (quantization={quantization!r}): wsync keeps BF16 and FP16 "
-                         "engines exact, whose parameters hold the checkpoint's values; start the engine without "
-                         "quantization")
+                         "engines exact, and FP8 engines that quantize a BF16 checkpoint per channel "
+                         "(quantization='fp8_per_channel'); start the engine without quantization or with that one")
 
 
 def _check_moe(model: torch.nn.Module) -> None:

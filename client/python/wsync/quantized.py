@@ -1,0 +1,119 @@
+"""Quantized forms of the published tensors, for engines that hold them.
+
+An engine that quantizes the checkpoint after loading (vLLM's online
+per-channel FP8) holds codes and scales, not the checkpoint's values. Its
+sinks name what they hold in the layouts they offer, in the scheme's own
+name space beside the checkpoint's:
+
+- ``"fp8_per_channel:<name>"``: the E4M3 codes of checkpoint tensor
+  ``<name>`` (``F8_E4M3``, its shape);
+- ``"fp8_per_channel:<name>_scale"``: its row scales, (N, 1), as the bit
+  patterns of their F32 values (``I32``: a source publishes F32 tensors as
+  BF16, and scales must not be rounded).
+
+A source asked for them (wsync.Source.register with layouts that name them)
+quantizes the tensors with the engine's own functions (vLLM's, imported
+where the trainer runs) on the BF16 values it publishes, registers the
+codes and scales beside the model's tensors, and quantizes again before
+every publish. docs/fp8.md has the measurements behind shipping codes
+rather than BF16 values, and what is refused.
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict, Iterable, List, Mapping, Sequence, Tuple
+
+import torch
+
+from .layouts import RuntimeTensor
+
+__all__ = ["PER_CHANNEL", "QuantizedTensors", "codes_name", "requested", "scale_name"]
+
+PER_CHANNEL = "fp8_per_channel"
+_SCHEMES = (PER_CHANNEL,)
+
+
+def codes_name(scheme: str, name: str) -> str:
+    """The published name of `name`'s codes in `scheme`."""
+    return f"{scheme}:{name}"
+
+
+def scale_name(scheme: str, name: str) -> str:
+    """The published name of `name`'s scales in `scheme`."""
+    return f"{scheme}:{name}_scale"
+
+
+def requested(layouts: Iterable[Sequence[RuntimeTensor]]) -> Dict[str, str]:
+    """The checkpoint tensors `layouts` hold quantized: name -> scheme.
+    Raises ValueError naming a quantized name of a scheme this wsync does
+    not know (a newer engine's)."""
+    held = {}
+    for layout in layouts:
+        for rt in layout:
+            for p in rt.pieces:
+                scheme, sep, name = p.canonical.partition(":")
+                if not sep:
+                    continue
+                if scheme not in _SCHEMES:
+                    raise ValueError(f"a sink holds {p.canonical!r}, of a quantization this trainer's wsync does not "
+                                     f"know ({scheme!r}; it knows {', '.join(_SCHEMES)}): upgrade the trainer's wsync")
+                held[name] = scheme
+    # Each quantized tensor is held as its codes and its scales ("<name>_scale").
+    return {n: s for n, s in held.items() if not (n.endswith("_scale") and n[:-len("_scale")] in held)}
+
+
+class QuantizedTensors:
+    """The quantized forms of the tensors `names` (name -> scheme) of
+    `weights` (the tensors a source publishes: F32 masters or BF16),
+    computed from their BF16 values by the engine's own quantization, as
+    each engine computes them after loading. ``tensors`` are what to
+    register; :meth:`refresh` quantizes the weights again, in place. Raises
+    ValueError naming a tensor the weights lack or hold other than as a
+    matrix."""
+
+    def __init__(self, weights: Mapping[str, torch.Tensor], names: Mapping[str, str]):
+        self._weights = weights
+        self.tensors: Dict[str, torch.Tensor] = {}
+        self._names: List[Tuple[str, str, str]] = []
+        for name, scheme in sorted(names.items()):
+            w = weights.get(name)
+            if w is None or w.ndim != 2:
+                raise ValueError(f"an engine holds {name!r} quantized ({scheme}), which the trainer's model holds "
+                                 f"{'not at all' if w is None else 'as ' + str(tuple(w.shape))}, not as a matrix")
+            c, s = codes_name(scheme, name), scale_name(scheme, name)
+            self.tensors[c] = torch.empty(w.shape, dtype=torch.float8_e4m3fn, device=w.device)
+            self.tensors[s] = torch.empty((w.shape[0], 1), dtype=torch.int32, device=w.device)
+            self._names.append((name, c, s))
+        self._quantize = _vllm_per_channel() if self._names else None
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Quantizes the weights as they are now into the tensors (looked up
+        again: registering moves them into shared memory)."""
+        with torch.no_grad():
+            for name, c, s in self._names:
+                codes, scale = self._quantize(self._weights[name].to(torch.bfloat16))
+                self.tensors[c].copy_(codes)
+                self.tensors[s].view(torch.float32).copy_(scale)
+
+
+def _vllm_per_channel() -> Callable[[torch.Tensor], Tuple[torch.Tensor, torch.Tensor]]:
+    """vLLM's per-channel weight quantization, as Fp8PtpcOnlineLinearMethod
+    runs it after loading (the row amax, the scale, the codes): the
+    reference, never a re-implementation."""
+    try:
+        from vllm.model_executor.layers.quantization.online import fp8 as online
+        from vllm.model_executor.layers.quantization.utils.quant_utils import weight_amax
+        channel_scale, quant = online._fp8_channel_scale, online._fp8_quant_per_channel
+    except (ImportError, AttributeError) as e:
+        raise ValueError("an engine holds FP8 weights quantized per channel, and the trainer's Python has no vLLM "
+                         "with that quantization (vLLM 0.32's _fp8_channel_scale and _fp8_quant_per_channel) to "
+                         f"compute them exactly as the engine does: {e}") from e
+
+    def quantize(weight: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        scale = channel_scale(weight_amax(weight, dim=-1, keepdim=True))
+        codes = quant(weight, scale)
+        if codes.dtype != torch.float8_e4m3fn:
+            raise ValueError(f"vLLM quantizes to {codes.dtype} on the trainer's platform; the engine's codes are "
+                             "E4M3 (float8_e4m3fn)")
+        return codes, scale
+    return quantize
