@@ -32,7 +32,8 @@ vLLM's CPU backend runs) holds E4M3 codes and F32 row scales: those are
 what is compared, bit for bit, with vLLM's own FP8 load of the step's BF16
 checkpoint, and its tokens and logprobs with a fresh FP8 engine's. Per-tensor
 and per-block FP8 and FP8 experts do not run on this CPU (docs/fp8.md). An
-INT8 engine is refused, naming the setting.
+INT8 engine is refused, naming the setting, and an FP8 engine that comes
+after a trainer registered without FP8 tensors is refused, saying why.
 Mixtral runs at TP 2 with expert parallelism (whole experts per rank); its
 parameters are checked, not its outputs: vLLM 0.32's CPU backend dies
 generating with expert parallelism, wsync or not.
@@ -321,6 +322,22 @@ def refused_quantization(ckpt):
         shutdown(llm)
 
 
+def fp8_after_trainer(tmp, ckpt):
+    """An FP8 engine that comes after the trainer registered without FP8
+    tensors (the run's published tensors are fixed by then) is refused,
+    saying why and what to do."""
+    llm = engine(ckpt, 1, quantization="fp8_per_channel")
+    try:
+        llm.init_weight_transfer_engine({"init_info": {"sink_address": f"unix:{tmp}/sink-fp8-{{tp_rank}}.sock",
+                                                       "timeout": 10.0}})
+        check(False, "an FP8 engine after a trainer without FP8 tensors is refused")
+    except Exception as e:  # noqa: BLE001 - vLLM wraps the worker's error
+        check("publishes no FP8 codes" in str(e) and "Start the FP8 engines before the trainer registers" in str(e),
+              f"an FP8 engine after a trainer without FP8 tensors is refused, saying why ({str(e)[-200:]})")
+    finally:
+        shutdown(llm)
+
+
 def run_family(build, family, steps):
     import torch
     from system_demo import System
@@ -341,6 +358,7 @@ def run_family(build, family, steps):
                 s.start_sink(f"sink-tp{tp}-{r}")
         if family == "llama":
             s.start_sink("sink-ext-0")
+            s.start_sink("sink-fp8-0")
         for n in s.sinks:
             s.wait_for(lambda: os.path.exists(f"{tmp}/{n}.sock"), f"{n}'s local API")
         model = make_model(family, seed=1)
@@ -409,6 +427,7 @@ def run_family(build, family, steps):
             break
         if family == "llama":
             worker_extension(tmp, ckpt[0], trainer, ckpt[-1])
+            fp8_after_trainer(tmp, ckpt[0])
         if family == "llama_fp8":
             refused_quantization(ckpt[0])
         trainer.shutdown()

@@ -11,6 +11,8 @@ from typing import Optional
 
 import torch
 
+from ..errors import FailedPreconditionError
+from ..quantized import PER_CHANNEL
 from ..rank_sync import RankSync, rank_address
 from .fp8 import checkpoint_format, quantized_layers, quantized_layout
 from .loader import LoaderLayout, checkpoint_shapes, derive_layout
@@ -73,8 +75,17 @@ def vllm_rank_sync(model: torch.nn.Module, vllm_config, address: str = DEFAULT_A
     unpacked.update(_widened(params, [rt for rt in tensors if rt.name not in written], checkpoint))
     act_dtype = vllm_config.model_config.dtype
     derived = [functools.partial(d.recompute, act_dtype) for d in layout.derived]
-    return RankSync({**params, **written}, tensors, target, timeout, unpacked=unpacked, after_version=derived,
-                    what=f"rank {tp.rank_in_group} of {tp.world_size}")
+    try:
+        return RankSync({**params, **written}, tensors, target, timeout, unpacked=unpacked, after_version=derived,
+                        what=f"rank {tp.rank_in_group} of {tp.world_size}")
+    except FailedPreconditionError as e:
+        if layers and "no such tensor" in str(e) and f"'{PER_CHANNEL}:" in str(e):
+            raise FailedPreconditionError(
+                f"{e} -- the trainer's source publishes no FP8 codes: it registered before this FP8 engine offered "
+                "its layout, and the tensors a run publishes are fixed by its first registration. Start the FP8 "
+                "engines before the trainer registers (its trainer_init initializes the engines it is given first), "
+                "or start a new run", e.code, e.reason, e.metadata) from e
+        raise
 
 
 def _published_dtype(dtype: torch.dtype) -> torch.dtype:
