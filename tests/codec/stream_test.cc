@@ -376,6 +376,86 @@ TEST(Streams, AWriteAtAChangedValueAfterStagingIsFoundAndUndoneByApply) {
   }
 }
 
+// Staging keeps at most ApplyOptions::stage_keep_bytes of a version's
+// changes: the chunks past it are checked before the writes like the others
+// (a corrupt patch is refused with nothing written), decoded again by Apply
+// in groups the budget holds, and the result is the same bits.
+TEST(Streams, ChangesPastTheStagingBudgetAreCheckedFirstAndDecodedAgainWhenWritten) {
+  std::mt19937_64 rng(13);
+  const auto v0 = Model(rng);
+  const auto v1 = Step(v0, rng);
+  const std::string stream = Segmented(v0, v1);
+  ThreadPool pool(2);
+  for (uint64_t budget : {uint64_t{0}, uint64_t{1} << 16, uint64_t{1} << 20}) {
+    SCOPED_TRACE(budget);
+    ApplyOptions options;
+    options.pool = &pool;
+    options.stage_keep_bytes = budget;
+    auto work = v0;
+    ApplyAhead ahead(MutableViews(work), options);
+    Feed(ahead, stream, rng);
+    ASSERT_TRUE(ahead.Prepare(stream).ok());
+    EXPECT_TRUE(testing::SameBits(work, v0)) << "Prepare writes nothing";
+    ASSERT_TRUE(ahead.Apply(stream).ok());
+    EXPECT_TRUE(testing::SameBits(work, v1));
+    EXPECT_GT(ahead.decoded_again(), 0u) << ahead.staged_ahead();
+    EXPECT_TRUE(ahead.Confirm().ok());
+    // The same through Apply without reading ahead.
+    auto once = v0;
+    const auto segments = SplitSegments(stream);
+    ASSERT_TRUE(segments.ok());
+    ASSERT_TRUE(Apply(*segments, Destination(MutableViews(once)), options).ok());
+    EXPECT_TRUE(testing::SameBits(once, v1));
+
+    std::string bad = stream;
+    bad[bad.size() - 7] ^= 0x20;
+    auto untouched = v0;
+    ApplyAhead refused(MutableViews(untouched), options);
+    EXPECT_EQ(refused.Prepare(bad).code(), StatusCode::kDataLoss);
+    EXPECT_TRUE(testing::SameBits(untouched, v0)) << "a corrupt patch is refused before the writes";
+  }
+  auto kept = v0;
+  ApplyAhead unbounded(MutableViews(kept), {});
+  ASSERT_TRUE(unbounded.Apply(stream).ok());
+  EXPECT_EQ(unbounded.decoded_again(), 0u) << "no bound by default";
+}
+
+// Past the staging budget a value another writer changed since the check is
+// found before its group is written: in the first group everything is put
+// back; in a later one the groups written before cannot be, and Apply says
+// the weights hold neither version.
+TEST(Streams, AWriteInAChunkPastTheStagingBudgetIsFoundBeforeItIsWritten) {
+  std::mt19937_64 rng(14);
+  const auto v0 = Model(rng);
+  const auto v1 = Step(v0, rng);
+  const std::string stream = Segmented(v0, v1);
+  for (size_t t : {size_t{0}, size_t{4}}) {
+    SCOPED_TRACE(v0[t].name);
+    ApplyOptions options;
+    options.stage_keep_bytes = 0;  // no change kept: every chunk a group of its own, in order
+    auto work = v0;
+    ApplyAhead ahead(MutableViews(work), options);
+    ASSERT_TRUE(ahead.Prepare(stream).ok());
+    const std::vector<size_t> at = Elements(v0[t], v1[t], /*changed=*/true);
+    ASSERT_FALSE(at.empty());
+    const size_t e = at.front() * DTypeWidth(v0[t].dtype);  // in the tensor's first chunk
+    work[t].bytes[e] ^= 0x40;
+    const auto written = work;
+    Status s = ahead.Apply(stream);
+    EXPECT_NE(s.message().find("'" + v0[t].name + "'"), std::string::npos) << s.message();
+    if (t == 0) {
+      EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition) << s.message();
+      EXPECT_TRUE(testing::SameBits(work, written)) << "found in the first group: nothing written stays";
+    } else {
+      EXPECT_EQ(s.code(), StatusCode::kDataLoss) << s.message();
+      EXPECT_NE(s.message().find("holds neither version"), std::string::npos) << s.message();
+      work[t].bytes[e] ^= 0x40;
+      EXPECT_TRUE(testing::SameBits(Only(work, {"embed", "q", "norm"}), Only(v1, {"embed", "q", "norm"})))
+          << "the segments before it are written";
+    }
+  }
+}
+
 TEST(Streams, AWriteAtAnUnchangedValueAfterStagingIsFoundByConfirm) {
   std::mt19937_64 rng(12);
   const auto v0 = Model(rng);

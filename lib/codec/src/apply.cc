@@ -5,6 +5,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <span>
 #include <string>
@@ -32,6 +33,7 @@ using internal::KeyframeApply;
 using internal::MatchTensors;
 using internal::PiecesPlan;
 using internal::Plan;
+using internal::StageBudget;
 using internal::WholePlan;
 using internal::Work;
 
@@ -84,7 +86,13 @@ Status ReadPiecesPart(std::string_view patch, std::span<const RuntimeTensor> run
   return PlanPiecesPart(runtime, other_parts, p);
 }
 
-Status StageAll(std::span<PartApply* const> parts, const ApplyOptions& options) {
+// The budget of a version's staged changes; null: no bound.
+std::unique_ptr<StageBudget> BudgetOf(const ApplyOptions& options) {
+  if (options.stage_keep_bytes == std::numeric_limits<uint64_t>::max()) return nullptr;
+  return std::make_unique<StageBudget>(options.stage_keep_bytes);
+}
+
+Status StageAll(std::span<PartApply* const> parts, const ApplyOptions& options, StageBudget* budget) {
   ThreadPool* pool = options.pool;
   uint64_t keep = options.keyframe_keep_bytes;  // shared by the version's keyframes
   for (PartApply* p : parts) {
@@ -93,7 +101,7 @@ Status StageAll(std::span<PartApply* const> parts, const ApplyOptions& options) 
       WSYNC_RETURN_IF_ERROR(p->keyframe->Verify());
       keep -= std::min(keep, p->keyframe->kept_bytes());
     } else {
-      if (!p->delta) p->delta = std::make_unique<DeltaApply>(p->c, p->plan, pool);
+      if (!p->delta) p->delta = std::make_unique<DeltaApply>(p->c, p->plan, pool, budget);
       WSYNC_RETURN_IF_ERROR(p->delta->Stage(p->holds_base));
     }
   }
@@ -103,29 +111,30 @@ Status StageAll(std::span<PartApply* const> parts, const ApplyOptions& options) 
 // REQUIRES: StageAll(parts) succeeded.
 Status CommitAll(std::span<PartApply* const> parts) {
   std::vector<DeltaApply*> applied;
-  auto undo = [&] {
-    for (DeltaApply* d : applied) d->Undo();
+  // Puts back what the parts before wrote; a part's changes past the
+  // staging budget cannot be, and the destination then holds neither version.
+  auto undone = [&](Status s) {
+    bool all = true;
+    for (DeltaApply* d : applied) all = d->Undo() && all;
+    if (all || s.code() == StatusCode::kDataLoss) return s;
+    return DataLossError(s.message() + "; an earlier part's changes past the staging budget were written and cannot "
+                                       "be taken back: the destination holds neither version");
   };
   for (PartApply* p : parts) {
     if (!p->delta) continue;
-    if (Status s = p->delta->Commit(); !s.ok()) {
-      undo();
-      return s;
-    }
+    if (Status s = p->delta->Commit(); !s.ok()) return undone(s);
     applied.push_back(p->delta.get());
   }
   for (PartApply* p : parts) {
     if (!p->keyframe) continue;
-    if (Status s = p->keyframe->Write(); !s.ok()) {
-      undo();
-      return s.WithContext("a verified keyframe failed to decode again");
-    }
+    if (Status s = p->keyframe->Write(); !s.ok()) return undone(s.WithContext("a verified keyframe failed to decode again"));
   }
   return Status::Ok();
 }
 
 Status ApplyAll(std::span<PartApply* const> parts, const ApplyOptions& options) {
-  WSYNC_RETURN_IF_ERROR(StageAll(parts, options));
+  std::unique_ptr<StageBudget> budget = BudgetOf(options);
+  WSYNC_RETURN_IF_ERROR(StageAll(parts, options, budget.get()));
   return CommitAll(parts);
 }
 
@@ -219,6 +228,8 @@ struct ApplyAhead::Impl {
   std::string_view ready_for;
   // Apply's: the parts written, for Confirm.
   std::vector<PartApply*> written;
+  // What staging keeps of the stream's changes; null: no bound.
+  std::unique_ptr<StageBudget> budget;
 
   // Whether the segments read ahead are `stream`'s: the same places and the same heads.
   bool Reads(std::string_view stream, std::span<const std::string_view> split) const {
@@ -253,7 +264,7 @@ struct ApplyAhead::Impl {
                                   : PlanWholePart(tensors, /*allow_extra=*/true, options.pool, &p);
     if (!planned.ok()) return Stop();
     if (p.c.kind == PatchKind::kPatch) {
-      p.delta = std::make_unique<DeltaApply>(p.c, p.plan, options.pool);
+      p.delta = std::make_unique<DeltaApply>(p.c, p.plan, options.pool, budget.get());
       seg->order.resize(p.plan.works.size());
       for (size_t i = 0; i < seg->order.size(); ++i) seg->order[i] = i;
       std::stable_sort(seg->order.begin(), seg->order.end(), [&](size_t a, size_t b) { return StreamEnd(p, a) < StreamEnd(p, b); });
@@ -294,6 +305,7 @@ ApplyAhead::ApplyAhead(std::span<const MutableTensorView> tensors, const ApplyOp
     : impl_(std::make_unique<Impl>()) {
   impl_->tensors.assign(tensors.begin(), tensors.end());
   impl_->options = options;
+  impl_->budget = BudgetOf(options);
 }
 
 ApplyAhead::ApplyAhead(std::span<const RuntimeTensor> runtime, const ApplyOptions& options)
@@ -301,6 +313,7 @@ ApplyAhead::ApplyAhead(std::span<const RuntimeTensor> runtime, const ApplyOption
   impl_->runtime.assign(runtime.begin(), runtime.end());
   impl_->pieces = true;
   impl_->options = options;
+  impl_->budget = BudgetOf(options);
 }
 
 ApplyAhead::ApplyAhead(ApplyAhead&&) noexcept = default;
@@ -308,6 +321,12 @@ ApplyAhead& ApplyAhead::operator=(ApplyAhead&&) noexcept = default;
 ApplyAhead::~ApplyAhead() = default;
 
 size_t ApplyAhead::staged_ahead() const { return impl_->staged; }
+
+size_t ApplyAhead::decoded_again() const {
+  size_t n = 0;
+  for (const PartApply* p : impl_->written) n += p->delta ? p->delta->decoded_again() : 0;
+  return n;
+}
 
 void ApplyAhead::Advance(std::string_view prefix) {
   Impl& m = *impl_;
@@ -332,6 +351,7 @@ Status ApplyAhead::Prepare(std::string_view stream) {
     m.segments.clear();
     m.end = 0;
     m.stopped = false;
+    m.budget = BudgetOf(m.options);
   }
   Advance(stream);  // every chunk not staged yet, the last segment's too
   // Bytes the reader ahead cannot take: Apply applies them as given, and says what is wrong.
@@ -350,7 +370,7 @@ Status ApplyAhead::Prepare(std::string_view stream) {
   } else {
     WSYNC_RETURN_IF_ERROR(CheckWholeParts(Containers(parts), m.tensors, m.options));
   }
-  WSYNC_RETURN_IF_ERROR(StageAll(parts, m.options));
+  WSYNC_RETURN_IF_ERROR(StageAll(parts, m.options, m.budget.get()));
   m.ready = std::move(parts);
   m.ready_for = stream;
   return Status::Ok();

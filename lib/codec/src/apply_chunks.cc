@@ -1,11 +1,13 @@
 // The apply side's per-chunk loops (apply_chunks.h): keyframe chunks
 // verified then written (copied from what was verified, or decoded again), patch chunks decoded, added and verified while in
 // cache, and undone.
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <functional>
 #include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -149,7 +151,7 @@ Status KeyframeApply::Write() {
   return error.status();
 }
 
-Status DeltaApply::StageWork(size_t i) {
+Status DeltaApply::StageWork(size_t i, bool budgeted) {
   const Work& w = p_.works[i];
   const TensorEntry& t = c_.tensors[w.tensor];
   const ChunkEntry& ch = t.chunks[w.chunk];
@@ -171,18 +173,37 @@ Status DeltaApply::StageWork(size_t i) {
     for (size_t k = 0; k < d.pos.size(); ++k) old[k] = x[d.pos[k]];
     internal::ScatterAdd<T>(x, d);
     digests_.Record(i, scratch.data());
-    staged_[i] = 1;
+    if (budgeted && budget_ != nullptr && !budget_->Take(KeepBytes(i))) {
+      Drop(i);  // checked; decoded again when written
+    } else {
+      staged_[i] = kKept;
+    }
     return Status::Ok();
   });
 }
 
-void DeltaApply::StageAhead(size_t i) { (void)StageWork(i); }
+void DeltaApply::Drop(size_t i) {
+  decoded_[i] = Decoded{};
+  staged_[i] = kChecked;
+}
+
+uint64_t DeltaApply::KeepBytes(size_t i) const {
+  const Work& w = p_.works[i];
+  const TensorEntry& t = c_.tensors[w.tensor];
+  return t.chunks[w.chunk].changed * (sizeof(uint32_t) + 2 * DTypeWidth(t.dtype));
+}
+
+size_t DeltaApply::decoded_again() const {
+  return static_cast<size_t>(std::count(committed_.begin(), committed_.end(), kChecked));
+}
+
+void DeltaApply::StageAhead(size_t i) { (void)StageWork(i, /*budgeted=*/true); }
 
 Status DeltaApply::Stage(const std::function<bool()>& holds_base) {
   FirstError error;
   ParallelFor(pool_, p_.works.size(), [&](size_t i) {
-    if (staged_[i]) return;
-    if (Status s = StageWork(i); !s.ok()) error.Record(i, s);
+    if (staged_[i] != kNone) return;
+    if (Status s = StageWork(i, /*budgeted=*/true); !s.ok()) error.Record(i, s);
   });
   auto fail = [&](Status s) {
     if (holds_base && !holds_base()) return WrongBase(c_);
@@ -219,7 +240,7 @@ bool DeltaApply::CommitWork(size_t i) {
       }
       *x = static_cast<T>(old[k] + d.delta[k]);
     }
-    committed_[i] = 1;
+    committed_[i] = kKept;
     return true;
   });
 }
@@ -235,21 +256,81 @@ void DeltaApply::UndoWork(size_t i) {
     const std::vector<T>& old = decoded_[i].Old<T>();
     for (size_t k = 0; k < d.pos.size(); ++k) *ChangeAt(tile, w.at, contiguous, d.pos[k]) = old[k];
   });
-  committed_[i] = 0;
+  committed_[i] = kNone;
+}
+
+Status DeltaApply::ChangedSinceStaged(const std::string& where, bool undone) const {
+  const std::string what = where + ": a value changed after the patch was checked against it (another writer of "
+                                   "the weights)";
+  if (undone) return FailedPreconditionError(what + "; change undone");
+  return DataLossError(what + ", found after changes past the staging budget were written, which cannot be taken "
+                              "back: the destination holds neither version");
 }
 
 Status DeltaApply::Commit() {
   FirstError error;
   ParallelFor(pool_, p_.works.size(), [&](size_t i) {
-    if (CommitWork(i)) return;
+    if (staged_[i] != kKept || CommitWork(i)) return;
     const Work& w = p_.works[i];
-    const TensorEntry& t = c_.tensors[w.tensor];
-    error.Record(i, FailedPreconditionError(ChunkWhere(t, w.chunk) + (p_.whole ? "" : " in " + p_.group_where[w.group]) +
-                                            ": a value changed after the patch was checked against it (another "
-                                            "writer of the weights); change undone"));
+    error.Record(i, ChangedSinceStaged(ChunkWhere(c_.tensors[w.tensor], w.chunk) +
+                                           (p_.whole ? "" : " in " + p_.group_where[w.group]),
+                                       /*undone=*/true));
   });
-  if (error.failed()) Undo();
-  return error.status();
+  if (error.failed()) {
+    Undo();
+    return error.status();
+  }
+  return CommitDropped();
+}
+
+Status DeltaApply::CommitDropped() {
+  std::vector<size_t> dropped;
+  for (size_t i = 0; i < staged_.size(); ++i) {
+    if (staged_[i] == kChecked) dropped.push_back(i);
+  }
+  bool wrote = false;  // a group past the budget is written for good
+  for (size_t begin = 0; begin < dropped.size();) {
+    // A group the budget holds (at least one work), decoded against the
+    // destination now and checked again: a value changed since the check
+    // is found before the group is written.
+    size_t end = begin + 1;
+    uint64_t bytes = KeepBytes(dropped[begin]);
+    while (end < dropped.size() && bytes + KeepBytes(dropped[end]) <= budget_->cap()) bytes += KeepBytes(dropped[end++]);
+    const std::span<const size_t> group(dropped.data() + begin, end - begin);
+    FirstError decoded;
+    ParallelFor(pool_, group.size(), [&](size_t k) {
+      if (Status s = StageWork(group[k], /*budgeted=*/false); !s.ok()) decoded.Record(k, s);
+    });
+    std::optional<std::string> bad = decoded.failed() ? std::optional<std::string>(decoded.status().message())
+                                                      : digests_.Mismatch();
+    FirstError written;
+    if (!bad) {
+      ParallelFor(pool_, group.size(), [&](size_t k) {
+        const size_t i = group[k];
+        if (CommitWork(i)) return;
+        const Work& w = p_.works[i];
+        written.Record(k, FailedPreconditionError(ChunkWhere(c_.tensors[w.tensor], w.chunk) +
+                                                  (p_.whole ? "" : " in " + p_.group_where[w.group])));
+      });
+      if (written.failed()) bad = written.status().message();
+    }
+    if (bad) {
+      for (size_t i : group) {
+        if (committed_[i] == kKept) UndoWork(i);
+        Drop(i);
+      }
+      const bool undone = !wrote;
+      if (undone) Undo();
+      return ChangedSinceStaged(*bad, undone);
+    }
+    for (size_t i : group) {
+      Drop(i);
+      committed_[i] = kChecked;
+    }
+    wrote = true;
+    begin = end;
+  }
+  return Status::Ok();
 }
 
 Status DeltaApply::Run(const std::function<bool()>& holds_base) {
@@ -257,10 +338,11 @@ Status DeltaApply::Run(const std::function<bool()>& holds_base) {
   return Commit();
 }
 
-void DeltaApply::Undo() {
+bool DeltaApply::Undo() {
   ParallelFor(pool_, p_.works.size(), [&](size_t i) {
-    if (committed_[i]) UndoWork(i);
+    if (committed_[i] == kKept) UndoWork(i);
   });
+  return std::find(committed_.begin(), committed_.end(), kChecked) == committed_.end();
 }
 
 }  // namespace wsync::codec::internal

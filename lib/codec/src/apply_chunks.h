@@ -4,6 +4,7 @@
 // (defined in apply_chunks.cc; the works come from apply_plan.h).
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -101,21 +102,46 @@ class KeyframeApply {
   uint64_t kept_bytes_ = 0;
 };
 
+// What staging may keep of a version's changes (ApplyOptions::
+// stage_keep_bytes), shared by its parts and taken by their works
+// concurrently.
+class StageBudget {
+ public:
+  explicit StageBudget(uint64_t bytes) : cap_(bytes), left_(bytes) {}
+  uint64_t cap() const { return cap_; }
+  // Takes `bytes` when that many are left.
+  bool Take(uint64_t bytes) {
+    uint64_t left = left_.load(std::memory_order_relaxed);
+    while (left >= bytes) {
+      if (left_.compare_exchange_weak(left, left - bytes, std::memory_order_relaxed)) return true;
+    }
+    return false;
+  }
+
+ private:
+  const uint64_t cap_;
+  std::atomic<uint64_t> left_;
+};
+
 // A patch's works, in two steps. Stage reads the destination and writes
 // nothing: each chunk is decoded against the bytes at its placement, its
 // result built in scratch and digested, and the change kept (positions,
-// deltas and the old values there); every digest must match before Stage
-// succeeds. Commit then writes the changed values and nothing else, each
-// only where the destination still holds the old value it was staged
-// against (another writer since staging: everything written is put back).
-// Undo takes back a successful Commit (when a later part of the same
-// version fails). What staging keeps: per change a 4-byte position, the
-// delta and the old value (8 bytes for BF16).
+// deltas and the old values there) while the budget lasts; every digest
+// must match before Stage succeeds. Commit then writes the changed values
+// and nothing else, each only where the destination still holds the old
+// value it was staged against (another writer since staging: everything
+// written is put back), then decodes again the changes past the budget, in
+// groups the budget holds, and writes them (ApplyOptions::stage_keep_bytes
+// says what a writer found there does). Undo takes back a successful
+// Commit (when a later part of the same version fails), all of it unless
+// changes past the budget were written. What staging keeps: per change a
+// 4-byte position, the delta and the old value (8 bytes for BF16).
 class DeltaApply {
  public:
-  DeltaApply(const Container& c, const Plan& p, ThreadPool* pool)
-      : c_(c), p_(p), pool_(pool), digests_(c, p), decoded_(p.works.size()), staged_(p.works.size(), 0),
-        committed_(p.works.size(), 0) {}
+  // `budget`: shared by the version's parts; null: no bound.
+  DeltaApply(const Container& c, const Plan& p, ThreadPool* pool, StageBudget* budget)
+      : c_(c), p_(p), pool_(pool), budget_(budget), digests_(c, p), decoded_(p.works.size()),
+        staged_(p.works.size(), kNone), committed_(p.works.size(), kNone) {}
 
   // Stages work i against the bytes now at its placement (ahead of Stage,
   // while the rest of the patch arrives); Stage then skips it. A chunk that
@@ -130,29 +156,50 @@ class DeltaApply {
   Status Stage(const std::function<bool()>& holds_base);
 
   // REQUIRES: Stage succeeded. FailedPrecondition naming the chunk when a
-  // value there changed since staging (the destination then unchanged).
+  // value there changed since staging (the destination then unchanged);
+  // DataLoss when that is found in a chunk past the budget after others
+  // past it were written (the destination then holds neither version).
   Status Commit();
 
   // Stage then Commit.
   Status Run(const std::function<bool()>& holds_base);
 
-  void Undo();
+  // Takes back what Commit wrote; false when changes past the budget were
+  // written (those cannot be).
+  bool Undo();
+
+  // Works whose change staging did not keep, decoded again and written by Commit.
+  size_t decoded_again() const;
 
  private:
-  // Stages work i: OK, or the chunk's decode error.
-  Status StageWork(size_t i);
+  // staged_: what decoded_[i] holds. committed_: whether work i is written.
+  static constexpr uint8_t kNone = 0;
+  static constexpr uint8_t kKept = 1;     // staged_: the change, kept / committed_: written, can be undone
+  static constexpr uint8_t kChecked = 2;  // staged_: checked, the change dropped / committed_: written for good
+
+  // Stages work i: OK, or the chunk's decode error. `budgeted`: the change
+  // is kept while the budget lasts, else checked and dropped; false: kept
+  // whatever the budget (Commit's second decode).
+  Status StageWork(size_t i, bool budgeted);
   // Commits work i; on a value changed since staging puts back what it
   // wrote and returns false.
   bool CommitWork(size_t i);
   void UndoWork(size_t i);
+  void Drop(size_t i);
+  // What staging keeps of work i's change, from the patch's count of it.
+  uint64_t KeepBytes(size_t i) const;
+  // Decodes again and writes the works past the budget, in groups it holds.
+  Status CommitDropped();
+  Status ChangedSinceStaged(const std::string& where, bool undone) const;
 
   const Container& c_;
   const Plan& p_;
   ThreadPool* pool_;
+  StageBudget* budget_;
   ResultDigests digests_;
   std::vector<Decoded> decoded_;
-  std::vector<uint8_t> staged_;     // decoded_[i] holds work i's staged change
-  std::vector<uint8_t> committed_;  // work i's change is written
+  std::vector<uint8_t> staged_;
+  std::vector<uint8_t> committed_;
 };
 
 }  // namespace wsync::codec::internal

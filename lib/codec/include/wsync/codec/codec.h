@@ -17,6 +17,7 @@
 #include <concepts>
 #include <cstdint>
 #include <functional>
+#include <limits>
 #include <utility>
 #include <memory>
 #include <optional>
@@ -130,6 +131,17 @@ struct ApplyOptions {
   // a second time then. 0: always decoded again (no memory beyond a
   // chunk's per thread).
   uint64_t keyframe_keep_bytes = 0;
+  // What staging keeps of a version's patch changes (per changed value its
+  // position, delta and old value: 8 bytes for BF16), at most this many
+  // bytes over all its parts. A chunk past it is decoded and checked when
+  // staged and its change dropped; the writes decode it again, in groups
+  // of at most this many bytes, after the changes kept. A value another
+  // writer changed in such a chunk since its check is found before the
+  // group is written: in the first group everything written is put back
+  // (FailedPrecondition), in a later one the groups written before it
+  // cannot be, and the apply fails with DataLoss: the destination then
+  // holds neither version. Default: no bound.
+  uint64_t stage_keep_bytes = std::numeric_limits<uint64_t>::max();
 };
 
 // Merges patch(j->k) and patch(k->l) into patch(j->l), identical in effect
@@ -287,7 +299,8 @@ StatusOr<std::string> EncodeSegmented(std::span<const TensorView> base, std::spa
 // what it wrote and returns FailedPrecondition naming the chunk. A write
 // elsewhere in a chunk is found by Confirm. Keyframe segments are decoded
 // and verified by Prepare, written by Apply. What staging keeps: per change
-// a 4-byte position, the delta and the old value (8 bytes for BF16).
+// a 4-byte position, the delta and the old value (8 bytes for BF16), up to
+// ApplyOptions::stage_keep_bytes.
 // Not thread-safe; the tensors must outlive it.
 class ApplyAhead {
  public:
@@ -317,6 +330,9 @@ class ApplyAhead {
   Status Confirm() const;
   // Chunks staged while the stream arrived.
   size_t staged_ahead() const;
+  // Chunks whose change staging did not keep (past
+  // ApplyOptions::stage_keep_bytes), decoded again by the last Apply.
+  size_t decoded_again() const;
 
  private:
   struct Impl;
