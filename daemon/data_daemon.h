@@ -53,6 +53,10 @@ struct DataDaemonConfig {
   // decoded into memory and checked before the engine's holds end, and
   // copied in between them; a larger one is decoded between them.
   uint64_t keyframe_keep_bytes = 1ull << 30;
+  // Sinks: what staging keeps of a version's changes before the holds end
+  // (8 bytes per changed BF16 value); past it, changes are checked before
+  // and decoded again between the holds (codec::ApplyOptions).
+  uint64_t stage_keep_bytes = 4ull << 30;
   // Sources: a version of host weights larger than this is encoded in
   // segments of whole tensors of about this many bytes, announced once the
   // first is encoded and served to its pullers as it is encoded (0: encoded

@@ -12,6 +12,19 @@ namespace v1 = wsync::v1;
 using Clock = std::chrono::steady_clock;
 using exchange::PatchStream;
 
+namespace {
+
+// How the sink applies versions: its pool, and what staging keeps.
+codec::ApplyOptions ApplyOptionsOf(const DataDaemonConfig& config, ThreadPool* pool) {
+  codec::ApplyOptions options;
+  options.pool = pool;
+  options.keyframe_keep_bytes = config.keyframe_keep_bytes;
+  options.stage_keep_bytes = config.stage_keep_bytes;
+  return options;
+}
+
+}  // namespace
+
 SinkCore::SinkCore(DataDaemonConfig config, SinkEnvironment env)
     : config_(std::move(config)), env_(env), rng_(std::random_device{}()) {}
 
@@ -107,7 +120,7 @@ StatusOr<uint64_t> SinkCore::RegisterTensors(buffers::MappedTensors reg, uint64_
   {
     std::lock_guard<std::mutex> lock(state_mu_);
     old = std::exchange(weights_,
-                        std::make_shared<SinkWeights>(std::move(store), env_.pool, applied, config_.keyframe_keep_bytes));
+                        std::make_shared<SinkWeights>(std::move(store), ApplyOptionsOf(config_, env_.pool), applied));
   }
   // The caller may reuse or free the old memory from now on.
   if (old) Retire(old, "the tensors were registered again");

@@ -4,20 +4,8 @@
 
 namespace wsync::daemon {
 
-namespace {
-
-codec::ApplyOptions ApplyOptionsOf(ThreadPool* pool, uint64_t keyframe_keep_bytes) {
-  codec::ApplyOptions options;
-  options.pool = pool;
-  options.keyframe_keep_bytes = keyframe_keep_bytes;
-  return options;
-}
-
-}  // namespace
-
-SinkWeights::SinkWeights(std::unique_ptr<WeightStore> store, ThreadPool* pool, uint64_t applied_version,
-                         uint64_t keyframe_keep_bytes)
-    : store_(std::move(store)), options_(ApplyOptionsOf(pool, keyframe_keep_bytes)), applied_(applied_version) {}
+SinkWeights::SinkWeights(std::unique_ptr<WeightStore> store, codec::ApplyOptions options, uint64_t applied_version)
+    : store_(std::move(store)), options_(options), applied_(applied_version) {}
 
 SinkWeights::~SinkWeights() = default;
 
@@ -95,9 +83,20 @@ Status SinkWeights::ApplyStaged(std::span<const PatchStream* const> parts, codec
   if (ran) timings_.apply_ms = apply_ms;
   if (!wrote) {
     // Staged and applied but refused: the only cause is a value changed
-    // since staging (the apply undid itself).
+    // since staging. The apply undid itself, unless it had written changes
+    // past the staging budget.
     if (ran && s.code() == StatusCode::kFailedPrecondition) ForeignWriteLocked(s, /*undone=*/true);
+    if (ran && s.code() == StatusCode::kDataLoss) {
+      applied_ = 0;  // no version: a keyframe repairs them
+      ForeignWriteLocked(s, /*undone=*/false);
+      cv_.notify_all();
+    }
     return s;
+  }
+  if (const size_t again = ahead.decoded_again()) {
+    spdlog::info("version {}: {} chunks' changes past the staging budget (--stage-mib) were decoded again while "
+                 "the engine waited",
+                 parts.empty() ? 0 : parts[0]->to(), again);
   }
   if (closed_) return s;
   // Read back with the holders reading again: values changed by someone

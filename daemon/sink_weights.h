@@ -36,11 +36,9 @@ using exchange::PatchStream;
 
 class SinkWeights {
  public:
-  // pool may be null. A keyframe whose weights take at most
-  // `keyframe_keep_bytes` is kept decoded from its check (before the holds
-  // end, when staged) and copied in (codec::ApplyOptions).
-  SinkWeights(std::unique_ptr<WeightStore> store, ThreadPool* pool, uint64_t applied_version = 0,
-              uint64_t keyframe_keep_bytes = 0);
+  // `options`: how versions are applied (its pool may be null; what
+  // staging keeps of keyframes and of patches' changes).
+  SinkWeights(std::unique_ptr<WeightStore> store, codec::ApplyOptions options, uint64_t applied_version = 0);
   ~SinkWeights();
 
   uint64_t applied() const;
@@ -56,8 +54,9 @@ class SinkWeights {
   // where the store does not stage), then Apply with it and the stream's
   // bytes (`stream` complete, `bytes` its Assemble()): staged before it
   // waits for the engine's holds, so that only the writes wait for them.
-  // DataLoss when the read-back after the apply finds a foreign write (the
-  // applied version is then 0: the caller pulls a keyframe).
+  // DataLoss when the read-back after the apply finds a foreign write, or
+  // the apply finds one it cannot undo (past the staging budget): the
+  // applied version is then 0, and the caller pulls a keyframe.
   std::unique_ptr<codec::ApplyAhead> BeginApplyAhead() const;
   Status Apply(const PatchStream& stream, codec::ApplyAhead& ahead, std::string_view bytes);
 

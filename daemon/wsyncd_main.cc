@@ -282,6 +282,14 @@ int main(int argc, char** argv) {
                     "checked while the engine still generates, then copied in during the pause; a larger one "
                     "is decoded during the pause (0: every keyframe is)")
         ->default_str("1024")->check(CLI::Range(0.0, 1048576.0));
+    cmd->add_option("--stage-mib", [&data](const std::vector<std::string>& v) {
+                      data.stage_keep_bytes = static_cast<uint64_t>(std::stod(v.at(0)) * (1 << 20));
+                      return true;
+                    },
+                    "sinks: staging keeps at most this many MiB of a version's changes (8 bytes per changed BF16 "
+                    "value) while the engine still generates; changes past it are checked then and decoded again "
+                    "during the pause, in groups of this size")
+        ->default_str("4096")->check(CLI::Range(0.0, 1048576.0));
     cmd->add_option("--inject-corrupt-every", data.corrupt_every, "fault injection: corrupt every Nth chunk sent")
         ->group("");
     cmd->add_option("--inject-fail-announce", data.fail_announce,

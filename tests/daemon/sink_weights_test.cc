@@ -89,7 +89,7 @@ TEST(SinkWeights, HoldersOnlyEverSeeWholeVersions) {
   Fixture s = Make(kVersions);
   std::set<uint64_t> valid;
   for (const auto& v : s.versions) valid.insert(codec::SetChecksum(buffers::Views(v)));
-  SinkWeights w(Store(RegionWith(s, s.versions[0])), nullptr, 1);
+  SinkWeights w(Store(RegionWith(s, s.versions[0])), {}, 1);
   std::atomic<bool> stop{false};
   std::atomic<int> checks{0}, torn{0};
   std::thread reader([&] {
@@ -124,7 +124,7 @@ TEST(SinkWeights, HoldersOnlyEverSeeWholeVersions) {
 
 TEST(SinkWeights, BadStreamsChangeNothing) {
   Fixture s = Make(4);
-  SinkWeights w(Store(RegionWith(s, s.versions[1])), nullptr, 2);
+  SinkWeights w(Store(RegionWith(s, s.versions[1])), {}, 2);
   // A patch that does not start at the applied version.
   EXPECT_EQ(w.Apply(**s.history->Open(1, 4)).code(), StatusCode::kFailedPrecondition);
   // A corrupt patch: DataLoss, weights and version unchanged.
@@ -145,7 +145,7 @@ TEST(SinkWeights, BadStreamsChangeNothing) {
 
 TEST(SinkWeights, TensorsInManyRegionsApplyBitExactly) {
   Fixture s = Make(3);
-  SinkWeights w(Store(RegionPerTensor(s, s.versions[0])), nullptr, 1);
+  SinkWeights w(Store(RegionPerTensor(s, s.versions[0])), {}, 1);
   ASSERT_TRUE(w.Apply(**s.history->Open(1, 3)).ok());
   EXPECT_EQ(codec::SetChecksum(w.Views()), codec::SetChecksum(buffers::Views(s.versions[2])));
 }
@@ -163,7 +163,7 @@ TEST(SinkWeights, RegistrationChecksEveryRegion) {
 
 TEST(SinkWeights, PermanentSyncErrorEndsWaitsAtOnce) {
   Fixture s = Make(1);
-  SinkWeights w(Store(RegionWith(s, s.versions[0])), nullptr, 1);
+  SinkWeights w(Store(RegionWith(s, s.versions[0])), {}, 1);
   w.SetSyncError(UnavailableError("parent gone"), /*permanent=*/false);
   Status late = w.WaitForVersion(2, std::chrono::steady_clock::now() + std::chrono::milliseconds(10));
   EXPECT_EQ(late.code(), StatusCode::kDeadlineExceeded);
@@ -177,7 +177,7 @@ TEST(SinkWeights, PermanentSyncErrorEndsWaitsAtOnce) {
 
 TEST(SinkWeights, ClosedWeightsRefuseApplies) {
   Fixture s = Make(2);
-  SinkWeights w(Store(RegionWith(s, s.versions[0])), nullptr, 1);
+  SinkWeights w(Store(RegionWith(s, s.versions[0])), {}, 1);
   w.Close();
   EXPECT_EQ(w.Apply(**s.history->Open(1, 2)).code(), StatusCode::kAborted);
   EXPECT_EQ(w.applied(), 1u);
@@ -188,7 +188,7 @@ TEST(SinkWeights, ClosedWeightsRefuseApplies) {
 // the local API waits on the weights registered in their place.
 TEST(SinkWeights, ClosingEndsWaits) {
   Fixture s = Make(1);
-  SinkWeights w(Store(RegionWith(s, s.versions[0])), nullptr, 1);
+  SinkWeights w(Store(RegionWith(s, s.versions[0])), {}, 1);
   const auto t0 = std::chrono::steady_clock::now();
   Status waited;
   std::thread waiter([&] { waited = w.WaitForVersion(2, t0 + std::chrono::seconds(60)); });
@@ -217,7 +217,7 @@ TEST(SinkWeights, AVersionIsStagedUnderTheHoldsAndForeignWritesAreFound) {
   Fixture s = Make(2);
   for (bool at_a_change : {true, false}) {
     SCOPED_TRACE(at_a_change ? "a changed value" : "an unchanged value");
-    SinkWeights w(Store(RegionWith(s, s.versions[0])), nullptr, 1);
+    SinkWeights w(Store(RegionWith(s, s.versions[0])), {}, 1);
     ASSERT_EQ(w.Hold(), 1u);
     Status applied;
     std::thread sync([&] { applied = w.Apply(**s.history->Open(1, 2)); });
@@ -252,6 +252,39 @@ TEST(SinkWeights, AVersionIsStagedUnderTheHoldsAndForeignWritesAreFound) {
     EXPECT_EQ(codec::SetChecksum(w.Views()), codec::SetChecksum(buffers::Views(s.versions[1])));
     EXPECT_EQ(w.applied(), 2u);
   }
+}
+
+// Staging that keeps no change (--stage-mib 0) checks each chunk before the
+// holds end and decodes it again after: a foreign write found there once an
+// earlier chunk is written cannot be undone, and the weights hold no version
+// until the keyframe the sink pulls.
+TEST(SinkWeights, AWriteFoundPastTheStagingBudgetLeavesNoVersionUntilAKeyframe) {
+  Fixture s = Make(2);
+  codec::ApplyOptions options;
+  options.stage_keep_bytes = 0;
+  SinkWeights w(Store(RegionWith(s, s.versions[0])), options, 1);
+  ASSERT_EQ(w.Hold(), 1u);
+  Status applied;
+  std::thread sync([&] { applied = w.Apply(**s.history->Open(1, 2)); });
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (w.timings().staged_version != 2 && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  ASSERT_EQ(w.timings().staged_version, 2u);
+  // A foreign write at a value of 'y' the patch changes: 'x' is written before it is found.
+  const std::vector<size_t> at = Elements(s.versions[0][1], s.versions[1][1], /*changed=*/true);
+  ASSERT_FALSE(at.empty());
+  auto* y = const_cast<uint8_t*>(w.Views()[1].data);
+  y[2 * at[0]] ^= 0x01;
+  w.Release();
+  sync.join();
+  EXPECT_EQ(applied.code(), StatusCode::kDataLoss) << applied.ToString();
+  EXPECT_NE(applied.message().find("'y'"), std::string::npos) << applied.ToString();
+  EXPECT_EQ(w.applied(), 0u) << "no version until a keyframe";
+  EXPECT_EQ(w.timings().foreign_writes, 1u);
+  ASSERT_TRUE(w.Apply(**s.history->Open(0, 2)).ok());
+  EXPECT_EQ(codec::SetChecksum(w.Views()), codec::SetChecksum(buffers::Views(s.versions[1])));
+  EXPECT_EQ(w.applied(), 2u);
 }
 
 }  // namespace
