@@ -16,6 +16,7 @@
 
 #include "control_bench.h"
 #include "security_bench.h"
+#include "stage_bench.h"
 #include "tp_bench.h"
 #include "measure.h"
 #include "gpu_bench.h"
@@ -345,6 +346,20 @@ int main(int argc, char** argv) {
     tb.repeat = c.repeat;
     tb.threads = c.threads;
     rc = RunTpBench(tb);
+  });
+
+  auto* stage = app.add_subcommand("stage", "a sink's staging under a bound on what it keeps: staging and pause times");
+  StageBenchOptions sg;
+  stage->add_option("--params", sg.synth.params, "parameters of the generated model")->capture_default_str();
+  stage->add_option("--lr", sg.synth.lr, "learning rate")->capture_default_str();
+  stage->add_option("--steps", sg.steps, "optimizer steps (versions measured)")->capture_default_str();
+  stage->add_option("--stage-mib", sg.budgets_mib, "budgets compared with no bound, in MiB")
+      ->delimiter(',')
+      ->capture_default_str();
+  stage->callback([&] {
+    sg.repeat = c.repeat;
+    sg.threads = c.threads;
+    rc = RunStageBench(sg);
   });
 
   CLI11_PARSE(app, argc, argv);
