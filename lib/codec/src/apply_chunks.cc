@@ -173,7 +173,7 @@ Status DeltaApply::StageWork(size_t i, bool budgeted) {
     for (size_t k = 0; k < d.pos.size(); ++k) old[k] = x[d.pos[k]];
     internal::ScatterAdd<T>(x, d);
     digests_.Record(i, scratch.data());
-    if (budgeted && budget_ != nullptr && !budget_->Take(KeepBytes(i))) {
+    if (budgeted && budget_ != nullptr && !budget_->Take(d.pos.size() * (sizeof(uint32_t) + 2 * sizeof(T)))) {
       Drop(i);  // checked; decoded again when written
     } else {
       staged_[i] = kKept;

@@ -186,7 +186,8 @@ class DeltaApply {
   bool CommitWork(size_t i);
   void UndoWork(size_t i);
   void Drop(size_t i);
-  // What staging keeps of work i's change, from the patch's count of it.
+  // What staging keeps of work i's change, from the patch's count of it
+  // (staging takes what it decoded).
   uint64_t KeepBytes(size_t i) const;
   // Decodes again and writes the works past the budget, in groups it holds.
   Status CommitDropped();
