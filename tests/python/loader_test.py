@@ -140,6 +140,13 @@ def check_fp8():
     except ValueError as e:
         check("'nvfp4'" in str(e), f"a scheme the trainer does not know: {str(e)[:120]}")
 
+    side = [RuntimeTensor("qkv.weight", (6, 8), (Piece("a", (0, 0), (6, 4), (0, 0)), Piece("b", (0, 0), (6, 4), (0, 4))))]
+    try:
+        fp8.quantized_layout(m, side, {"qkv": fp8.PER_CHANNEL})
+        check(False, "rows of two checkpoint tensors side by side: refused")
+    except ValueError as e:
+        check("'a' and 'b'" in str(e), f"rows of two checkpoint tensors side by side (one scale over both): {e}")
+
     print("== codes held transposed move into shared memory as they are laid out")
     codes, scales = m.qkv.weight, m.qkv.weight_scale
     values, bits = codes.t().contiguous().view(torch.uint8).clone(), scales.view(torch.int32).clone()

@@ -42,8 +42,6 @@ _LINEAR_METHODS = {"Fp8PtpcOnlineLinearMethod": PER_CHANNEL}
 _UNQUANTIZED = {"UnquantizedLinearMethod", "UnquantizedFusedMoEMethod", "UnquantizedEmbeddingMethod"}
 
 
-# ------------------------------------------------------------------ worker
-
 
 def quantized_layers(model: torch.nn.Module) -> Dict[str, str]:
     """The layers whose weights vLLM quantized, by module name: the scheme.
@@ -129,6 +127,11 @@ def quantized_layout(model: torch.nn.Module, tensors: Sequence[RuntimeTensor], l
                 or not scales.is_contiguous():
             raise ValueError(f"{layer + 'weight_scale'!r} is not the ({n}, 1) F32 row scales of per-channel FP8")
         rows = dict.fromkeys((p.canonical, p.start[0], p.extent[0], p.at[0]) for p in rt.pieces)
+        spans = sorted((a, a + e, c) for c, _, e, a in rows)
+        for (a0, a1, c0), (b0, _, c1) in zip(spans, spans[1:]):
+            if b0 < a1:
+                raise ValueError(f"{rt.name!r} holds rows of {c0!r} and {c1!r} side by side: a row's FP8 scale spans "
+                                 "both, which quantizing each checkpoint tensor on its own cannot give")
         out.append(RuntimeTensor(rt.name, rt.shape, tuple(Piece(codes_name(scheme, p.canonical), p.start, p.extent,
                                                                 p.at) for p in rt.pieces)))
         scale_rt = layer + "weight_scale"
