@@ -213,6 +213,15 @@ std::vector<size_t> Elements(const OwnedTensor& a, const OwnedTensor& b, bool ch
 // hold ends; a writer other than wsync that changes the weights meanwhile
 // is found: at a value the version changes, the apply is undone; elsewhere,
 // the read-back after the apply reports it and the weights hold no version.
+// Whether `w` stages `version` (and waits for the holds) within a minute.
+bool WaitStaged(const SinkWeights& w, uint64_t version) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (w.timings().staged_version != version && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  return w.timings().staged_version == version;
+}
+
 TEST(SinkWeights, AVersionIsStagedUnderTheHoldsAndForeignWritesAreFound) {
   Fixture s = Make(2);
   for (bool at_a_change : {true, false}) {
@@ -222,11 +231,7 @@ TEST(SinkWeights, AVersionIsStagedUnderTheHoldsAndForeignWritesAreFound) {
     Status applied;
     std::thread sync([&] { applied = w.Apply(**s.history->Open(1, 2)); });
     // Staged while held: it waits for the hold with nothing written.
-    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
-    while (w.timings().staged_version != 2 && std::chrono::steady_clock::now() < deadline) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    }
-    ASSERT_EQ(w.timings().staged_version, 2u);
+    ASSERT_TRUE(WaitStaged(w, 2));
     EXPECT_EQ(codec::SetChecksum(w.Views()), codec::SetChecksum(buffers::Views(s.versions[0])));
     // The holder writes one element of 'x' (a foreign writer), then releases.
     const std::vector<size_t> at = Elements(s.versions[0][0], s.versions[1][0], at_a_change);
@@ -266,11 +271,7 @@ TEST(SinkWeights, AWriteFoundPastTheStagingBudgetLeavesNoVersionUntilAKeyframe) 
   ASSERT_EQ(w.Hold(), 1u);
   Status applied;
   std::thread sync([&] { applied = w.Apply(**s.history->Open(1, 2)); });
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
-  while (w.timings().staged_version != 2 && std::chrono::steady_clock::now() < deadline) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(1));
-  }
-  ASSERT_EQ(w.timings().staged_version, 2u);
+  ASSERT_TRUE(WaitStaged(w, 2));
   // A foreign write at a value of 'y' the patch changes: 'x' is written before it is found.
   const std::vector<size_t> at = Elements(s.versions[0][1], s.versions[1][1], /*changed=*/true);
   ASSERT_FALSE(at.empty());
