@@ -58,9 +58,7 @@ std::optional<std::string> ResultDigests::Mismatch() const {
   for (size_t i = 0; i < p_.works.size(); ++i) {
     const Work& w = p_.works[i];
     const TensorEntry& t = c_.tensors[w.tensor];
-    if (t.gridded() && tiles_[i] != t.chunks[w.chunk].digest) {
-      return ChunkWhere(t, w.chunk) + (p_.whole ? "" : " in " + p_.group_where[w.group]);
-    }
+    if (t.gridded() && tiles_[i] != t.chunks[w.chunk].digest) return p_.WorkWhere(c_, i);
   }
   for (size_t g = 0; g < p_.group_tensor.size(); ++g) {
     const TensorEntry& t = c_.tensors[p_.group_tensor[g]];
@@ -173,7 +171,7 @@ Status DeltaApply::StageWork(size_t i, bool budgeted) {
     for (size_t k = 0; k < d.pos.size(); ++k) old[k] = x[d.pos[k]];
     internal::ScatterAdd<T>(x, d);
     digests_.Record(i, scratch.data());
-    if (budgeted && budget_ != nullptr && !budget_->Take(d.pos.size() * (sizeof(uint32_t) + 2 * sizeof(T)))) {
+    if (budgeted && budget_ != nullptr && !budget_->Take(ChangeBytes(d.pos.size(), sizeof(T)))) {
       Drop(i);  // checked; decoded again when written
     } else {
       staged_[i] = kKept;
@@ -190,7 +188,7 @@ void DeltaApply::Drop(size_t i) {
 uint64_t DeltaApply::KeepBytes(size_t i) const {
   const Work& w = p_.works[i];
   const TensorEntry& t = c_.tensors[w.tensor];
-  return t.chunks[w.chunk].changed * (sizeof(uint32_t) + 2 * DTypeWidth(t.dtype));
+  return ChangeBytes(t.chunks[w.chunk].changed, DTypeWidth(t.dtype));
 }
 
 size_t DeltaApply::decoded_again() const {
@@ -271,10 +269,7 @@ Status DeltaApply::Commit() {
   FirstError error;
   ParallelFor(pool_, p_.works.size(), [&](size_t i) {
     if (staged_[i] != kKept || CommitWork(i)) return;
-    const Work& w = p_.works[i];
-    error.Record(i, ChangedSinceStaged(ChunkWhere(c_.tensors[w.tensor], w.chunk) +
-                                           (p_.whole ? "" : " in " + p_.group_where[w.group]),
-                                       /*undone=*/true));
+    error.Record(i, ChangedSinceStaged(p_.WorkWhere(c_, i), /*undone=*/true));
   });
   if (error.failed()) {
     Undo();
@@ -307,10 +302,7 @@ Status DeltaApply::CommitDropped() {
     if (!bad) {
       ParallelFor(pool_, group.size(), [&](size_t k) {
         const size_t i = group[k];
-        if (CommitWork(i)) return;
-        const Work& w = p_.works[i];
-        written.Record(k, FailedPreconditionError(ChunkWhere(c_.tensors[w.tensor], w.chunk) +
-                                                  (p_.whole ? "" : " in " + p_.group_where[w.group])));
+        if (!CommitWork(i)) written.Record(k, FailedPreconditionError(p_.WorkWhere(c_, i)));
       });
       if (written.failed()) bad = written.status().message();
     }

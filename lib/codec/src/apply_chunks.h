@@ -177,6 +177,10 @@ class DeltaApply {
   static constexpr uint8_t kKept = 1;     // staged_: the change, kept / committed_: written, can be undone
   static constexpr uint8_t kChecked = 2;  // staged_: checked, the change dropped / committed_: written for good
 
+  // What staging keeps of `changes` changed values `width` bytes wide: a
+  // position, the delta and the old value each.
+  static uint64_t ChangeBytes(uint64_t changes, size_t width) { return changes * (sizeof(uint32_t) + 2 * width); }
+
   // Stages work i: OK, or the chunk's decode error. `budgeted`: the change
   // is kept while the budget lasts, else checked and dropped; false: kept
   // whatever the budget (Commit's second decode).

@@ -40,6 +40,12 @@ struct Plan {
   std::vector<std::string> group_where;  // per group: how errors name it
   bool whole = true;                     // every tensor at its own destination
 
+  // How errors name work i: its chunk, and where it is placed unless whole.
+  std::string WorkWhere(const Container& c, size_t i) const {
+    const Work& w = works[i];
+    return ChunkWhere(c.tensors[w.tensor], w.chunk) + (whole ? "" : " in " + group_where[w.group]);
+  }
+
   std::vector<uint64_t> GroupBytes(const Container& c) const {
     std::vector<uint64_t> out;
     for (size_t t : group_tensor) out.push_back(c.tensors[t].nbytes);
