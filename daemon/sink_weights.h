@@ -109,7 +109,7 @@ class SinkWeights {
   void ForeignWriteLocked(const Status& why, bool undone);
 
   const std::unique_ptr<WeightStore> store_;
-  const codec::ApplyOptions options_;  // every apply's: the codec's threads, the keyframe budget
+  const codec::ApplyOptions options_;  // every apply's: the codec's threads, the keyframe and staging budgets
   mutable std::mutex mu_;
   mutable std::condition_variable cv_;
   uint64_t applied_;

@@ -165,6 +165,20 @@ int RunData(bool source, daemon::DataDaemonConfig config, const std::string& tok
   return 0;
 }
 
+// An option given in MiB (a fraction is fine) and kept in bytes.
+CLI::Option* AddMibOption(CLI::App* cmd, const std::string& name, uint64_t* bytes, const std::string& help,
+                          const std::string& default_mib) {
+  return cmd
+      ->add_option(name,
+                   [bytes](const std::vector<std::string>& v) {
+                     *bytes = static_cast<uint64_t>(std::stod(v.at(0)) * (1 << 20));
+                     return true;
+                   },
+                   help)
+      ->default_str(default_mib)
+      ->check(CLI::Range(0.0, 1048576.0));
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -256,13 +270,10 @@ int main(int argc, char** argv) {
         ->capture_default_str();
     cmd->add_option("--retry-max-ms", data.retry_max_ms, "sinks: the longest delay between failed sync attempts")
         ->capture_default_str()->check(CLI::Range(uint64_t{100}, uint64_t{600'000}));
-    cmd->add_option("--segment-mib", [&data](const std::vector<std::string>& v) {
-                      data.segment_bytes = static_cast<uint64_t>(std::stod(v.at(0)) * (1 << 20));
-                      return true;
-                    },
-                    "sources: encode versions in segments of about this many MiB of weights (a fraction is "
-                    "fine), each served as soon as it is encoded (0: encode whole versions)")
-        ->default_str("64")->check(CLI::Range(0.0, 1048576.0));
+    AddMibOption(cmd, "--segment-mib", &data.segment_bytes,
+                 "sources: encode versions in segments of about this many MiB of weights (a fraction is fine), "
+                 "each served as soon as it is encoded (0: encode whole versions)",
+                 "64");
     cmd->add_option("--device-base", [&data](const std::vector<std::string>& v) {
                       data.device_base = v.at(0) == "host" ? daemon::DeviceBase::kHost : daemon::DeviceBase::kDevice;
                       return true;
@@ -274,22 +285,16 @@ int main(int argc, char** argv) {
     cmd->add_flag("--no-decode-ahead", [&data](int64_t) { data.decode_ahead = false; },
                   "sinks: decode a patch once all of it is in, not while it arrives (figures: "
                   "scripts/bench_shaped_link.py)");
-    cmd->add_option("--keyframe-stage-mib", [&data](const std::vector<std::string>& v) {
-                      data.keyframe_keep_bytes = static_cast<uint64_t>(std::stod(v.at(0)) * (1 << 20));
-                      return true;
-                    },
-                    "sinks: a keyframe whose weights take at most this many MiB is decoded into memory and "
-                    "checked while the engine still generates, then copied in during the pause; a larger one "
-                    "is decoded during the pause (0: every keyframe is)")
-        ->default_str("1024")->check(CLI::Range(0.0, 1048576.0));
-    cmd->add_option("--stage-mib", [&data](const std::vector<std::string>& v) {
-                      data.stage_keep_bytes = static_cast<uint64_t>(std::stod(v.at(0)) * (1 << 20));
-                      return true;
-                    },
-                    "sinks: staging keeps at most this many MiB of a version's changes (8 bytes per changed BF16 "
-                    "value) while the engine still generates; changes past it are checked then and decoded again "
-                    "during the pause, in groups of this size")
-        ->default_str("4096")->check(CLI::Range(0.0, 1048576.0));
+    AddMibOption(cmd, "--keyframe-stage-mib", &data.keyframe_keep_bytes,
+                 "sinks: a keyframe whose weights take at most this many MiB is decoded into memory and checked "
+                 "while the engine still generates, then copied in during the pause; a larger one is decoded "
+                 "during the pause (0: every keyframe is)",
+                 "1024");
+    AddMibOption(cmd, "--stage-mib", &data.stage_keep_bytes,
+                 "sinks: staging keeps at most this many MiB of a version's changes (8 bytes per changed BF16 "
+                 "value) while the engine still generates; changes past it are checked then and decoded again "
+                 "during the pause, in groups of this size",
+                 "4096");
     cmd->add_option("--inject-corrupt-every", data.corrupt_every, "fault injection: corrupt every Nth chunk sent")
         ->group("");
     cmd->add_option("--inject-fail-announce", data.fail_announce,

@@ -133,7 +133,7 @@ def check_vllm_quantization(vllm_config) -> None:
     one: wsync writes what the parameters hold, which for any other
     quantization it does not reproduce exactly."""
     quantization = getattr(vllm_config.model_config, "quantization", None)
-    if quantization and quantization not in ("fp8_per_channel", "online"):
+    if quantization and quantization not in (PER_CHANNEL, "online"):
         raise ValueError(f"the engine is quantized (quantization={quantization!r}): wsync keeps BF16 and FP16 "
                          "engines exact, and FP8 engines that quantize a BF16 checkpoint per channel "
                          "(quantization='fp8_per_channel'); start the engine without quantization or with that one")
