@@ -542,8 +542,8 @@ Status SinkCore::SyncOnce(const std::shared_ptr<SinkWeights>& w, const std::vect
   std::vector<const PatchStream*> parts;
   // One stream: decoded chunk by chunk as it arrives (codec::ApplyAhead),
   // so that at the end only the adds and the checks remain.
-  std::unique_ptr<codec::ApplyAhead> ahead =
-      streams.size() == 1 && config_.decode_ahead ? w->BeginApplyAhead() : nullptr;
+  std::unique_ptr<StagedApply> ahead =
+      streams.size() == 1 && config_.decode_ahead ? w->BeginStaged() : nullptr;
   std::string assembled;
   for (const auto& stream : streams) {
     const auto deadline = Clock::now() + std::chrono::minutes(5);

@@ -20,40 +20,26 @@ Status SinkWeights::Apply(const PatchStream& stream) {
 }
 
 Status SinkWeights::ApplyParts(std::span<const PatchStream* const> parts) {
-  if (std::unique_ptr<codec::ApplyAhead> ahead = BeginApplyAhead()) {
-    // The parts as one stream of segments: staged as one.
-    std::string stream;
-    for (const PatchStream* p : parts) {
-      WSYNC_RETURN_IF_ERROR(p->WaitComplete(std::chrono::steady_clock::now()).WithContext("apply"));
-      stream += p->Assemble();
-    }
-    return ApplyStaged(parts, *ahead, stream);
-  }
-  std::vector<std::string> bytes;
-  std::vector<std::string_view> views;
-  uint64_t total = 0;
+  // The parts as one stream of segments: staged as one.
+  std::string stream;
   for (const PatchStream* p : parts) {
     WSYNC_RETURN_IF_ERROR(p->WaitComplete(std::chrono::steady_clock::now()).WithContext("apply"));
-    bytes.push_back(p->Assemble());
-    total += bytes.back().size();
+    stream += p->Assemble();
   }
-  for (const auto& b : bytes) views.push_back(b);
-  return ApplyWith(
-      parts,
-      [&] { return store_->Apply(views, options_); },
-      total);
+  std::unique_ptr<StagedApply> staged = BeginStaged();
+  return ApplyStaged(parts, *staged, stream);
 }
 
-std::unique_ptr<codec::ApplyAhead> SinkWeights::BeginApplyAhead() const {
-  return store_->ApplyAhead(options_);
+std::unique_ptr<StagedApply> SinkWeights::BeginStaged() const {
+  return store_->BeginStaged(options_);
 }
 
-Status SinkWeights::Apply(const PatchStream& stream, codec::ApplyAhead& ahead, std::string_view bytes) {
+Status SinkWeights::Apply(const PatchStream& stream, StagedApply& ahead, std::string_view bytes) {
   const PatchStream* one[] = {&stream};
   return ApplyStaged(one, ahead, bytes);
 }
 
-Status SinkWeights::ApplyStaged(std::span<const PatchStream* const> parts, codec::ApplyAhead& ahead,
+Status SinkWeights::ApplyStaged(std::span<const PatchStream* const> parts, StagedApply& ahead,
                                 std::string_view bytes) {
   using Ms = std::chrono::duration<double, std::milli>;
   // Staged while the engine may still hold (read) the weights: the wait for

@@ -7,9 +7,9 @@
 // whole version, never a half-applied one. A failed apply leaves the weights
 // and the version exactly as they were (the codec undoes).
 //
-// Where the store can stage (host memory: codec::ApplyAhead), a version is
-// checked, decoded and proven against the weights while the holders still
-// read them; the apply between the holds only writes the changed values.
+// A version is staged (StagedApply: checked, decoded and proven against the
+// weights, in host memory or on the device) while the holders still read
+// them; the apply between the holds only writes the changed values.
 // Then, with the holders reading again, the weights are read back: values
 // another writer changed since staging are reported (a foreign write: the
 // weights hold no version until a keyframe repairs them).
@@ -50,15 +50,15 @@ class SinkWeights {
   // The parts of one version from several sources (complete streams to
   // the same version), applied as one.
   Status ApplyParts(std::span<const PatchStream* const> parts);
-  // Staging while a stream arrives: an ApplyAhead over the tensors (null
-  // where the store does not stage), then Apply with it and the stream's
+  // Staging while a stream arrives: the store's StagedApply over the
+  // tensors, then Apply with it and the stream's
   // bytes (`stream` complete, `bytes` its Assemble()): staged before it
   // waits for the engine's holds, so that only the writes wait for them.
   // DataLoss when the read-back after the apply finds a foreign write, or
   // the apply finds one it cannot undo (past the staging budget): the
   // applied version is then 0, and the caller pulls a keyframe.
-  std::unique_ptr<codec::ApplyAhead> BeginApplyAhead() const;
-  Status Apply(const PatchStream& stream, codec::ApplyAhead& ahead, std::string_view bytes);
+  std::unique_ptr<StagedApply> BeginStaged() const;
+  Status Apply(const PatchStream& stream, StagedApply& ahead, std::string_view bytes);
 
   // The last apply's times, and the foreign writes found.
   struct Timings {
@@ -104,7 +104,7 @@ class SinkWeights {
   Status ApplyWith(std::span<const PatchStream* const> parts, const std::function<Status()>& apply, uint64_t bytes);
   // Stages `bytes` (the parts' streams back to back) with `ahead`, applies
   // them between the holds, then reads them back.
-  Status ApplyStaged(std::span<const PatchStream* const> parts, codec::ApplyAhead& ahead, std::string_view bytes);
+  Status ApplyStaged(std::span<const PatchStream* const> parts, StagedApply& ahead, std::string_view bytes);
   // Counts and logs a foreign write (undone: the apply was refused).
   void ForeignWriteLocked(const Status& why, bool undone);
 

@@ -27,41 +27,26 @@ StatusOr<std::vector<codec::TensorView>> Only(std::vector<codec::TensorView> vie
   return out;
 }
 
-// The segments of every stream, in order: the parts the codec applies as one.
-StatusOr<std::vector<std::string_view>> Segments(std::span<const std::string_view> streams) {
-  std::vector<std::string_view> out;
-  for (std::string_view s : streams) {
-    WSYNC_ASSIGN_OR_RETURN(auto segments, codec::SplitSegments(s));
-    out.insert(out.end(), segments.begin(), segments.end());
-  }
-  return out;
-}
+class HostStaged : public StagedApply {
+ public:
+  explicit HostStaged(codec::ApplyAhead ahead) : ahead_(std::move(ahead)) {}
+  void Advance(std::string_view prefix) override { ahead_.Advance(prefix); }
+  Status Prepare(std::string_view stream) override { return ahead_.Prepare(stream); }
+  Status Apply(std::string_view stream) override { return ahead_.Apply(stream); }
+  Status Confirm() const override { return ahead_.Confirm(); }
+  size_t staged_ahead() const override { return ahead_.staged_ahead(); }
+  size_t decoded_again() const override { return ahead_.decoded_again(); }
 
-// Applies the parts of one version (one part: a patch or keyframe of the
-// whole set) into host tensors, whole or holding pieces. REQUIRES: parts
-// split into their segments (Segments).
-Status ApplyOnHost(std::span<const std::string_view> parts, const buffers::MappedTensors& tensors,
-                   std::vector<codec::RuntimeTensor> runtime, const codec::ApplyOptions& options) {
-  if (tensors.has_pieces()) {
-    if (parts.size() == 1) return codec::Apply(parts[0], runtime, options);
-    return codec::Apply(parts, runtime, options);
-  }
-  std::vector<codec::MutableTensorView> views;
-  for (auto& rt : runtime) views.push_back(std::move(rt.view));
-  if (parts.size() == 1) return codec::Apply(parts[0], views, options);
-  return codec::Apply(parts, views, options);
-}
+ private:
+  codec::ApplyAhead ahead_;
+};
 
 class HostStore : public WeightStore {
  public:
   explicit HostStore(buffers::MappedTensors tensors) : WeightStore(std::move(tensors)) {}
-  Status Apply(std::span<const std::string_view> streams, const codec::ApplyOptions& options) override {
-    WSYNC_ASSIGN_OR_RETURN(auto parts, Segments(streams));
-    return ApplyOnHost(parts, tensors_, tensors_.Runtime(), options);
-  }
-  std::unique_ptr<codec::ApplyAhead> ApplyAhead(const codec::ApplyOptions& options) const override {
-    if (tensors_.has_pieces()) return std::make_unique<codec::ApplyAhead>(tensors_.Runtime(), options);
-    return std::make_unique<codec::ApplyAhead>(tensors_.MutableViews(), options);
+  std::unique_ptr<StagedApply> BeginStaged(const codec::ApplyOptions& options) const override {
+    if (tensors_.has_pieces()) return std::make_unique<HostStaged>(codec::ApplyAhead(tensors_.Runtime(), options));
+    return std::make_unique<HostStaged>(codec::ApplyAhead(tensors_.MutableViews(), options));
   }
   StatusOr<std::vector<buffers::OwnedTensor>> HostCopy() const override { return buffers::CopyTensors(Views()); }
   StatusOr<uint64_t> SetChecksum(std::span<const codec::TileGrid> grids, ThreadPool* pool) const override {
@@ -75,30 +60,55 @@ class HostStore : public WeightStore {
   }
 };
 
+// A staged apply on the device: nothing is decoded while the stream arrives;
+// Prepare stages the complete stream in device memory, Apply commits it.
+// The stream's bytes must stay until Confirm returns (the staged version
+// reads them).
+class DeviceStaged : public StagedApply {
+ public:
+  DeviceStaged(const buffers::MappedTensors& tensors, cuda::DeviceCodec& codec, const codec::ApplyOptions& options)
+      : tensors_(tensors), codec_(codec), options_(options) {}
+  void Advance(std::string_view) override {}
+  Status Prepare(std::string_view stream) override {
+    staged_.reset();
+    stream_ = stream;
+    WSYNC_ASSIGN_OR_RETURN(auto parts, codec::SplitSegments(stream));
+    StatusOr<cuda::DeviceCodec::Staged> staged = [&] {
+      if (tensors_.has_pieces()) {
+        const auto runtime = tensors_.Runtime();
+        return codec_.Stage(parts, runtime, options_);
+      }
+      const auto views = tensors_.MutableViews();
+      return codec_.Stage(parts, views, options_);
+    }();
+    WSYNC_RETURN_IF_ERROR(staged.status());
+    staged_ = std::make_unique<cuda::DeviceCodec::Staged>(std::move(*staged));
+    return Status::Ok();
+  }
+  Status Apply(std::string_view stream) override {
+    if (!staged_ || stream.data() != stream_.data() || stream.size() != stream_.size()) {
+      WSYNC_RETURN_IF_ERROR(Prepare(stream));
+    }
+    return codec_.Commit(*staged_);
+  }
+  Status Confirm() const override { return staged_ ? codec_.Confirm(*staged_) : Status::Ok(); }
+  size_t staged_ahead() const override { return 0; }
+  size_t decoded_again() const override { return staged_ && staged_->decodes_again() ? 1 : 0; }
+
+ private:
+  const buffers::MappedTensors& tensors_;
+  cuda::DeviceCodec& codec_;
+  const codec::ApplyOptions options_;
+  std::string_view stream_;
+  std::unique_ptr<cuda::DeviceCodec::Staged> staged_;
+};
+
 class DeviceStore : public WeightStore {
  public:
   DeviceStore(buffers::MappedTensors tensors, std::unique_ptr<cuda::DeviceCodec> codec)
       : WeightStore(std::move(tensors)), codec_(std::move(codec)) {}
-  Status Apply(std::span<const std::string_view> streams, const codec::ApplyOptions& options) override {
-    WSYNC_ASSIGN_OR_RETURN(auto parts, Segments(streams));
-    std::string joined;
-    if (streams.size() == 1 && parts.size() > 1 && !tensors_.has_pieces()) {
-      // A version streamed in segments: one container for the device codec,
-      // joined with the checksum of what the tensors hold as its base's. When
-      // they hold the base that is the base's checksum, and the container is
-      // byte for byte the source's whole patch; when not, the apply fails its
-      // checks and is undone (named a corrupt patch rather than a wrong base:
-      // the sink takes a keyframe either way).
-      WSYNC_ASSIGN_OR_RETURN(uint64_t held, codec_->SetChecksum(Views(), {}));
-      WSYNC_ASSIGN_OR_RETURN(joined, codec::JoinSegments(parts, held));
-      parts = {joined};
-    }
-    if (tensors_.has_pieces()) {
-      const auto runtime = tensors_.Runtime();
-      return parts.size() == 1 ? codec_->Apply(parts[0], runtime, options) : codec_->Apply(parts, runtime, options);
-    }
-    const auto views = tensors_.MutableViews();
-    return parts.size() == 1 ? codec_->Apply(parts[0], views, options) : codec_->Apply(parts, views, options);
+  std::unique_ptr<StagedApply> BeginStaged(const codec::ApplyOptions& options) const override {
+    return std::make_unique<DeviceStaged>(tensors_, *codec_, options);
   }
   StatusOr<std::vector<buffers::OwnedTensor>> HostCopy() const override {
     std::vector<buffers::OwnedTensor> out;

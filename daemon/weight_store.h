@@ -20,6 +20,32 @@
 
 namespace wsync::daemon {
 
+// A version applied in two steps: staged (checked, decoded and proven
+// against the tensors, which it only reads) while the engine may still read
+// them, then written between its holds. codec::ApplyAhead's contract,
+// wherever the tensors live.
+class StagedApply {
+ public:
+  virtual ~StagedApply() = default;
+  // The stream's first bytes while it arrives (the same bytes at every
+  // call, growing): where the store can, decoded as they come.
+  virtual void Advance(std::string_view prefix) = 0;
+  // The complete stream: every check, writing nothing; the error Apply
+  // would return.
+  virtual Status Prepare(std::string_view stream) = 0;
+  // Writes what Prepare staged (prepares first if it was not given the
+  // stream): FailedPrecondition, nothing written, when another writer
+  // changed a value the version changes since staging.
+  virtual Status Apply(std::string_view stream) = 0;
+  // After Apply, reads the tensors back: DataLoss naming the first chunk
+  // that is not the version's.
+  virtual Status Confirm() const = 0;
+  // Chunks staged while the stream arrived; chunks decoded again by Apply
+  // (past the staging budget).
+  virtual size_t staged_ahead() const = 0;
+  virtual size_t decoded_again() const = 0;
+};
+
 class WeightStore {
  public:
   // A host store for host regions, a device store (with a device codec on
@@ -36,20 +62,14 @@ class WeightStore {
   // published tensors themselves.
   uint64_t layout() const { return layout_; }
 
-  // Applies a patch or keyframe into the tensors, or the parts of one
-  // version from several sources together: verified, undone on a mismatch
-  // (codec::Apply's contract, into whole tensors or, when the tensors
-  // hold pieces, into the pieces).
-  // Each part may be a stream of segments (codec::SplitSegments): all the
-  // segments of all the parts apply as one.
-  virtual Status Apply(std::span<const std::string_view> parts, const codec::ApplyOptions& options) = 0;
-  // An apply that decodes a stream while it arrives (codec::ApplyAhead) into
-  // the tensors; null where the store decodes elsewhere (a device store's
-  // codec decodes on the GPU, from the whole patch).
-  virtual std::unique_ptr<codec::ApplyAhead> ApplyAhead(const codec::ApplyOptions& options) const {
-    (void)options;
-    return nullptr;
-  }
+  // An apply into the tensors of a patch or keyframe, or of the parts of
+  // one version back to back (a stream of segments, codec::SplitSegments:
+  // every segment one part), verified and all or nothing (codec::Apply's
+  // contract, into whole tensors or, when the tensors hold pieces, into the
+  // pieces), staged before it writes: on the host decoded while the stream
+  // arrives (codec::ApplyAhead), on the device staged in device memory once
+  // the stream is complete (cuda::DeviceCodec::Stage).
+  virtual std::unique_ptr<StagedApply> BeginStaged(const codec::ApplyOptions& options) const = 0;
   // A copy of the tensors in host memory.
   virtual StatusOr<std::vector<buffers::OwnedTensor>> HostCopy() const = 0;
   // codec::SetChecksum of the tensors coded with `grids`, computed where

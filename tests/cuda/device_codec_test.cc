@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <limits>
 #include <random>
 #include <string_view>
 
@@ -341,6 +342,64 @@ TEST_F(DeviceCodecTest, WrongBaseIsFailedPrecondition) {
   const Status s = codec_->Apply(*patch, d.views, {});
   EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition) << s.ToString();
   EXPECT_TRUE(testing::SameBits(d.ToHost(target), target));
+}
+
+// Stage reads only; Commit checks every element it changes, then writes;
+// Confirm reads back. Another writer between them: on an element the
+// version changes, the commit refuses and writes nothing; elsewhere, the
+// confirm finds it. Past the staging budget the commit decodes again.
+TEST_F(DeviceCodecTest, StagedThenCommittedWithAnotherWriterBetween) {
+  std::mt19937_64 rng(17);
+  std::vector<OwnedTensor> base{testing::RandomTensor("w", codec::DType::kBF16, {1 << 20}, rng)};
+  std::vector<OwnedTensor> target{testing::PerturbByExponent(base[0], 1e-2, 118, rng)};
+  auto patch = codec::EncodePatch(buffers::Views(base), buffers::Views(target), {});
+  ASSERT_TRUE(patch.ok());
+  const std::string_view one(*patch);
+  const auto* b16 = reinterpret_cast<const uint16_t*>(base[0].bytes.data());
+  const auto* t16 = reinterpret_cast<const uint16_t*>(target[0].bytes.data());
+  size_t changed = 0, unchanged = 0;
+  while (b16[changed] == t16[changed]) ++changed;
+  while (b16[unchanged] != t16[unchanged]) ++unchanged;
+  // Flips element e on the device and in `mirror`.
+  auto flip = [](DeviceSet& d, size_t e, std::vector<OwnedTensor>* mirror) {
+    uint16_t* m = reinterpret_cast<uint16_t*>((*mirror)[0].bytes.data()) + e;
+    *m ^= 1;
+    ASSERT_TRUE(cuda::CopyHostToDevice(d.views[0].data + 2 * e, m, 2).ok());
+  };
+  {
+    DeviceSet d = DeviceSet::Of(base);
+    auto staged = codec_->Stage(std::span(&one, 1), d.views, {});
+    ASSERT_TRUE(staged.ok()) << staged.status().ToString();
+    EXPECT_GT(staged->changes(), 0u);
+    EXPECT_EQ(staged->kept_bytes(), staged->changes() * 12);
+    EXPECT_TRUE(testing::SameBits(d.ToHost(base), base)) << "staging wrote";
+    auto mirror = base;
+    flip(d, changed, &mirror);
+    const Status s = codec_->Commit(*staged);
+    EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition) << s.ToString();
+    EXPECT_TRUE(testing::SameBits(d.ToHost(base), mirror)) << "the refused commit wrote";
+  }
+  {
+    DeviceSet d = DeviceSet::Of(base);
+    auto staged = codec_->Stage(std::span(&one, 1), d.views, {});
+    ASSERT_TRUE(staged.ok()) << staged.status().ToString();
+    auto mirror = target;
+    flip(d, unchanged, &mirror);
+    ASSERT_TRUE(codec_->Commit(*staged).ok());
+    EXPECT_TRUE(testing::SameBits(d.ToHost(base), mirror));
+    EXPECT_EQ(codec_->Confirm(*staged).code(), StatusCode::kDataLoss);
+  }
+  for (const uint64_t budget : {std::numeric_limits<uint64_t>::max(), uint64_t{0}}) {
+    DeviceSet d = DeviceSet::Of(base);
+    codec::ApplyOptions o;
+    o.stage_keep_bytes = budget;
+    auto staged = codec_->Stage(std::span(&one, 1), d.views, o);
+    ASSERT_TRUE(staged.ok()) << staged.status().ToString();
+    EXPECT_EQ(staged->decodes_again(), budget == 0);
+    ASSERT_TRUE(codec_->Commit(*staged).ok());
+    EXPECT_TRUE(testing::SameBits(d.ToHost(base), target));
+    EXPECT_TRUE(codec_->Confirm(*staged).ok());
+  }
 }
 
 TEST_F(DeviceCodecTest, KeyframeAppliesIntoDeviceMemory) {

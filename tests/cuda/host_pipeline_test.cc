@@ -1,24 +1,27 @@
 // The device codec's data flow run on the CPU: the kernels' per-block logic
 // (wsync/cuda/logic.h) in plain loops and their jobs (the entropy stage's
 // included), feeding the staged codec exactly as cuda/src/device_encode.cc
-// does. The patch must be byte-identical to
-// codec::EncodePatch and applying through the ranked-position path must
-// equal codec::Apply. Runs without a GPU.
+// does, and its apply (staged, committed, confirmed) as
+// cuda/src/device_apply.cc runs it. The patch must be byte-identical to
+// codec::EncodePatch and the apply's result must equal codec::Apply's, its
+// refusals included. Runs without a GPU.
 #include <gtest/gtest.h>
 
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <random>
+#include <set>
 
 #include "../codec/test_tensors.h"
 #include "../codec/tp_model.h"
 #include "wsync/buffers/safetensors.h"
 #include "wsync/codec/checksum.h"
 #include "wsync/codec/staged.h"
+#include "wsync/cuda/commit_jobs.h"
 #include "wsync/cuda/encode_plan.h"
 #include "wsync/cuda/logic.h"
 #include "wsync/cuda/placed.h"
-#include "wsync/cuda/sparse_plan.h"
 #include "wsync/util/first_error.h"
 
 namespace wsync {
@@ -261,126 +264,71 @@ StatusOr<std::vector<uint8_t>> OldValues(const T* x, cuda::logic::Layout l, cons
   return old;
 }
 
-// Applies with positions found from ranks by the kernels' search + select.
-template <typename T>
-Status ApplyLikeTheDevice(const std::string& patch, std::vector<OwnedTensor>* dst) {
-  WSYNC_ASSIGN_OR_RETURN(auto r, codec::staged::PatchReader::Open(patch));
-  const auto& chunks = r.chunks();
-  for (size_t t = 0; t < dst->size(); ++t) {
-    T* x = reinterpret_cast<T*>((*dst)[t].bytes.data());
-    const cuda::logic::Layout l{.n = (*dst)[t].bytes.size() / sizeof(T), .chunk_elems = r.chunk_bytes() / sizeof(T)};
-    std::vector<size_t> ids;
-    for (size_t i = 0; i < chunks.size(); ++i) {
-      if (chunks[i].tensor == t) ids.push_back(i);
-    }
-    std::vector<codec::staged::DecodedChunk> dec(ids.size());
-    std::vector<ClassSpec> specs(ids.size());
-    for (size_t k = 0; k < ids.size(); ++k) {
-      WSYNC_RETURN_IF_ERROR(r.DecodePositions(ids[k], &dec[k]));
-      specs[k] = dec[k].spec;
-    }
-    const auto prefix = Prefix(x, l, specs);
-    for (size_t k = 0; k < ids.size(); ++k) {
-      auto& d = dec[k];
-      WSYNC_ASSIGN_OR_RETURN(auto old, OldValues(x, l, prefix, k, chunks[ids[k]].first_element, &d));
-      WSYNC_RETURN_IF_ERROR(r.DecodeValues(ids[k], old.empty() ? nullptr : old.data(), &d));
-    }
-    for (size_t k = 0; k < ids.size(); ++k) {
-      for (size_t j = 0; j < dec[k].pos.size(); ++j) {
-        T& v = x[chunks[ids[k]].first_element + dec[k].pos[j]];
-        v = static_cast<T>(v + reinterpret_cast<const T*>(dec[k].delta.data())[j]);
-      }
-    }
-  }
-  return Status::Ok();
-}
-
-// The device's decoding path (device_apply.cc, ApplySparse) on the CPU: the
-// host's plan, the jobs of sparse_jobs.h over the set-wide arrays, the rank
-// kernel's resolution, the chunks of other modes decoded by the host with
-// old values gathered from the base, the scatter.
-struct SparsePath {
-  bool taken = false;      // false: the device takes the host-entropy path
-  size_t host_chunks = 0;  // chunks in other modes, decoded on the host
-};
-template <typename T>
-StatusOr<SparsePath> ApplySparseLikeTheDevice(const std::string& patch, std::vector<OwnedTensor>* dst) {
-  WSYNC_ASSIGN_OR_RETURN(auto r, codec::staged::PatchReader::Open(patch));
-  const std::vector<size_t> widths(dst->size(), sizeof(T));
-  cuda::SparsePlan p;
-  FirstError error;
-  cuda::PlanSparse(patch, r, widths, &p, &error);
-  if (p.host_changes * 8 > p.entries + p.host_changes) return SparsePath{};
-  WSYNC_RETURN_IF_ERROR(error.status());
-  const auto& chunks = r.chunks();
-  std::vector<codec::staged::DecodedChunk> hdec(p.host_chunks.size());
-  for (size_t k = 0; k < hdec.size(); ++k) {
-    const size_t i = p.host_chunks[k];
-    WSYNC_RETURN_IF_ERROR(r.DecodePositions(i, &hdec[k]));
-    std::vector<T> old;
-    const T* x = reinterpret_cast<const T*>((*dst)[chunks[i].tensor].bytes.data());
-    if (hdec[k].values_pending && hdec[k].spec.k > 1) {
-      for (uint32_t pos : hdec[k].pos) old.push_back(x[chunks[i].first_element + pos]);
-    }
-    WSYNC_RETURN_IF_ERROR(r.DecodeValues(i, old.empty() ? nullptr : old.data(), &hdec[k]));
-  }
-  const size_t m = p.entries;
-  std::vector<uint32_t> rank(m), chunk(m), pos(m), mpos(m);
-  std::vector<uint8_t> cls(m), old(p.bytes), mold(p.bytes), delta(p.bytes);
-  std::vector<uint64_t> counts(p.jobs.size() * kMaxClasses), index(m);
-  const auto* bytes = reinterpret_cast<const uint8_t*>(patch.data());
-  for (size_t j = 0; j < p.jobs.size(); ++j) {
-    if (cuda::SparseRanksJob(p.jobs[j], bytes, rank.data(), cls.data(), chunk.data(), counts.data() + j * kMaxClasses)) {
-      return DataLossError("position stream");
-    }
-  }
-  for (size_t t = 0; t < dst->size(); ++t) {
-    const cuda::SparsePlan::Tensor& tp = p.tensors[t];
-    if (!tp.conditioned) continue;
-    const T* x = reinterpret_cast<const T*>((*dst)[t].bytes.data());
-    const cuda::logic::Layout l{.n = (*dst)[t].bytes.size() / sizeof(T), .chunk_elems = r.chunk_bytes() / sizeof(T)};
-    const auto prefix = Prefix(x, l, tp.specs);
-    for (size_t e = tp.entry; e < tp.entry + tp.m; ++e) {
-      WSYNC_ASSIGN_OR_RETURN(const uint64_t at, RankedElement(x, l, prefix, tp.specs[chunk[e]], chunk[e], cls[e], rank[e]));
-      pos[e] = static_cast<uint32_t>(at - chunk[e] * l.chunk_elems);
-      std::memcpy(old.data() + tp.byte + (e - tp.entry) * sizeof(T), &x[at], sizeof(T));
-    }
-  }
-  for (size_t j = 0; j < p.jobs.size(); ++j) {
-    if (cuda::SparseValuesJob(p.jobs[j], bytes, rank.data(), counts.data() + j * kMaxClasses, pos.data(), old.data(),
-                              mpos.data(), mold.data(), index.data(), delta.data())) {
-      return DataLossError("value stream");
-    }
-  }
-  for (size_t t = 0; t < dst->size(); ++t) {
-    const cuda::SparsePlan::Tensor& tp = p.tensors[t];
-    T* x = reinterpret_cast<T*>((*dst)[t].bytes.data());
-    for (size_t e = tp.entry; e < tp.entry + tp.m; ++e) {
-      T d;
-      std::memcpy(&d, delta.data() + tp.byte + (e - tp.entry) * sizeof(T), sizeof(T));
-      x[index[e]] = static_cast<T>(x[index[e]] + d);
-    }
-  }
-  for (size_t k = 0; k < hdec.size(); ++k) {
-    const codec::staged::Chunk& c = chunks[p.host_chunks[k]];
-    T* x = reinterpret_cast<T*>((*dst)[c.tensor].bytes.data());
-    const T* delta = reinterpret_cast<const T*>(hdec[k].delta.data());
-    for (size_t j = 0; j < hdec[k].pos.size(); ++j) {
-      x[c.first_element + hdec[k].pos[j]] = static_cast<T>(x[c.first_element + hdec[k].pos[j]] + delta[j]);
-    }
-  }
-  return SparsePath{true, hdec.size()};
-}
-
-// The device's apply into pieces, tile grids and parts
-// (DeviceCodec::Apply, Impl::ApplyPlaced) run on the CPU: its plan, its
+// The device's apply (DeviceCodec::Stage, Commit and Confirm; whole
+// tensors, pieces, tile grids and parts alike) run on the CPU: its plan, its
 // batches, each chunk gathered into its image slot by the kernel's body,
 // ranks resolved in the image by the kernels' search and select, the values,
-// the results' digests, the verdict, and only then the changes at their
-// placements. `budget`: image bytes per batch (small here, for several).
+// the results' digests and the verdict, the writes kept (element, old and
+// new value read in the image), then `between` (another writer, say), then
+// the commit by the kernels' bodies: every change checked, then every change
+// written, then the keyframes' tiles. `budget`: image bytes per batch
+// (small here, for several).
+using WorkDigests = std::vector<std::vector<std::vector<uint64_t>>>;  // [part][work]
+
+// A batch's image: each work's chunk gathered into its slot by the kernel's
+// body (which writes every element, padding included).
+template <typename T>
+std::vector<T> GatherSlots(std::span<const codec::staged::ApplyPlan> plans, const cuda::placed::Batch& b,
+                           std::span<void* const> dst) {
+  std::vector<T> image(b.works.size() * b.slot, T{1});
+  for (size_t j = 0; j < b.works.size(); ++j) {
+    const auto& work = plans[b.works[j].part].works[b.works[j].work];
+    const cuda::TileJob job{dst[work.dst], work.map};
+    for (uint64_t k = 0; k < b.slot; ++k) cuda::GatherTileElement(job, j, b.slot, k, image.data());
+  }
+  return image;
+}
+
+// The digests of a batch's slots, as the device takes them.
+template <typename T>
+void DigestSlots(std::span<const codec::staged::PatchReader* const> refs,
+                 std::span<const codec::staged::ApplyPlan> plans, const cuda::placed::Batch& b,
+                 const std::vector<T>& image, WorkDigests* digests) {
+  for (size_t j = 0; j < b.works.size(); ++j) {
+    const auto& ref = b.works[j];
+    const auto& work = plans[ref.part].works[ref.work];
+    const uint8_t* bytes = reinterpret_cast<const uint8_t*>(image.data() + j * b.slot);
+    const size_t len = work.map.n * sizeof(T);
+    auto& out = (*digests)[ref.part][ref.work];
+    if (refs[ref.part]->gridded(refs[ref.part]->chunks()[work.chunk].tensor) && len > codec::kChecksumBlockBytes) {
+      out = cuda::placed::ResultDigests(true, bytes, len);  // hashed whole on the host
+      continue;
+    }
+    out.clear();
+    for (size_t off = 0; off < len; off += codec::kChecksumBlockBytes) {  // the device's block digests
+      out.push_back(cuda::logic::Xxh3(bytes + off, std::min(codec::kChecksumBlockBytes, len - off)));
+    }
+  }
+}
+
+WorkDigests EmptyDigests(std::span<const codec::staged::ApplyPlan> plans) {
+  WorkDigests d(plans.size());
+  for (size_t p = 0; p < plans.size(); ++p) d[p].resize(plans[p].works.size());
+  return d;
+}
+
+using Between = std::function<void(const std::vector<cuda::placed::Writes>& writes, std::span<void* const> dst)>;
+
+// Changed chunks the device's sparse decoder decoded, and those decoded on
+// the host (other modes).
+struct DecodeStats {
+  size_t device = 0, host = 0;
+};
+
 template <typename T>
 Status ApplyPlacedLikeTheDevice(std::span<const std::string_view> parts, const codec::Destination& destination,
-                                bool as_parts, size_t budget) {
+                                bool as_parts, size_t budget, const Between& between = {},
+                                Status* confirmed = nullptr, DecodeStats* stats = nullptr) {
   std::vector<codec::staged::PatchReader> readers;
   for (std::string_view p : parts) {
     WSYNC_ASSIGN_OR_RETURN(auto r, codec::staged::PatchReader::Open(p));
@@ -417,59 +365,140 @@ Status ApplyPlacedLikeTheDevice(std::span<const std::string_view> parts, const c
   }
   if (auto bad = cuda::placed::Mismatch(key_refs, key_plans, key_digests)) return DataLossError(*bad + ": keyframe");
   refs.clear();
-  for (size_t i : patch_parts) refs.push_back(&readers[i]);
+  std::vector<std::string_view> patch_bytes;
+  for (size_t i : patch_parts) {
+    refs.push_back(&readers[i]);
+    patch_bytes.push_back(parts[i]);
+  }
+  // Sparse-coded chunks decoded by the device's jobs, against the parts
+  // back to back; the host decodes the others' positions.
+  FirstError located;
+  const cuda::placed::SparseWorks sparse = cuda::placed::LocateSparseWorks(refs, plans, &located);
+  WSYNC_RETURN_IF_ERROR(located.status());
+  std::vector<uint64_t> offsets;
+  std::string device_parts;
+  for (std::string_view p : patch_bytes) {
+    offsets.push_back(device_parts.size());
+    device_parts.append(p);
+    device_parts.resize((device_parts.size() + 255) / 256 * 256);
+  }
+  const auto* patch_dev = reinterpret_cast<const uint8_t*>(device_parts.data());
   std::vector<std::vector<codec::staged::DecodedChunk>> dec(plans.size());
-  std::vector<std::vector<std::vector<uint64_t>>> digests(plans.size());
+  WorkDigests digests = EmptyDigests(plans);
   for (size_t p = 0; p < plans.size(); ++p) {
     dec[p].resize(plans[p].works.size());
-    digests[p].resize(plans[p].works.size());
     for (size_t w = 0; w < plans[p].works.size(); ++w) {
+      if (sparse[p][w]) continue;
       WSYNC_RETURN_IF_ERROR(refs[p]->DecodePositions(plans[p].works[w].chunk, &dec[p][w]));
     }
   }
-  std::vector<std::vector<uint64_t>> index(dst.size());
-  std::vector<std::vector<uint8_t>> delta(dst.size());
+  std::vector<cuda::placed::Writes> writes(dst.size());
   for (const cuda::placed::Batch& b : cuda::placed::Batches(refs, plans, budget)) {
     EXPECT_EQ(b.width, sizeof(T));
     const size_t n = b.works.size();
-    std::vector<T> image(n * b.slot, T{1});  // the kernel writes every element, padding included
+    std::vector<T> image = GatherSlots<T>(plans, b, dst);
     std::vector<ClassSpec> specs(n);
-    for (size_t j = 0; j < n; ++j) {
-      const auto& work = plans[b.works[j].part].works[b.works[j].work];
-      const cuda::TileJob job{dst[work.dst], work.map};
-      for (uint64_t k = 0; k < b.slot; ++k) cuda::GatherTileElement(job, j, b.slot, k, image.data());
-      specs[j] = dec[b.works[j].part][b.works[j].work].spec;
-    }
+    for (size_t j = 0; j < n; ++j) specs[j] = dec[b.works[j].part][b.works[j].work].spec;
+    const auto sb = cuda::placed::PlanSparseBatch(refs, plans, b, sparse, patch_bytes, offsets);
+    const size_t nj = sb.jobs.size(), sm = sb.entries;
+    for (size_t k = 0; k < nj; ++k) specs[sb.slot[k]] = sb.jobs[k].spec;
     const cuda::logic::Layout l{.n = n * b.slot, .chunk_elems = b.slot};
     const auto prefix = Prefix(image.data(), l, specs);
+    // The device's jobs, against the image before any change is added:
+    // ranks, their positions and old values (the rank kernel's search and
+    // select), then the values.
+    std::vector<uint32_t> rank(sm), slot_of(sm), spos(sm), mpos(sm);
+    std::vector<uint8_t> cls(sm), sold(sb.bytes), mold(sb.bytes), sdelta(sb.bytes);
+    std::vector<uint64_t> counts(nj * kMaxClasses), sindex(sm);
+    for (size_t k = 0; k < nj; ++k) {
+      if (cuda::SparseRanksJob(sb.jobs[k], patch_dev, rank.data(), cls.data(), slot_of.data(),
+                               counts.data() + k * kMaxClasses) != codec::sparse::kSparseOk) {
+        return DataLossError("position stream");
+      }
+    }
+    if (sb.conditioned) {
+      for (size_t e = 0; e < sm; ++e) {
+        WSYNC_ASSIGN_OR_RETURN(const uint64_t at, RankedElement(image.data(), l, prefix, specs[slot_of[e]],
+                                                                slot_of[e], cls[e], rank[e]));
+        spos[e] = static_cast<uint32_t>(at - slot_of[e] * l.chunk_elems);
+        std::memcpy(sold.data() + e * sizeof(T), &image[at], sizeof(T));
+      }
+    }
+    for (size_t k = 0; k < nj; ++k) {
+      if (cuda::SparseValuesJob(sb.jobs[k], patch_dev, rank.data(), counts.data() + k * kMaxClasses, spos.data(),
+                                sold.data(), mpos.data(), mold.data(), sindex.data(),
+                                sdelta.data()) != codec::sparse::kSparseOk) {
+        return DataLossError("value stream");
+      }
+    }
+    if (stats != nullptr) {
+      stats->device += nj;
+      for (size_t j = 0; j < n; ++j) {
+        const auto& ref = b.works[j];
+        stats->host += !sparse[ref.part][ref.work] && refs[ref.part]->changed(plans[ref.part].works[ref.work].chunk) > 0;
+      }
+    }
+    for (size_t k = 0; k < nj; ++k) {
+      const auto& job = sb.jobs[k];
+      const auto& ref = b.works[sb.slot[k]];
+      const auto& work = plans[ref.part].works[ref.work];
+      std::vector<uint32_t> pos(job.changed);
+      std::vector<T> before(job.changed), after(job.changed);
+      for (size_t i = 0; i < job.changed; ++i) {
+        if (sindex[job.entry + i] - job.first_element >= work.map.n) return DataLossError("a rank beyond its elements");
+        pos[i] = static_cast<uint32_t>(sindex[job.entry + i] - job.first_element);
+        T& x = image[sindex[job.entry + i]];
+        before[i] = x;
+        x = static_cast<T>(x + reinterpret_cast<const T*>(sdelta.data() + job.byte)[i]);
+        after[i] = x;
+      }
+      writes[work.dst].width = sizeof(T);
+      cuda::placed::AppendWrites(work, pos, reinterpret_cast<const uint8_t*>(before.data()),
+                                 reinterpret_cast<const uint8_t*>(after.data()), &writes[work.dst]);
+    }
     for (size_t j = 0; j < n; ++j) {
       const auto& ref = b.works[j];
+      if (sparse[ref.part][ref.work]) continue;
       const auto& work = plans[ref.part].works[ref.work];
       auto& d = dec[ref.part][ref.work];
       const bool ranked = d.ranked && d.values_pending && d.spec.k > 1;
       WSYNC_ASSIGN_OR_RETURN(auto old, OldValues(image.data(), l, prefix, j, j * b.slot, &d));
       if (ranked && !d.pos.empty() && d.pos.back() >= work.map.n) return DataLossError("a rank beyond its elements");
       WSYNC_RETURN_IF_ERROR(refs[ref.part]->DecodeValues(work.chunk, old.empty() ? nullptr : old.data(), &d));
+      // The values replaced and the results, gathered in the image around
+      // the scatter-add.
       const T* dl = reinterpret_cast<const T*>(d.delta.data());
-      for (size_t i = 0; i < d.pos.size(); ++i) image[j * b.slot + d.pos[i]] += dl[i];
-      const uint8_t* bytes = reinterpret_cast<const uint8_t*>(image.data() + j * b.slot);
-      const size_t len = work.map.n * sizeof(T);
-      if (refs[ref.part]->gridded(refs[ref.part]->chunks()[work.chunk].tensor) && len > codec::kChecksumBlockBytes) {
-        digests[ref.part][ref.work] = cuda::placed::ResultDigests(true, bytes, len);  // hashed whole on the host
-      } else {
-        for (size_t off = 0; off < len; off += codec::kChecksumBlockBytes) {  // the device's block digests
-          digests[ref.part][ref.work].push_back(
-              cuda::logic::Xxh3(bytes + off, std::min(codec::kChecksumBlockBytes, len - off)));
-        }
+      std::vector<T> before(d.pos.size()), after(d.pos.size());
+      for (size_t i = 0; i < d.pos.size(); ++i) {
+        T& x = image[j * b.slot + d.pos[i]];
+        before[i] = x;
+        x = static_cast<T>(x + dl[i]);
+        after[i] = x;
       }
-      cuda::placed::AppendChange(work, d, &index[work.dst], &delta[work.dst]);
+      writes[work.dst].width = sizeof(T);
+      cuda::placed::AppendWrites(work, d.pos, reinterpret_cast<const uint8_t*>(before.data()),
+                                 reinterpret_cast<const uint8_t*>(after.data()), &writes[work.dst]);
     }
+    DigestSlots(refs, plans, b, image, &digests);
   }
   if (auto bad = cuda::placed::Mismatch(refs, plans, digests)) return DataLossError(*bad + ": mismatch");
+  if (between) between(writes, dst);
+  // The commit: the job list, one pass checking every change, one writing.
+  std::vector<cuda::CommitJob> jobs;
+  uint64_t total = 0;
   for (size_t k = 0; k < dst.size(); ++k) {
-    T* x = static_cast<T*>(dst[k]);
-    const T* dl = reinterpret_cast<const T*>(delta[k].data());
-    for (size_t i = 0; i < index[k].size(); ++i) x[index[k][i]] += dl[i];
+    if (writes[k].index.empty()) continue;
+    jobs.push_back({dst[k], writes[k].index.data(), writes[k].old.data(), writes[k].value.data(), total,
+                    writes[k].index.size(), static_cast<int32_t>(sizeof(T))});
+    total += writes[k].index.size();
+  }
+  for (uint64_t k = 0; k < total; ++k) {
+    const cuda::CommitJob& job = jobs[cuda::CommitJobOf(jobs.data(), jobs.size(), k)];
+    if (!cuda::HoldsStaged(job, k - job.first)) return FailedPreconditionError("another writer changed an element");
+  }
+  for (uint64_t k = 0; k < total; ++k) {
+    const cuda::CommitJob& job = jobs[cuda::CommitJobOf(jobs.data(), jobs.size(), k)];
+    cuda::WriteStaged(job, k - job.first);
   }
   for (size_t i = 0; i < key_refs.size(); ++i) {
     const codec::staged::PatchReader* one[] = {key_refs[i]};
@@ -483,6 +512,21 @@ Status ApplyPlacedLikeTheDevice(std::span<const std::string_view> parts, const c
         const auto& work = key_plans[i].works[b.works[j].work];
         const cuda::TileJob job{dst[work.dst], work.map};
         for (uint64_t k = 0; k < b.slot; ++k) cuda::ScatterTileElement(job, j, b.slot, k, image.data());
+      }
+    }
+  }
+  // The confirm: every work's chunk gathered and digested again.
+  if (confirmed != nullptr) {
+    *confirmed = Status::Ok();
+    for (const bool key : {false, true}) {
+      const auto& r = key ? key_refs : refs;
+      const auto& pl = key ? key_plans : plans;
+      WorkDigests now = EmptyDigests(pl);
+      for (const cuda::placed::Batch& b : cuda::placed::Batches(r, pl, budget)) {
+        DigestSlots(r, pl, b, GatherSlots<T>(pl, b, dst), &now);
+      }
+      if (auto bad = cuda::placed::Mismatch(r, pl, now)) {
+        *confirmed = DataLossError(*bad + " is not the version's");
       }
     }
   }
@@ -576,6 +620,112 @@ TEST(HostPlacedPath, PiecesGridsAndPartsApplyLikeTheHostCodec) {
             StatusCode::kDataLoss);
 }
 
+// Staged, then another writer, then the commit: an element the version
+// changes, written by someone else since staging, is found by the commit's
+// check and nothing is written (the other writer's value stays); an element
+// it does not change is found by the confirm, after the writes. A patch
+// that is corrupt, or whose base the destination does not hold, is refused
+// by the staging with the destination untouched.
+TEST(HostPlacedPath, AnotherWriterBeforeTheCommitIsRefusedOrFoundAfter) {
+  std::mt19937_64 rng(61);
+  const auto v0 = testing::CanonicalModel(rng);
+  std::vector<OwnedTensor> v1;
+  for (const auto& t : v0) v1.push_back(testing::PerturbByExponent(t, 0.05, 118, rng));
+  auto patch = codec::EncodePatch(buffers::Views(v0), buffers::Views(v1), {});
+  ASSERT_TRUE(patch.ok()) << patch.status().ToString();
+  const std::string_view one(*patch);
+  constexpr size_t kBudget = 3 << 19;
+  // Flips element e of destination k, in the destination and in `mirror`.
+  auto flip = [](std::span<void* const> dst, size_t k, uint64_t e, std::vector<OwnedTensor>* mirror) {
+    static_cast<uint16_t*>(dst[k])[e] ^= 1;
+    reinterpret_cast<uint16_t*>((*mirror)[k].bytes.data())[e] ^= 1;
+  };
+  {
+    SCOPED_TRACE("a changed element");
+    auto w = v0, mirror = v0;
+    const Status s = ApplyPlacedLikeTheDevice<uint16_t>(
+        std::span(&one, 1), buffers::MutableViews(w), false, kBudget,
+        [&](const std::vector<cuda::placed::Writes>& writes, std::span<void* const> dst) {
+          const size_t k = writes.size() - 1;  // the last tensor's last change: after many checks that pass
+          ASSERT_FALSE(writes[k].index.empty());
+          flip(dst, k, writes[k].index.back(), &mirror);
+        });
+    EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition) << s.ToString();
+    EXPECT_TRUE(testing::SameBits(w, mirror)) << "the refused commit wrote";
+  }
+  {
+    SCOPED_TRACE("an unchanged element");
+    auto w = v0, mirror = v1;
+    Status confirmed;
+    const Status s = ApplyPlacedLikeTheDevice<uint16_t>(
+        std::span(&one, 1), buffers::MutableViews(w), false, kBudget,
+        [&](const std::vector<cuda::placed::Writes>& writes, std::span<void* const> dst) {
+          const std::set<uint64_t> changed(writes[0].index.begin(), writes[0].index.end());
+          uint64_t e = 0;
+          while (changed.count(e) != 0) ++e;
+          flip(dst, 0, e, &mirror);
+        },
+        &confirmed);
+    ASSERT_TRUE(s.ok()) << s.ToString();
+    EXPECT_TRUE(testing::SameBits(w, mirror));
+    EXPECT_EQ(confirmed.code(), StatusCode::kDataLoss) << confirmed.ToString();
+  }
+  {
+    SCOPED_TRACE("no other writer");
+    auto w = v0;
+    Status confirmed;
+    ASSERT_TRUE(ApplyPlacedLikeTheDevice<uint16_t>(std::span(&one, 1), buffers::MutableViews(w), false, kBudget, {},
+                                                   &confirmed)
+                    .ok());
+    EXPECT_TRUE(testing::SameBits(w, v1));
+    EXPECT_TRUE(confirmed.ok()) << confirmed.ToString();
+  }
+  {
+    SCOPED_TRACE("the pieces of TP 2");
+    codec::EncodeOptions o;
+    std::vector<testing::Rank> ranks = testing::MakeRanks(2);
+    o.grids = codec::GridsFor(testing::Layouts(ranks), buffers::Views(v0));
+    auto gridded = codec::EncodePatch(buffers::Views(v0), buffers::Views(v1), o);
+    ASSERT_TRUE(gridded.ok()) << gridded.status().ToString();
+    const std::string_view g(*gridded);
+    testing::Rank rank = testing::MakeRank(2, 1);
+    testing::Fill(&rank, v0);
+    const auto before = rank.tensors;
+    bool called = false;
+    const Status s = ApplyPlacedLikeTheDevice<uint16_t>(
+        std::span(&g, 1), rank.layout, false, kBudget,
+        [&](const std::vector<cuda::placed::Writes>& writes, std::span<void* const> dst) {
+          called = true;
+          for (size_t k = 0; k < writes.size(); ++k) {
+            if (!writes[k].index.empty()) return static_cast<void>(static_cast<uint16_t*>(dst[k])[writes[k].index[0]] ^= 1);
+          }
+        });
+    EXPECT_TRUE(called);
+    EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition) << s.ToString();
+    size_t differing = 0;
+    for (size_t k = 0; k < before.size(); ++k) {
+      for (size_t i = 0; i < before[k].bytes.size(); ++i) differing += before[k].bytes[i] != rank.tensors[k].bytes[i];
+    }
+    EXPECT_EQ(differing, 1u) << "only the other writer's element may differ";
+  }
+  {
+    SCOPED_TRACE("refused by the staging");
+    std::string corrupt = *patch;
+    corrupt[corrupt.size() / 2] ^= 0x10;
+    for (const std::string_view p : {std::string_view(corrupt), one}) {
+      auto w = p == one ? v1 : v0;  // corrupt, then a base the tensors do not hold
+      const auto untouched = w;
+      bool reached = false;
+      const Status s = ApplyPlacedLikeTheDevice<uint16_t>(
+          std::span(&p, 1), buffers::MutableViews(w), false, kBudget,
+          [&](const std::vector<cuda::placed::Writes>&, std::span<void* const>) { reached = true; });
+      EXPECT_EQ(s.code(), StatusCode::kDataLoss) << s.ToString();
+      EXPECT_FALSE(reached) << "the staging let it through to the commit";
+      EXPECT_TRUE(testing::SameBits(w, untouched));
+    }
+  }
+}
+
 struct Case {
   codec::DType dtype;
   double density;
@@ -611,19 +761,23 @@ void RunCase(const Case& c, bool condition) {
   ASSERT_TRUE(host_gridded.ok()) << host_gridded.status().ToString();
   EXPECT_TRUE(EncodeLikeTheDevice<T>(base, target, gridded, &stats) == *host_gridded)
       << "the device data flow gives other bytes with tile grids";
-  std::vector<OwnedTensor> out = base;
-  ASSERT_TRUE(ApplyLikeTheDevice<T>(*host, &out).ok());
-  EXPECT_TRUE(testing::SameBits(out, target));
-  // RL change rates: every chunk sparse-coded, so the whole patch is
-  // decoded on the device.
-  out = base;
-  auto path = ApplySparseLikeTheDevice<T>(*host, &out);
-  ASSERT_TRUE(path.ok()) << path.status().ToString();
-  if (c.density > 0 && c.density <= 1e-2) {
-    EXPECT_TRUE(path->taken && path->host_chunks == 0) << "not every chunk sparse-coded";
-  }
-  if (path->taken) {
-    EXPECT_TRUE(testing::SameBits(out, target)) << "the device's decoding path gives other bits";
+  // Applied as the device applies it (whole tensors as identity
+  // placements), the patch and the gridded one alike; at RL change rates
+  // every changed chunk of the patch is sparse-coded and decoded by the
+  // device's jobs.
+  for (const std::string* p : {&*host, &*host_gridded}) {
+    std::vector<OwnedTensor> out = base;
+    const std::string_view one(*p);
+    DecodeStats decoded;
+    const Status s =
+        ApplyPlacedLikeTheDevice<T>(std::span(&one, 1), buffers::MutableViews(out), false, 3 << 19, {}, nullptr,
+                                    &decoded);
+    ASSERT_TRUE(s.ok()) << s.ToString();
+    EXPECT_TRUE(testing::SameBits(out, target)) << "the device's apply gives other bits";
+    if (p == &*host && c.density > 0 && c.density <= 1e-2) {
+      EXPECT_GT(decoded.device, 0u);
+      EXPECT_EQ(decoded.host, 0u) << "a changed chunk not sparse-coded";
+    }
   }
 }
 
@@ -678,11 +832,14 @@ void CheckRealSnapshots(const std::string& run, bool all_sparse) {
         }
         EXPECT_LE(other * 1000, changed) << name << ": more than 0.1% of the changes in other modes than sparse";
         auto out = base;
-        auto path = ApplySparseLikeTheDevice<uint16_t>(*patch, &out);
-        ASSERT_TRUE(path.ok()) << path.status().ToString();
-        ASSERT_TRUE(path->taken) << name;
+        const std::string_view one(*patch);
+        DecodeStats decoded;
+        const Status s = ApplyPlacedLikeTheDevice<uint16_t>(std::span(&one, 1), buffers::MutableViews(out), false,
+                                                            64 << 20, {}, nullptr, &decoded);
+        ASSERT_TRUE(s.ok()) << name << ": " << s.ToString();
+        EXPECT_GT(decoded.device, 0u) << name;
         if (all_sparse) {
-          EXPECT_EQ(path->host_chunks, 0u) << name << ": a chunk in another mode than sparse";
+          EXPECT_EQ(decoded.host, 0u) << name << ": a chunk in another mode than sparse";
         }
         EXPECT_TRUE(testing::SameBits(out, target)) << name;
       },

@@ -1,9 +1,13 @@
-// DeviceCodec's apply of one flat patch or keyframe into whole tensors.
-// A patch is decoded on the device where its chunks are sparse-coded
-// (ApplySparse), else its positions and values on the host with ranks and
-// old values resolved on the device (ApplyDelta); either way the change is
-// scattered in place, verified and undone on a mismatch. A keyframe is
-// decoded and verified on the host and copied up.
+// DeviceCodec's apply: one plan for every destination (codec::staged's
+// works: a chunk at a placement; whole tensors are identity placements),
+// staged then committed. Stage gathers every work's chunk into image
+// scratch, decodes it against the image (a sparse-coded chunk on the
+// device; any other on the host, its ranks and old values resolved on the
+// device), adds the change in the image and digests the result there; once every work of every part is proven, each destination's writes
+// (element, old value, new value) are kept in device memory. Commit checks
+// in one launch that every element still holds its old value and writes the
+// new values in a second. Keyframe parts are decoded and verified on the
+// host and written by tiles after the patches. See placed.h.
 #include "wsync/cuda/device_codec.h"
 
 #include <cuda_runtime_api.h>
@@ -16,7 +20,7 @@
 #include "wsync/codec/staged.h"
 #include "wsync/cuda/carver.h"
 #include "wsync/cuda/kernels.h"
-#include "wsync/cuda/sparse_plan.h"
+#include "wsync/cuda/placed.h"
 #include "wsync/util/first_error.h"
 #include "wsync/util/thread_pool.h"
 #include "wsync/util/text.h"
@@ -36,496 +40,667 @@ namespace {
 using namespace internal;  // device_codec_impl.h
 
 using codec::ClassSpec;
-using codec::kMaxClasses;
-using codec::MutableTensorView;
+using codec::TensorView;
 using codec::staged::Chunk;
 using codec::staged::DecodedChunk;
+using Digests = std::vector<std::vector<std::vector<uint64_t>>>;  // [part][work]: placed::ResultDigests
+
+Digests EmptyDigests(std::span<const codec::staged::ApplyPlan> plans) {
+  Digests d(plans.size());
+  for (size_t p = 0; p < plans.size(); ++p) d[p].resize(plans[p].works.size());
+  return d;
+}
 
 }  // namespace
 
-StatusOr<bool> DeviceCodec::Impl::HoldsBase(const codec::staged::PatchReader& r,
-                                            std::span<const MutableTensorView> dst,
-                                            const std::vector<size_t>& match) {
-  WSYNC_ASSIGN_OR_RETURN(auto sums, Checksums(dst, match));
-  return codec::SetChecksumOf(sums) == r.base_set_checksum();
-}
+DeviceCodec::Staged::Staged() = default;
+DeviceCodec::Staged::Staged(Staged&&) noexcept = default;
+DeviceCodec::Staged& DeviceCodec::Staged::operator=(Staged&&) noexcept = default;
+DeviceCodec::Staged::~Staged() = default;
+uint64_t DeviceCodec::Staged::changes() const { return state_ ? state_->changes : 0; }
+uint64_t DeviceCodec::Staged::kept_bytes() const { return state_ ? state_->kept_bytes : 0; }
+bool DeviceCodec::Staged::decodes_again() const { return state_ && !state_->kept; }
 
-Status DeviceCodec::Impl::Failure(const codec::staged::PatchReader& r, std::span<const MutableTensorView> dst,
-                                  const std::vector<size_t>& match, Status error) {
-  WSYNC_ASSIGN_OR_RETURN(bool holds, HoldsBase(r, dst, match));
-  return holds ? error : WrongBase(r);
-}
-
-Status DeviceCodec::Impl::ApplyKeyframe(const codec::staged::PatchReader& r, std::span<const MutableTensorView> dst,
-                                        const std::vector<size_t>& match, const codec::ApplyOptions& options) {
-  // Decode and verify everything on the host before the first byte is
-  // written: a keyframe is a cold start, its size is the model's.
-  const auto& chunks = r.chunks();
-  std::vector<std::vector<uint8_t>> values(match.size());
-  for (size_t t = 0; t < match.size(); ++t) values[t].resize(dst[match[t]].NumBytes());
-  FirstError error;
-  ParallelFor(options.pool, chunks.size(), [&](size_t i) {
-    const Chunk& c = chunks[i];
-    error.Record(i, r.DecodeKeyframe(i, values[c.tensor].data() + c.first_element * c.width));
-  });
-  WSYNC_RETURN_IF_ERROR(error.status());
-  for (size_t t = 0; t < match.size(); ++t) {
-    if (codec::TensorChecksum(values[t].data(), values[t].size(), options.pool) != r.target_checksum(t)) {
-      return DataLossError("tensor " + Quoted(r.tensor_name(t)) +
-                           ": keyframe content does not match its checksum; destination not modified");
+Status DeviceCodec::Impl::DigestImage(std::span<const codec::staged::PatchReader* const> readers,
+                                      std::span<const codec::staged::ApplyPlan> plans, const placed::Batch& b,
+                                      const void* image, Digests& digests) {
+  const size_t n = b.works.size(), width = b.width;
+  auto gridded = [&](const placed::Ref& ref) {
+    const auto& r = *readers[ref.part];
+    return r.gridded(r.chunks()[plans[ref.part].works[ref.work].chunk].tensor);
+  };
+  size_t blocks = 0;
+  for (const placed::Ref& ref : b.works) {
+    blocks += codec::ChecksumBlockCount(plans[ref.part].works[ref.work].map.n * width);
+  }
+  Carver carve;
+  const size_t o_jobs = carve.Add<DigestJob>(n);
+  const size_t o_digests = carve.Add<uint64_t>(blocks);
+  WSYNC_ASSIGN_OR_RETURN(void* mem, digest_mem.Get(carve.bytes()));
+  WSYNC_ASSIGN_OR_RETURN(DigestJob* jobs, pinned.Alloc<DigestJob>(n));
+  // A 1 MiB block per digest on the device; a gridded chunk of more than
+  // one block is hashed whole on the host (its tile digest).
+  std::vector<const uint8_t*> whole(n, nullptr);
+  size_t nd = 0;
+  uint64_t block = 0;
+  for (size_t j = 0; j < n; ++j) {
+    const placed::Ref& ref = b.works[j];
+    const uint64_t bytes = plans[ref.part].works[ref.work].map.n * width;
+    const uint8_t* slot = static_cast<const uint8_t*>(image) + j * b.slot * width;
+    if (gridded(ref) && bytes > codec::kChecksumBlockBytes) {
+      WSYNC_RETURN_IF_ERROR(CopyToPinned(pinned, &whole[j], slot, bytes, compute));
+      continue;
     }
+    jobs[nd++] = DigestJob{slot, bytes, At<uint64_t>(mem, o_digests) + block, block};
+    block += codec::ChecksumBlockCount(bytes);
   }
-  for (size_t t = 0; t < match.size(); ++t) {
-    WSYNC_RETURN_IF_ERROR(CopyUp(dst[match[t]].data, values[t].data(), values[t].size(), compute));
+  if (nd > 0) {
+    WSYNC_RETURN_IF_ERROR(CopyUp(At<void>(mem, o_jobs), jobs, nd * sizeof(DigestJob), compute));
+    WSYNC_RETURN_IF_ERROR(LaunchBlockDigests(At<DigestJob>(mem, o_jobs), nd, block, compute));
   }
-  return Check(cudaStreamSynchronize(compute), "keyframe copy");
-}
-
-Status DeviceCodec::Impl::ScatterAndVerify(const codec::staged::PatchReader& r,
-                                           std::span<const MutableTensorView> dst, const std::vector<size_t>& match,
-                                           const std::function<Status(bool undo)>& scatter) {
-  WSYNC_RETURN_IF_ERROR(scatter(false));
-  Status scattered = Check(cudaStreamSynchronize(compute), "scatter");
-  EndPhase("scatter");
-  auto sums = scattered.ok() ? Checksums(dst, match) : StatusOr<std::vector<uint64_t>>(scattered);
-  EndPhase("verify");
-  if (!sums.ok()) {
-    // The scatter may or may not have run: put the tensors back either way.
-    const Status undone = scatter(true);
-    cudaStreamSynchronize(compute);
-    return undone.ok() ? sums.status() : undone;
-  }
-  for (size_t t = 0; t < match.size(); ++t) {
-    if ((*sums)[t] == r.target_checksum(t)) continue;
-    WSYNC_RETURN_IF_ERROR(scatter(true));
-    WSYNC_RETURN_IF_ERROR(Check(cudaStreamSynchronize(compute), "undo"));
-    return Failure(r, dst, match,
-                   DataLossError("tensor " + Quoted(r.tensor_name(t)) +
-                                 ": result does not match the patch's checksum (the patch is corrupted); "
-                                 "change undone, destination unchanged"));
+  const uint64_t* sums = nullptr;
+  WSYNC_RETURN_IF_ERROR(CopyToPinned(pinned, &sums, At<uint64_t>(mem, o_digests), block, compute));
+  WSYNC_RETURN_IF_ERROR(Check(cudaStreamSynchronize(compute), "digests"));
+  block = 0;
+  for (size_t j = 0; j < n; ++j) {
+    const placed::Ref& ref = b.works[j];
+    const uint64_t bytes = plans[ref.part].works[ref.work].map.n * width;
+    if (whole[j] != nullptr) {
+      digests[ref.part][ref.work] = placed::ResultDigests(true, whole[j], bytes);
+      continue;
+    }
+    const uint64_t count = codec::ChecksumBlockCount(bytes);
+    digests[ref.part][ref.work].assign(sums + block, sums + block + count);
+    block += count;
   }
   return Status::Ok();
 }
 
-StatusOr<bool> DeviceCodec::Impl::ApplySparse(std::string_view patch, const codec::staged::PatchReader& r,
-                                              std::span<const MutableTensorView> dst, const std::vector<size_t>& match,
-                                              const codec::ApplyOptions& options) {
-  const auto& chunks = r.chunks();
-  std::vector<size_t> widths;
-  for (size_t i : match) widths.push_back(codec::DTypeWidth(dst[i].dtype));
-  SparsePlan p;
-  FirstError error;
-  PlanSparse(patch, r, widths, &p, &error);
-  if (p.host_changes * 8 > p.entries + p.host_changes) return false;
-  const std::vector<SparseJob>& jobs = p.jobs;
-  const size_t m = p.entries, nbytes = p.bytes;
-  // Chunks in other modes: positions on the host now, values once the old
-  // values they need are gathered on the device.
-  std::vector<DecodedChunk> hdec(p.host_chunks.size());
-  if (!error.failed()) {
-    ParallelFor(options.pool, hdec.size(),
-                [&](size_t k) { error.Record(p.host_chunks[k], r.DecodePositions(p.host_chunks[k], &hdec[k])); });
-  }
-  if (error.failed()) return Failure(r, dst, match, error.status());
-  // Per tensor, the host chunks' scatter list (page-locked, then on the
-  // device) and the indices of the old values they need.
-  struct HostList {
-    size_t m = 0, mg = 0;
-    uint64_t* index = nullptr;
-    uint8_t* delta = nullptr;
-    uint64_t* gather = nullptr;
-    const uint8_t* gathered = nullptr;
-    size_t o_index = 0, o_delta = 0, o_gather = 0, o_gathered = 0;
+StatusOr<std::vector<placed::Writes>> DeviceCodec::Impl::StagePatches(
+    const Staged::State& st, const std::function<Status(Status)>& unwritten) {
+  const auto readers = std::span<const codec::staged::PatchReader* const>(st.patch_refs);
+  const auto plans = std::span<const codec::staged::ApplyPlan>(st.patch_plans);
+  const auto& options = st.options;
+  std::vector<placed::Writes> writes(st.dst.size());
+  if (plans.empty()) return writes;
+  // Every work's decoding state and result digests; errors ordered by work
+  // across the parts.
+  std::vector<size_t> first(plans.size() + 1, 0);
+  for (size_t p = 0; p < plans.size(); ++p) first[p + 1] = first[p] + plans[p].works.size();
+  std::vector<std::vector<DecodedChunk>> decoded(plans.size());
+  for (size_t p = 0; p < plans.size(); ++p) decoded[p].resize(plans[p].works.size());
+  Digests digests = EmptyDigests(plans);
+  auto where = [&](const placed::Ref& ref) {
+    const auto& r = *readers[ref.part];
+    const Chunk& c = r.chunks()[plans[ref.part].works[ref.work].chunk];
+    return "tensor " + Quoted(r.tensor_name(c.tensor)) + " chunk " + std::to_string(c.index);
   };
-  std::vector<HostList> hl(match.size());
-  std::vector<size_t> h_start(hdec.size()), g_start(hdec.size());
-  auto needs_old = [&](size_t k) { return hdec[k].values_pending && hdec[k].spec.k > 1; };
-  for (size_t k = 0; k < hdec.size(); ++k) {
-    HostList& l = hl[chunks[p.host_chunks[k]].tensor];
-    h_start[k] = l.m;
-    l.m += hdec[k].pos.size();
-    g_start[k] = l.mg;
-    if (needs_old(k)) l.mg += hdec[k].pos.size();
+  auto fail = [&](const Status& s) {
+    if (s.code() != StatusCode::kDataLoss) return s;
+    return unwritten(DataLossError(s.message() + " (the patch is corrupted or the destination does not hold its "
+                                                 "base); destination unchanged"));
+  };
+  FirstError error;
+  // Sparse-coded chunks are decoded on the device (their streams located
+  // here); the host decodes the positions (or ranks) of every other chunk.
+  const placed::SparseWorks sparse = placed::LocateSparseWorks(readers, plans, &error);
+  ParallelFor(options.pool, first.back(), [&](size_t g) {
+    const size_t p = std::upper_bound(first.begin(), first.end(), g) - first.begin() - 1;
+    const size_t w = g - first[p];
+    if (sparse[p][w]) return;
+    error.Record(g, readers[p]->DecodePositions(plans[p].works[w].chunk, &decoded[p][w]));
+  });
+  EndPhase("positions");
+  if (error.failed()) return fail(error.status());
+  // The patch parts on the device, back to back, for the device's decoding.
+  std::vector<uint64_t> offsets(plans.size());
+  uint64_t patch_bytes = 0;
+  for (size_t p = 0; p < plans.size(); ++p) {
+    offsets[p] = patch_bytes;
+    patch_bytes += (st.patch_bytes[p].size() + 255) / 256 * 256;
   }
-
-  // Device memory: the patch, the jobs, and per change its rank, class,
-  // chunk, position and old value by class, merged position and old value,
-  // scatter index and delta.
-  Carver carve;
-  const size_t o_patch = carve.Add<uint8_t>(patch.size());
-  const size_t o_jobs = carve.Add<SparseJob>(jobs.size());
-  const size_t o_counts = carve.Add<uint64_t>(jobs.size() * kMaxClasses);
-  const size_t o_error = carve.Add<uint32_t>(jobs.size() + match.size());  // jobs', then rank errors per tensor
-  const size_t o_rank = carve.Add<uint32_t>(m);
-  const size_t o_cls = carve.Add<uint8_t>(m);
-  const size_t o_chunk = carve.Add<uint32_t>(m);
-  const size_t o_pos = carve.Add<uint32_t>(m);
-  const size_t o_mpos = carve.Add<uint32_t>(m);
-  const size_t o_index = carve.Add<uint64_t>(m);
-  const size_t o_old = carve.Add<uint8_t>(nbytes);
-  const size_t o_mold = carve.Add<uint8_t>(nbytes);
-  const size_t o_delta = carve.Add<uint8_t>(nbytes);
-  for (size_t t = 0; t < match.size(); ++t) {
-    HostList& l = hl[t];
-    if (l.m == 0) continue;
-    const size_t width = widths[t];
-    l.o_index = carve.Add<uint64_t>(l.m);
-    l.o_delta = carve.Add<uint8_t>(l.m * width);
-    l.o_gather = carve.Add<uint64_t>(l.mg);
-    l.o_gathered = carve.Add<uint8_t>(l.mg * width);
-    WSYNC_ASSIGN_OR_RETURN(l.index, pinned.Alloc<uint64_t>(l.m));
-    WSYNC_ASSIGN_OR_RETURN(l.delta, pinned.Alloc<uint8_t>(l.m * width));
-    WSYNC_ASSIGN_OR_RETURN(l.gather, pinned.Alloc<uint64_t>(l.mg));
+  WSYNC_ASSIGN_OR_RETURN(void* patch_dev, staging.Get(patch_bytes));
+  for (size_t p = 0; p < plans.size(); ++p) {
+    WSYNC_ASSIGN_OR_RETURN(uint8_t* host, pinned.Alloc<uint8_t>(st.patch_bytes[p].size()));
+    std::memcpy(host, st.patch_bytes[p].data(), st.patch_bytes[p].size());
+    WSYNC_RETURN_IF_ERROR(CopyUp(At<void>(patch_dev, offsets[p]), host, st.patch_bytes[p].size(), compute));
   }
-  WSYNC_ASSIGN_OR_RETURN(void* mem, scratch.Get(carve.bytes()));
-  WSYNC_ASSIGN_OR_RETURN(uint8_t* patch_host, pinned.Alloc<uint8_t>(patch.size()));
-  std::memcpy(patch_host, patch.data(), patch.size());
-  WSYNC_ASSIGN_OR_RETURN(SparseJob* jobs_host, pinned.Alloc<SparseJob>(jobs.size()));
-  std::copy(jobs.begin(), jobs.end(), jobs_host);
-  WSYNC_RETURN_IF_ERROR(CopyUp(At<void>(mem, o_patch), patch_host, patch.size(), compute));
-  WSYNC_RETURN_IF_ERROR(CopyUp(At<void>(mem, o_jobs), jobs_host, jobs.size() * sizeof(SparseJob), compute));
-  WSYNC_RETURN_IF_ERROR(
-      Check(cudaMemsetAsync(At<void>(mem, o_error), 0, (jobs.size() + match.size()) * 4, compute), "memset"));
-  for (size_t k = 0; k < hdec.size(); ++k) {
-    if (!needs_old(k)) continue;
-    const Chunk& c = chunks[p.host_chunks[k]];
-    uint64_t* g = hl[c.tensor].gather + g_start[k];
-    for (size_t j = 0; j < hdec[k].pos.size(); ++j) g[j] = c.first_element + hdec[k].pos[j];
-  }
-  for (size_t t = 0; t < match.size(); ++t) {
-    HostList& l = hl[t];
-    if (l.mg == 0) continue;
-    WSYNC_RETURN_IF_ERROR(CopyUp(At<void>(mem, l.o_gather), l.gather, l.mg * 8, compute));
-    WSYNC_RETURN_IF_ERROR(LaunchGather(dst[match[t]].data, static_cast<int>(widths[t]), At<uint64_t>(mem, l.o_gather),
-                                       l.mg, At<uint8_t>(mem, l.o_gathered), compute));
-    WSYNC_RETURN_IF_ERROR(
-        CopyToPinned(pinned, &l.gathered, At<uint8_t>(mem, l.o_gathered), l.mg * widths[t], compute));
-  }
+  WSYNC_RETURN_IF_ERROR(Check(cudaStreamSynchronize(compute), "copying the patch"));  // before the pinned reset
   EndPhase("upload");
 
-  // Errors of the jobs (the first failed chunk in patch order names the
-  // error) and of the rank kernel per tensor, after one synchronization.
-  const uint32_t* errors = nullptr;
-  auto check_errors = [&](const char* step) -> Status {
-    WSYNC_RETURN_IF_ERROR(
-        CopyToPinned(pinned, &errors, At<uint32_t>(mem, o_error), jobs.size() + match.size(), compute));
-    WSYNC_RETURN_IF_ERROR(Check(cudaStreamSynchronize(compute), step));
-    for (size_t j = 0; j < jobs.size(); ++j) {
-      if (errors[j] == codec::sparse::kSparseOk) continue;
-      const Chunk& c = chunks[p.job_chunk[j]];
-      error.Record(
-          p.job_chunk[j],
-          DataLossError("tensor " + Quoted(r.tensor_name(c.tensor)) + " chunk " + std::to_string(c.index) + ": " +
-                        codec::sparse::SparseErrorText(static_cast<codec::sparse::SparseError>(errors[j]))));
-    }
-    for (size_t t = 0; t < match.size(); ++t) {
-      const uint32_t e = errors[jobs.size() + t];
-      if (e == 0) continue;
-      const size_t i = p.job_chunk[p.JobOfEntry(t, e - 1)];
-      error.Record(i, DataLossError("tensor " + Quoted(r.tensor_name(t)) + " chunk " + std::to_string(chunks[i].index) +
-                                    ": position stream: a rank beyond its class"));
-    }
-    return Status::Ok();
-  };
-  auto* rank = At<uint32_t>(mem, o_rank);
-  auto* cls = At<uint8_t>(mem, o_cls);
-  auto* chunk_of = At<uint32_t>(mem, o_chunk);
-  auto* pos = At<uint32_t>(mem, o_pos);
-  auto* old = At<uint8_t>(mem, o_old);
-  auto* err = At<uint32_t>(mem, o_error);
-  WSYNC_RETURN_IF_ERROR(LaunchSparseRanks(At<SparseJob>(mem, o_jobs), jobs.size(), At<uint8_t>(mem, o_patch), rank, cls,
-                                          chunk_of, At<uint64_t>(mem, o_counts), err, compute));
-  WSYNC_RETURN_IF_ERROR(check_errors("sparse ranks"));
-  // Positions and old values of the conditioned tensors' ranks, by class
-  // (a one-class chunk's ranks there are its positions).
-  if (!error.failed()) {
-    size_t rank_bytes = 0;
-    for (size_t t = 0; t < match.size(); ++t) {
-      if (!p.tensors[t].conditioned) continue;
-      const size_t width = codec::DTypeWidth(dst[match[t]].dtype);
-      rank_bytes =
-          std::max(rank_bytes, RankScratchOf(LayoutOf(dst[match[t]].NumElements(), width, r.chunk_bytes())).bytes);
-    }
-    void* rmem = nullptr;
-    if (rank_bytes > 0) {
-      WSYNC_ASSIGN_OR_RETURN(rmem, rank_mem.Get(rank_bytes));
-    }
-    for (size_t t = 0; t < match.size(); ++t) {
-      const SparsePlan::Tensor& tp = p.tensors[t];
-      if (!tp.conditioned) continue;
-      const MutableTensorView& v = dst[match[t]];
-      const size_t width = codec::DTypeWidth(v.dtype);
-      const logic::Layout l = LayoutOf(v.NumElements(), width, r.chunk_bytes());
-      const RankScratch rs = RankScratchOf(l);
-      WSYNC_RETURN_IF_ERROR(RankPrefix(v.data, width, l, tp.specs, rmem, rs));
-      WSYNC_RETURN_IF_ERROR(LaunchRankPositions(v.data, static_cast<int>(width), l, At<ClassSpec>(rmem, rs.o_specs),
-                                                At<uint32_t>(rmem, rs.o_prefix), chunk_of + tp.entry, cls + tp.entry,
-                                                rank + tp.entry, tp.m, pos + tp.entry, old + tp.byte,
-                                                err + jobs.size() + t, compute));
-    }
-    WSYNC_RETURN_IF_ERROR(LaunchSparseValues(At<SparseJob>(mem, o_jobs), jobs.size(), At<uint8_t>(mem, o_patch), rank,
-                                             At<uint64_t>(mem, o_counts), pos, old, At<uint32_t>(mem, o_mpos),
-                                             At<uint8_t>(mem, o_mold), At<uint64_t>(mem, o_index),
-                                             At<uint8_t>(mem, o_delta), err, compute));
-    // While the device decodes, the host chunks' values, then their lists up.
-    ParallelFor(options.pool, hdec.size(), [&](size_t k) {
-      const size_t i = p.host_chunks[k];
-      const Chunk& c = chunks[i];
-      const HostList& l = hl[c.tensor];
-      const uint8_t* old_values = needs_old(k) ? l.gathered + g_start[k] * c.width : nullptr;
-      const Status s = r.DecodeValues(i, old_values, &hdec[k]);
-      error.Record(i, s);
-      if (!s.ok()) return;
-      for (size_t j = 0; j < hdec[k].pos.size(); ++j) l.index[h_start[k] + j] = c.first_element + hdec[k].pos[j];
-      std::memcpy(l.delta + h_start[k] * c.width, hdec[k].delta.data(), hdec[k].delta.size());
-    });
-    for (size_t t = 0; t < match.size() && !error.failed(); ++t) {
-      const HostList& l = hl[t];
-      if (l.m == 0) continue;
-      WSYNC_RETURN_IF_ERROR(CopyUp(At<void>(mem, l.o_index), l.index, l.m * 8, compute));
-      WSYNC_RETURN_IF_ERROR(CopyUp(At<void>(mem, l.o_delta), l.delta, l.m * widths[t], compute));
-    }
-    WSYNC_RETURN_IF_ERROR(check_errors("sparse values"));
-  }
-  EndPhase("decode");
-  if (error.failed()) return Failure(r, dst, match, error.status());
-  auto scatter = [&](bool undo) -> Status {
-    for (size_t t = 0; t < match.size(); ++t) {
-      const SparsePlan::Tensor& tp = p.tensors[t];
-      const HostList& l = hl[t];
-      void* x = dst[match[t]].data;
-      const int w = static_cast<int>(widths[t]);
-      WSYNC_RETURN_IF_ERROR(LaunchScatterAdd(x, w, At<uint64_t>(mem, o_index) + tp.entry,
-                                             At<uint8_t>(mem, o_delta) + tp.byte, tp.m, undo, compute));
-      WSYNC_RETURN_IF_ERROR(LaunchScatterAdd(x, w, At<uint64_t>(mem, l.o_index), At<uint8_t>(mem, l.o_delta), l.m,
-                                             undo, compute));
-    }
-    return Status::Ok();
-  };
-  WSYNC_RETURN_IF_ERROR(ScatterAndVerify(r, dst, match, scatter));
-  return true;
-}
-
-Status DeviceCodec::Impl::ApplyDelta(const codec::staged::PatchReader& r, std::span<const MutableTensorView> dst,
-                                     const std::vector<size_t>& match, const codec::ApplyOptions& options) {
-  const auto& chunks = r.chunks();
-  const auto by_tensor = ChunksByTensor(chunks, match.size());
-  std::vector<DecodedChunk> decoded(chunks.size());
-  FirstError error;
-  pinned.Reset();
-  // Stage 1 on the host: positions (or ranks) of every chunk.
-  ParallelFor(options.pool, chunks.size(), [&](size_t i) { error.Record(i, r.DecodePositions(i, &decoded[i])); });
-  EndPhase("positions");
-
-  // Stage 2 on the device, every tensor in one go: positions from ranks and
-  // old values, where the coding is conditioned on the base.
-  struct Entries {
-    size_t me = 0, mg = 0;        // ranked entries, gathered elements
-    uint32_t* chunk = nullptr;    // page-locked: ranked entries' chunk in tensor, class and rank
-    uint8_t* cls = nullptr;
-    uint32_t* rank = nullptr;
-    uint64_t* gather = nullptr;   // page-locked: element indices whose old values are gathered
-    std::vector<ClassSpec> specs;
-    size_t o_chunk = 0, o_cls = 0, o_rank = 0, o_pos = 0, o_eold = 0, o_err = 0, o_gidx = 0, o_gold = 0;
-    const uint32_t* pos = nullptr;  // page-locked, once copied back
-    const uint8_t* old = nullptr;
-    const uint8_t* gathered = nullptr;
-    const uint32_t* err = nullptr;
-  };
-  std::vector<Entries> entries(match.size());
-  // Where each chunk's entries start in its tensor's lists.
-  std::vector<size_t> e_start(chunks.size()), g_start(chunks.size()), tensor_of(chunks.size()), in_tensor(chunks.size());
-  Carver carve;
-  size_t rank_bytes = 0;
-  bool any = false;
-  for (size_t t = 0; t < match.size() && !error.failed(); ++t) {
-    const MutableTensorView& v = dst[match[t]];
-    const size_t width = codec::DTypeWidth(v.dtype);
-    Entries& e = entries[t];
-    e.specs.resize(by_tensor[t].size());
-    for (size_t c = 0; c < by_tensor[t].size(); ++c) {
-      const size_t i = by_tensor[t][c];
-      const DecodedChunk& dc = decoded[i];
-      e.specs[c] = dc.spec;
-      tensor_of[i] = t;
-      in_tensor[i] = c;
-      e_start[i] = e.me;
-      g_start[i] = e.mg;
+  // Batch after batch: gather the works' chunks into image slots, resolve
+  // ranks and old values there, decode the values (sparse-coded chunks on
+  // the device, the others on the host), add them in the image and digest
+  // the results. The destination is only read.
+  for (const placed::Batch& b : placed::Batches(readers, plans, kImageBytes)) {
+    pinned.Reset();
+    const size_t n = b.works.size(), width = b.width;
+    const int w = static_cast<int>(width);
+    const logic::Layout l = LayoutOf(n * b.slot, width, static_cast<uint32_t>(b.slot * width));
+    const placed::SparseBatch sb = placed::PlanSparseBatch(readers, plans, b, sparse, st.patch_bytes, offsets);
+    const size_t nj = sb.jobs.size(), sm = sb.entries;
+    // The host's works: entries of ranked chunks (slot, class, rank) and old
+    // values to gather. Every slot's classes, for the rank prefix.
+    std::vector<ClassSpec> specs(n);
+    std::vector<size_t> e_start(n), g_start(n);
+    size_t me = 0, mg = 0;
+    for (size_t j = 0; j < n; ++j) {
+      const DecodedChunk& dc = decoded[b.works[j].part][b.works[j].work];
+      specs[j] = dc.spec;
+      e_start[j] = me;
+      g_start[j] = mg;
       if (!dc.values_pending || dc.spec.k == 1) continue;
       if (dc.ranked) {
         uint64_t listed = 0;
         for (int k = 0; k < dc.spec.k; ++k) listed += dc.class_counts[k];
         if (listed != dc.ranks.size()) {
-          error.Record(i, DataLossError("tensor " + Quoted(r.tensor_name(t)) + " chunk " +
-                                        std::to_string(chunks[i].index) + ": class counts do not sum to its ranks"));
+          return fail(DataLossError(where(b.works[j]) + ": class counts do not sum to its ranks"));
         }
-        e.me += dc.ranks.size();
+        me += dc.ranks.size();
       } else {
-        e.mg += dc.pos.size();
+        mg += dc.pos.size();
       }
     }
-    if (e.me == 0 && e.mg == 0) continue;
-    any = true;
-    WSYNC_ASSIGN_OR_RETURN(e.chunk, pinned.Alloc<uint32_t>(e.me));
-    WSYNC_ASSIGN_OR_RETURN(e.cls, pinned.Alloc<uint8_t>(e.me));
-    WSYNC_ASSIGN_OR_RETURN(e.rank, pinned.Alloc<uint32_t>(e.me));
-    WSYNC_ASSIGN_OR_RETURN(e.gather, pinned.Alloc<uint64_t>(e.mg));
-    e.o_chunk = carve.Add<uint32_t>(e.me);
-    e.o_cls = carve.Add<uint8_t>(e.me);
-    e.o_rank = carve.Add<uint32_t>(e.me);
-    e.o_pos = carve.Add<uint32_t>(e.me);
-    e.o_eold = carve.Add<uint8_t>(e.me * width);
-    e.o_err = carve.Add<uint32_t>(1);
-    e.o_gidx = carve.Add<uint64_t>(e.mg);
-    e.o_gold = carve.Add<uint8_t>(e.mg * width);
-    if (e.me > 0) {
-      rank_bytes = std::max(rank_bytes, RankScratchOf(LayoutOf(v.NumElements(), width, r.chunk_bytes())).bytes);
-    }
-  }
-  if (any && !error.failed()) {
-    ParallelFor(options.pool, chunks.size(), [&](size_t i) {
-      const DecodedChunk& dc = decoded[i];
-      if (!dc.values_pending || dc.spec.k == 1) return;
-      Entries& e = entries[tensor_of[i]];
-      if (dc.ranked) {
-        RankEntries(dc, static_cast<uint32_t>(in_tensor[i]), e.chunk + e_start[i], e.cls + e_start[i],
-                    e.rank + e_start[i]);
-      } else {
-        for (size_t j = 0; j < dc.pos.size(); ++j) e.gather[g_start[i] + j] = chunks[i].first_element + dc.pos[j];
-      }
-    });
-  }
-  if (any && !error.failed()) {
+    for (size_t k = 0; k < nj; ++k) specs[sb.slot[k]] = sb.jobs[k].spec;
+    Carver carve;
+    const size_t o_image = carve.Add<uint8_t>(n * b.slot * width);
+    const size_t o_jobs = carve.Add<TileJob>(n);
+    const size_t o_chunk = carve.Add<uint32_t>(me), o_cls = carve.Add<uint8_t>(me), o_rank = carve.Add<uint32_t>(me);
+    const size_t o_pos = carve.Add<uint32_t>(me), o_eold = carve.Add<uint8_t>(me * width);
+    const size_t o_err = carve.Add<uint32_t>(1);
+    const size_t o_gidx = carve.Add<uint64_t>(mg), o_gold = carve.Add<uint8_t>(mg * width);
+    // The device's decoding: jobs, class counts, errors (the jobs', then the
+    // rank kernel's), and per change its rank, class, slot, position and
+    // old value by class, merged position and old value, index and delta.
+    const size_t o_sjobs = carve.Add<SparseJob>(nj), o_scounts = carve.Add<uint64_t>(nj * codec::kMaxClasses);
+    const size_t o_serr = carve.Add<uint32_t>(nj + 1);
+    const size_t o_srank = carve.Add<uint32_t>(sm), o_scls = carve.Add<uint8_t>(sm), o_sslot = carve.Add<uint32_t>(sm);
+    const size_t o_spos = carve.Add<uint32_t>(sm), o_smpos = carve.Add<uint32_t>(sm);
+    const size_t o_sold = carve.Add<uint8_t>(sb.bytes), o_smold = carve.Add<uint8_t>(sb.bytes);
+    const size_t o_sindex = carve.Add<uint64_t>(sm), o_sdelta = carve.Add<uint8_t>(sb.bytes);
     WSYNC_ASSIGN_OR_RETURN(void* mem, scratch.Get(carve.bytes()));
-    void* rmem = nullptr;
-    if (rank_bytes > 0) {
-      WSYNC_ASSIGN_OR_RETURN(rmem, rank_mem.Get(rank_bytes));
+    void* image = At<void>(mem, o_image);
+    WSYNC_ASSIGN_OR_RETURN(TileJob* jobs, pinned.Alloc<TileJob>(n));
+    for (size_t j = 0; j < n; ++j) {
+      const codec::staged::Work& work = plans[b.works[j].part].works[b.works[j].work];
+      jobs[j] = TileJob{st.dst[work.dst], work.map};
     }
-    for (size_t t = 0; t < match.size(); ++t) {
-      Entries& e = entries[t];
-      const size_t me = e.me, mg = e.mg;
-      if (me == 0 && mg == 0) continue;
-      const MutableTensorView& v = dst[match[t]];
-      const size_t width = codec::DTypeWidth(v.dtype);
-      const int w = static_cast<int>(width);
-      const logic::Layout l = LayoutOf(v.NumElements(), width, r.chunk_bytes());
+    WSYNC_RETURN_IF_ERROR(CopyUp(At<void>(mem, o_jobs), jobs, n * sizeof(TileJob), compute));
+    WSYNC_RETURN_IF_ERROR(LaunchGatherTiles(At<TileJob>(mem, o_jobs), n, w, b.slot, image, compute));
+    EndPhase("gather");
+    void* rmem = nullptr;
+    RankScratch rs;
+    if (me > 0 || sb.conditioned) {
+      rs = RankScratchOf(l);
+      WSYNC_ASSIGN_OR_RETURN(rmem, rank_mem.Get(rs.bytes));
+      WSYNC_RETURN_IF_ERROR(RankPrefix(image, width, l, specs, rmem, rs));
+    }
+    // The device's ranks, checked before they are resolved.
+    const uint32_t* serr = nullptr;
+    if (nj > 0) {
+      WSYNC_ASSIGN_OR_RETURN(SparseJob* sjobs_h, pinned.Alloc<SparseJob>(nj));
+      std::copy(sb.jobs.begin(), sb.jobs.end(), sjobs_h);
+      WSYNC_RETURN_IF_ERROR(CopyUp(At<void>(mem, o_sjobs), sjobs_h, nj * sizeof(SparseJob), compute));
+      WSYNC_RETURN_IF_ERROR(Check(cudaMemsetAsync(At<void>(mem, o_serr), 0, (nj + 1) * 4, compute), "memset"));
+      WSYNC_RETURN_IF_ERROR(LaunchSparseRanks(At<SparseJob>(mem, o_sjobs), nj, static_cast<const uint8_t*>(patch_dev),
+                                              At<uint32_t>(mem, o_srank), At<uint8_t>(mem, o_scls),
+                                              At<uint32_t>(mem, o_sslot), At<uint64_t>(mem, o_scounts),
+                                              At<uint32_t>(mem, o_serr), compute));
+      WSYNC_RETURN_IF_ERROR(CopyToPinned(pinned, &serr, At<uint32_t>(mem, o_serr), nj + 1, compute));
+      WSYNC_RETURN_IF_ERROR(Check(cudaStreamSynchronize(compute), "sparse ranks"));
+    }
+    auto sparse_errors = [&]() -> Status {
+      for (size_t k = 0; k < nj; ++k) {
+        if (serr[k] == codec::sparse::kSparseOk) continue;
+        return DataLossError(where(b.works[sb.slot[k]]) + ": " +
+                             codec::sparse::SparseErrorText(static_cast<codec::sparse::SparseError>(serr[k])));
+      }
+      if (serr[nj] != 0) {
+        const uint64_t e = serr[nj] - 1;
+        const auto it = std::upper_bound(sb.jobs.begin(), sb.jobs.end(), e,
+                                         [](uint64_t x, const SparseJob& job) { return x < job.entry; });
+        return DataLossError(where(b.works[sb.slot[it - sb.jobs.begin() - 1]]) +
+                             ": position stream: a rank beyond its class");
+      }
+      return Status::Ok();
+    };
+    if (nj > 0) {
+      if (Status s = sparse_errors(); !s.ok()) return fail(s);
+      if (sb.conditioned) {
+        WSYNC_RETURN_IF_ERROR(LaunchRankPositions(
+            image, w, l, At<ClassSpec>(rmem, rs.o_specs), At<uint32_t>(rmem, rs.o_prefix),
+            At<uint32_t>(mem, o_sslot), At<uint8_t>(mem, o_scls), At<uint32_t>(mem, o_srank), sm,
+            At<uint32_t>(mem, o_spos), At<uint8_t>(mem, o_sold), At<uint32_t>(mem, o_serr) + nj, compute));
+      }
+      WSYNC_RETURN_IF_ERROR(LaunchSparseValues(
+          At<SparseJob>(mem, o_sjobs), nj, static_cast<const uint8_t*>(patch_dev), At<uint32_t>(mem, o_srank),
+          At<uint64_t>(mem, o_scounts), At<uint32_t>(mem, o_spos), At<uint8_t>(mem, o_sold),
+          At<uint32_t>(mem, o_smpos), At<uint8_t>(mem, o_smold), At<uint64_t>(mem, o_sindex),
+          At<uint8_t>(mem, o_sdelta), At<uint32_t>(mem, o_serr), compute));
+      WSYNC_RETURN_IF_ERROR(CopyToPinned(pinned, &serr, At<uint32_t>(mem, o_serr), nj + 1, compute));
+    }
+    const uint32_t* pos_back = nullptr;
+    const uint8_t* eold_back = nullptr;
+    const uint8_t* gold_back = nullptr;
+    const uint32_t* err_back = nullptr;
+    uint32_t* chunk_h = nullptr;
+    uint8_t* cls_h = nullptr;
+    uint32_t* rank_h = nullptr;
+    if (me > 0 || mg > 0) {
+      WSYNC_ASSIGN_OR_RETURN(chunk_h, pinned.Alloc<uint32_t>(me));
+      WSYNC_ASSIGN_OR_RETURN(cls_h, pinned.Alloc<uint8_t>(me));
+      WSYNC_ASSIGN_OR_RETURN(rank_h, pinned.Alloc<uint32_t>(me));
+      WSYNC_ASSIGN_OR_RETURN(uint64_t* gidx_h, pinned.Alloc<uint64_t>(mg));
+      for (size_t j = 0; j < n; ++j) {
+        const DecodedChunk& dc = decoded[b.works[j].part][b.works[j].work];
+        if (!dc.values_pending || dc.spec.k == 1) continue;
+        if (dc.ranked) {
+          RankEntries(dc, static_cast<uint32_t>(j), chunk_h + e_start[j], cls_h + e_start[j], rank_h + e_start[j]);
+        } else {
+          for (size_t i = 0; i < dc.pos.size(); ++i) gidx_h[g_start[j] + i] = j * b.slot + dc.pos[i];
+        }
+      }
       if (me > 0) {
-        const RankScratch rs = RankScratchOf(l);
-        WSYNC_RETURN_IF_ERROR(RankPrefix(v.data, width, l, e.specs, rmem, rs));
-        WSYNC_RETURN_IF_ERROR(CopyUp(At<void>(mem, e.o_chunk), e.chunk, me * 4, compute));
-        WSYNC_RETURN_IF_ERROR(CopyUp(At<void>(mem, e.o_cls), e.cls, me, compute));
-        WSYNC_RETURN_IF_ERROR(CopyUp(At<void>(mem, e.o_rank), e.rank, me * 4, compute));
-        WSYNC_RETURN_IF_ERROR(Check(cudaMemsetAsync(At<void>(mem, e.o_err), 0, 4, compute), "memset"));
-        WSYNC_RETURN_IF_ERROR(LaunchRankPositions(v.data, w, l, At<ClassSpec>(rmem, rs.o_specs),
-                                                  At<uint32_t>(rmem, rs.o_prefix), At<uint32_t>(mem, e.o_chunk),
-                                                  At<uint8_t>(mem, e.o_cls), At<uint32_t>(mem, e.o_rank), me,
-                                                  At<uint32_t>(mem, e.o_pos), At<uint8_t>(mem, e.o_eold),
-                                                  At<uint32_t>(mem, e.o_err), compute));
-        WSYNC_RETURN_IF_ERROR(CopyToPinned(pinned, &e.pos, At<uint32_t>(mem, e.o_pos), me, compute));
-        WSYNC_RETURN_IF_ERROR(CopyToPinned(pinned, &e.old, At<uint8_t>(mem, e.o_eold), me * width, compute));
-        WSYNC_RETURN_IF_ERROR(CopyToPinned(pinned, &e.err, At<uint32_t>(mem, e.o_err), 1, compute));
+        WSYNC_RETURN_IF_ERROR(CopyUp(At<void>(mem, o_chunk), chunk_h, me * 4, compute));
+        WSYNC_RETURN_IF_ERROR(CopyUp(At<void>(mem, o_cls), cls_h, me, compute));
+        WSYNC_RETURN_IF_ERROR(CopyUp(At<void>(mem, o_rank), rank_h, me * 4, compute));
+        WSYNC_RETURN_IF_ERROR(Check(cudaMemsetAsync(At<void>(mem, o_err), 0, 4, compute), "memset"));
+        WSYNC_RETURN_IF_ERROR(LaunchRankPositions(image, w, l, At<ClassSpec>(rmem, rs.o_specs),
+                                                  At<uint32_t>(rmem, rs.o_prefix), At<uint32_t>(mem, o_chunk),
+                                                  At<uint8_t>(mem, o_cls), At<uint32_t>(mem, o_rank), me,
+                                                  At<uint32_t>(mem, o_pos), At<uint8_t>(mem, o_eold),
+                                                  At<uint32_t>(mem, o_err), compute));
+        WSYNC_RETURN_IF_ERROR(CopyToPinned(pinned, &pos_back, At<uint32_t>(mem, o_pos), me, compute));
+        WSYNC_RETURN_IF_ERROR(CopyToPinned(pinned, &eold_back, At<uint8_t>(mem, o_eold), me * width, compute));
+        WSYNC_RETURN_IF_ERROR(CopyToPinned(pinned, &err_back, At<uint32_t>(mem, o_err), 1, compute));
       }
       if (mg > 0) {
-        WSYNC_RETURN_IF_ERROR(CopyUp(At<void>(mem, e.o_gidx), e.gather, mg * 8, compute));
-        WSYNC_RETURN_IF_ERROR(
-            LaunchGather(v.data, w, At<uint64_t>(mem, e.o_gidx), mg, At<uint8_t>(mem, e.o_gold), compute));
-        WSYNC_RETURN_IF_ERROR(CopyToPinned(pinned, &e.gathered, At<uint8_t>(mem, e.o_gold), mg * width, compute));
+        WSYNC_RETURN_IF_ERROR(CopyUp(At<void>(mem, o_gidx), gidx_h, mg * 8, compute));
+        WSYNC_RETURN_IF_ERROR(LaunchGather(image, w, At<uint64_t>(mem, o_gidx), mg, At<uint8_t>(mem, o_gold), compute));
+        WSYNC_RETURN_IF_ERROR(CopyToPinned(pinned, &gold_back, At<uint8_t>(mem, o_gold), mg * width, compute));
       }
     }
     WSYNC_RETURN_IF_ERROR(Check(cudaStreamSynchronize(compute), "positions"));
-    for (size_t t = 0; t < match.size(); ++t) {
-      const Entries& e = entries[t];
-      if (e.err == nullptr || e.err[0] == 0) continue;
-      const size_t k = e.err[0] - 1;
-      const size_t i = by_tensor[t][e.chunk[k]];
-      error.Record(i, DataLossError("tensor " + Quoted(r.tensor_name(t)) + " chunk " +
-                                    std::to_string(chunks[i].index) + ": position stream: class " +
-                                    std::to_string(e.cls[k]) + " rank " + std::to_string(e.rank[k]) +
-                                    " beyond its elements"));
+    if (nj > 0) {
+      if (Status s = sparse_errors(); !s.ok()) return fail(s);
     }
-  }
-  EndPhase("ranks");
-  // Old values of every chunk: ranked entries merged by position, gathered
-  // ones as they come.
-  std::vector<std::vector<uint8_t>> old(chunks.size());
-  if (any && !error.failed()) {
-    ParallelFor(options.pool, chunks.size(), [&](size_t i) {
-      DecodedChunk& dc = decoded[i];
-      if (!dc.values_pending || dc.spec.k == 1) return;
-      const Entries& e = entries[tensor_of[i]];
-      const size_t width = chunks[i].width;
-      if (dc.ranked) {
-        error.Record(i, codec::staged::MergeRankedPositions(e.pos + e_start[i], e.old + e_start[i] * width, width,
-                                                             &dc, &old[i]));
-      } else {
-        old[i].assign(e.gathered + g_start[i] * width, e.gathered + (g_start[i] + dc.pos.size()) * width);
+    if (err_back != nullptr && err_back[0] != 0) {
+      const size_t k = err_back[0] - 1;
+      return fail(DataLossError(where(b.works[chunk_h[k]]) + ": position stream: class " + std::to_string(cls_h[k]) +
+                                " rank " + std::to_string(rank_h[k]) + " beyond its elements"));
+    }
+    EndPhase("ranks");
+    // The host's works: old values by position, then the values.
+    ParallelFor(options.pool, n, [&](size_t j) {
+      const placed::Ref& ref = b.works[j];
+      if (sparse[ref.part][ref.work]) return;
+      DecodedChunk& dc = decoded[ref.part][ref.work];
+      const size_t g = first[ref.part] + ref.work;
+      std::vector<uint8_t> old;
+      if (dc.values_pending && dc.spec.k > 1) {
+        if (dc.ranked) {
+          Status s = codec::staged::MergeRankedPositions(pos_back + e_start[j], eold_back + e_start[j] * width,
+                                                         width, &dc, &old);
+          if (s.ok() && !dc.pos.empty() && dc.pos.back() >= plans[ref.part].works[ref.work].map.n) {
+            s = DataLossError(where(ref) + ": position stream: a rank beyond its elements");
+          }
+          if (!s.ok()) return error.Record(g, s);
+        } else {
+          old.assign(gold_back + g_start[j] * width, gold_back + (g_start[j] + dc.pos.size()) * width);
+        }
       }
+      error.Record(g, readers[ref.part]->DecodeValues(plans[ref.part].works[ref.work].chunk,
+                                                      old.empty() ? nullptr : old.data(), &dc));
     });
-  }
-  // Stage 3 on the host: the values.
-  if (!error.failed()) {
-    ParallelFor(options.pool, chunks.size(), [&](size_t i) {
-      error.Record(i, r.DecodeValues(i, old[i].empty() ? nullptr : old[i].data(), &decoded[i]));
-    });
-  }
-  EndPhase("values");
-  if (error.failed()) return Failure(r, dst, match, error.status());
-
-  // Scatter every tensor, then verify every tensor; undo all on a mismatch.
-  struct List {
-    uint64_t* index = nullptr;  // page-locked
-    uint8_t* delta = nullptr;
-    size_t m = 0, o_idx = 0, o_delta = 0;
-  };
-  std::vector<List> lists(match.size());
-  Carver sc;
-  for (size_t t = 0; t < match.size(); ++t) {
-    List& li = lists[t];
-    for (size_t i : by_tensor[t]) li.m += decoded[i].pos.size();
-    const size_t width = codec::DTypeWidth(dst[match[t]].dtype);
-    WSYNC_ASSIGN_OR_RETURN(li.index, pinned.Alloc<uint64_t>(li.m));
-    WSYNC_ASSIGN_OR_RETURN(li.delta, pinned.Alloc<uint8_t>(li.m * width));
-    li.o_idx = sc.Add<uint64_t>(li.m);
-    li.o_delta = sc.Add<uint8_t>(li.m * width);
-  }
-  ParallelFor(options.pool, match.size(), [&](size_t t) {
-    List& li = lists[t];
-    size_t at = 0, bytes = 0;
-    for (size_t i : by_tensor[t]) {
-      const DecodedChunk& dc = decoded[i];
-      for (uint32_t p : dc.pos) li.index[at++] = chunks[i].first_element + p;
-      if (dc.delta.empty()) continue;
-      std::memcpy(li.delta + bytes, dc.delta.data(), dc.delta.size());
-      bytes += dc.delta.size();
+    EndPhase("values");
+    if (error.failed()) return fail(error.status());
+    // Every change of the batch, the host's works' then the device's: added
+    // in the image, the values they replace and become read there, the
+    // results digested.
+    size_t hm = 0;
+    for (const placed::Ref& ref : b.works) hm += decoded[ref.part][ref.work].pos.size();
+    const size_t m = hm + sm;
+    WSYNC_ASSIGN_OR_RETURN(uint64_t* idx_h, pinned.Alloc<uint64_t>(hm));
+    WSYNC_ASSIGN_OR_RETURN(uint8_t* delta_h, pinned.Alloc<uint8_t>(hm * width));
+    Carver sc;
+    const size_t o_idx = sc.Add<uint64_t>(m), o_delta = sc.Add<uint8_t>(m * width);
+    const size_t o_old = sc.Add<uint8_t>(m * width), o_new = sc.Add<uint8_t>(m * width);
+    WSYNC_ASSIGN_OR_RETURN(void* smem, changes.Get(sc.bytes()));
+    size_t at = 0;
+    for (size_t j = 0; j < n; ++j) {
+      const DecodedChunk& dc = decoded[b.works[j].part][b.works[j].work];
+      for (uint32_t p : dc.pos) idx_h[at++] = j * b.slot + p;
+      if (!dc.delta.empty()) std::memcpy(delta_h + (at - dc.pos.size()) * width, dc.delta.data(), dc.delta.size());
     }
-  });
-  WSYNC_ASSIGN_OR_RETURN(void* smem, changes.Get(sc.bytes()));
-  auto scatter = [&](bool undo) -> Status {
-    for (size_t t = 0; t < match.size(); ++t) {
-      const List& li = lists[t];
-      if (li.m == 0) continue;
-      const MutableTensorView& v = dst[match[t]];
-      const int w = static_cast<int>(codec::DTypeWidth(v.dtype));
-      if (!undo) {
-        WSYNC_RETURN_IF_ERROR(CopyUp(At<void>(smem, li.o_idx), li.index, li.m * 8, compute));
-        WSYNC_RETURN_IF_ERROR(CopyUp(At<void>(smem, li.o_delta), li.delta, li.m * w, compute));
+    WSYNC_RETURN_IF_ERROR(CopyUp(At<void>(smem, o_idx), idx_h, hm * 8, compute));
+    WSYNC_RETURN_IF_ERROR(CopyUp(At<void>(smem, o_delta), delta_h, hm * width, compute));
+    if (sm > 0) {
+      WSYNC_RETURN_IF_ERROR(Check(cudaMemcpyAsync(At<uint64_t>(smem, o_idx) + hm, At<void>(mem, o_sindex), sm * 8,
+                                                  cudaMemcpyDeviceToDevice, compute),
+                                  "copy"));
+      WSYNC_RETURN_IF_ERROR(Check(cudaMemcpyAsync(At<uint8_t>(smem, o_delta) + hm * width, At<void>(mem, o_sdelta),
+                                                  sm * width, cudaMemcpyDeviceToDevice, compute),
+                                  "copy"));
+    }
+    WSYNC_RETURN_IF_ERROR(LaunchGather(image, w, At<uint64_t>(smem, o_idx), m, At<uint8_t>(smem, o_old), compute));
+    WSYNC_RETURN_IF_ERROR(LaunchScatterAdd(image, w, At<uint64_t>(smem, o_idx), At<uint8_t>(smem, o_delta), m,
+                                           /*undo=*/false, compute));
+    WSYNC_RETURN_IF_ERROR(LaunchGather(image, w, At<uint64_t>(smem, o_idx), m, At<uint8_t>(smem, o_new), compute));
+    const uint64_t* sidx_h = nullptr;
+    const uint8_t* old_h = nullptr;
+    const uint8_t* new_h = nullptr;
+    WSYNC_RETURN_IF_ERROR(CopyToPinned(pinned, &sidx_h, At<uint64_t>(smem, o_idx) + hm, sm, compute));
+    WSYNC_RETURN_IF_ERROR(CopyToPinned(pinned, &old_h, At<uint8_t>(smem, o_old), m * width, compute));
+    WSYNC_RETURN_IF_ERROR(CopyToPinned(pinned, &new_h, At<uint8_t>(smem, o_new), m * width, compute));
+    WSYNC_RETURN_IF_ERROR(DigestImage(readers, plans, b, image, digests));  // synchronizes
+    at = 0;
+    for (const placed::Ref& ref : b.works) {
+      const codec::staged::Work& work = plans[ref.part].works[ref.work];
+      DecodedChunk& dc = decoded[ref.part][ref.work];
+      placed::Writes& out = writes[work.dst];
+      out.width = width;
+      placed::AppendWrites(work, dc.pos, old_h + at * width, new_h + at * width, &out);
+      at += dc.pos.size();
+      dc = DecodedChunk{};
+    }
+    // The device's works: their positions from the image indices.
+    std::vector<uint32_t> pos;
+    for (size_t k = 0; k < nj; ++k) {
+      const SparseJob& job = sb.jobs[k];
+      const placed::Ref& ref = b.works[sb.slot[k]];
+      const codec::staged::Work& work = plans[ref.part].works[ref.work];
+      pos.resize(job.changed);
+      for (size_t i = 0; i < job.changed; ++i) {
+        const uint64_t e = sidx_h[job.entry + i] - job.first_element;
+        if (e >= work.map.n) return fail(DataLossError(where(ref) + ": position stream: a rank beyond its elements"));
+        pos[i] = static_cast<uint32_t>(e);
       }
-      WSYNC_RETURN_IF_ERROR(LaunchScatterAdd(v.data, w, At<uint64_t>(smem, li.o_idx), At<uint8_t>(smem, li.o_delta),
-                                             li.m, undo, compute));
+      placed::Writes& out = writes[work.dst];
+      out.width = width;
+      const size_t from = (hm + job.entry) * width;
+      placed::AppendWrites(work, pos, old_h + from, new_h + from, &out);
     }
-    return Status::Ok();
-  };
-  return ScatterAndVerify(r, dst, match, scatter);
+    EndPhase("verify");
+  }
+  if (auto bad = placed::Mismatch(readers, plans, digests)) {
+    return unwritten(DataLossError(*bad + ": result does not match the patch's checksum (the patch is corrupted or "
+                                          "the destination does not hold its base); destination unchanged"));
+  }
+  return writes;
 }
 
-Status DeviceCodec::Impl::ApplyFlat(const codec::staged::PatchReader& reader, std::string_view patch,
-                                     std::span<const MutableTensorView> tensors, const codec::ApplyOptions& options) {
-  WSYNC_ASSIGN_OR_RETURN(auto match, reader.Match(tensors, options.allow_extra_tensors));
-  if (reader.kind() == codec::PatchKind::kKeyframe) return ApplyKeyframe(reader, tensors, match, options);
-  pinned.Reset();
-  WSYNC_ASSIGN_OR_RETURN(bool on_device, ApplySparse(patch, reader, tensors, match, options));
-  if (on_device) return Status::Ok();
-  return ApplyDelta(reader, tensors, match, options);
+Status DeviceCodec::Impl::UploadWrites(Staged::State& st, const std::vector<placed::Writes>& writes,
+                                       internal::Scratch& mem) {
+  st.jobs.clear();
+  st.job_dst.clear();
+  Carver carve;
+  size_t njobs = 0;
+  for (const placed::Writes& wr : writes) njobs += wr.index.empty() ? 0 : 1;
+  const size_t o_jobs = carve.Add<CommitJob>(njobs);
+  std::vector<size_t> o_index(writes.size()), o_old(writes.size()), o_value(writes.size());
+  for (size_t d = 0; d < writes.size(); ++d) {
+    o_index[d] = carve.Add<uint64_t>(writes[d].index.size());
+    o_old[d] = carve.Add<uint8_t>(writes[d].old.size());
+    o_value[d] = carve.Add<uint8_t>(writes[d].value.size());
+  }
+  WSYNC_ASSIGN_OR_RETURN(void* base, mem.Get(carve.bytes()));
+  uint64_t total = 0;
+  for (size_t d = 0; d < writes.size(); ++d) {
+    const placed::Writes& wr = writes[d];
+    if (wr.index.empty()) continue;
+    WSYNC_RETURN_IF_ERROR(CopyUp(At<void>(base, o_index[d]), wr.index.data(), wr.index.size() * 8, compute));
+    WSYNC_RETURN_IF_ERROR(CopyUp(At<void>(base, o_old[d]), wr.old.data(), wr.old.size(), compute));
+    WSYNC_RETURN_IF_ERROR(CopyUp(At<void>(base, o_value[d]), wr.value.data(), wr.value.size(), compute));
+    st.jobs.push_back(CommitJob{st.dst[d], At<uint64_t>(base, o_index[d]), At<void>(base, o_old[d]),
+                                At<void>(base, o_value[d]), total, wr.index.size(), static_cast<int32_t>(wr.width)});
+    st.job_dst.push_back(d);
+    total += wr.index.size();
+  }
+  st.jobs_dev = At<CommitJob>(base, o_jobs);
+  WSYNC_RETURN_IF_ERROR(CopyUp(At<void>(base, o_jobs), st.jobs.data(), st.jobs.size() * sizeof(CommitJob), compute));
+  // The host vectors are the caller's: the copies must land before they go.
+  return Check(cudaStreamSynchronize(compute), "copying the staged writes");
+}
+
+Status DeviceCodec::Impl::StageInto(Staged::State& st) {
+  const codec::Destination destination = st.destination();
+  std::vector<const codec::staged::PatchReader*> refs;
+  for (const auto& r : st.readers) refs.push_back(&r);
+  WSYNC_ASSIGN_OR_RETURN(auto plans, codec::staged::PlanApply(refs, destination, st.options, st.as_parts));
+  if (st.pieces) {
+    for (const auto& rt : st.runtime) st.dst.push_back(rt.view.data);
+  } else {
+    for (const auto& t : st.tensors) st.dst.push_back(t.data);
+  }
+  // As codec::Apply: keyframes decoded and verified first (on the host:
+  // their bytes are there), then the patches, then the keyframes written.
+  for (size_t i = 0; i < refs.size(); ++i) {
+    const bool key = refs[i]->kind() == codec::PatchKind::kKeyframe;
+    (key ? st.key_refs : st.patch_refs).push_back(refs[i]);
+    (key ? st.key_plans : st.patch_plans).push_back(std::move(plans[i]));
+    if (!key) st.patch_bytes.push_back(st.parts[i]);
+  }
+  Digests key_digests;
+  for (size_t i = 0; i < st.key_refs.size(); ++i) {
+    WSYNC_ASSIGN_OR_RETURN(auto d, placed::DecodeKeyframeWorks(*st.key_refs[i], st.key_plans[i], st.options.pool));
+    key_digests.push_back(std::move(d.digests));
+    st.key_values.push_back(std::move(d.values));
+  }
+  EndPhase("keyframes");
+  if (auto bad = placed::Mismatch(st.key_refs, st.key_plans, key_digests)) {
+    return DataLossError(*bad + ": the keyframe's values do not match its checksum (a corrupt keyframe); "
+                                "destination unchanged");
+  }
+  // As codec::Apply: into whole tensors, a failure of a part whose base the
+  // tensors do not hold is that (FailedPrecondition); pieces cannot tell.
+  auto unwritten = [&](Status s) -> Status {
+    if (st.pieces) return s;
+    for (const codec::staged::PatchReader* r : st.patch_refs) {
+      auto match = r->Match(st.tensors, /*allow_extra=*/true);
+      if (!match.ok()) return s;
+      std::vector<TensorView> held;
+      for (size_t i : *match) held.push_back(st.tensors[i].AsConst());
+      auto sum = SetChecksum(held, r->grids());
+      if (sum.ok() && *sum != r->base_set_checksum()) return WrongBase(*r);
+    }
+    return s;
+  };
+  WSYNC_ASSIGN_OR_RETURN(auto writes, StagePatches(st, unwritten));
+  uint64_t bytes = 0;
+  for (const placed::Writes& wr : writes) {
+    st.changes += wr.index.size();
+    bytes += wr.bytes();
+  }
+  st.kept = bytes <= st.options.stage_keep_bytes;
+  if (st.kept) {
+    WSYNC_RETURN_IF_ERROR(UploadWrites(st, writes, st.writes));
+    st.kept_bytes = bytes;
+  }
+  EndPhase("keep");
+  return Status::Ok();
+}
+
+Status DeviceCodec::Impl::Commit(Staged::State& st) {
+  if (st.committed) return FailedPreconditionError("this staged version was committed already");
+  st.committed = true;
+  if (!st.kept) {
+    // Past the staging budget: decoded and proven again (against what the
+    // destination holds now), the writes in the codec's scratch.
+    auto writes = StagePatches(st, [](Status s) { return s; });
+    if (writes.status().code() == StatusCode::kDataLoss) {
+      return FailedPreconditionError("the version no longer stages as it did (another writer changed the "
+                                     "destination since): " +
+                                     writes.status().ToString() + "; nothing written");
+    }
+    WSYNC_RETURN_IF_ERROR(writes.status());
+    WSYNC_RETURN_IF_ERROR(UploadWrites(st, *writes, changes));
+  }
+  uint64_t total = 0;
+  for (const CommitJob& j : st.jobs) total += j.count;
+  if (total > 0) {
+    pinned.Reset();
+    Carver carve;
+    const size_t o_first = carve.Add<unsigned long long>(1);
+    WSYNC_ASSIGN_OR_RETURN(void* mem, digest_mem.Get(carve.bytes()));
+    auto* first_foreign = At<unsigned long long>(mem, o_first);
+    const CommitJob* jobs = st.jobs_dev;
+    WSYNC_RETURN_IF_ERROR(Check(cudaMemsetAsync(first_foreign, 0xFF, sizeof(unsigned long long), compute), "memset"));
+    WSYNC_RETURN_IF_ERROR(LaunchCommitCheck(jobs, st.jobs.size(), total, first_foreign, compute));
+    const unsigned long long* back = nullptr;
+    WSYNC_RETURN_IF_ERROR(CopyToPinned(pinned, &back, first_foreign, 1, compute));
+    WSYNC_RETURN_IF_ERROR(Check(cudaStreamSynchronize(compute), "checking the staged writes"));
+    EndPhase("check");
+    if (*back != ~0ull) {
+      const size_t j = CommitJobOf(st.jobs.data(), st.jobs.size(), *back);
+      return FailedPreconditionError("another writer changed an element of " + Quoted(st.DstName(st.job_dst[j])) +
+                                     " that the version changes, between staging it and writing it; nothing "
+                                     "written");
+    }
+    Status written = LaunchCommitWrite(jobs, st.jobs.size(), total, compute);
+    if (written.ok()) written = Check(cudaStreamSynchronize(compute), "writing the staged changes");
+    EndPhase("write");
+    if (!written.ok()) {
+      return DataLossError("writing the verified change: " + written.ToString() + "; the destination may be torn");
+    }
+  }
+  for (size_t i = 0; i < st.key_refs.size(); ++i) {
+    Status s = WriteTiles(*st.key_refs[i], st.key_plans[i], st.key_values[i], st.dst);
+    if (!s.ok()) return DataLossError("writing a verified keyframe: " + s.ToString() + "; the destination may be torn");
+  }
+  return Status::Ok();
+}
+
+StatusOr<Digests> DeviceCodec::Impl::DestinationDigests(std::span<const codec::staged::PatchReader* const> readers,
+                                                        std::span<const codec::staged::ApplyPlan> plans,
+                                                        std::span<void* const> dst) {
+  Digests digests = EmptyDigests(plans);
+  for (const placed::Batch& b : placed::Batches(readers, plans, kImageBytes)) {
+    pinned.Reset();
+    const size_t n = b.works.size();
+    Carver carve;
+    const size_t o_image = carve.Add<uint8_t>(n * b.slot * b.width);
+    const size_t o_jobs = carve.Add<TileJob>(n);
+    WSYNC_ASSIGN_OR_RETURN(void* mem, scratch.Get(carve.bytes()));
+    WSYNC_ASSIGN_OR_RETURN(TileJob* jobs, pinned.Alloc<TileJob>(n));
+    for (size_t j = 0; j < n; ++j) {
+      const codec::staged::Work& work = plans[b.works[j].part].works[b.works[j].work];
+      jobs[j] = TileJob{dst[work.dst], work.map};
+    }
+    WSYNC_RETURN_IF_ERROR(CopyUp(At<void>(mem, o_jobs), jobs, n * sizeof(TileJob), compute));
+    WSYNC_RETURN_IF_ERROR(
+        LaunchGatherTiles(At<TileJob>(mem, o_jobs), n, static_cast<int>(b.width), b.slot, At<void>(mem, o_image),
+                          compute));
+    WSYNC_RETURN_IF_ERROR(DigestImage(readers, plans, b, At<void>(mem, o_image), digests));
+  }
+  return digests;
+}
+
+Status DeviceCodec::Impl::Confirm(const Staged::State& st) {
+  if (!st.committed) return FailedPreconditionError("this staged version was not committed");
+  for (const bool key : {false, true}) {
+    const auto& refs = key ? st.key_refs : st.patch_refs;
+    const auto& plans = key ? st.key_plans : st.patch_plans;
+    WSYNC_ASSIGN_OR_RETURN(auto digests, DestinationDigests(refs, plans, st.dst));
+    if (auto bad = placed::Mismatch(refs, plans, digests)) {
+      return DataLossError(*bad + " is not the version's (another writer changed it between staging the version "
+                                  "and writing it)");
+    }
+  }
+  EndPhase("confirm");
+  return Status::Ok();
+}
+
+Status DeviceCodec::Impl::WriteTiles(const codec::staged::PatchReader& r, const codec::staged::ApplyPlan& plan,
+                                     const std::vector<std::vector<uint8_t>>& values, std::span<void* const> dst) {
+  const codec::staged::PatchReader* readers[] = {&r};
+  for (const placed::Batch& b : placed::Batches(readers, std::span(&plan, 1), kImageBytes)) {
+    pinned.Reset();
+    const size_t n = b.works.size(), slot_bytes = b.slot * b.width;
+    WSYNC_ASSIGN_OR_RETURN(uint8_t* image_h, pinned.Alloc<uint8_t>(n * slot_bytes));
+    WSYNC_ASSIGN_OR_RETURN(TileJob* jobs, pinned.Alloc<TileJob>(n));
+    for (size_t j = 0; j < n; ++j) {
+      const codec::staged::Work& work = plan.works[b.works[j].work];
+      const auto& v = values[b.works[j].work];
+      std::memcpy(image_h + j * slot_bytes, v.data(), v.size());
+      jobs[j] = TileJob{dst[work.dst], work.map};
+    }
+    Carver carve;
+    const size_t o_image = carve.Add<uint8_t>(n * slot_bytes), o_jobs = carve.Add<TileJob>(n);
+    WSYNC_ASSIGN_OR_RETURN(void* mem, scratch.Get(carve.bytes()));
+    WSYNC_RETURN_IF_ERROR(CopyUp(At<void>(mem, o_image), image_h, n * slot_bytes, compute));
+    WSYNC_RETURN_IF_ERROR(CopyUp(At<void>(mem, o_jobs), jobs, n * sizeof(TileJob), compute));
+    WSYNC_RETURN_IF_ERROR(LaunchScatterTiles(At<TileJob>(mem, o_jobs), n, static_cast<int>(b.width), b.slot,
+                                             At<void>(mem, o_image), compute));
+    WSYNC_RETURN_IF_ERROR(Check(cudaStreamSynchronize(compute), "writing a keyframe"));
+  }
+  EndPhase("write keyframes");
+  return Status::Ok();
+}
+
+StatusOr<DeviceCodec::Staged> DeviceCodec::Stage(std::span<const std::string_view> parts,
+                                                 const codec::Destination& destination,
+                                                 const codec::ApplyOptions& options) {
+  return Stage(parts, destination, options, /*as_parts=*/parts.size() != 1);
+}
+
+StatusOr<DeviceCodec::Staged> DeviceCodec::Stage(std::span<const std::string_view> parts,
+                                                 const codec::Destination& destination,
+                                                 const codec::ApplyOptions& options, bool as_parts) {
+  auto st = std::make_unique<Staged::State>();
+  st->parts.assign(parts.begin(), parts.end());
+  st->as_parts = as_parts;
+  st->options = options;
+  st->pieces = destination.pieces();
+  st->tensors.assign(destination.tensors().begin(), destination.tensors().end());
+  st->runtime.assign(destination.runtime().begin(), destination.runtime().end());
+  for (std::string_view p : parts) {
+    WSYNC_ASSIGN_OR_RETURN(auto r, codec::staged::PatchReader::Open(p, options.verify_patch_checksum));
+    st->readers.push_back(std::move(r));
+  }
+  impl_->StartPhases();
+  WSYNC_RETURN_IF_ERROR(impl_->Activate());
+  const EndOfCall end{impl_->compute, impl_->pinned};
+  WSYNC_RETURN_IF_ERROR(impl_->StageInto(*st));
+  Staged staged;
+  staged.state_ = std::move(st);
+  return staged;
+}
+
+Status DeviceCodec::Commit(Staged& staged) {
+  if (!staged.state_) return FailedPreconditionError("nothing staged");
+  impl_->StartPhases();
+  WSYNC_RETURN_IF_ERROR(impl_->Activate());
+  const EndOfCall end{impl_->compute, impl_->pinned};
+  return impl_->Commit(*staged.state_);
+}
+
+Status DeviceCodec::Confirm(const Staged& staged) {
+  if (!staged.state_) return FailedPreconditionError("nothing staged");
+  impl_->StartPhases();
+  WSYNC_RETURN_IF_ERROR(impl_->Activate());
+  const EndOfCall end{impl_->compute, impl_->pinned};
+  return impl_->Confirm(*staged.state_);
+}
+
+Status DeviceCodec::Apply(std::string_view patch, const codec::Destination& destination,
+                          const codec::ApplyOptions& options) {
+  return StageAndCommit(std::span(&patch, 1), destination, options, /*as_parts=*/false);
+}
+
+Status DeviceCodec::Apply(std::span<const std::string_view> parts, const codec::Destination& destination,
+                          const codec::ApplyOptions& options) {
+  return StageAndCommit(parts, destination, options, /*as_parts=*/true);
+}
+
+Status DeviceCodec::StageAndCommit(std::span<const std::string_view> parts, const codec::Destination& destination,
+                                   const codec::ApplyOptions& options, bool as_parts) {
+  codec::ApplyOptions keep_all = options;
+  keep_all.stage_keep_bytes = std::numeric_limits<uint64_t>::max();  // the writes follow at once
+  WSYNC_ASSIGN_OR_RETURN(Staged staged, Stage(parts, destination, keep_all, as_parts));
+  const std::vector<Phase> staging = impl_->phases;
+  Status s = Commit(staged);
+  impl_->phases.insert(impl_->phases.begin(), staging.begin(), staging.end());
+  return s;
 }
 
 }  // namespace wsync::cuda

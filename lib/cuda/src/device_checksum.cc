@@ -67,13 +67,6 @@ StatusOr<std::vector<uint64_t>> DeviceCodec::Impl::Checksums(
   return out;
 }
 
-StatusOr<std::vector<uint64_t>> DeviceCodec::Impl::Checksums(std::span<const MutableTensorView> dst,
-                                                              const std::vector<size_t>& match) {
-  std::vector<std::pair<const void*, size_t>> regions;
-  for (size_t i : match) regions.emplace_back(dst[i].data, dst[i].NumBytes());
-  return Checksums(regions);
-}
-
 StatusOr<uint64_t> DeviceCodec::Impl::Checksum(const void* data, size_t nbytes) {
   const std::pair<const void*, size_t> one{data, nbytes};
   WSYNC_ASSIGN_OR_RETURN(auto sums, Checksums(std::span(&one, 1)));

@@ -6,8 +6,7 @@
 //
 // The files: device_codec.cc (Create, phases, shared helpers),
 // device_encode.cc (EncodePatch, SnapshotAndEncode, EncodeAndAdvance*),
-// device_apply.cc (a flat patch into whole tensors, keyframes),
-// device_apply_placed.cc (Apply: parts, pieces and tile grids),
+// device_apply.cc (Stage, Commit, Confirm, Apply),
 // device_checksum.cc (checksums, the cast), device_memory.cc (copies,
 // DeviceBuffer, PinnedBuffer).
 #pragma once
@@ -28,6 +27,7 @@
 #include "wsync/codec/staged.h"
 #include "wsync/cuda/device_codec.h"
 #include "wsync/cuda/kernels.h"
+#include "wsync/cuda/placed.h"
 #include "wsync/util/status.h"
 
 namespace wsync::cuda {
@@ -255,7 +255,7 @@ struct DeviceCodec::Impl {
   internal::Scratch changes;     // encode: a batch's compact changes; apply: the scatter lists
   internal::Scratch rank_mem;    // class counts and their scan, one tensor at a time
   internal::Scratch digest_mem;  // digests
-  internal::Scratch staging;     // bases in host memory, a batch at a time
+  internal::Scratch staging;     // encode: bases in host memory, a batch at a time; apply: the patch parts
   internal::Scratch images;      // cells gathered out of their tensors, a batch at a time
   internal::Scratch coder_mem;   // encode: the entropy stage's jobs, scratch and streams, a batch at a time
   internal::Scratch packed_mem;  // encode: the coded streams packed for the copy to the host
@@ -278,9 +278,6 @@ struct DeviceCodec::Impl {
   // codec::TensorChecksum of each region, with one launch and one
   // synchronization.
   StatusOr<std::vector<uint64_t>> Checksums(std::span<const std::pair<const void*, size_t>> regions);
-  // Checksums of the destination's tensors the patch matched, in its order.
-  StatusOr<std::vector<uint64_t>> Checksums(std::span<const codec::MutableTensorView> dst,
-                                            const std::vector<size_t>& match);
   StatusOr<uint64_t> Checksum(const void* data, size_t nbytes);
   // DeviceCodec::SetChecksum.
   StatusOr<uint64_t> SetChecksum(std::span<const codec::TensorView> tensors, std::span<const codec::TileGrid> grids);
@@ -356,52 +353,73 @@ struct DeviceCodec::Impl {
   Status CodeOnDevice(codec::staged::PatchWriter& writer, std::span<internal::CellChange> batch,
                       const codec::EncodeOptions& options, std::vector<uint8_t>& coded);
 
-  // ------------------------------------------------- apply into whole tensors
+  // -------------------------------------------------------------------- apply
   // (device_apply.cc)
 
-  // One flat patch or keyframe into whole tensors: a patch on the device's
-  // decoding where it can (ApplySparse), else ApplyDelta.
-  Status ApplyFlat(const codec::staged::PatchReader& reader, std::string_view patch,
-                   std::span<const codec::MutableTensorView> tensors, const codec::ApplyOptions& options);
-  Status ApplyDelta(const codec::staged::PatchReader& r, std::span<const codec::MutableTensorView> dst,
-                    const std::vector<size_t>& match, const codec::ApplyOptions& options);
-  // A patch decoded on the device, its chunks in other modes than sparse
-  // beside it on the host; false (nothing done) when those hold more than
-  // an eighth of the changes.
-  StatusOr<bool> ApplySparse(std::string_view patch, const codec::staged::PatchReader& r,
-                             std::span<const codec::MutableTensorView> dst, const std::vector<size_t>& match,
-                             const codec::ApplyOptions& options);
-  // Scatters (scatter(false)), verifies every tensor against the patch and
-  // undoes the scatter (scatter(true)) on a mismatch or a failure.
-  Status ScatterAndVerify(const codec::staged::PatchReader& r, std::span<const codec::MutableTensorView> dst,
-                          const std::vector<size_t>& match, const std::function<Status(bool undo)>& scatter);
-  Status ApplyKeyframe(const codec::staged::PatchReader& r, std::span<const codec::MutableTensorView> dst,
-                       const std::vector<size_t>& match, const codec::ApplyOptions& options);
-  StatusOr<bool> HoldsBase(const codec::staged::PatchReader& r, std::span<const codec::MutableTensorView> dst,
-                           const std::vector<size_t>& match);
-  // What a failed apply reports: FailedPrecondition when the destination
-  // does not hold the patch's base (then that is why it failed), else error.
-  Status Failure(const codec::staged::PatchReader& r, std::span<const codec::MutableTensorView> dst,
-                 const std::vector<size_t>& match, Status error);
-
-  // ----------------------------------------- apply into pieces and tile grids
-  // (device_apply_placed.cc)
-
-  // DeviceCodec::Apply of a patch (as_parts false) or of the parts of a
-  // version (as_parts true).
-  Status ApplyParts(std::span<const std::string_view> parts, const codec::Destination& destination,
-                    const codec::ApplyOptions& options, bool as_parts);
-  // Patches into pieces or tile grids (placed.h). dst: the destination
-  // tensors' data, as the plans' Work::dst index them.
-  // unwritten: what a DataLoss before the first write becomes (a wrong
-  // base told apart where it can be).
-  Status ApplyPlaced(std::span<const codec::staged::PatchReader* const> readers,
-                     std::span<const codec::staged::ApplyPlan> plans, std::span<void* const> dst,
-                     const codec::ApplyOptions& options, const std::function<Status(Status)>& unwritten);
+  // Stage's work: the plans, the keyframes decoded and verified, the
+  // patches staged and their writes kept (or not: past the budget).
+  Status StageInto(Staged::State& st);
+  // Every patch part's works, batch after batch: gathered into the image
+  // scratch, decoded there, their changes added there and their results
+  // digested; every result proven against the patch, then each
+  // destination's writes returned (placed.h). Reads the destination only.
+  // unwritten: what a DataLoss becomes (a wrong base told apart where it
+  // can be).
+  StatusOr<std::vector<placed::Writes>> StagePatches(const Staged::State& st,
+                                                      const std::function<Status(Status)>& unwritten);
+  // The writes' commit jobs in `mem` (device: the job list, then every
+  // destination's index, old and new values); fills st.jobs, st.jobs_dev
+  // and st.job_dst. Synchronizes.
+  Status UploadWrites(Staged::State& st, const std::vector<placed::Writes>& writes, internal::Scratch& mem);
+  Status Commit(Staged::State& st);
+  Status Confirm(const Staged::State& st);
+  // The digests (placed::ResultDigests) of every work's chunk as it sits in
+  // the destination now, batch after batch through the image scratch.
+  StatusOr<std::vector<std::vector<std::vector<uint64_t>>>> DestinationDigests(
+      std::span<const codec::staged::PatchReader* const> readers, std::span<const codec::staged::ApplyPlan> plans,
+      std::span<void* const> dst);
+  // Digests of slots [0, n) of an image of batch b into digests[part][work]
+  // (a gridded chunk of more than one block hashed whole on the host).
+  // Synchronizes.
+  Status DigestImage(std::span<const codec::staged::PatchReader* const> readers,
+                     std::span<const codec::staged::ApplyPlan> plans, const placed::Batch& b, const void* image,
+                     std::vector<std::vector<std::vector<uint64_t>>>& digests);
   // A keyframe part's decoded works (values[w]: its chunk's bytes) to their
   // placements, batch by batch through the image scratch.
   Status WriteTiles(const codec::staged::PatchReader& r, const codec::staged::ApplyPlan& plan,
                     const std::vector<std::vector<uint8_t>>& values, std::span<void* const> dst);
+};
+
+// What Stage keeps for Commit and Confirm. The parts' bytes are the
+// caller's.
+struct DeviceCodec::Staged::State {
+  std::vector<std::string_view> parts;
+  bool as_parts = false;
+  codec::ApplyOptions options;
+  bool pieces = false;
+  std::vector<codec::MutableTensorView> tensors;  // the destination: whole tensors
+  std::vector<codec::RuntimeTensor> runtime;      // or pieces
+  std::vector<void*> dst;                         // the data of either, as the plans' Work::dst index them
+  std::vector<codec::staged::PatchReader> readers;
+  std::vector<const codec::staged::PatchReader*> patch_refs, key_refs;
+  std::vector<codec::staged::ApplyPlan> patch_plans, key_plans;
+  std::vector<std::string_view> patch_bytes;                  // each patch part's bytes
+  std::vector<std::vector<std::vector<uint8_t>>> key_values;  // per keyframe part, per work
+  uint64_t changes = 0;
+  uint64_t kept_bytes = 0;
+  bool kept = false;
+  bool committed = false;
+  internal::Scratch writes;               // the kept writes (UploadWrites)
+  const CommitJob* jobs_dev = nullptr;    // the commit's job list, in device memory
+  std::vector<CommitJob> jobs;            // the same on the host
+  std::vector<size_t> job_dst;  // each job's destination
+
+  codec::Destination destination() const {
+    if (pieces) return codec::Destination(runtime);
+    return codec::Destination(tensors);
+  }
+  // How errors name destination d.
+  std::string DstName(size_t d) const { return pieces ? runtime[d].view.name : tensors[d].name; }
 };
 
 }  // namespace wsync::cuda

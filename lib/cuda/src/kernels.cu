@@ -262,6 +262,21 @@ __global__ void ScatterAddKernel(T* x, const uint64_t* index, const T* delta, si
   v = undo ? static_cast<T>(v - delta[i]) : static_cast<T>(v + delta[i]);
 }
 
+__global__ void CommitCheckKernel(const CommitJob* jobs, size_t njobs, uint64_t total,
+                                  unsigned long long* first_foreign) {
+  const uint64_t k = blockIdx.x * static_cast<uint64_t>(blockDim.x) + threadIdx.x;
+  if (k >= total) return;
+  const CommitJob& job = jobs[CommitJobOf(jobs, njobs, k)];
+  if (!HoldsStaged(job, k - job.first)) atomicMin(first_foreign, static_cast<unsigned long long>(k));
+}
+
+__global__ void CommitWriteKernel(const CommitJob* jobs, size_t njobs, uint64_t total) {
+  const uint64_t k = blockIdx.x * static_cast<uint64_t>(blockDim.x) + threadIdx.x;
+  if (k >= total) return;
+  const CommitJob& job = jobs[CommitJobOf(jobs, njobs, k)];
+  WriteStaged(job, k - job.first);
+}
+
 __global__ void CastKernel(const uint32_t* in, uint16_t* out, size_t n) {
   const uint64_t i = blockIdx.x * static_cast<uint64_t>(blockDim.x) + threadIdx.x;
   if (i < n) out[i] = codec::Fp32BitsToBf16Bits(in[i]);
@@ -429,6 +444,19 @@ Status LaunchScatterAdd(void* x, int width, const uint64_t* index, const void* d
                                                            m, undo);
     return LastError("scatter add");
   });
+}
+
+Status LaunchCommitCheck(const CommitJob* jobs, size_t njobs, uint64_t total, unsigned long long* first_foreign,
+                         Stream s) {
+  if (total == 0) return Status::Ok();
+  CommitCheckKernel<<<GridFor(total), kThreads, 0, S(s)>>>(jobs, njobs, total, first_foreign);
+  return LastError("commit check");
+}
+
+Status LaunchCommitWrite(const CommitJob* jobs, size_t njobs, uint64_t total, Stream s) {
+  if (total == 0) return Status::Ok();
+  CommitWriteKernel<<<GridFor(total), kThreads, 0, S(s)>>>(jobs, njobs, total);
+  return LastError("commit write");
 }
 
 Status LaunchCastFp32ToBf16(const uint32_t* in, uint16_t* out, size_t n, Stream s) {

@@ -86,10 +86,72 @@ std::optional<std::string> Mismatch(std::span<const codec::staged::PatchReader* 
   return std::nullopt;
 }
 
-void AppendChange(const codec::staged::Work& w, const codec::staged::DecodedChunk& dc, std::vector<uint64_t>* index,
-                  std::vector<uint8_t>* delta) {
-  for (uint32_t p : dc.pos) index->push_back(codec::PlacedElement(w.map, p));
-  delta->insert(delta->end(), dc.delta.begin(), dc.delta.end());
+void AppendWrites(const codec::staged::Work& w, std::span<const uint32_t> pos, const uint8_t* old,
+                  const uint8_t* value, Writes* out) {
+  for (uint32_t p : pos) out->index.push_back(codec::PlacedElement(w.map, p));
+  const size_t bytes = pos.size() * out->width;
+  out->old.insert(out->old.end(), old, old + bytes);
+  out->value.insert(out->value.end(), value, value + bytes);
+}
+
+SparseWorks LocateSparseWorks(std::span<const codec::staged::PatchReader* const> readers,
+                              std::span<const codec::staged::ApplyPlan> plans, FirstError* error) {
+  SparseWorks out(plans.size());
+  size_t first = 0;
+  for (size_t p = 0; p < plans.size(); ++p) {
+    const codec::staged::PatchReader& r = *readers[p];
+    out[p].resize(plans[p].works.size());
+    for (size_t w = 0; w < plans[p].works.size(); ++w) {
+      const size_t i = plans[p].works[w].chunk;
+      if (r.kind() != codec::PatchKind::kPatch || r.changed(i) == 0) continue;
+      codec::sparse::ChunkStreams cs;
+      auto sparse = r.LocateSparse(i, &cs);
+      if (!sparse.ok()) {
+        error->Record(first + w, sparse.status());
+      } else if (*sparse) {
+        out[p][w] = cs;
+      }
+    }
+    first += plans[p].works.size();
+  }
+  return out;
+}
+
+SparseBatch PlanSparseBatch(std::span<const codec::staged::PatchReader* const> readers,
+                            std::span<const codec::staged::ApplyPlan> plans, const Batch& b, const SparseWorks& sparse,
+                            std::span<const std::string_view> bytes, std::span<const uint64_t> offsets) {
+  SparseBatch out;
+  for (size_t j = 0; j < b.works.size(); ++j) {
+    const Ref& ref = b.works[j];
+    const auto& cs = sparse[ref.part][ref.work];
+    if (!cs) continue;
+    const auto* begin = reinterpret_cast<const uint8_t*>(bytes[ref.part].data());
+    auto offset = [&](const uint8_t* at) { return offsets[ref.part] + static_cast<uint64_t>(at - begin); };
+    const codec::staged::Work& work = plans[ref.part].works[ref.work];
+    SparseJob job{};
+    job.pos_words = offset(cs->pos.words);
+    job.pos_word_count = cs->pos.word_count;
+    job.pos_bits = offset(cs->pos.bits);
+    job.pos_bit_bytes = cs->pos.bit_bytes;
+    job.val_words = offset(cs->val.words);
+    job.val_word_count = cs->val.word_count;
+    job.val_bits = offset(cs->val.bits);
+    job.val_bit_bytes = cs->val.bit_bytes;
+    job.spec = cs->spec;
+    job.elements = readers[ref.part]->chunks()[work.chunk].elements;
+    job.changed = readers[ref.part]->changed(work.chunk);
+    job.first_element = j * b.slot;
+    job.entry = out.entries;
+    job.byte = out.bytes;
+    job.chunk_in_tensor = static_cast<uint32_t>(j);
+    job.width = static_cast<int32_t>(b.width);
+    out.jobs.push_back(job);
+    out.slot.push_back(j);
+    out.entries += job.changed;
+    out.bytes += job.changed * b.width;
+    out.conditioned = out.conditioned || cs->spec.k > 1;
+  }
+  return out;
 }
 
 }  // namespace wsync::cuda::placed

@@ -30,6 +30,20 @@ Status DeviceCodec::Apply(std::string_view, const codec::Destination&, const cod
 Status DeviceCodec::Apply(std::span<const std::string_view>, const codec::Destination&, const codec::ApplyOptions&) {
   return NotBuilt();
 }
+struct DeviceCodec::Staged::State {};
+DeviceCodec::Staged::Staged() = default;
+DeviceCodec::Staged::Staged(Staged&&) noexcept = default;
+DeviceCodec::Staged& DeviceCodec::Staged::operator=(Staged&&) noexcept = default;
+DeviceCodec::Staged::~Staged() = default;
+uint64_t DeviceCodec::Staged::changes() const { return 0; }
+uint64_t DeviceCodec::Staged::kept_bytes() const { return 0; }
+bool DeviceCodec::Staged::decodes_again() const { return false; }
+StatusOr<DeviceCodec::Staged> DeviceCodec::Stage(std::span<const std::string_view>, const codec::Destination&,
+                                                 const codec::ApplyOptions&) {
+  return NotBuilt();
+}
+Status DeviceCodec::Commit(Staged&) { return NotBuilt(); }
+Status DeviceCodec::Confirm(const Staged&) { return NotBuilt(); }
 const std::vector<DeviceCodec::Phase>& DeviceCodec::last_phases() const { return impl_->phases; }
 StatusOr<uint64_t> DeviceCodec::TensorChecksum(const void*, size_t) { return NotBuilt(); }
 StatusOr<uint64_t> DeviceCodec::SetChecksum(std::span<const codec::TensorView>, std::span<const codec::TileGrid>) {

@@ -44,17 +44,59 @@ class DeviceCodec {
   // codec::Apply of a patch or keyframe, or of the parts of a version, into
   // whole tensors or the pieces of runtime tensors in device memory (tile
   // grids and selections included), with its checks, errors and
-  // all-or-nothing. One flat patch into whole tensors is decoded on the
-  // device where its chunks are sparse-coded, scattered in place, verified
-  // and undone on a mismatch. Otherwise every chunk a destination holds is
-  // copied on the device into scratch, decoded against it and its result
-  // verified there before the first byte of the destination is written;
-  // then only the changes are added in place. Keyframes are decoded and
-  // verified on the host (where their bytes are) and copied up. Only the
-  // patch and the compact changes cross PCIe.
+  // all-or-nothing: Stage, then Commit.
   Status Apply(std::string_view patch, const codec::Destination& destination, const codec::ApplyOptions& options);
   Status Apply(std::span<const std::string_view> parts, const codec::Destination& destination,
                const codec::ApplyOptions& options);
+
+  // A version staged on the device (Stage), for Commit to write.
+  class Staged {
+   public:
+    Staged();
+    Staged(Staged&&) noexcept;
+    Staged& operator=(Staged&&) noexcept;
+    ~Staged();
+    // Changed elements Commit writes (keyframes' not counted).
+    uint64_t changes() const;
+    // Device memory the kept writes hold: per change its element index (8
+    // bytes), the value it held and the value it becomes (12 bytes per BF16
+    // change); 0 when they were past ApplyOptions::stage_keep_bytes.
+    uint64_t kept_bytes() const;
+    // Whether Commit decodes the patch again (the writes were not kept).
+    bool decodes_again() const;
+
+    struct State;  // the codec's
+
+   private:
+    friend class DeviceCodec;
+    std::unique_ptr<State> state_;
+  };
+
+  // The apply's every check, before the destination may be written: each
+  // part's chunks the destination holds are gathered into device scratch
+  // (whole tensors as identity placements), decoded against it, their
+  // changes added there and every result proven against the patch's
+  // digests. The destination is only read (its readers may go on); an error
+  // is the one Apply would return (a corrupt, truncated or mismatched patch,
+  // a destination without the patch's base), and nothing is written. Kept
+  // on the device for Commit: per change its element, the value it held and
+  // the value it becomes, up to options.stage_keep_bytes (past it, Commit
+  // decodes again). Keyframe parts are decoded and verified on the host and
+  // kept there. One part: as Apply(patch); more: as Apply(parts). The
+  // parts' bytes must outlive the Staged.
+  StatusOr<Staged> Stage(std::span<const std::string_view> parts, const codec::Destination& destination,
+                         const codec::ApplyOptions& options);
+  // Writes a staged version, and nothing else: one launch checks that every
+  // changed element still holds the value it was staged against, one
+  // writes the new values; then the keyframes' tiles. FailedPrecondition
+  // naming the first element another writer changed since staging, with
+  // nothing written. Needs no other writer while it runs; once per Staged.
+  Status Commit(Staged& staged);
+  // After Commit, reads the destination back (its readers may have resumed):
+  // DataLoss naming the first chunk that is not the version's (another
+  // writer changed an element the version did not, between staging and
+  // the writes).
+  Status Confirm(const Staged& staged);
 
   // A source's base without a second copy of the model on the trainer's
   // GPU. Both encode previous -> live (like EncodePatch), then make
@@ -113,6 +155,11 @@ class DeviceCodec {
  private:
   struct Impl;
   explicit DeviceCodec(std::unique_ptr<Impl> impl);
+  // as_parts: Apply's list form, else one patch.
+  StatusOr<Staged> Stage(std::span<const std::string_view> parts, const codec::Destination& destination,
+                         const codec::ApplyOptions& options, bool as_parts);
+  Status StageAndCommit(std::span<const std::string_view> parts, const codec::Destination& destination,
+                        const codec::ApplyOptions& options, bool as_parts);
   std::unique_ptr<Impl> impl_;
 };
 

@@ -13,6 +13,7 @@
 #include <cstdint>
 
 #include "wsync/codec/block_logic.h"
+#include "wsync/cuda/commit_jobs.h"
 #include "wsync/cuda/encode_jobs.h"
 #include "wsync/cuda/logic.h"
 #include "wsync/cuda/sparse_jobs.h"
@@ -126,6 +127,15 @@ Status LaunchGather(const void* x, int width, const uint64_t* index, size_t m, v
 // x[index[i]] += delta[i] (mod 2^w), or -= with undo. Indices are distinct.
 Status LaunchScatterAdd(void* x, int width, const uint64_t* index, const void* delta, size_t m, bool undo,
                         Stream stream);
+
+// The writes of a staged version, changes [0, total) of jobs (a device
+// array, ascending first): LaunchCommitCheck sets *first_foreign to the
+// lowest change whose element no longer holds the value it was staged
+// against (HoldsStaged; it must hold ~0 before: untouched when every change
+// holds), LaunchCommitWrite writes every change (WriteStaged).
+Status LaunchCommitCheck(const CommitJob* jobs, size_t njobs, uint64_t total, unsigned long long* first_foreign,
+                         Stream stream);
+Status LaunchCommitWrite(const CommitJob* jobs, size_t njobs, uint64_t total, Stream stream);
 
 // FP32 -> BF16, round to nearest even (codec/bf16.h), n elements.
 Status LaunchCastFp32ToBf16(const uint32_t* in, uint16_t* out, size_t n, Stream stream);

@@ -1,8 +1,9 @@
 // The device's decoding of sparse-coded chunks (patch mode 1), one chunk per
 // thread: the job a thread runs, as WSYNC_HD functions of plain memory that
 // the kernels (LaunchSparseRanks, LaunchSparseValues in kernels.h) call and
-// the host tests run on the CPU over the same job lists (sparse_plan.h
-// makes them from a patch). The decoding itself is codec/sparse_decode.h.
+// the host tests run on the CPU over the same job lists (placed.h's
+// PlanSparseBatch makes them for a batch of an apply). The decoding itself
+// is codec/sparse_decode.h.
 #pragma once
 
 #include <cstddef>
@@ -22,9 +23,9 @@ struct SparseJob {
   uint64_t val_words, val_word_count, val_bits, val_bit_bytes;
   codec::ClassSpec spec;
   uint64_t elements, changed;
-  uint64_t first_element;  // of the chunk in its tensor
+  uint64_t first_element;  // where its positions start in the array they index (an apply's image slot)
   uint64_t entry, byte;
-  uint32_t chunk_in_tensor;
+  uint32_t chunk_in_tensor;  // its chunk in the layout ranks are resolved in (the slot)
   int32_t width;
 };
 
