@@ -91,6 +91,11 @@ int RunGpuBench(const GpuBenchOptions& o) {
   for (const auto& t : cur) host_copy.emplace_back(t.bytes.size(), uint8_t{1});
   PhaseTimes enc_phases, app_phases;
   std::vector<double> pause_device, pause_host;
+  // A sink's version in three steps: staged while the engine generates, the
+  // commit between its holds (the pause), the confirm after them.
+  std::vector<double> staging, commit, confirm, changed;
+  PhaseTimes commit_phases;
+  bool staged_exact = true;
   std::vector<cuda::PinnedBuffer> pinned;
   std::vector<codec::MutableTensorView> pinned_views;
   for (const auto& t : prev) {
@@ -178,6 +183,34 @@ int RunGpuBench(const GpuBenchOptions& o) {
         spdlog::error("{}", a.ToString());
         return 1;
       }
+      if (!Reset(*work, *base).ok()) return 1;
+      const std::string_view one(patch);
+      t0 = Clock::now();
+      auto staged = (*dc)->Stage(std::span(&one, 1), work->views, ao);
+      staging.push_back(Since(t0));
+      if (!staged.ok()) {
+        spdlog::error("stage: {}", staged.status().ToString());
+        return 1;
+      }
+      changed.push_back(static_cast<double>(staged->changes()));
+      t0 = Clock::now();
+      Status c = (*dc)->Commit(*staged);
+      commit.push_back(Since(t0));
+      commit_phases.Add((*dc)->last_phases());
+      t0 = Clock::now();
+      if (c.ok()) c = (*dc)->Confirm(*staged);
+      confirm.push_back(Since(t0));
+      if (!c.ok()) {
+        spdlog::error("commit: {}", c.ToString());
+        return 1;
+      }
+      if (r == 0) {
+        for (size_t i = 0; i < cur.size(); ++i) {
+          std::vector<uint8_t> got(cur[i].bytes.size());
+          if (!work->buffers[i].CopyToHost(got.data(), got.size()).ok()) return 1;
+          staged_exact = staged_exact && got == cur[i].bytes;
+        }
+      }
     }
     auto t0 = Clock::now();
     auto host = codec::EncodePatch(buffers::Views(prev), buffers::Views(cur), eo);
@@ -250,8 +283,13 @@ int RunGpuBench(const GpuBenchOptions& o) {
               Median(pause_device) * 1e3);
   std::printf("  trainer pause, base on host %10.1f ms (page-locked host memory; 256 MiB of GPU staging)\n",
               Median(pause_host) * 1e3);
+  std::printf("  sink, staged                %10.1f ms staging (the engine generating), %.2f ms commit (its "
+              "pause), %.1f ms confirm; %.0f changes (%.2f%%); bit-exact: %s\n",
+              Median(staging) * 1e3, Median(commit) * 1e3, Median(confirm) * 1e3, Median(changed),
+              100 * Median(changed) / (dense / 2), staged_exact ? "yes" : "NO");
   enc_phases.Print("encode");
   app_phases.Print("apply");
+  commit_phases.Print("commit");
   std::printf("  host encode                 %10.2f GB/s\n", dense / Median(host_enc) / 1e9);
   std::printf("  device / host encode        %10.2fx\n", Median(host_enc) / Median(enc));
   std::printf("  patch bytes identical to the host codec: %s\n", identical ? "yes" : "NO");
@@ -264,7 +302,7 @@ int RunGpuBench(const GpuBenchOptions& o) {
                 o.tp, Median(rank_bytes) / 1e6, Median(app_tp) * 1e3, Median(app) * 1e3, exact_tp ? "yes" : "NO");
     tp_phases.Print("rank 0 apply");
   }
-  return identical && identical_tp && exact_tp ? 0 : 1;
+  return identical && identical_tp && exact_tp && staged_exact ? 0 : 1;
 }
 
 }  // namespace wsync::bench

@@ -48,6 +48,10 @@ if [ -n "${WSYNC_BENCH_BEFORE:-}" ]; then
   step bench_before_16 90 "$WSYNC_BENCH_BEFORE" gpu --params 536870912 --steps 2 --host-threads 16
 fi
 step bench_gpu_16 90 "$build/bench/wsync-bench" gpu --params 536870912 --steps 2 --host-threads 16
+# A sink's pause at scale: 3.5 B parameters (7 GB BF16; the host holds the generator's FP32 masters
+# and momenta), the commit of every change staged on the device.
+step bench_gpu_3b 420 "$build/bench/wsync-bench" gpu --params 3500000000 --steps 1 --repeat 2 --host-threads 16 \
+  --tp 0
 step faults_gpu 300 env WSYNC_TEST_DEVICE=0 "$py" "$src/tests/python/system_faults_test.py" "$build" "$data"
 # WSYNC_VLLM_PYTHON: a Python with a CUDA build of vLLM 0.32 and this build's wsync package installed.
 # vLLM's FP8 engines generate on the GPU (docs/fp8.md): a BF16 and an FP8 engine, TP 1, each version
@@ -61,7 +65,7 @@ fi
 echo "== wsync-bench gpu" >&2
 for f in "$logs"/bench_*.log; do
   echo "-- $(basename "$f" .log)" >&2
-  grep -A24 "^device codec" "$f" | grep -v "^device codec" >&2
+  grep -A28 "^device codec" "$f" | grep -v "^device codec" >&2
 done
 echo "== results ($(head -1 "$logs/device.txt"))" >&2
 printf '%s\n' "${results[@]}" >&2
