@@ -9,7 +9,7 @@ packages=(
   libspdlog-dev libfmt-dev libcli11-dev nlohmann-json3-dev libtomlplusplus-dev
   libgtest-dev libgmock-dev
   libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc
-  libucx-dev ucx-utils prometheus-cpp-dev openssl
+  libucx-dev ucx-utils prometheus-cpp-dev openssl libssl-dev libcurl4-openssl-dev
   python3-grpcio python3-protobuf
   clang libclang-rt-14-dev
   python3 python3-numpy python3-torch python3-venv python3-yaml

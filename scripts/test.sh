@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The test command (README; .ci/run calls exactly this):
-#   1. installs dependencies (apt, Debian 12; a virtual environment with
-#      vLLM's CPU build from the package index, reused when present),
+#   1. installs dependencies (apt, Debian 12; virtual environments with
+#      vLLM's CPU build and with SeaweedFS from the package index, reused
+#      when present),
 #   2. builds with gcc and runs every test (unit, real data, CLI, real vLLM),
 #   3. builds with ASan + UBSan and the portable (non-AVX2) kernels and runs
 #      the unit tests again,
@@ -14,6 +15,8 @@ jobs="$(nproc)"
 phase() { echo "== $1 ($((SECONDS / 60)) min $((SECONDS % 60)) s in)"; }
 
 bash scripts/install-deps.sh
+# SeaweedFS: the real S3-compatible server the object-store tests run against.
+bash scripts/install-seaweedfs.sh > /dev/null
 # nvcc (when installed) builds the CUDA library; its device tests skip without a GPU.
 if [ -x /usr/local/cuda/bin/nvcc ] && ! command -v nvcc > /dev/null; then export PATH="$PATH:/usr/local/cuda/bin"; fi
 
