@@ -1,0 +1,195 @@
+// Versions through a real S3-compatible server (SeaweedFS on loopback): a
+// writer publishes keyframes and patches, a reader with read-only
+// credentials plans its catch-up and applies it to the target's bits; a
+// corrupt, truncated or missing object, a conflicting second uploader and a
+// malformed manifest are refused, naming what is wrong; collection keeps
+// every version reachable.
+#include "wsync/store/versions.h"
+
+#include <gtest/gtest.h>
+
+#include <random>
+
+#include "../codec/test_tensors.h"
+#include "seaweedfs.h"
+#include "wsync/codec/codec.h"
+
+namespace wsync::store {
+namespace {
+
+using testing::SeaweedServer;
+using wsync::testing::OwnedTensor;
+
+constexpr const char* kRun = "runs/test";
+
+class VersionsTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    ASSERT_TRUE(server_.Ready("weights"));
+    auto w = OpenS3(server_.Options("weights"));
+    auto r = OpenS3(server_.Options("weights", /*writer=*/false));
+    ASSERT_TRUE(w.ok() && r.ok());
+    writer_store_ = std::move(*w);
+    reader_store_ = std::move(*r);
+    std::mt19937_64 rng(7);
+    versions_.push_back({});  // no version 0
+    versions_.push_back({wsync::testing::RandomTensor("a", codec::DType::kBF16, {512, 1024}, rng),
+                         wsync::testing::RandomTensor("b", codec::DType::kBF16, {3000}, rng)});
+    for (int v = 2; v <= 6; ++v) {
+      std::vector<OwnedTensor> next;
+      for (const auto& t : versions_.back()) next.push_back(wsync::testing::PerturbByExponent(t, 0.01, 118, rng));
+      versions_.push_back(std::move(next));
+    }
+  }
+
+  std::string Patch(uint64_t from, uint64_t to) {
+    codec::EncodeOptions o;
+    o.base_version = from;
+    o.target_version = to;
+    auto p = codec::EncodePatch(buffers::Views(versions_[from]), buffers::Views(versions_[to]), o);
+    EXPECT_TRUE(p.ok()) << p.status().ToString();
+    return *p;
+  }
+  std::string Keyframe(uint64_t v) {
+    codec::EncodeOptions o;
+    o.target_version = v;
+    auto k = codec::EncodeKeyframe(buffers::Views(versions_[v]), o);
+    EXPECT_TRUE(k.ok()) << k.status().ToString();
+    return *k;
+  }
+  uint64_t SetChecksum(uint64_t v) { return codec::SetChecksum(buffers::Views(versions_[v]), {}); }
+
+  // Versions 1 (keyframe) to 6, a keyframe at 4 too.
+  void PublishAll() {
+    VersionWriter w(*writer_store_, kRun);
+    for (uint64_t v = 1; v <= 6; ++v) {
+      std::vector<std::string> bytes;
+      std::vector<VersionWriter::Upload> uploads;
+      if (v > 1) bytes.push_back(Patch(v - 1, v));
+      if (v == 1 || v == 4) bytes.push_back(Keyframe(v));
+      for (size_t i = 0; i < bytes.size(); ++i) {
+        const bool key = (v == 1) || (v == 4 && i == 1);
+        uploads.push_back({key ? StoredObject::Kind::kKeyframe : StoredObject::Kind::kPatch, v - 1, bytes[i]});
+      }
+      const Status s = w.Publish(v, SetChecksum(v), uploads);
+      ASSERT_TRUE(s.ok()) << s.ToString();
+    }
+  }
+
+  // Catches up from `from` (its tensors) to `to` as a puller does.
+  Status CatchUp(VersionReader& r, uint64_t from, uint64_t to, std::vector<OwnedTensor>* tensors,
+                 std::vector<VersionReader::Step>* plan = nullptr) {
+    WSYNC_ASSIGN_OR_RETURN(auto steps, r.Plan(from, to));
+    if (plan != nullptr) *plan = steps;
+    for (const auto& s : steps) {
+      WSYNC_ASSIGN_OR_RETURN(std::string bytes, r.Fetch(s.object));
+      if (s.object.kind == StoredObject::Kind::kKeyframe) {
+        WSYNC_ASSIGN_OR_RETURN(auto info, codec::InspectPatch(bytes));
+        tensors->clear();
+        for (const auto& t : info.tensors) {
+          tensors->push_back({t.name, t.dtype, t.shape, std::vector<uint8_t>(t.DenseBytes())});
+        }
+      }
+      auto views = buffers::MutableViews(*tensors);
+      WSYNC_RETURN_IF_ERROR(codec::Apply(bytes, views, {}));
+    }
+    return Status::Ok();
+  }
+
+  SeaweedServer server_;
+  std::unique_ptr<ObjectStore> writer_store_, reader_store_;
+  std::vector<std::vector<OwnedTensor>> versions_;
+};
+
+TEST_F(VersionsTest, AReaderCatchesUpByTheFewestBytesToTheTargetBits) {
+  PublishAll();
+  VersionReader r(*reader_store_, kRun, 4, 64 << 10);  // small ranges: several per object
+  auto newest = r.Newest();
+  ASSERT_TRUE(newest.ok()) << newest.status().ToString();
+  EXPECT_EQ(*newest, 6u);
+  // From nothing: the keyframe of 4, then the patches to 5 and 6.
+  std::vector<OwnedTensor> tensors;
+  std::vector<VersionReader::Step> plan;
+  Status s = CatchUp(r, 0, 6, &tensors, &plan);
+  ASSERT_TRUE(s.ok()) << s.ToString();
+  ASSERT_EQ(plan.size(), 3u);
+  EXPECT_EQ(plan[0].object.kind, StoredObject::Kind::kKeyframe);
+  EXPECT_EQ(plan[0].version, 4u);
+  EXPECT_TRUE(wsync::testing::SameBits(tensors, versions_[6]));
+  // From 2: patches only (each far smaller than a keyframe).
+  tensors = versions_[2];
+  s = CatchUp(r, 2, 6, &tensors, &plan);
+  ASSERT_TRUE(s.ok()) << s.ToString();
+  ASSERT_EQ(plan.size(), 4u);
+  for (const auto& step : plan) EXPECT_EQ(step.object.kind, StoredObject::Kind::kPatch);
+  EXPECT_TRUE(wsync::testing::SameBits(tensors, versions_[6]));
+  EXPECT_EQ(r.Plan(6, 7).status().code(), StatusCode::kNotFound);
+  // A reader may not write.
+  VersionWriter forger(*reader_store_, kRun);
+  const std::string p = Patch(6, 5);
+  EXPECT_EQ(forger.Publish(7, 0, {{StoredObject::Kind::kPatch, 6, p}}).code(), StatusCode::kPermissionDenied);
+}
+
+TEST_F(VersionsTest, CorruptTruncatedAndMissingObjectsAreRefusedByName) {
+  PublishAll();
+  VersionReader r(*reader_store_, kRun);
+  auto m = r.ManifestOf(5);
+  ASSERT_TRUE(m.ok()) << m.status().ToString();
+  const StoredObject patch5 = m->objects[0];
+  auto original = writer_store_->Get(patch5.key);
+  ASSERT_TRUE(original.ok());
+  std::string flipped = *original;
+  flipped[flipped.size() / 2] ^= 1;
+  ASSERT_TRUE(writer_store_->Put(patch5.key, flipped).ok());
+  Status s = r.Fetch(patch5).status();
+  EXPECT_EQ(s.code(), StatusCode::kDataLoss) << s.ToString();
+  EXPECT_NE(s.message().find(patch5.key), std::string::npos) << s.ToString();
+  ASSERT_TRUE(writer_store_->Put(patch5.key, original->substr(0, original->size() - 10)).ok());
+  s = r.Fetch(patch5).status();
+  EXPECT_EQ(s.code(), StatusCode::kDataLoss) << s.ToString();
+  ASSERT_TRUE(writer_store_->Delete(patch5.key).ok());
+  s = r.Fetch(patch5).status();
+  EXPECT_EQ(s.code(), StatusCode::kNotFound) << s.ToString();
+  EXPECT_NE(s.message().find(patch5.key), std::string::npos) << s.ToString();
+  // A tensor set a refused object never reached is as it was.
+  std::vector<OwnedTensor> tensors = versions_[4];
+  EXPECT_FALSE(CatchUp(r, 4, 6, &tensors).ok());
+  EXPECT_TRUE(wsync::testing::SameBits(tensors, versions_[4]));
+  // A malformed manifest.
+  ASSERT_TRUE(writer_store_->Put(ManifestKey(kRun, 9), "{\"format\": \"wsync-store-v1\", \"version\": -1}").ok());
+  s = r.ManifestOf(9).status();
+  EXPECT_EQ(s.code(), StatusCode::kDataLoss) << s.ToString();
+}
+
+TEST_F(VersionsTest, ASecondUploaderOfAVersionSucceedsOnlyWithTheSameObjects) {
+  PublishAll();
+  VersionWriter w(*writer_store_, kRun);
+  const std::string p6 = Patch(5, 6);
+  EXPECT_TRUE(w.Publish(6, SetChecksum(6), {{StoredObject::Kind::kPatch, 5, p6}}).ok())
+      << "the same patch again is the same version";
+  const std::string other = Patch(4, 6);
+  const Status s = w.Publish(6, SetChecksum(6), {{StoredObject::Kind::kPatch, 4, other}});
+  EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition) << s.ToString();
+}
+
+TEST_F(VersionsTest, CollectionKeepsEveryLaterVersionReachable) {
+  PublishAll();
+  VersionWriter w(*writer_store_, kRun);
+  auto removed = w.Collect(5);
+  ASSERT_TRUE(removed.ok()) << removed.status().ToString();
+  EXPECT_EQ(*removed, 3u);  // 1, 2 and 3: the keyframe of 4 reaches 5 and 6
+  VersionReader r(*reader_store_, kRun);
+  EXPECT_EQ(r.ManifestOf(3).status().code(), StatusCode::kNotFound);
+  for (uint64_t from : {0, 2}) {
+    std::vector<OwnedTensor> tensors = from == 0 ? std::vector<OwnedTensor>{} : versions_[from];
+    const Status s = CatchUp(r, from, 6, &tensors);
+    ASSERT_TRUE(s.ok()) << "from " << from << ": " << s.ToString();
+    EXPECT_TRUE(wsync::testing::SameBits(tensors, versions_[6]));
+  }
+  auto left = writer_store_->List(std::string(kRun) + "/versions/");
+  ASSERT_TRUE(left.ok());
+  for (const auto& k : *left) EXPECT_GE(k, VersionPrefix(kRun, 4)) << k;
+}
+
+}  // namespace
+}  // namespace wsync::store
