@@ -9,6 +9,7 @@
 #include "codec_commands.h"
 #include "control_commands.h"
 #include "local_commands.h"
+#include "store_commands.h"
 
 int main(int argc, char** argv) {
   CLI::App app{"wsync: lossless sparse weight sync for RL training (see README.md)"};
@@ -17,6 +18,7 @@ int main(int argc, char** argv) {
   wsync::cli::AddCodecCommands(app, &run);
   wsync::cli::AddControlCommands(app, &run);
   wsync::cli::AddLocalCommands(app, &run);
+  wsync::cli::AddStoreCommands(app, &run);
   CLI11_PARSE(app, argc, argv);
   // Warnings go to stderr: stdout carries results (--json: a JSON document).
   spdlog::set_default_logger(spdlog::stderr_color_mt("wsync"));

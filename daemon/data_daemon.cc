@@ -287,6 +287,7 @@ class Source : public Node, public v1::Local::Service {
     return StartCommon(
         [this]() -> StatusOr<PatchProvider*> {
           core_ = std::make_unique<SourceCore>(config_, coordinator_.get(), &pool_);
+          WSYNC_RETURN_IF_ERROR(core_->StartMirror());
           return core_->provider();
         },
         this);

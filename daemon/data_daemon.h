@@ -17,6 +17,7 @@
 #include <memory>
 #include <string>
 
+#include "store_mirror.h"
 #include "wsync/control/client.h"
 #include "wsync/exchange/exchange.h"
 #include "wsync/util/status.h"
@@ -63,6 +64,7 @@ struct DataDaemonConfig {
   // whole, announced once encoded).
   uint64_t segment_bytes = 64u << 20;
   DeviceBase device_base = DeviceBase::kDevice;  // sources of weights in GPU memory
+  StoreMirrorOptions store;              // sources: the object store versions are mirrored to (url empty: none)
   uint64_t corrupt_every = 0;            // fault injection (tests)
   uint64_t fail_announce = 0;            // fault injection (tests): announcing this version fails
 };

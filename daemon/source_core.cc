@@ -124,6 +124,18 @@ void SourceCore::Stop() {
   (void)JoinBackground();
 }
 
+Status SourceCore::StartMirror() {
+  if (config_.store.url.empty()) return Status::Ok();
+  WSYNC_ASSIGN_OR_RETURN(mirror_, StoreMirror::Start(config_.store, &history_));
+  spdlog::info("source {}: mirroring versions to {} under {}", config_.name, config_.store.url, config_.store.run);
+  return Status::Ok();
+}
+
+std::optional<StoreMirror::Stats> SourceCore::mirror_stats() const {
+  if (!mirror_) return std::nullopt;
+  return mirror_->stats();
+}
+
 bool SourceCore::SleepFor(std::chrono::milliseconds d) {
   std::unique_lock<std::mutex> lock(stop_mu_);
   return !stop_cv_.wait_for(lock, d, [&] { return stopping_.load(); });
@@ -484,6 +496,7 @@ Status SourceCore::Announce(const PublishedVersion& pub, double ms) {
                                      "`wsync versions` shows it if so)");
   }
   coordinator_head_ = std::max(coordinator_head_.load(), *head);
+  if (mirror_) mirror_->Published(pub);
   spdlog::info("source {}: version {} published: {} patch bytes for {} dense ({:.1f}x), encoded in {:.1f} ms",
                config_.name, pub.version, pub.patch_bytes, pub.dense_bytes,
                pub.patch_bytes ? static_cast<double>(pub.dense_bytes) / pub.patch_bytes : 0.0, ms);

@@ -10,6 +10,7 @@
 #pragma once
 
 #include <atomic>
+#include <optional>
 #include <condition_variable>
 #include <memory>
 #include <mutex>
@@ -20,6 +21,7 @@
 
 #include "data_daemon.h"
 #include "device_weights.h"
+#include "store_mirror.h"
 #include "version_history.h"
 #include "wsync/buffers/region.h"
 #include "wsync/control/client.h"
@@ -77,6 +79,11 @@ class SourceCore {
   StatusOr<PublishResult> Publish(const PublishRequest& req);
   // A background publish ends; later publishes are refused.
   void Stop();
+  // Mirrors every version announced from now on into the object store of
+  // config.store (store_mirror.h); InvalidArgument for a bad store URL.
+  Status StartMirror();
+  // The mirror's progress; nothing without a store.
+  std::optional<StoreMirror::Stats> mirror_stats() const;
 
   SourceStatus status();
 
@@ -133,6 +140,9 @@ class SourceCore {
   bool head_announced_ = false;
   // The copy's own threads: the codec's pool may be busy serving a merge.
   ThreadPool copy_pool_;
+  // The object store the versions are mirrored to (null: none). Declared
+  // after history_: it reads from it until it is destroyed.
+  std::unique_ptr<StoreMirror> mirror_;
   std::mutex state_mu_;  // tensors_, layout_, grids_, cast_, device_
   std::unique_ptr<buffers::MappedTensors> tensors_;
   wsync::v1::Layout layout_;  // published layout of tensors_

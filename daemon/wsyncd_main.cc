@@ -12,6 +12,7 @@
 
 #include "coordinator_config.h"
 #include "data_daemon.h"
+#include "wsync/store/object_store.h"
 #include "wsync/control/coordinator_state.h"
 #include "wsync/control/replica.h"
 #include "wsync/control/server.h"
@@ -154,6 +155,11 @@ int RunData(bool source, daemon::DataDaemonConfig config, const std::string& tok
   if (config.name.empty()) return Fail(InvalidArgumentError("--name is required"));
   if (config.coordinator.address.empty()) {
     return Fail(InvalidArgumentError("no coordinator: --coordinator or env WSYNC_COORDINATOR"));
+  }
+  if (!config.store.url.empty()) {
+    auto store = store::S3OptionsFromUrl(config.store.url);
+    if (!store.ok()) return Fail(store.status().WithContext("--store"));
+    if (config.store.run.empty()) return Fail(InvalidArgumentError("--store needs --store-run (the run's key prefix)"));
   }
   if (check_only) return ConfigOk(source ? "source" : "sink");
   StopSignals signals;  // before any thread starts
@@ -303,6 +309,19 @@ int main(int argc, char** argv) {
   };
   auto* source = app.add_subcommand("source", "run next to a trainer: snapshot, encode, publish, serve");
   add_data_flags(source);
+  source->add_option("--store", data.store.url,
+                     "also mirror every version to an S3-compatible object store: s3://BUCKET?endpoint=http://HOST:PORT "
+                     "(credentials: AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY; docs/object-store.md)")
+      ->group("Object store");
+  source->add_option("--store-run", data.store.run, "the key prefix of this run's versions in the store")
+      ->group("Object store");
+  source->add_option("--store-keyframe-every", data.store.keyframe_every, "a keyframe in the store every N versions")
+      ->capture_default_str()
+      ->group("Object store");
+  source->add_option("--store-keep", data.store.keep_versions,
+                     "versions kept in the store back from the newest (older ones collected; 0: all kept)")
+      ->capture_default_str()
+      ->group("Object store");
   auto* sink = app.add_subcommand("sink", "run next to an inference server: pull, verify, apply, relay");
   add_data_flags(sink);
   CLI11_PARSE(app, argc, argv);

@@ -135,6 +135,11 @@ TEST(S3Url, OptionsAndErrors) {
   EXPECT_EQ(o->endpoint, "http://127.0.0.1:8333");
   EXPECT_EQ(o->region, "eu-west-1");
   EXPECT_TRUE(o->access_key.empty());
+  auto tuned = S3OptionsFromUrl("s3://w?endpoint=http://x&attempts=2&timeout_ms=1500");
+  ASSERT_TRUE(tuned.ok()) << tuned.status().ToString();
+  EXPECT_EQ(tuned->attempts, 2);
+  EXPECT_EQ(tuned->timeout, std::chrono::milliseconds(1500));
+  EXPECT_EQ(S3OptionsFromUrl("s3://w?endpoint=http://x&attempts=0").status().code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(S3OptionsFromUrl("weights").status().code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(S3OptionsFromUrl("s3://weights").status().code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(S3OptionsFromUrl("s3://w?endpoint=ftp://x").status().code(), StatusCode::kInvalidArgument);

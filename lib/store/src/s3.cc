@@ -405,8 +405,20 @@ StatusOr<S3Options> S3OptionsFromUrl(std::string_view url) {
       o.endpoint = v;
     } else if (k == "region") {
       o.region = v;
+    } else if (k == "attempts" || k == "timeout_ms") {
+      char* end = nullptr;
+      const long n = std::strtol(v.c_str(), &end, 10);
+      if (v.empty() || *end != '\0' || n < 1) {
+        return InvalidArgumentError("store URL: " + k + " must be a positive integer, not " + Quoted(v));
+      }
+      if (k == "attempts") {
+        o.attempts = static_cast<int>(n);
+      } else {
+        o.timeout = std::chrono::milliseconds(n);
+      }
     } else {
-      return InvalidArgumentError("store URL: unknown parameter " + Quoted(k) + " (endpoint, region)");
+      return InvalidArgumentError("store URL: unknown parameter " + Quoted(k) +
+                                  " (endpoint, region, attempts, timeout_ms)");
     }
   }
   if (o.endpoint.empty()) return InvalidArgumentError("store URL: no endpoint (?endpoint=http://HOST:PORT)");

@@ -42,8 +42,9 @@ struct S3Options {
   uint64_t part_bytes = uint64_t{16} << 20;             // Put of more than this: a multipart upload
 };
 
-// Reads the options from a URL "s3://BUCKET?endpoint=http://HOST:PORT&region=R"
-// and the credentials from the environment (AWS_ACCESS_KEY_ID,
+// Reads the options from a URL "s3://BUCKET?endpoint=http://HOST:PORT" with
+// optional &region=R, &attempts=N and &timeout_ms=MS (a request's), and
+// the credentials from the environment (AWS_ACCESS_KEY_ID,
 // AWS_SECRET_ACCESS_KEY; both absent: anonymous). InvalidArgument naming
 // what is wrong.
 StatusOr<S3Options> S3OptionsFromUrl(std::string_view url);

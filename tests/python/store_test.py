@@ -1,0 +1,110 @@
+#!/usr/bin/python3
+"""Versions through a real S3-compatible server (SeaweedFS on loopback): a
+source mirrors every version it publishes (wsyncd source --store); pullers
+that reach no daemon and hold read-only credentials follow the run with
+`wsync store pull`, bit for bit with the trainer's snapshots. The store
+stopped while the trainer publishes (its publishes do not wait for it; the
+version it missed is dropped and the next goes up with a keyframe), and a
+puller that starts late or from an old file.
+
+    store_test.py BUILD SNAPSHOT_DIR
+"""
+import glob
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "..", "scripts"))
+from seaweedfs import READER, WRITER, SeaweedFS  # noqa: E402
+from system_demo import System, tensor_digest  # noqa: E402
+
+RUN = "runs/store-test"
+
+
+def check(cond, what):
+    if not cond:
+        raise AssertionError(what)
+    print(f"  ok: {what}", flush=True)
+
+
+def main():
+    build, data = sys.argv[1], sys.argv[2]
+    snaps = sorted(glob.glob(os.path.join(data, "*.safetensors")))
+    tmp = tempfile.mkdtemp(prefix="wsync_store_")
+    store = SeaweedFS(tmp)
+    system = None
+    ok = False
+    try:
+        store.create_bucket("weights")
+        url = store.url("weights")
+        wsync = os.path.join(build, "client", "wsync")
+        reader_env = SeaweedFS.env(READER)
+
+        def pull(out, *extra, timeout=120):
+            p = subprocess.run([wsync, "store", "pull", "--store", url, "--run", RUN, "-o", out, *extra],
+                               env=reader_env, capture_output=True, text=True, timeout=timeout)
+            if p.returncode != 0:
+                raise RuntimeError(p.stderr.strip())
+            return p.stdout
+
+        # The source writes with the writer's credentials (its environment).
+        os.environ.update(AWS_ACCESS_KEY_ID=WRITER[0], AWS_SECRET_ACCESS_KEY=WRITER[1])
+        # Short request timeouts for the source, so that a stopped store fails its uploads quickly.
+        system = System(build, 0, 2, tmp, source_args=("--store", url + "&attempts=2&timeout_ms=1000", "--store-run",
+                                                      RUN, "--store-keyframe-every", "4"))
+        half = len(snaps) // 2
+        for i, snap in enumerate(snaps[:half]):
+            system.publish(snap, i + 1)
+        print(f"published versions 1..{half}")
+        first = os.path.join(tmp, "first.safetensors")
+        out = pull(first, "--follow", "--to", str(half), "--poll-ms", "100")
+        check(tensor_digest(first) == tensor_digest(snaps[half - 1]),
+              f"a puller from nothing holds version {half} bit for bit ({out.strip().splitlines()[-1]})")
+        # The store stops answering: the trainer's publishes do not wait for it. The mirror
+        # drops the first version it cannot upload once the next waits.
+        store.signal(signal.SIGSTOP)
+        t0 = time.time()
+        system.publish(snaps[half], half + 1)
+        system.publish(snaps[half + 1], half + 2)
+        check(time.time() - t0 < 10, f"two publishes while the store is stopped return in {time.time() - t0:.1f} s")
+        system.wait_for(lambda: f"dropped for version {half + 2}" in system.log("source"),
+                        f"the mirror to drop version {half + 1}", 60)
+        store.signal(signal.SIGCONT)
+        for i in range(half + 2, len(snaps)):
+            system.publish(snaps[i], i + 1)
+        last = len(snaps)
+        print(f"published versions {half + 1}..{last}")
+        out = pull(first, "--follow", "--to", str(last), "--poll-ms", "100")
+        check(tensor_digest(first) == tensor_digest(snaps[-1]),
+              f"the same puller follows to version {last} bit for bit")
+        late = os.path.join(tmp, "late.safetensors")
+        out = pull(late)
+        check(tensor_digest(late) == tensor_digest(snaps[-1]),
+              f"a late puller catches up to version {last}: {out.strip().splitlines()[-1]}")
+        listing = subprocess.run([wsync, "store", "ls", "--store", url, "--run", RUN], env=reader_env,
+                                 capture_output=True, text=True, check=True).stdout
+        print(listing, end="")
+        check(f"version {half + 1}:" not in listing, f"version {half + 1}, dropped, is not in the store")
+        line = [x for x in listing.splitlines() if x.startswith(f"version {half + 2}:")]
+        check(line and "keyframe" in line[0],
+              f"version {half + 2} went up with a keyframe (nothing in the store reaches it otherwise)")
+        check(pull(late).strip().endswith("the newest in the store"), "a puller at the newest version pulls nothing")
+        ok = True
+    finally:
+        if system:
+            system.stop()
+        store.stop()
+        if ok:
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            print(f"logs: {tmp}")
+    print("store: ok")
+
+
+if __name__ == "__main__":
+    main()
