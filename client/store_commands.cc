@@ -52,8 +52,9 @@ StatusOr<uint64_t> LoadHeld(const std::string& path, std::vector<OwnedTensor>* t
 
 // One catch-up to `to`: fetched, verified, applied in memory, then the file
 // replaced (the old one stays whole on any failure).
-Status CatchUp(store::VersionReader& reader, const PullFlags& f, uint64_t from, uint64_t to,
+Status CatchUp(store::ObjectStore& s3, store::VersionReader& reader, const PullFlags& f, uint64_t from, uint64_t to,
                std::vector<OwnedTensor>* tensors, ThreadPool* pool) {
+  const uint64_t requests_before = s3.requests();
   WSYNC_ASSIGN_OR_RETURN(auto plan, reader.Plan(from, to));
   WSYNC_ASSIGN_OR_RETURN(store::Manifest manifest, reader.ManifestOf(to));
   std::vector<OwnedTensor> work = *tensors;
@@ -82,8 +83,8 @@ Status CatchUp(store::VersionReader& reader, const PullFlags& f, uint64_t from, 
   std::filesystem::rename(tmp, f.out, ec);
   if (ec) return InternalError("renaming " + tmp + " to " + f.out + ": " + ec.message());
   *tensors = std::move(work);
-  std::printf("%s: version %" PRIu64 " from the store (%zu objects, %" PRIu64 " bytes%s)\n", f.out.c_str(), to,
-              plan.size(), bytes,
+  std::printf("%s: version %" PRIu64 " from the store (%zu objects, %" PRIu64 " bytes, %" PRIu64 " requests%s)\n",
+              f.out.c_str(), to, plan.size(), bytes, s3.requests() - requests_before,
               plan.front().object.kind == store::StoredObject::Kind::kKeyframe ? ", from a keyframe" : "");
   std::fflush(stdout);
   return Status::Ok();
@@ -106,7 +107,7 @@ Status RunPull(const PullFlags& f) {
     } else {
       const uint64_t target = f.to > 0 ? std::min(f.to, *newest) : *newest;
       if (target > held) {
-        s = CatchUp(reader, f, held, target, &tensors, &pool);
+        s = CatchUp(*s3, reader, f, held, target, &tensors, &pool);
         if (s.ok()) held = target;
       } else if (!f.follow) {
         std::printf("%s: version %" PRIu64 ", the newest in the store\n", f.out.c_str(), held);

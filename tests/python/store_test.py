@@ -4,8 +4,9 @@ source mirrors every version it publishes (wsyncd source --store); pullers
 that reach no daemon and hold read-only credentials follow the run with
 `wsync store pull`, bit for bit with the trainer's snapshots. The store
 stopped while the trainer publishes (its publishes do not wait for it; the
-version it missed is dropped and the next goes up with a keyframe), and a
-puller that starts late or from an old file.
+version it missed is dropped and the next goes up with a keyframe), a
+puller that starts late or from an old file, and one behind a proxy that
+answers some ranged GETs with 503 or cuts them short.
 
     store_test.py BUILD SNAPSHOT_DIR
 """
@@ -20,6 +21,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "..", "scripts"))
+from s3_fault_proxy import S3FaultProxy  # noqa: E402
 from seaweedfs import READER, WRITER, SeaweedFS  # noqa: E402
 from system_demo import System, tensor_digest  # noqa: E402
 
@@ -86,6 +88,18 @@ def main():
         out = pull(late)
         check(tensor_digest(late) == tensor_digest(snaps[-1]),
               f"a late puller catches up to version {last}: {out.strip().splitlines()[-1]}")
+        # Behind a proxy failing 40% of the ranged GETs (503, or cut short): retried, bit for bit.
+        proxy = S3FaultProxy(store.s3_port, unavailable=0.2, truncated=0.2, seed=3)
+        try:
+            flaky = os.path.join(tmp, "flaky.safetensors")
+            p = subprocess.run([wsync, "store", "pull", "--store", f"s3://weights?endpoint={proxy.endpoint()}",
+                                "--run", RUN, "-o", flaky, "--range-mib", "1"], env=reader_env, capture_output=True,
+                               text=True, timeout=120)
+            check(p.returncode == 0 and tensor_digest(flaky) == tensor_digest(snaps[-1]),
+                  f"a puller behind a flaky proxy catches up bit for bit ({proxy.injected}){p.stderr.strip()}")
+            check(proxy.injected["503"] > 0 and proxy.injected["truncated"] > 0, "the proxy injected both faults")
+        finally:
+            proxy.stop()
         listing = subprocess.run([wsync, "store", "ls", "--store", url, "--run", RUN], env=reader_env,
                                  capture_output=True, text=True, check=True).stdout
         print(listing, end="")
