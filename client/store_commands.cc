@@ -34,7 +34,14 @@ struct PullFlags {
   uint64_t range_mib = 8;
   unsigned threads = 2;
   int max_failures = 10;
+  std::string verify_key;      // Ed25519 public key (PEM): only manifests it verifies
 };
+
+// The verifier of --verify-key, or none.
+StatusOr<std::unique_ptr<store::Verifier>> VerifierOf(const std::string& path) {
+  if (path.empty()) return std::unique_ptr<store::Verifier>();
+  return store::Verifier::FromPemFile(path);
+}
 
 // The tensors a file holds and the version its metadata names (nothing and
 // 0 when there is no file).
@@ -93,7 +100,8 @@ Status CatchUp(store::ObjectStore& s3, store::VersionReader& reader, const PullF
 Status RunPull(const PullFlags& f) {
   WSYNC_ASSIGN_OR_RETURN(store::S3Options o, store::S3OptionsFromUrl(f.url));
   WSYNC_ASSIGN_OR_RETURN(auto s3, store::OpenS3(o));
-  store::VersionReader reader(*s3, f.run, f.parallel, f.range_mib << 20);
+  WSYNC_ASSIGN_OR_RETURN(auto verifier, VerifierOf(f.verify_key));
+  store::VersionReader reader(*s3, f.run, f.parallel, f.range_mib << 20, verifier.get());
   std::vector<OwnedTensor> tensors;
   WSYNC_ASSIGN_OR_RETURN(uint64_t held, LoadHeld(f.out, &tensors));
   ThreadPool pool(f.threads);
@@ -131,10 +139,11 @@ Status RunPull(const PullFlags& f) {
   }
 }
 
-Status RunList(const std::string& url, const std::string& run) {
+Status RunList(const std::string& url, const std::string& run, const std::string& verify_key) {
   WSYNC_ASSIGN_OR_RETURN(store::S3Options o, store::S3OptionsFromUrl(url));
   WSYNC_ASSIGN_OR_RETURN(auto s3, store::OpenS3(o));
-  store::VersionReader reader(*s3, run);
+  WSYNC_ASSIGN_OR_RETURN(auto verifier, VerifierOf(verify_key));
+  store::VersionReader reader(*s3, run, 8, uint64_t{8} << 20, verifier.get());
   WSYNC_ASSIGN_OR_RETURN(auto keys, s3->List(run + "/versions/"));
   for (const auto& k : keys) {
     constexpr std::string_view kTail = "/manifest.json";
@@ -142,7 +151,7 @@ Status RunList(const std::string& url, const std::string& run) {
     const std::string digits = k.substr(run.size() + 10, 20);
     const uint64_t v = std::strtoull(digits.c_str(), nullptr, 10);
     WSYNC_ASSIGN_OR_RETURN(store::Manifest m, reader.ManifestOf(v));
-    std::printf("version %" PRIu64 ":", v);
+    std::printf("version %" PRIu64 "%s:", v, m.signature.empty() ? "" : " (signed)");
     for (const auto& obj : m.objects) {
       if (obj.kind == store::StoredObject::Kind::kKeyframe) {
         std::printf(" keyframe %" PRIu64 " bytes", obj.bytes);
@@ -176,12 +185,20 @@ void AddStoreCommands(CLI::App& app, std::function<Status()>* run) {
   pull->add_option("--threads", f->threads, "codec threads")->capture_default_str();
   pull->add_option("--max-failures", f->max_failures, "--follow gives up after this many failures in a row")
       ->capture_default_str();
+  pull->add_option("--verify-key", f->verify_key,
+                   "the run's Ed25519 public key (PEM): accept only manifests the source signed")
+      ->check(CLI::ExistingFile);
   pull->callback([run, f] { *run = [f] { return RunPull(*f); }; });
-  auto list_url = std::make_shared<std::string>(), list_run = std::make_shared<std::string>();
+  auto list_url = std::make_shared<std::string>(), list_run = std::make_shared<std::string>(),
+       list_key = std::make_shared<std::string>();
   auto* ls = store->add_subcommand("ls", "the versions a run holds in the store, with their objects");
   ls->add_option("--store", *list_url, "s3://BUCKET?endpoint=http://HOST:PORT")->required();
   ls->add_option("--run", *list_run, "the run's key prefix")->required();
-  ls->callback([run, list_url, list_run] { *run = [list_url, list_run] { return RunList(*list_url, *list_run); }; });
+  ls->add_option("--verify-key", *list_key, "the run's Ed25519 public key (PEM): refuse unsigned manifests")
+      ->check(CLI::ExistingFile);
+  ls->callback([run, list_url, list_run, list_key] {
+    *run = [list_url, list_run, list_key] { return RunList(*list_url, *list_run, *list_key); };
+  });
 }
 
 }  // namespace wsync::cli

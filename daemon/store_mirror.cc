@@ -11,12 +11,20 @@ StatusOr<std::unique_ptr<StoreMirror>> StoreMirror::Start(const StoreMirrorOptio
   if (options.keyframe_every == 0) return InvalidArgumentError("--store-keyframe-every must be at least 1");
   WSYNC_ASSIGN_OR_RETURN(store::S3Options o, store::S3OptionsFromUrl(options.url));
   WSYNC_ASSIGN_OR_RETURN(auto s3, store::OpenS3(o));
-  return std::unique_ptr<StoreMirror>(new StoreMirror(options, std::move(s3), history));
+  std::unique_ptr<store::Signer> signer;
+  if (!options.signing_key.empty()) {
+    WSYNC_ASSIGN_OR_RETURN(signer, store::Signer::FromPemFile(options.signing_key));
+  }
+  return std::unique_ptr<StoreMirror>(new StoreMirror(options, std::move(s3), std::move(signer), history));
 }
 
 StoreMirror::StoreMirror(const StoreMirrorOptions& options, std::unique_ptr<store::ObjectStore> store,
-                         PatchProvider* history)
-    : options_(options), store_(std::move(store)), writer_(*store_, options.run), history_(history) {
+                         std::unique_ptr<store::Signer> signer, PatchProvider* history)
+    : options_(options),
+      store_(std::move(store)),
+      signer_(std::move(signer)),
+      writer_(*store_, options.run, signer_.get()),
+      history_(history) {
   thread_ = std::thread([this] { Loop(); });
 }
 

@@ -10,7 +10,8 @@
 // The trainer never waits for the store: Published only queues. A failed
 // upload is retried (1 s, doubling to 30 s) while its version is the newest
 // waiting; once a newer one waits, the failed one is dropped (logged) and
-// the newer goes up with a keyframe.
+// the newer goes up with a keyframe. With a signing key, every manifest is
+// signed (pullers given the public key accept nothing else).
 //
 // Thread safety: thread-safe.
 #pragma once
@@ -33,6 +34,7 @@ struct StoreMirrorOptions {
   std::string run;  // the key prefix of this run's versions
   uint64_t keyframe_every = 16;
   uint64_t keep_versions = 0;
+  std::string signing_key;  // Ed25519 private key (PEM) every manifest is signed with; empty: unsigned
 };
 
 class StoreMirror {
@@ -57,13 +59,15 @@ class StoreMirror {
   bool WaitUploaded(uint64_t version, std::chrono::steady_clock::time_point deadline) const;
 
  private:
-  StoreMirror(const StoreMirrorOptions& options, std::unique_ptr<store::ObjectStore> store, PatchProvider* history);
+  StoreMirror(const StoreMirrorOptions& options, std::unique_ptr<store::ObjectStore> store,
+              std::unique_ptr<store::Signer> signer, PatchProvider* history);
   void Loop();
   Status Upload(const PublishedVersion& pub, bool keyframe);
   StatusOr<std::string> Bytes(uint64_t from, uint64_t to);
 
   const StoreMirrorOptions options_;
   std::unique_ptr<store::ObjectStore> store_;
+  std::unique_ptr<store::Signer> signer_;
   store::VersionWriter writer_;
   PatchProvider* history_;
   mutable std::mutex mu_;

@@ -318,6 +318,10 @@ int main(int argc, char** argv) {
   source->add_option("--store-keyframe-every", data.store.keyframe_every, "a keyframe in the store every N versions")
       ->capture_default_str()
       ->group("Object store");
+  source->add_option("--store-signing-key", data.store.signing_key,
+                     "sign every manifest with this Ed25519 private key (PEM; pullers verify with its public key)")
+      ->check(CLI::ExistingFile)
+      ->group("Object store");
   source->add_option("--store-keep", data.store.keep_versions,
                      "versions kept in the store back from the newest (older ones collected; 0: all kept)")
       ->capture_default_str()

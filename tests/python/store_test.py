@@ -47,8 +47,9 @@ def main():
         wsync = os.path.join(build, "client", "wsync")
         reader_env = SeaweedFS.env(READER)
 
-        def pull(out, *extra, timeout=120):
-            p = subprocess.run([wsync, "store", "pull", "--store", url, "--run", RUN, "-o", out, *extra],
+        def pull(out, *extra, timeout=120, key=None):
+            p = subprocess.run([wsync, "store", "pull", "--store", url, "--run", RUN, "-o", out,
+                                "--verify-key", key or pub, *extra],
                                env=reader_env, capture_output=True, text=True, timeout=timeout)
             if p.returncode != 0:
                 raise RuntimeError(p.stderr.strip())
@@ -56,9 +57,15 @@ def main():
 
         # The source writes with the writer's credentials (its environment).
         os.environ.update(AWS_ACCESS_KEY_ID=WRITER[0], AWS_SECRET_ACCESS_KEY=WRITER[1])
+        # The run's signing key (the source's) and its public key (the pullers').
+        key, pub, other = (os.path.join(tmp, n) for n in ("run.pem", "run.pub.pem", "other.pub.pem"))
+        subprocess.run(["openssl", "genpkey", "-algorithm", "ed25519", "-out", key], check=True)
+        subprocess.run(["openssl", "pkey", "-in", key, "-pubout", "-out", pub], check=True)
+        subprocess.run(f"openssl genpkey -algorithm ed25519 | openssl pkey -pubout -out {other}", shell=True,
+                       check=True)
         # Short request timeouts for the source, so that a stopped store fails its uploads quickly.
         system = System(build, 0, 2, tmp, source_args=("--store", url + "&attempts=2&timeout_ms=1000", "--store-run",
-                                                      RUN, "--store-keyframe-every", "4"))
+                                                      RUN, "--store-keyframe-every", "4", "--store-signing-key", key))
         half = len(snaps) // 2
         for i, snap in enumerate(snaps[:half]):
             system.publish(snap, i + 1)
@@ -93,7 +100,7 @@ def main():
         try:
             flaky = os.path.join(tmp, "flaky.safetensors")
             p = subprocess.run([wsync, "store", "pull", "--store", f"s3://weights?endpoint={proxy.endpoint()}",
-                                "--run", RUN, "-o", flaky, "--range-mib", "1"], env=reader_env, capture_output=True,
+                                "--run", RUN, "-o", flaky, "--range-mib", "1", "--verify-key", pub], env=reader_env, capture_output=True,
                                text=True, timeout=120)
             check(p.returncode == 0 and tensor_digest(flaky) == tensor_digest(snaps[-1]),
                   f"a puller behind a flaky proxy catches up bit for bit ({proxy.injected}){p.stderr.strip()}")
@@ -103,11 +110,18 @@ def main():
         listing = subprocess.run([wsync, "store", "ls", "--store", url, "--run", RUN], env=reader_env,
                                  capture_output=True, text=True, check=True).stdout
         print(listing, end="")
-        check(f"version {half + 1}:" not in listing, f"version {half + 1}, dropped, is not in the store")
-        line = [x for x in listing.splitlines() if x.startswith(f"version {half + 2}:")]
-        check(line and "keyframe" in line[0],
+        held = {int(x.split()[1].rstrip(":")): x for x in listing.splitlines() if x.startswith("version ")}
+        check(all("(signed)" in x for x in held.values()), "every manifest in the store is signed")
+        check(half + 1 not in held, f"version {half + 1}, dropped, is not in the store")
+        check("keyframe" in held.get(half + 2, ""),
               f"version {half + 2} went up with a keyframe (nothing in the store reaches it otherwise)")
         check(pull(late).strip().endswith("the newest in the store"), "a puller at the newest version pulls nothing")
+        try:
+            pull(os.path.join(tmp, "wrong-key.safetensors"), key=other)
+            check(False, "a puller with another run's key is refused")
+        except RuntimeError as e:
+            check("PermissionDenied" in str(e) and "signature does not verify" in str(e),
+                  f"a puller with another run's key is refused: {e}")
         ok = True
     finally:
         if system:

@@ -7,7 +7,11 @@
 #include "wsync/store/versions.h"
 
 #include <gtest/gtest.h>
+#include <openssl/evp.h>
+#include <openssl/pem.h>
 
+#include <cstdio>
+#include <filesystem>
 #include <random>
 
 #include "../codec/test_tensors.h"
@@ -189,6 +193,72 @@ TEST_F(VersionsTest, CollectionKeepsEveryLaterVersionReachable) {
   auto left = writer_store_->List(std::string(kRun) + "/versions/");
   ASSERT_TRUE(left.ok());
   for (const auto& k : *left) EXPECT_GE(k, VersionPrefix(kRun, 4)) << k;
+}
+
+// A fresh Ed25519 key pair in PEM files under the test's directory.
+std::pair<std::string, std::string> KeyPair(const std::string& name) {
+  const std::string dir = ::testing::TempDir();
+  const std::string priv = dir + "/" + name + ".pem", pub = dir + "/" + name + ".pub.pem";
+  EVP_PKEY* k = EVP_PKEY_Q_keygen(nullptr, nullptr, "ED25519");
+  FILE* f = std::fopen(priv.c_str(), "w");
+  PEM_write_PrivateKey(f, k, nullptr, nullptr, 0, nullptr, nullptr);
+  std::fclose(f);
+  f = std::fopen(pub.c_str(), "w");
+  PEM_write_PUBKEY(f, k);
+  std::fclose(f);
+  EVP_PKEY_free(k);
+  return {priv, pub};
+}
+
+// Signed manifests: a reader with the run's public key accepts what the
+// source signed, and refuses an unsigned manifest, one signed by another
+// key, and one whose objects were replaced by someone who can write the
+// bucket (even with SHA-256s that match the new objects).
+TEST_F(VersionsTest, AReaderWithTheRunsKeyAcceptsOnlyWhatTheSourceSigned) {
+  const auto [priv, pub] = KeyPair("run");
+  const auto [other_priv, other_pub] = KeyPair("other");
+  auto signer = Signer::FromPemFile(priv);
+  auto other = Signer::FromPemFile(other_priv);
+  auto verifier = Verifier::FromPemFile(pub);
+  ASSERT_TRUE(signer.ok() && other.ok() && verifier.ok()) << signer.status().ToString();
+  EXPECT_EQ(Signer::FromPemFile(pub).status().code(), StatusCode::kInvalidArgument) << "a public key cannot sign";
+  EXPECT_EQ(Verifier::FromPemFile("/nonexistent").status().code(), StatusCode::kInvalidArgument);
+  VersionWriter w(*writer_store_, kRun, signer->get());
+  const std::string k1 = Keyframe(1), p2 = Patch(1, 2);
+  ASSERT_TRUE(w.Publish(1, SetChecksum(1), {{StoredObject::Kind::kKeyframe, 0, k1}}).ok());
+  ASSERT_TRUE(w.Publish(2, SetChecksum(2), {{StoredObject::Kind::kPatch, 1, p2}}).ok());
+  VersionReader r(*reader_store_, kRun, 8, 8 << 20, verifier->get());
+  std::vector<OwnedTensor> tensors;
+  Status s = CatchUp(r, 0, 2, &tensors);
+  ASSERT_TRUE(s.ok()) << s.ToString();
+  EXPECT_TRUE(wsync::testing::SameBits(tensors, versions_[2]));
+  // Someone who can write the bucket replaces version 2's patch and its
+  // manifest: unsigned, with the old signature, with their own key.
+  const std::string forged = Patch(1, 3);  // version 3's weights presented as version 2
+  VersionWriter unsigned_writer(*writer_store_, kRun), other_writer(*writer_store_, kRun, other->get());
+  auto m = r.ManifestOf(2);
+  ASSERT_TRUE(m.ok());
+  const std::string signature = m->signature;
+  for (int how = 0; how < 3; ++how) {
+    ASSERT_TRUE(writer_store_->Delete(ManifestKey(kRun, 2)).ok());
+    VersionWriter& forger = how == 2 ? other_writer : unsigned_writer;
+    ASSERT_TRUE(forger.Publish(2, SetChecksum(3), {{StoredObject::Kind::kPatch, 1, forged}}).ok());
+    if (how == 1) {  // the source's signature copied onto the forged manifest
+      auto fm = r.ManifestOf(2);
+      ASSERT_FALSE(fm.ok());
+      auto raw = writer_store_->Get(ManifestKey(kRun, 2));
+      ASSERT_TRUE(raw.ok());
+      auto parsed = Manifest::Parse(*raw, "forged");
+      ASSERT_TRUE(parsed.ok());
+      parsed->signature = signature;
+      ASSERT_TRUE(writer_store_->Put(ManifestKey(kRun, 2), parsed->ToJson()).ok());
+    }
+    s = r.ManifestOf(2).status();
+    EXPECT_EQ(s.code(), StatusCode::kPermissionDenied) << how << ": " << s.ToString();
+    tensors = versions_[1];
+    EXPECT_EQ(CatchUp(r, 1, 2, &tensors).code(), StatusCode::kPermissionDenied) << how;
+    EXPECT_TRUE(wsync::testing::SameBits(tensors, versions_[1]));
+  }
 }
 
 }  // namespace

@@ -65,6 +65,12 @@ std::string ManifestKey(std::string_view run, uint64_t version) {
 }
 std::string HeadKey(std::string_view run) { return std::string(run) + "/head"; }
 
+std::string Manifest::SignedBytes() const {
+  Manifest unsigned_copy = *this;
+  unsigned_copy.signature.clear();
+  return unsigned_copy.ToJson();
+}
+
 std::string Manifest::ToJson() const {
   nlohmann::json j;
   j["format"] = kFormat;
@@ -75,6 +81,7 @@ std::string Manifest::ToJson() const {
     j["objects"].push_back(
         {{"kind", KindName(o.kind)}, {"base", o.base}, {"key", o.key}, {"bytes", o.bytes}, {"sha256", o.sha256}});
   }
+  if (!signature.empty()) j["signature"] = signature;
   return j.dump(1);
 }
 
@@ -118,6 +125,12 @@ StatusOr<Manifest> Manifest::Parse(std::string_view json, std::string_view where
     if (s.sha256.size() != 64) return bad("object " + Quoted(s.key) + ": sha256 is not 64 hex digits");
     m.objects.push_back(std::move(s));
   }
+  if (j.contains("signature")) {
+    if (!j["signature"].is_string() || j["signature"].get<std::string>().size() != 128) {
+      return bad("signature is not 128 hex digits");
+    }
+    m.signature = j["signature"];
+  }
   return m;
 }
 
@@ -139,6 +152,7 @@ Status VersionWriter::Publish(uint64_t version, uint64_t set_checksum, const std
     WSYNC_RETURN_IF_ERROR(store_.Put(o.key, u.bytes).WithContext("uploading version " + std::to_string(version)));
     m.objects.push_back(std::move(o));
   }
+  if (signer_ != nullptr) m.signature = signer_->Sign(m.SignedBytes());
   const std::string key = ManifestKey(run_, version);
   Status put = store_.Put(key, m.ToJson(), /*if_absent=*/true);
   if (put.code() == StatusCode::kFailedPrecondition) {
@@ -228,6 +242,11 @@ StatusOr<Manifest> VersionReader::ManifestOf(uint64_t version) {
   WSYNC_ASSIGN_OR_RETURN(Manifest m, Manifest::Parse(json, key));
   if (m.version != version) {
     return DataLossError("manifest " + Quoted(key) + " names version " + std::to_string(m.version));
+  }
+  if (verifier_ != nullptr && !verifier_->Verify(m.SignedBytes(), m.signature)) {
+    return PermissionDeniedError("the manifest of version " + std::to_string(version) + " of run " + Quoted(run_) +
+                                 (m.signature.empty() ? " is not signed" : "'s signature does not verify") +
+                                 " with the run's public key: refused");
   }
   return m;
 }

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "wsync/store/object_store.h"
+#include "wsync/store/signing.h"
 #include "wsync/util/status.h"
 
 namespace wsync::store {
@@ -41,8 +42,11 @@ struct Manifest {
   uint64_t version = 0;
   uint64_t set_checksum = 0;  // codec::SetChecksum of the version's tensors
   std::vector<StoredObject> objects;
+  std::string signature;  // Ed25519 of SignedBytes(), 128 hex digits (signing.h); empty: unsigned
 
   std::string ToJson() const;
+  // What the signature covers: the manifest without it.
+  std::string SignedBytes() const;
   // DataLoss naming what is malformed (an untrusted store's bytes).
   static StatusOr<Manifest> Parse(std::string_view json, std::string_view where);
 };
@@ -55,7 +59,9 @@ std::string HeadKey(std::string_view run);
 
 class VersionWriter {
  public:
-  VersionWriter(ObjectStore& store, std::string run) : store_(store), run_(std::move(run)) {}
+  // signer: signs every manifest (null: unsigned).
+  VersionWriter(ObjectStore& store, std::string run, const Signer* signer = nullptr)
+      : store_(store), run_(std::move(run)), signer_(signer) {}
 
   // What Publish uploads of a version: a patch from `base`, or a keyframe.
   struct Upload {
@@ -78,13 +84,17 @@ class VersionWriter {
  private:
   ObjectStore& store_;
   const std::string run_;
+  const Signer* signer_;
 };
 
 class VersionReader {
  public:
   // parallel: ranged GETs in flight per object; range_bytes: their size.
-  VersionReader(ObjectStore& store, std::string run, int parallel = 8, uint64_t range_bytes = uint64_t{8} << 20)
-      : store_(store), run_(std::move(run)), parallel_(parallel), range_bytes_(range_bytes) {}
+  // verifier: only manifests it verifies are accepted (PermissionDenied
+  // otherwise, naming the version); null: any.
+  VersionReader(ObjectStore& store, std::string run, int parallel = 8, uint64_t range_bytes = uint64_t{8} << 20,
+                const Verifier* verifier = nullptr)
+      : store_(store), run_(std::move(run)), parallel_(parallel), range_bytes_(range_bytes), verifier_(verifier) {}
 
   // The newest version published: the head, or the newest manifest when
   // the head is missing or behind one. NotFound when the run has none.
@@ -110,6 +120,7 @@ class VersionReader {
   const std::string run_;
   const int parallel_;
   const uint64_t range_bytes_;
+  const Verifier* verifier_;
 };
 
 }  // namespace wsync::store
