@@ -13,6 +13,7 @@
 #include <thread>
 
 #include "sigv4.h"
+#include "xml.h"
 #include "wsync/store/object_store.h"
 #include "wsync/util/text.h"
 
@@ -47,46 +48,6 @@ std::string Trim(std::string s) {
   size_t i = 0;
   while (i < s.size() && std::isspace(static_cast<unsigned char>(s[i]))) ++i;
   return s.substr(i);
-}
-
-// The text of every <tag>...</tag> in an XML document, entities decoded
-// (S3's responses are flat enough for this).
-std::vector<std::string> XmlValues(std::string_view xml, std::string_view tag) {
-  std::vector<std::string> out;
-  const std::string open = "<" + std::string(tag) + ">", close = "</" + std::string(tag) + ">";
-  for (size_t at = xml.find(open); at != std::string_view::npos; at = xml.find(open, at)) {
-    at += open.size();
-    const size_t end = xml.find(close, at);
-    if (end == std::string_view::npos) break;
-    std::string v(xml.substr(at, end - at));
-    std::string d;
-    for (size_t i = 0; i < v.size(); ++i) {
-      if (v[i] != '&') {
-        d += v[i];
-        continue;
-      }
-      const size_t semi = v.find(';', i);
-      const std::string e = semi == std::string::npos ? "" : v.substr(i + 1, semi - i - 1);
-      if (e == "amp") d += '&';
-      else if (e == "lt") d += '<';
-      else if (e == "gt") d += '>';
-      else if (e == "quot") d += '"';
-      else if (e == "apos") d += '\'';
-      else {
-        d += '&';
-        continue;
-      }
-      i = semi;
-    }
-    out.push_back(std::move(d));
-    at = end + close.size();
-  }
-  return out;
-}
-
-std::string XmlValue(std::string_view xml, std::string_view tag) {
-  auto v = XmlValues(xml, tag);
-  return v.empty() ? "" : v[0];
 }
 
 size_t OnBody(char* p, size_t size, size_t n, void* out) {
