@@ -94,8 +94,10 @@ StatusOr<LocalBuffers> MakeBuffers(const std::string& shm, int device, const std
   return b;
 }
 
-Status RunPublish(const std::string& local, const std::string& file, uint64_t version, int64_t wait_ms, int device,
-                  bool after_copy) {
+}  // namespace
+
+Status PublishFile(const std::string& local, const std::string& file, uint64_t version, int64_t wait_ms, int device,
+                   bool after_copy) {
   WSYNC_ASSIGN_OR_RETURN(auto st, buffers::SafetensorsFile::Open(file));
   v1::RegisterTensorsRequest reg;
   WSYNC_ASSIGN_OR_RETURN(auto region, MakeBuffers("", device, st->tensors(), &reg, /*copy=*/true));
@@ -126,6 +128,8 @@ Status RunPublish(const std::string& local, const std::string& file, uint64_t ve
               resp.encode_ms());
   return Status::Ok();
 }
+
+namespace {
 
 Status RunDump(const std::string& local, const std::string& out, uint64_t version, int64_t timeout_ms) {
   auto stub = Connect(local);
@@ -247,7 +251,7 @@ void AddLocalCommands(CLI::App& app, std::function<Status()>* run) {
     cmd->add_flag("--after-copy", *after_copy,
                   "return once the source has copied the weights (host regions); it encodes and announces the "
                   "version in the background, and the next publish reports a failure");
-    cmd->callback([=] { *run = [=] { return RunPublish(*local, *file, *version, *wait, *device, *after_copy); }; });
+    cmd->callback([=] { *run = [=] { return PublishFile(*local, *file, *version, *wait, *device, *after_copy); }; });
   }
   {
     auto* cmd = app.add_subcommand("local-status", "a local daemon's role, version and bytes served");

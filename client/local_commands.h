@@ -13,4 +13,10 @@ namespace wsync::cli {
 
 void AddLocalCommands(CLI::App& app, std::function<Status()>* run);
 
+// `wsync publish`: registers a safetensors file's tensors (copied into
+// memory passed to the source) with the source at `local` and publishes
+// them as `version`; prints what the source answered.
+Status PublishFile(const std::string& local, const std::string& file, uint64_t version, int64_t wait_ms = 0,
+                   int device = -1, bool after_copy = false);
+
 }  // namespace wsync::cli

@@ -17,6 +17,7 @@
 #include "wsync/store/versions.h"
 #include "wsync/util/thread_pool.h"
 #include "wsync/util/text.h"
+#include "local_commands.h"
 
 namespace wsync::cli {
 namespace {
@@ -35,6 +36,7 @@ struct PullFlags {
   unsigned threads = 2;
   int max_failures = 10;
   std::string verify_key;      // Ed25519 public key (PEM): only manifests it verifies
+  std::string publish_to;      // a source's local API: each version pulled is published through it
 };
 
 // The verifier of --verify-key, or none.
@@ -106,6 +108,7 @@ Status RunPull(const PullFlags& f) {
   WSYNC_ASSIGN_OR_RETURN(uint64_t held, LoadHeld(f.out, &tensors));
   ThreadPool pool(f.threads);
   int failures = 0;
+  uint64_t published = 0;  // the newest version published through --publish-to
   std::chrono::milliseconds backoff(f.poll_ms);
   for (;;) {
     Status s;
@@ -119,6 +122,16 @@ Status RunPull(const PullFlags& f) {
         if (s.ok()) held = target;
       } else if (!f.follow) {
         std::printf("%s: version %" PRIu64 ", the newest in the store\n", f.out.c_str(), held);
+      }
+    }
+    // A region's gateway: each version pulled, published to the region's
+    // own source (its daemons then follow it as any version). Already
+    // there (a restarted gateway): nothing to do.
+    if (s.ok() && !f.publish_to.empty() && published < held) {
+      s = PublishFile(f.publish_to, f.out, held);
+      if (s.ok() || s.HasReason(reasons::kStaleVersion)) {
+        s = Status::Ok();
+        published = held;
       }
     }
     if (!f.follow) return s;
@@ -185,6 +198,9 @@ void AddStoreCommands(CLI::App& app, std::function<Status()>* run) {
   pull->add_option("--threads", f->threads, "codec threads")->capture_default_str();
   pull->add_option("--max-failures", f->max_failures, "--follow gives up after this many failures in a row")
       ->capture_default_str();
+  pull->add_option("--publish-to", f->publish_to,
+                   "a region's gateway: publish each version pulled through this source (unix:PATH of its local "
+                   "API), for the region's sinks to follow through its own coordinator and relays");
   pull->add_option("--verify-key", f->verify_key,
                    "the run's Ed25519 public key (PEM): accept only manifests the source signed")
       ->check(CLI::ExistingFile);

@@ -5,8 +5,10 @@ that reach no daemon and hold read-only credentials follow the run with
 `wsync store pull`, bit for bit with the trainer's snapshots. The store
 stopped while the trainer publishes (its publishes do not wait for it; the
 version it missed is dropped and the next goes up with a keyframe), a
-puller that starts late or from an old file, and one behind a proxy that
-answers some ranged GETs with 503 or cuts them short.
+puller that starts late or from an old file, one behind a proxy that
+answers some ranged GETs with 503 or cuts them short, and a region with its
+own coordinator whose gateway publishes what it pulls to the region's
+sinks (one behind the other).
 
     store_test.py BUILD SNAPSHOT_DIR
 """
@@ -66,6 +68,19 @@ def main():
         # Short request timeouts for the source, so that a stopped store fails its uploads quickly.
         system = System(build, 0, 2, tmp, source_args=("--store", url + "&attempts=2&timeout_ms=1000", "--store-run",
                                                       RUN, "--store-keyframe-every", "4", "--store-signing-key", key))
+        # A region the trainer's cluster does not reach: its own coordinator, a gateway source
+        # fed by `wsync store pull --publish-to` (read-only credentials), two sinks with their
+        # inference servers behind it.
+        region_tmp = os.path.join(tmp, "region")
+        os.makedirs(region_tmp)
+        region = System(build, 2, 1, region_tmp)
+        region.attach_buffers(snaps[0])
+        gateway_log = open(os.path.join(tmp, "gateway.out"), "w")
+        gateway = subprocess.Popen([wsync, "store", "pull", "--store", url, "--run", RUN, "--verify-key", pub,
+                                    "-o", os.path.join(region_tmp, "gateway.safetensors"), "--follow", "--to",
+                                    str(len(snaps)), "--poll-ms", "100", "--publish-to",
+                                    f"unix:{region_tmp}/source.sock"],
+                                   env=reader_env, stdout=gateway_log, stderr=subprocess.STDOUT)
         half = len(snaps) // 2
         for i, snap in enumerate(snaps[:half]):
             system.publish(snap, i + 1)
@@ -107,6 +122,16 @@ def main():
             check(proxy.injected["503"] > 0 and proxy.injected["truncated"] > 0, "the proxy injected both faults")
         finally:
             proxy.stop()
+        # The region follows through its gateway: every sink at the last version, bit for bit,
+        # one of them behind the other (fan-out 1: a relay).
+        check(gateway.wait(timeout=120) == 0, "the region's gateway followed the run to its last version")
+        last = len(snaps)
+        region.wait_for(lambda: len(region.applied()) == 2 and all(v >= last for v in region.applied().values()),
+                        f"version {last} on the region's sinks", 60)
+        check(all(region.verify(s, snaps[-1], last) for s in region.sinks),
+              f"the region's sinks hold version {last} bit for bit (parents: {region.parents()})")
+        check(any(p.startswith("sink-") for p in region.parents().values()), "one region sink relays to the other")
+        region.stop()
         listing = subprocess.run([wsync, "store", "ls", "--store", url, "--run", RUN], env=reader_env,
                                  capture_output=True, text=True, check=True).stdout
         print(listing, end="")
@@ -126,6 +151,10 @@ def main():
     finally:
         if system:
             system.stop()
+        if "region" in locals():
+            region.stop()
+        if "gateway" in locals() and gateway.poll() is None:
+            gateway.kill()
         store.stop()
         if ok:
             shutil.rmtree(tmp, ignore_errors=True)
