@@ -121,10 +121,13 @@ mount -t tmpfs -o mode=1777 tmpfs "$root/dev/shm"
 in_root() { chroot --userspec=65534:65534 "$root" env -i PATH=/usr/local/bin:/usr/bin:/bin UCX_TLS=tcp \
   WSYNC_COORDINATOR=unix:/w/coord.sock "$@"; }
 in_root wsyncd coordinator --listen unix:/w/coord.sock --store-dir /w/store > "$root/w/coordinator.log" 2>&1 &
-until [ -S "$root/w/coord.sock" ]; do sleep 0.05; done
+# Each daemon's socket within 60 s, or its log says why it is not there.
+wait_for() { for i in $(seq 1200); do [ -S "$root/w/$1.sock" ] && return 0; sleep 0.05; done; cat "$root/w/$2.log" >&2; exit 1; }
+wait_for coord coordinator
 in_root wsyncd source --name source --local unix:/w/source.sock --listen 127.0.0.1:7700 > "$root/w/source.log" 2>&1 &
 in_root wsyncd sink --name sink --local unix:/w/sink.sock --listen 127.0.0.1:7701 > "$root/w/sink.log" 2>&1 &
-until [ -S "$root/w/source.sock" ] && [ -S "$root/w/sink.sock" ]; do sleep 0.05; done
+wait_for source source
+wait_for sink sink
 in_root wsync serve-buffers --local unix:/w/sink.sock --like /w/v1.safetensors > "$root/w/buffers.log" 2>&1 &
 for v in 1 2; do
   in_root wsync publish --local unix:/w/source.sock /w/v$v.safetensors --version $v
