@@ -7,7 +7,11 @@ version: the time from the publish call to every sink and to every
 puller, and what a puller read (bytes, requests). Then the cost model of a
 real deployment at the measured ratio.
 
-    bench_store.py --build BUILD --data SNAPSHOT_DIR [--sinks 4] [--pullers 4]
+    bench_store.py --build BUILD (--data SNAPSHOT_DIR | --params N [--steps K] [--lr LR])
+                   [--sinks 4] [--pullers 4]
+
+--params: a synthetic set of N parameters (FP32 masters, Adam-like steps,
+`wsync-bench synth`) instead of snapshots.
 """
 import argparse
 import glob
@@ -65,13 +69,26 @@ class Puller:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--build", required=True)
-    ap.add_argument("--data", required=True)
+    ap.add_argument("--data", help="a directory of safetensors snapshots")
+    ap.add_argument("--params", type=int, help="a synthetic set of this many parameters instead")
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--lr", default="1e-6")
     ap.add_argument("--sinks", type=int, default=4)
     ap.add_argument("--pullers", type=int, default=4)
     ap.add_argument("--fanout", type=int, default=2)
     args = ap.parse_args()
-    snaps = sorted(glob.glob(os.path.join(args.data, "*.safetensors")))
     tmp = tempfile.mkdtemp(prefix="wsync_bench_store_")
+    if args.params:
+        data = os.path.join(tmp, "snaps")
+        subprocess.run([os.path.join(args.build, "bench", "wsync-bench"), "--repeat", "1", "synth", "--params",
+                        str(args.params), "--steps", str(args.steps), "--lr", args.lr, "--out", data],
+                       check=True, stdout=subprocess.DEVNULL)
+        args.data = f"a synthetic set (wsync-bench synth --params {args.params}, lr {args.lr})"
+    elif args.data:
+        data = args.data
+    else:
+        sys.exit("--data or --params")
+    snaps = sorted(glob.glob(os.path.join(data, "*.safetensors")))
     store = SeaweedFS(tmp)
     system, pullers = None, []
     try:
@@ -84,7 +101,7 @@ def main():
         wsync = os.path.join(args.build, "client", "wsync")
         pullers = [Puller(wsync, url, os.path.join(tmp, f"puller-{i}.safetensors"), SeaweedFS.env(READER))
                    for i in range(args.pullers)]
-        print(f"{len(snaps)} snapshots of {args.data}; {args.sinks} sinks in the tree (fan-out {args.fanout}), "
+        print(f"{len(snaps)} snapshots of {os.path.getsize(snaps[0]) / 1e9:.2f} GB, {args.data}; {args.sinks} sinks in the tree (fan-out {args.fanout}), "
               f"{args.pullers} pullers of SeaweedFS on loopback")
         print(f"{'version':>7} {'patch B':>10} {'dense B':>11} {'tree ms':>8} {'store ms':>9} "
               f"{'read B/puller':>14} {'requests/puller':>16}")
