@@ -62,26 +62,43 @@ StatusOr<std::string> StoreMirror::Bytes(uint64_t from, uint64_t to) {
 }
 
 Status StoreMirror::Upload(const PublishedVersion& pub, bool keyframe) {
-  std::string patch, key;
+  std::string patch, key, merged;
   std::vector<store::VersionWriter::Upload> uploads;
   if (pub.base_version > 0) {
     WSYNC_ASSIGN_OR_RETURN(patch, Bytes(pub.base_version, pub.version));
     uploads.push_back({store::StoredObject::Kind::kPatch, pub.base_version, patch});
+  }
+  // A merged patch for pullers merge_every behind, from a version the
+  // store holds, while the history still serves it (it merges).
+  const uint64_t from = pub.version > options_.merge_every ? pub.version - options_.merge_every : 0;
+  if (options_.merge_every > 1 && pub.version % options_.merge_every == 0 && from > 0 &&
+      from != pub.base_version && in_store_.count(from)) {
+    auto bytes = Bytes(from, pub.version);
+    if (bytes.ok()) {
+      merged = std::move(*bytes);
+      uploads.push_back({store::StoredObject::Kind::kPatch, from, merged});
+    } else {
+      spdlog::info("store: no merged patch {} -> {}: {}", from, pub.version, bytes.status().ToString());
+    }
   }
   if (keyframe || pub.base_version == 0) {
     WSYNC_ASSIGN_OR_RETURN(key, Bytes(0, pub.version));
     uploads.push_back({store::StoredObject::Kind::kKeyframe, 0, key});
   }
   WSYNC_RETURN_IF_ERROR(writer_.Publish(pub.version, pub.set_checksum, uploads));
+  in_store_.insert(pub.version);
   {
     std::lock_guard<std::mutex> lock(mu_);
-    stats_.bytes_uploaded += patch.size() + key.size();
+    stats_.bytes_uploaded += patch.size() + key.size() + merged.size();
     if (!key.empty()) ++stats_.keyframes_uploaded;
+    if (!merged.empty()) ++stats_.merged_uploaded;
   }
   if (!key.empty()) last_keyframe_ = pub.version;
   if (options_.keep_versions > 0 && pub.version > options_.keep_versions) {
     auto removed = writer_.Collect(pub.version - options_.keep_versions);
     if (!removed.ok()) spdlog::warn("store: collecting old versions: {}", removed.status().ToString());
+    // What Collect may have removed is no base for a merged patch any more.
+    in_store_.erase(in_store_.begin(), in_store_.lower_bound(pub.version - options_.keep_versions));
   }
   return Status::Ok();
 }

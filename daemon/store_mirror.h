@@ -3,8 +3,9 @@
 // announced, a background thread uploads its patch from the previous
 // version (and a keyframe: the first version, every `keyframe_every`, and
 // whenever the previous version did not reach the store, so that the store
-// never holds a version nothing in it reaches), then its manifest and the
-// head (store::VersionWriter). Versions older than `keep_versions` behind
+// never holds a version nothing in it reaches; every `merge_every`, a merged
+// patch from that many versions back), then its manifest and the head
+// (store::VersionWriter). Versions older than `keep_versions` behind
 // the newest are collected (0: all kept).
 //
 // The trainer never waits for the store: Published only queues. A failed
@@ -20,6 +21,7 @@
 #include <deque>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <thread>
 
@@ -33,6 +35,10 @@ struct StoreMirrorOptions {
   std::string url;  // s3://BUCKET?endpoint=... (credentials: AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY)
   std::string run;  // the key prefix of this run's versions
   uint64_t keyframe_every = 16;
+  // Every N versions also a merged patch from N versions back (when the
+  // store holds that version and the history still serves it), so that a
+  // puller N behind fetches one patch, not N; 0: none.
+  uint64_t merge_every = 4;
   uint64_t keep_versions = 0;
   std::string signing_key;  // Ed25519 private key (PEM) every manifest is signed with; empty: unsigned
 };
@@ -49,7 +55,7 @@ class StoreMirror {
 
   struct Stats {
     uint64_t uploaded = 0;  // the newest version in the store
-    uint64_t versions_uploaded = 0, keyframes_uploaded = 0, failures = 0, dropped = 0;
+    uint64_t versions_uploaded = 0, keyframes_uploaded = 0, merged_uploaded = 0, failures = 0, dropped = 0;
     uint64_t bytes_uploaded = 0;
     Status last_error;
   };
@@ -75,6 +81,7 @@ class StoreMirror {
   std::deque<PublishedVersion> queue_;
   Stats stats_;
   uint64_t last_keyframe_ = 0;
+  std::set<uint64_t> in_store_;  // versions uploaded (the bases a merged patch may start from)
   uint64_t done_ = 0;  // the newest version uploaded or dropped
   bool stopping_ = false;
   std::thread thread_;

@@ -318,6 +318,10 @@ int main(int argc, char** argv) {
   source->add_option("--store-keyframe-every", data.store.keyframe_every, "a keyframe in the store every N versions")
       ->capture_default_str()
       ->group("Object store");
+  source->add_option("--store-merge-every", data.store.merge_every,
+                     "every N versions also a merged patch from N versions back, for pullers that far behind (0: none)")
+      ->capture_default_str()
+      ->group("Object store");
   source->add_option("--store-signing-key", data.store.signing_key,
                      "sign every manifest with this Ed25519 private key (PEM; pullers verify with its public key)")
       ->check(CLI::ExistingFile)

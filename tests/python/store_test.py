@@ -67,7 +67,8 @@ def main():
                        check=True)
         # Short request timeouts for the source, so that a stopped store fails its uploads quickly.
         system = System(build, 0, 2, tmp, source_args=("--store", url + "&attempts=2&timeout_ms=1000", "--store-run",
-                                                      RUN, "--store-keyframe-every", "4", "--store-signing-key", key))
+                                                      RUN, "--store-keyframe-every", "4", "--store-merge-every", "3",
+                                                      "--store-signing-key", key))
         # A region the trainer's cluster does not reach: its own coordinator, a gateway source
         # fed by `wsync store pull --publish-to` (read-only credentials), two sinks with their
         # inference servers behind it.
@@ -140,6 +141,7 @@ def main():
         check(half + 1 not in held, f"version {half + 1}, dropped, is not in the store")
         check("keyframe" in held.get(half + 2, ""),
               f"version {half + 2} went up with a keyframe (nothing in the store reaches it otherwise)")
+        check("patch from 3 " in held.get(6, ""), "version 6 has a merged patch from version 3 besides its own")
         check(pull(late).strip().endswith("the newest in the store"), "a puller at the newest version pulls nothing")
         try:
             pull(os.path.join(tmp, "wrong-key.safetensors"), key=other)

@@ -63,7 +63,8 @@ class VersionsTest : public ::testing::Test {
   }
   uint64_t SetChecksum(uint64_t v) { return codec::SetChecksum(buffers::Views(versions_[v]), {}); }
 
-  // Versions 1 (keyframe) to 6, a keyframe at 4 too.
+  // Versions 1 (keyframe) to 6, a keyframe at 4 too, and at 6 a merged
+  // patch from 3 besides the one from 5.
   void PublishAll() {
     VersionWriter w(*writer_store_, kRun);
     for (uint64_t v = 1; v <= 6; ++v) {
@@ -74,6 +75,10 @@ class VersionsTest : public ::testing::Test {
       for (size_t i = 0; i < bytes.size(); ++i) {
         const bool key = (v == 1) || (v == 4 && i == 1);
         uploads.push_back({key ? StoredObject::Kind::kKeyframe : StoredObject::Kind::kPatch, v - 1, bytes[i]});
+      }
+      if (v == 6) {
+        bytes.push_back(Patch(3, 6));
+        uploads.push_back({StoredObject::Kind::kPatch, 3, bytes.back()});
       }
       const Status s = w.Publish(v, SetChecksum(v), uploads);
       ASSERT_TRUE(s.ok()) << s.ToString();
@@ -120,12 +125,14 @@ TEST_F(VersionsTest, AReaderCatchesUpByTheFewestBytesToTheTargetBits) {
   EXPECT_EQ(plan[0].object.kind, StoredObject::Kind::kKeyframe);
   EXPECT_EQ(plan[0].version, 4u);
   EXPECT_TRUE(wsync::testing::SameBits(tensors, versions_[6]));
-  // From 2: patches only (each far smaller than a keyframe).
+  // From 2: patches only (each far smaller than a keyframe), the merged
+  // one from 3 in place of three.
   tensors = versions_[2];
   s = CatchUp(r, 2, 6, &tensors, &plan);
   ASSERT_TRUE(s.ok()) << s.ToString();
-  ASSERT_EQ(plan.size(), 4u);
+  ASSERT_EQ(plan.size(), 2u);
   for (const auto& step : plan) EXPECT_EQ(step.object.kind, StoredObject::Kind::kPatch);
+  EXPECT_EQ(plan[1].object.base, 3u);
   EXPECT_TRUE(wsync::testing::SameBits(tensors, versions_[6]));
   EXPECT_EQ(r.Plan(6, 7).status().code(), StatusCode::kNotFound);
   // A reader may not write.
@@ -168,9 +175,10 @@ TEST_F(VersionsTest, CorruptTruncatedAndMissingObjectsAreRefusedByName) {
 TEST_F(VersionsTest, ASecondUploaderOfAVersionSucceedsOnlyWithTheSameObjects) {
   PublishAll();
   VersionWriter w(*writer_store_, kRun);
-  const std::string p6 = Patch(5, 6);
-  EXPECT_TRUE(w.Publish(6, SetChecksum(6), {{StoredObject::Kind::kPatch, 5, p6}}).ok())
-      << "the same patch again is the same version";
+  const std::string p6 = Patch(5, 6), merged = Patch(3, 6);
+  EXPECT_TRUE(
+      w.Publish(6, SetChecksum(6), {{StoredObject::Kind::kPatch, 5, p6}, {StoredObject::Kind::kPatch, 3, merged}}).ok())
+      << "the same patches again are the same version";
   const std::string other = Patch(4, 6);
   const Status s = w.Publish(6, SetChecksum(6), {{StoredObject::Kind::kPatch, 4, other}});
   EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition) << s.ToString();
