@@ -2,6 +2,7 @@
 benchmarks: one process (master, volume, filer, S3 gateway) in a directory
 of its own, with a writer and a read-only identity. Its binary comes from
 scripts/install-seaweedfs.sh ($WSYNC_SEAWEEDFS overrides where)."""
+import glob
 import json
 import os
 import socket
@@ -36,13 +37,16 @@ class SeaweedFS:
                 "actions": ["Read", "List"]}]
         with open(os.path.join(self.dir, "s3.json"), "w") as f:
             json.dump({"identities": ids}, f)
-        self.s3_port, self.filer_port = free_port(), free_port()
+        self.ports = [free_port() for _ in range(8)]
+        self.s3_port, self.filer_port = self.ports[0], self.ports[1]
+        master, master_grpc, volume, volume_grpc, filer_grpc, s3_grpc = self.ports[2:]
         argv = [binary(), f"-logdir={self.dir}/log", "server", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
-                f"-dir={self.dir}/data", f"-master.port={free_port()}", f"-master.port.grpc={free_port()}",
-                f"-volume.port={free_port()}", f"-volume.port.grpc={free_port()}", "-filer",
-                f"-filer.port={self.filer_port}", f"-filer.port.grpc={free_port()}", "-s3",
-                f"-s3.port={self.s3_port}", f"-s3.port.grpc={free_port()}", "-s3.port.iceberg=0",
-                "-s3.port.lance=0", f"-s3.config={self.dir}/s3.json", "-master.volumeSizeLimitMB=64",
+                f"-dir={self.dir}/data", f"-master.port={master}", f"-master.port.grpc={master_grpc}",
+                f"-volume.port={volume}", f"-volume.port.grpc={volume_grpc}", "-filer",
+                f"-filer.port={self.filer_port}", f"-filer.port.grpc={filer_grpc}", "-s3",
+                f"-s3.port={self.s3_port}", f"-s3.port.grpc={s3_grpc}", "-s3.port.iceberg=0",
+                "-s3.port.lance=0", f"-s3.config={self.dir}/s3.json", f"-s3.localSocket={self.dir}/s3.sock",
+                f"-filer.localSocket={self.dir}/filer.sock", "-master.volumeSizeLimitMB=64",
                 "-volume.max=16", "-volume.preStopSeconds=0"]
         if not os.path.exists(argv[0]):
             raise RuntimeError(f"no SeaweedFS at {argv[0]} (run scripts/install-seaweedfs.sh)")
@@ -89,3 +93,7 @@ class SeaweedFS:
     def stop(self):
         self.proc.kill()
         self.proc.wait()
+        # The gRPC servers' unix sockets it always makes in /tmp, named by port.
+        for p in self.ports:
+            for f in glob.glob(f"/tmp/seaweedfs-*-{p}.sock"):
+                os.unlink(f)

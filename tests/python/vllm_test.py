@@ -61,6 +61,7 @@ Run it with the Python of the environment scripts/install-vllm.sh makes.
 import argparse
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -591,6 +592,10 @@ def main():
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # each engine's core in this process
     os.environ.setdefault("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", "1")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    # vLLM's ZeroMQ sockets (a uuid each, in /tmp by default, left behind by ranks it SIGKILLs) go
+    # into a directory the suite removes.
+    rpc_dir = tempfile.mkdtemp(prefix="wsync_vllm_rpc_")
+    os.environ["VLLM_RPC_BASE_PATH"] = rpc_dir
     prepare_cpu()
     build = os.path.abspath(args.build)
     start = time.time()
@@ -606,6 +611,7 @@ def main():
         # SIGKILLed ranks leave are removed; wsync's must be gone already.
         removed = remove_leaked_vllm_shm(shm_before)
         print(f"removed {len(removed)} shared-memory segments vLLM's ranks left in /dev/shm")
+        shutil.rmtree(rpc_dir, ignore_errors=True)
     left = sorted(n for n in shm_names() - shm_before if n.startswith("wsync"))
     check(not left, f"wsync left nothing in /dev/shm (left: {left[:4]})")
     print(f"{len(failures)} failed checks in {time.time() - start:.0f} s")

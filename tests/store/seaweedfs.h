@@ -51,7 +51,10 @@ class SeaweedServer {
                                     << R"({"name":"reader","credentials":[{"accessKey":")" << kReadKey
                                     << R"(","secretKey":")" << kReadSecret << R"("}],"actions":["Read","List"]}]})";
     s3_port_ = control::FreePort();
-    const auto port = [](int p) { return std::to_string(p); };
+    const auto port = [this](int p) {
+      ports_.push_back(p);
+      return std::to_string(p);
+    };
     std::vector<std::string> args = {SeaweedBinary(), "-logdir=" + (dir_ / "log").string(), "server",
                                      "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-dir=" + (dir_ / "data").string(),
                                      "-master.port=" + port(control::FreePort()),
@@ -62,7 +65,9 @@ class SeaweedServer {
                                      "-filer.port.grpc=" + port(control::FreePort()), "-s3",
                                      "-s3.port=" + port(s3_port_), "-s3.port.grpc=" + port(control::FreePort()),
                                      "-s3.port.iceberg=0", "-s3.port.lance=0",
-                                     "-s3.config=" + (dir_ / "s3.json").string(), "-master.volumeSizeLimitMB=64",
+                                     "-s3.config=" + (dir_ / "s3.json").string(),
+                                     "-s3.localSocket=" + (dir_ / "s3.sock").string(),
+                                     "-filer.localSocket=" + (dir_ / "filer.sock").string(), "-master.volumeSizeLimitMB=64",
                                      "-volume.max=16", "-volume.preStopSeconds=0"};
     std::filesystem::create_directories(dir_ / "log");
     std::vector<char*> argv;
@@ -85,6 +90,18 @@ class SeaweedServer {
       ::waitpid(pid_, nullptr, 0);
     }
     std::filesystem::remove_all(dir_);
+    // The gRPC servers' unix sockets it always makes in /tmp, named by port.
+    std::error_code ec;
+    for (const auto& e : std::filesystem::directory_iterator("/tmp", ec)) {
+      const std::string name = e.path().filename().string();
+      for (int p : ports_) {
+        const std::string tail = "-" + std::to_string(p) + ".sock";
+        if (name.rfind("seaweedfs-", 0) == 0 && name.size() > tail.size() &&
+            name.compare(name.size() - tail.size(), tail.size(), tail) == 0) {
+          std::filesystem::remove(e.path(), ec);
+        }
+      }
+    }
   }
 
   bool started() const { return pid_ > 0; }
@@ -119,6 +136,7 @@ class SeaweedServer {
  private:
   std::filesystem::path dir_;
   int s3_port_ = 0;
+  std::vector<int> ports_;
   pid_t pid_ = -1;
 };
 
