@@ -140,6 +140,14 @@ TP_DEGREES = ((1, False), (2, False))
 failures = []
 
 
+def keep_or_remove(tmp, failed_before):
+    """A run's directory (logs, checkpoints) stays only when one of its checks failed."""
+    if len(failures) > failed_before or sys.exc_info()[0] is not None:
+        print(f"  logs: {tmp}", flush=True)
+    else:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def check(cond, what):
     print(("  ok: " if cond else "  FAIL: ") + what, flush=True)
     if not cond:
@@ -350,6 +358,7 @@ def run_family(build, family, steps):
     kw = ENGINE_ARGS.get(family, {})
     print(f"== {family}: " + " and ".join(f"TP {tp}" + (" expert parallel" if ep else "") for tp, ep in engines)
           + f", {steps} trained steps", flush=True)
+    failed_before = len(failures)
     tmp = tempfile.mkdtemp(prefix=f"wsync_vllm_{family}_")
     s = System(build, 0, 4, tmp)
     llms = {}
@@ -436,6 +445,7 @@ def run_family(build, family, steps):
         for llm in llms.values():
             shutdown(llm)
         s.stop()
+        keep_or_remove(tmp, failed_before)
 
 
 def serve_args(path, port, tp=1, dp=2):
@@ -519,6 +529,7 @@ def run_served(build, steps):
     from wsync.vllm import WsyncTrainerInitInfo
 
     print(f"== vllm serve: llama, 2 data-parallel replicas, {steps} trained steps", flush=True)
+    failed_before = len(failures)
     tmp = tempfile.mkdtemp(prefix="wsync_vllm_serve_")
     s = System(build, 0, 4, tmp)
     servers = []
@@ -575,6 +586,7 @@ def run_served(build, steps):
         for server in servers:
             server.stop()
         s.stop()
+        keep_or_remove(tmp, failed_before)
 
 
 def main():
@@ -600,6 +612,7 @@ def main():
     build = os.path.abspath(args.build)
     start = time.time()
     shm_before = shm_names()
+    tmp_before = set(os.listdir(tempfile.gettempdir()))
     try:
         for family in args.families.split(","):
             if family == "serve":
@@ -612,6 +625,13 @@ def main():
         removed = remove_leaked_vllm_shm(shm_before)
         print(f"removed {len(removed)} shared-memory segments vLLM's ranks left in /dev/shm")
         shutil.rmtree(rpc_dir, ignore_errors=True)
+        # And the files its CPU ranks describe those segments with in /tmp.
+        for name in set(os.listdir(tempfile.gettempdir())) - tmp_before:
+            if name.startswith("vllm_dist_"):
+                try:
+                    os.unlink(os.path.join(tempfile.gettempdir(), name))
+                except OSError:
+                    pass
     left = sorted(n for n in shm_names() - shm_before if n.startswith("wsync"))
     check(not left, f"wsync left nothing in /dev/shm (left: {left[:4]})")
     print(f"{len(failures)} failed checks in {time.time() - start:.0f} s")
