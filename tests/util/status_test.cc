@@ -64,3 +64,24 @@ TEST(Crc32c, KnownAnswers) {
 
 }  // namespace
 }  // namespace wsync
+
+#include "wsync/util/text.h"
+
+namespace wsync {
+namespace {
+
+TEST(Hex, RoundTripsEveryByteAndRefusesWhatIsNotLowercaseHex) {
+  std::string all;
+  for (int c = 0; c < 256; ++c) all.push_back(static_cast<char>(c));
+  const std::string hex = Hex(all);
+  EXPECT_EQ(hex.substr(0, 8), "00010203");
+  EXPECT_EQ(hex.substr(hex.size() - 4), "feff");
+  EXPECT_EQ(FromHex(hex), all);
+  EXPECT_EQ(FromHex(""), std::string());
+  EXPECT_EQ(FromHex("abc"), std::nullopt);  // odd length
+  EXPECT_EQ(FromHex("AB"), std::nullopt);   // upper case
+  EXPECT_EQ(FromHex("0g"), std::nullopt);
+}
+
+}  // namespace
+}  // namespace wsync

@@ -1,21 +1,18 @@
 // IpcHandle's text form, shared by the CUDA and the CUDA-less builds.
 #pragma once
 
+#include <algorithm>
 #include <charconv>
 #include <string>
 #include <vector>
 
 #include "wsync/cuda/ipc.h"
+#include "wsync/util/text.h"
 
 namespace wsync::cuda::internal {
 
 inline std::string IpcHandleToString(const IpcHandle& h) {
-  static constexpr char kHex[] = "0123456789abcdef";
-  std::string hex;
-  for (uint8_t b : h.handle) {
-    hex.push_back(kHex[b >> 4]);
-    hex.push_back(kHex[b & 15]);
-  }
+  const std::string hex = Hex(std::string_view(reinterpret_cast<const char*>(h.handle.data()), h.handle.size()));
   return "wsync-ipc-v1:" + std::to_string(h.device) + ":" + std::to_string(h.offset) + ":" +
          std::to_string(h.bytes) + ":" + hex;
 }
@@ -47,14 +44,9 @@ inline StatusOr<IpcHandle> ParseIpcHandle(std::string_view text) {
   if (f[3].size() != 2 * h.handle.size()) {
     return InvalidArgumentError("IPC handle: the handle has " + std::to_string(f[3].size()) + " hex digits, not 128");
   }
-  for (size_t i = 0; i < h.handle.size(); ++i) {
-    auto digit = [](char c) {
-      return c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : -1;
-    };
-    const int hi = digit(f[3][2 * i]), lo = digit(f[3][2 * i + 1]);
-    if (hi < 0 || lo < 0) return InvalidArgumentError("IPC handle: the handle is not lowercase hex");
-    h.handle[i] = static_cast<uint8_t>(hi << 4 | lo);
-  }
+  const std::optional<std::string> bytes = FromHex(f[3]);
+  if (!bytes) return InvalidArgumentError("IPC handle: the handle is not lowercase hex");
+  std::copy(bytes->begin(), bytes->end(), h.handle.begin());
   return h;
 }
 

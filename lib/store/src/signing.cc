@@ -5,6 +5,8 @@
 
 #include <cstdio>
 
+#include "wsync/util/text.h"
+
 namespace wsync::store {
 namespace {
 
@@ -16,7 +18,8 @@ using Pkey = std::unique_ptr<EVP_PKEY, PkeyFree>;
 StatusOr<Pkey> ReadKey(const std::string& path, bool is_private) {
   FILE* f = std::fopen(path.c_str(), "r");
   if (f == nullptr) return InvalidArgumentError("cannot open key file " + path);
-  EVP_PKEY* k = is_private ? PEM_read_PrivateKey(f, nullptr, nullptr, nullptr) : PEM_read_PUBKEY(f, nullptr, nullptr, nullptr);
+  EVP_PKEY* k =
+      is_private ? PEM_read_PrivateKey(f, nullptr, nullptr, nullptr) : PEM_read_PUBKEY(f, nullptr, nullptr, nullptr);
   std::fclose(f);
   if (k == nullptr || EVP_PKEY_id(k) != EVP_PKEY_ED25519) {
     EVP_PKEY_free(k);
@@ -57,32 +60,17 @@ std::string Signer::Sign(std::string_view bytes) const {
   EVP_DigestSignInit(ctx, nullptr, nullptr, nullptr, key_->pkey.get());
   EVP_DigestSign(ctx, sig, &len, reinterpret_cast<const unsigned char*>(bytes.data()), bytes.size());
   EVP_MD_CTX_free(ctx);
-  static constexpr char kDigits[] = "0123456789abcdef";
-  std::string hex;
-  for (size_t i = 0; i < len; ++i) {
-    hex += kDigits[sig[i] >> 4];
-    hex += kDigits[sig[i] & 15];
-  }
-  return hex;
+  return Hex(std::string_view(reinterpret_cast<const char*>(sig), len));
 }
 
 bool Verifier::Verify(std::string_view bytes, std::string_view signature_hex) const {
-  if (signature_hex.size() != 128) return false;
-  unsigned char sig[64];
-  for (size_t i = 0; i < 64; ++i) {
-    auto nibble = [](char c) -> int {
-      if (c >= '0' && c <= '9') return c - '0';
-      if (c >= 'a' && c <= 'f') return c - 'a' + 10;
-      return -1;
-    };
-    const int hi = nibble(signature_hex[2 * i]), lo = nibble(signature_hex[2 * i + 1]);
-    if (hi < 0 || lo < 0) return false;
-    sig[i] = static_cast<unsigned char>(hi << 4 | lo);
-  }
+  const std::optional<std::string> sig = FromHex(signature_hex);
+  if (!sig || sig->size() != 64) return false;
   EVP_MD_CTX* ctx = EVP_MD_CTX_new();
+  const auto* s = reinterpret_cast<const unsigned char*>(sig->data());
+  const auto* b = reinterpret_cast<const unsigned char*>(bytes.data());
   const bool ok = EVP_DigestVerifyInit(ctx, nullptr, nullptr, nullptr, key_->pkey.get()) == 1 &&
-                  EVP_DigestVerify(ctx, sig, sizeof(sig), reinterpret_cast<const unsigned char*>(bytes.data()),
-                                   bytes.size()) == 1;
+                  EVP_DigestVerify(ctx, s, sig->size(), b, bytes.size()) == 1;
   EVP_MD_CTX_free(ctx);
   return ok;
 }

@@ -7,18 +7,10 @@
 #include <array>
 #include <cstdio>
 
+#include "wsync/util/text.h"
+
 namespace wsync::store::sigv4 {
 namespace {
-
-std::string Hex(const unsigned char* p, size_t n) {
-  static constexpr char kDigits[] = "0123456789abcdef";
-  std::string out(2 * n, '0');
-  for (size_t i = 0; i < n; ++i) {
-    out[2 * i] = kDigits[p[i] >> 4];
-    out[2 * i + 1] = kDigits[p[i] & 15];
-  }
-  return out;
-}
 
 std::string Hmac(std::string_view key, std::string_view data) {
   std::array<unsigned char, EVP_MAX_MD_SIZE> out{};
@@ -33,7 +25,7 @@ std::string Hmac(std::string_view key, std::string_view data) {
 std::string Sha256Hex(std::string_view bytes) {
   std::array<unsigned char, SHA256_DIGEST_LENGTH> d{};
   SHA256(reinterpret_cast<const unsigned char*>(bytes.data()), bytes.size(), d.data());
-  return Hex(d.data(), d.size());
+  return Hex(std::string_view(reinterpret_cast<const char*>(d.data()), d.size()));
 }
 
 std::string UriEncode(std::string_view s, bool keep_slash) {
@@ -86,7 +78,7 @@ std::string Authorization(const Request& r, std::string_view region, std::string
   key = Hmac(key, "aws4_request");
   const std::string sig = Hmac(key, to_sign);
   return "AWS4-HMAC-SHA256 Credential=" + std::string(access_key) + "/" + scope + ", SignedHeaders=" + signed_headers +
-         ", Signature=" + Hex(reinterpret_cast<const unsigned char*>(sig.data()), sig.size());
+         ", Signature=" + Hex(sig);
 }
 
 }  // namespace wsync::store::sigv4

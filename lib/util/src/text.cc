@@ -3,9 +3,36 @@
 #include <algorithm>
 
 namespace wsync {
+namespace {
+
+constexpr char kHex[] = "0123456789abcdef";
+
+}  // namespace
+
+std::string Hex(std::string_view bytes) {
+  std::string out;
+  out.reserve(2 * bytes.size());
+  for (const char ch : bytes) {
+    const auto c = static_cast<unsigned char>(ch);
+    out.push_back(kHex[c >> 4]);
+    out.push_back(kHex[c & 15]);
+  }
+  return out;
+}
+
+std::optional<std::string> FromHex(std::string_view hex) {
+  if (hex.size() % 2 != 0) return std::nullopt;
+  auto digit = [](char c) { return c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : -1; };
+  std::string out(hex.size() / 2, '\0');
+  for (size_t i = 0; i < out.size(); ++i) {
+    const int hi = digit(hex[2 * i]), lo = digit(hex[2 * i + 1]);
+    if (hi < 0 || lo < 0) return std::nullopt;
+    out[i] = static_cast<char>(hi << 4 | lo);
+  }
+  return out;
+}
 
 std::string Quoted(std::string_view s, size_t max_bytes) {
-  static constexpr char kHex[] = "0123456789abcdef";
   std::string out = "'";
   const size_t n = s.size() < max_bytes ? s.size() : max_bytes;
   for (size_t i = 0; i < n; ++i) {

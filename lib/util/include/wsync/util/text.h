@@ -2,6 +2,7 @@
 // into an error message or a log line.
 #pragma once
 
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -15,5 +16,11 @@ std::string Quoted(std::string_view s, size_t max_bytes = 200);
 // The items of a comma-separated list ("a:1, b:2"), spaces around each
 // trimmed, empty ones dropped.
 std::vector<std::string> SplitList(std::string_view list);
+
+// Lowercase hex of bytes, two digits each.
+std::string Hex(std::string_view bytes);
+// The bytes lowercase hex stands for; nothing when `hex` is not that (an odd
+// length, another character).
+std::optional<std::string> FromHex(std::string_view hex);
 
 }  // namespace wsync
