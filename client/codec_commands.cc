@@ -138,9 +138,7 @@ StatusOr<std::vector<OwnedTensor>> StartingTensors(const codec::PatchInfo& info,
   if (base != nullptr) {
     tensors = buffers::CopyTensors(base->tensors());
   } else if (info.kind == codec::PatchKind::kKeyframe) {
-    for (const auto& t : info.tensors) {
-      tensors.push_back({t.name, t.dtype, t.shape, std::vector<uint8_t>(t.DenseBytes())});
-    }
+    tensors = KeyframeShapedTensors(info);
   } else {
     return InvalidArgumentError(patch_path + " is a patch: apply needs its base (wsync apply BASE PATCH -o OUT)");
   }
@@ -329,6 +327,12 @@ Status RunInspect(const std::string& patch_path, const std::string& base_path, b
 }
 
 }  // namespace
+
+std::vector<buffers::OwnedTensor> KeyframeShapedTensors(const codec::PatchInfo& info) {
+  std::vector<buffers::OwnedTensor> tensors;
+  for (const auto& t : info.tensors) tensors.push_back({t.name, t.dtype, t.shape, std::vector<uint8_t>(t.DenseBytes())});
+  return tensors;
+}
 
 void AddCodecCommands(CLI::App& app, std::function<Status()>* run) {
   {

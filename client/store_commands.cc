@@ -17,6 +17,7 @@
 #include "wsync/store/versions.h"
 #include "wsync/util/thread_pool.h"
 #include "wsync/util/text.h"
+#include "codec_commands.h"
 #include "local_commands.h"
 
 namespace wsync::cli {
@@ -75,8 +76,7 @@ Status CatchUp(store::ObjectStore& s3, store::VersionReader& reader, const PullF
     bytes += object.size();
     if (step.object.kind == store::StoredObject::Kind::kKeyframe) {
       WSYNC_ASSIGN_OR_RETURN(auto info, codec::InspectPatch(object));
-      work.clear();
-      for (const auto& t : info.tensors) work.push_back({t.name, t.dtype, t.shape, std::vector<uint8_t>(t.DenseBytes())});
+      work = KeyframeShapedTensors(info);
     }
     auto views = buffers::MutableViews(work);
     WSYNC_RETURN_IF_ERROR(codec::Apply(object, views, ao).WithContext(step.object.key));
@@ -157,12 +157,8 @@ Status RunList(const std::string& url, const std::string& run, const std::string
   WSYNC_ASSIGN_OR_RETURN(auto s3, store::OpenS3(o));
   WSYNC_ASSIGN_OR_RETURN(auto verifier, VerifierOf(verify_key));
   store::VersionReader reader(*s3, run, 8, uint64_t{8} << 20, verifier.get());
-  WSYNC_ASSIGN_OR_RETURN(auto keys, s3->List(run + "/versions/"));
-  for (const auto& k : keys) {
-    constexpr std::string_view kTail = "/manifest.json";
-    if (k.size() < kTail.size() || k.compare(k.size() - kTail.size(), kTail.size(), kTail) != 0) continue;
-    const std::string digits = k.substr(run.size() + 10, 20);
-    const uint64_t v = std::strtoull(digits.c_str(), nullptr, 10);
+  WSYNC_ASSIGN_OR_RETURN(auto versions, store::ListVersions(*s3, run));
+  for (uint64_t v : versions) {
     WSYNC_ASSIGN_OR_RETURN(store::Manifest m, reader.ManifestOf(v));
     std::printf("version %" PRIu64 "%s:", v, m.signature.empty() ? "" : " (signed)");
     for (const auto& obj : m.objects) {

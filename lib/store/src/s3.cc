@@ -117,20 +117,16 @@ class S3Store : public ObjectStore {
     Call c{"GET", key, {}, {}, {}};
     c.headers["range"] = "bytes=" + std::to_string(offset) + "-" + std::to_string(offset + length - 1);
     WSYNC_ASSIGN_OR_RETURN(Response r, Run(c));
-    if (r.status == 416) {
-      return OutOfRangeError("object " + Quoted(key) + " ends before byte " + std::to_string(offset + length));
-    }
+    const Status ends_early =
+        OutOfRangeError("object " + Quoted(key) + " ends before byte " + std::to_string(offset + length));
+    if (r.status == 416) return ends_early;
     WSYNC_RETURN_IF_ERROR(Expect(r, c, {200, 206}));
     bytes_read_ += r.body.size();
     if (r.status == 200) {  // the range ignored: the whole object came
-      if (r.body.size() < offset + length) {
-        return OutOfRangeError("object " + Quoted(key) + " ends before byte " + std::to_string(offset + length));
-      }
+      if (r.body.size() < offset + length) return ends_early;
       return r.body.substr(offset, length);
     }
-    if (r.body.size() != length) {
-      return OutOfRangeError("object " + Quoted(key) + " ends before byte " + std::to_string(offset + length));
-    }
+    if (r.body.size() != length) return ends_early;
     return std::move(r.body);
   }
 

@@ -36,19 +36,35 @@ bool SameObjects(const Manifest& a, const Manifest& b) {
   return true;
 }
 
-// The version a manifest key names, if it is one of this run's.
-std::optional<uint64_t> ManifestVersion(std::string_view run, std::string_view key) {
+// The version whose objects a key of this run is one of (RUN/versions/<v>/...).
+std::optional<uint64_t> KeyVersion(std::string_view run, std::string_view key) {
   const std::string prefix = std::string(run) + "/versions/";
   if (key.substr(0, prefix.size()) != prefix) return std::nullopt;
   key.remove_prefix(prefix.size());
-  constexpr std::string_view kTail = "/manifest.json";
-  if (key.size() != 20 + kTail.size() || key.substr(20) != kTail) return std::nullopt;
+  if (key.size() < 21 || key[20] != '/') return std::nullopt;
   uint64_t v = 0;
   for (char c : key.substr(0, 20)) {
     if (c < '0' || c > '9') return std::nullopt;
     v = v * 10 + static_cast<uint64_t>(c - '0');
   }
   return v;
+}
+
+// The version a manifest key names, if it is one of this run's.
+std::optional<uint64_t> ManifestVersion(std::string_view run, std::string_view key) {
+  const auto v = KeyVersion(run, key);
+  if (!v || key != ManifestKey(run, *v)) return std::nullopt;
+  return v;
+}
+
+// The versions among keys that have a manifest, ascending.
+std::vector<uint64_t> ManifestVersions(std::string_view run, const std::vector<std::string>& keys) {
+  std::vector<uint64_t> out;
+  for (const auto& k : keys) {
+    if (auto v = ManifestVersion(run, k)) out.push_back(*v);
+  }
+  std::sort(out.begin(), out.end());
+  return out;
 }
 
 }  // namespace
@@ -168,13 +184,14 @@ Status VersionWriter::Publish(uint64_t version, uint64_t set_checksum, const std
   return store_.Put(HeadKey(run_), nlohmann::json{{"version", version}}.dump());
 }
 
+StatusOr<std::vector<uint64_t>> ListVersions(ObjectStore& store, std::string_view run) {
+  WSYNC_ASSIGN_OR_RETURN(auto keys, store.List(std::string(run) + "/versions/"));
+  return ManifestVersions(run, keys);
+}
+
 StatusOr<size_t> VersionWriter::Collect(uint64_t oldest) {
   WSYNC_ASSIGN_OR_RETURN(auto keys, store_.List(run_ + "/versions/"));
-  std::vector<uint64_t> versions;
-  for (const auto& k : keys) {
-    if (auto v = ManifestVersion(run_, k)) versions.push_back(*v);
-  }
-  std::sort(versions.begin(), versions.end());
+  const std::vector<uint64_t> versions = ManifestVersions(run_, keys);
   // The newest keyframe at or below `oldest`: everything before it goes.
   uint64_t keep = 0;
   for (auto it = versions.rbegin(); it != versions.rend(); ++it) {
@@ -199,15 +216,8 @@ StatusOr<size_t> VersionWriter::Collect(uint64_t oldest) {
   // Objects of versions whose manifest never came (a failed or refused
   // upload) below `keep` go too.
   for (const auto& k : keys) {
-    const std::string prefix = run_ + "/versions/";
-    if (k.size() < prefix.size() + 20) continue;
-    uint64_t v = 0;
-    bool digits = true;
-    for (char c : k.substr(prefix.size(), 20)) {
-      digits = digits && c >= '0' && c <= '9';
-      v = v * 10 + static_cast<uint64_t>(c - '0');
-    }
-    if (digits && v < keep && !std::binary_search(versions.begin(), versions.end(), v)) {
+    const auto v = KeyVersion(run_, k);
+    if (v && *v < keep && !std::binary_search(versions.begin(), versions.end(), *v)) {
       WSYNC_RETURN_IF_ERROR(store_.Delete(k));
     }
   }
@@ -227,13 +237,9 @@ StatusOr<uint64_t> VersionReader::Newest() {
   } else if (head.status().code() != StatusCode::kNotFound) {
     return head.status();
   }
-  WSYNC_ASSIGN_OR_RETURN(auto keys, store_.List(run_ + "/versions/"));
-  uint64_t newest = 0;
-  for (const auto& k : keys) {
-    if (auto v = ManifestVersion(run_, k)) newest = std::max(newest, *v);
-  }
-  if (newest == 0) return NotFoundError("no version of run " + Quoted(run_) + " in the store");
-  return newest;
+  WSYNC_ASSIGN_OR_RETURN(auto versions, ListVersions(store_, run_));
+  if (versions.empty()) return NotFoundError("no version of run " + Quoted(run_) + " in the store");
+  return versions.back();
 }
 
 StatusOr<Manifest> VersionReader::ManifestOf(uint64_t version) {
@@ -254,12 +260,11 @@ StatusOr<Manifest> VersionReader::ManifestOf(uint64_t version) {
 StatusOr<std::vector<VersionReader::Step>> VersionReader::Plan(uint64_t from, uint64_t to) {
   if (to <= from) return InvalidArgumentError("no catch-up from version " + std::to_string(from) + " to " +
                                               std::to_string(to));
-  WSYNC_ASSIGN_OR_RETURN(auto keys, store_.List(run_ + "/versions/"));
+  WSYNC_ASSIGN_OR_RETURN(auto all, ListVersions(store_, run_));
   std::vector<uint64_t> versions;
-  for (const auto& k : keys) {
-    if (auto v = ManifestVersion(run_, k); v && *v > from && *v <= to) versions.push_back(*v);
+  for (uint64_t v : all) {
+    if (v > from && v <= to) versions.push_back(v);
   }
-  std::sort(versions.begin(), versions.end());
   if (versions.empty() || versions.back() != to) {
     return NotFoundError("version " + std::to_string(to) + " of run " + Quoted(run_) + " is not in the store");
   }

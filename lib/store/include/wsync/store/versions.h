@@ -57,6 +57,9 @@ std::string KeyframeKey(std::string_view run, uint64_t version);
 std::string ManifestKey(std::string_view run, uint64_t version);
 std::string HeadKey(std::string_view run);
 
+// The versions of a run that have a manifest, ascending.
+StatusOr<std::vector<uint64_t>> ListVersions(ObjectStore& store, std::string_view run);
+
 class VersionWriter {
  public:
   // signer: signs every manifest (null: unsigned).
