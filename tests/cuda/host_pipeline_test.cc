@@ -435,7 +435,8 @@ Status ApplyPlacedLikeTheDevice(std::span<const std::string_view> parts, const c
       stats->device += nj;
       for (size_t j = 0; j < n; ++j) {
         const auto& ref = b.works[j];
-        stats->host += !sparse[ref.part][ref.work] && refs[ref.part]->changed(plans[ref.part].works[ref.work].chunk) > 0;
+        const uint64_t changed = refs[ref.part]->changed(plans[ref.part].works[ref.work].chunk);
+        stats->host += !sparse[ref.part][ref.work] && changed > 0;
       }
     }
     for (size_t k = 0; k < nj; ++k) {
@@ -697,7 +698,9 @@ TEST(HostPlacedPath, AnotherWriterBeforeTheCommitIsRefusedOrFoundAfter) {
         [&](const std::vector<cuda::placed::Writes>& writes, std::span<void* const> dst) {
           called = true;
           for (size_t k = 0; k < writes.size(); ++k) {
-            if (!writes[k].index.empty()) return static_cast<void>(static_cast<uint16_t*>(dst[k])[writes[k].index[0]] ^= 1);
+            if (writes[k].index.empty()) continue;
+            static_cast<uint16_t*>(dst[k])[writes[k].index[0]] ^= 1;
+            return;
           }
         });
     EXPECT_TRUE(called);

@@ -67,7 +67,8 @@ class SeaweedServer {
                                      "-s3.port.iceberg=0", "-s3.port.lance=0",
                                      "-s3.config=" + (dir_ / "s3.json").string(),
                                      "-s3.localSocket=" + (dir_ / "s3.sock").string(),
-                                     "-filer.localSocket=" + (dir_ / "filer.sock").string(), "-master.volumeSizeLimitMB=64",
+                                     "-filer.localSocket=" + (dir_ / "filer.sock").string(),
+                                     "-master.volumeSizeLimitMB=64",
                                      "-volume.max=16", "-volume.preStopSeconds=0"};
     std::filesystem::create_directories(dir_ / "log");
     std::vector<char*> argv;

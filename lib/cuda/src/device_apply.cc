@@ -3,7 +3,8 @@
 // staged then committed. Stage gathers every work's chunk into image
 // scratch, decodes it against the image (a sparse-coded chunk on the
 // device; any other on the host, its ranks and old values resolved on the
-// device), adds the change in the image and digests the result there; once every work of every part is proven, each destination's writes
+// device), adds the change in the image and digests the result there;
+// once every work of every part is proven, each destination's writes
 // (element, old value, new value) are kept in device memory. Commit checks
 // in one launch that every element still holds its old value and writes the
 // new values in a second. Keyframe parts are decoded and verified on the
@@ -60,6 +61,16 @@ DeviceCodec::Staged::~Staged() = default;
 uint64_t DeviceCodec::Staged::changes() const { return state_ ? state_->changes : 0; }
 uint64_t DeviceCodec::Staged::kept_bytes() const { return state_ ? state_->kept_bytes : 0; }
 bool DeviceCodec::Staged::decodes_again() const { return state_ && !state_->kept; }
+
+Status DeviceCodec::Impl::UploadTileJobs(std::span<const codec::staged::ApplyPlan> plans, const placed::Batch& b,
+                                         std::span<void* const> dst, TileJob* jobs_dev) {
+  WSYNC_ASSIGN_OR_RETURN(TileJob* jobs, pinned.Alloc<TileJob>(b.works.size()));
+  for (size_t j = 0; j < b.works.size(); ++j) {
+    const codec::staged::Work& work = plans[b.works[j].part].works[b.works[j].work];
+    jobs[j] = TileJob{dst[work.dst], work.map};
+  }
+  return CopyUp(jobs_dev, jobs, b.works.size() * sizeof(TileJob), compute);
+}
 
 Status DeviceCodec::Impl::DigestImage(std::span<const codec::staged::PatchReader* const> readers,
                                       std::span<const codec::staged::ApplyPlan> plans, const placed::Batch& b,
@@ -220,12 +231,7 @@ StatusOr<std::vector<placed::Writes>> DeviceCodec::Impl::StagePatches(
     const size_t o_sindex = carve.Add<uint64_t>(sm), o_sdelta = carve.Add<uint8_t>(sb.bytes);
     WSYNC_ASSIGN_OR_RETURN(void* mem, scratch.Get(carve.bytes()));
     void* image = At<void>(mem, o_image);
-    WSYNC_ASSIGN_OR_RETURN(TileJob* jobs, pinned.Alloc<TileJob>(n));
-    for (size_t j = 0; j < n; ++j) {
-      const codec::staged::Work& work = plans[b.works[j].part].works[b.works[j].work];
-      jobs[j] = TileJob{st.dst[work.dst], work.map};
-    }
-    WSYNC_RETURN_IF_ERROR(CopyUp(At<void>(mem, o_jobs), jobs, n * sizeof(TileJob), compute));
+    WSYNC_RETURN_IF_ERROR(UploadTileJobs(plans, b, st.dst, At<TileJob>(mem, o_jobs)));
     WSYNC_RETURN_IF_ERROR(LaunchGatherTiles(At<TileJob>(mem, o_jobs), n, w, b.slot, image, compute));
     EndPhase("gather");
     void* rmem = nullptr;
@@ -581,12 +587,7 @@ StatusOr<Digests> DeviceCodec::Impl::DestinationDigests(std::span<const codec::s
     const size_t o_image = carve.Add<uint8_t>(n * b.slot * b.width);
     const size_t o_jobs = carve.Add<TileJob>(n);
     WSYNC_ASSIGN_OR_RETURN(void* mem, scratch.Get(carve.bytes()));
-    WSYNC_ASSIGN_OR_RETURN(TileJob* jobs, pinned.Alloc<TileJob>(n));
-    for (size_t j = 0; j < n; ++j) {
-      const codec::staged::Work& work = plans[b.works[j].part].works[b.works[j].work];
-      jobs[j] = TileJob{dst[work.dst], work.map};
-    }
-    WSYNC_RETURN_IF_ERROR(CopyUp(At<void>(mem, o_jobs), jobs, n * sizeof(TileJob), compute));
+    WSYNC_RETURN_IF_ERROR(UploadTileJobs(plans, b, dst, At<TileJob>(mem, o_jobs)));
     WSYNC_RETURN_IF_ERROR(
         LaunchGatherTiles(At<TileJob>(mem, o_jobs), n, static_cast<int>(b.width), b.slot, At<void>(mem, o_image),
                           compute));
@@ -617,18 +618,15 @@ Status DeviceCodec::Impl::WriteTiles(const codec::staged::PatchReader& r, const 
     pinned.Reset();
     const size_t n = b.works.size(), slot_bytes = b.slot * b.width;
     WSYNC_ASSIGN_OR_RETURN(uint8_t* image_h, pinned.Alloc<uint8_t>(n * slot_bytes));
-    WSYNC_ASSIGN_OR_RETURN(TileJob* jobs, pinned.Alloc<TileJob>(n));
     for (size_t j = 0; j < n; ++j) {
-      const codec::staged::Work& work = plan.works[b.works[j].work];
       const auto& v = values[b.works[j].work];
       std::memcpy(image_h + j * slot_bytes, v.data(), v.size());
-      jobs[j] = TileJob{dst[work.dst], work.map};
     }
     Carver carve;
     const size_t o_image = carve.Add<uint8_t>(n * slot_bytes), o_jobs = carve.Add<TileJob>(n);
     WSYNC_ASSIGN_OR_RETURN(void* mem, scratch.Get(carve.bytes()));
     WSYNC_RETURN_IF_ERROR(CopyUp(At<void>(mem, o_image), image_h, n * slot_bytes, compute));
-    WSYNC_RETURN_IF_ERROR(CopyUp(At<void>(mem, o_jobs), jobs, n * sizeof(TileJob), compute));
+    WSYNC_RETURN_IF_ERROR(UploadTileJobs(std::span(&plan, 1), b, dst, At<TileJob>(mem, o_jobs)));
     WSYNC_RETURN_IF_ERROR(LaunchScatterTiles(At<TileJob>(mem, o_jobs), n, static_cast<int>(b.width), b.slot,
                                              At<void>(mem, o_image), compute));
     WSYNC_RETURN_IF_ERROR(Check(cudaStreamSynchronize(compute), "writing a keyframe"));

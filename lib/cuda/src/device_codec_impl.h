@@ -378,6 +378,10 @@ struct DeviceCodec::Impl {
   StatusOr<std::vector<std::vector<std::vector<uint64_t>>>> DestinationDigests(
       std::span<const codec::staged::PatchReader* const> readers, std::span<const codec::staged::ApplyPlan> plans,
       std::span<void* const> dst);
+  // The tile jobs of batch b (each work's chunk at its placement in dst)
+  // copied to jobs_dev (room for the batch's works), on `compute`.
+  Status UploadTileJobs(std::span<const codec::staged::ApplyPlan> plans, const placed::Batch& b,
+                        std::span<void* const> dst, TileJob* jobs_dev);
   // Digests of slots [0, n) of an image of batch b into digests[part][work]
   // (a gridded chunk of more than one block hashed whole on the host).
   // Synchronizes.
