@@ -35,6 +35,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "scripts"))
+from netns import Link  # noqa: E402
 from system_demo import EtcdCluster, System  # noqa: E402
 
 
@@ -42,33 +43,6 @@ def check(cond, what):
     if not cond:
         raise AssertionError(what)
     print(f"  ok: {what}", flush=True)
-
-
-class Link:
-    """A network namespace joined to this one by a veth pair (this side
-    10.77.0.1, the namespace's 10.77.0.2)."""
-
-    HOST, INSIDE = "10.77.0.1", "10.77.0.2"
-
-    def __init__(self):
-        tag = str(os.getpid() % 100000)
-        self.ns, self.outer, self.inner = f"wsync-rep-{tag}", f"wro{tag}", f"wri{tag}"
-        for cmd in (["ip", "netns", "add", self.ns],
-                    ["ip", "link", "add", self.outer, "type", "veth", "peer", "name", self.inner],
-                    ["ip", "link", "set", self.inner, "netns", self.ns],
-                    ["ip", "addr", "add", f"{self.HOST}/30", "dev", self.outer],
-                    ["ip", "link", "set", self.outer, "up"],
-                    ["ip", "netns", "exec", self.ns, "ip", "addr", "add", f"{self.INSIDE}/30", "dev", self.inner],
-                    ["ip", "netns", "exec", self.ns, "ip", "link", "set", self.inner, "up"],
-                    ["ip", "netns", "exec", self.ns, "ip", "link", "set", "lo", "up"]):
-            subprocess.run(cmd, check=True, capture_output=True)
-
-    def set(self, up):
-        subprocess.run(["ip", "link", "set", self.outer, "up" if up else "down"], check=True, capture_output=True)
-
-    def close(self):
-        subprocess.run(["ip", "link", "del", self.outer], capture_output=True)
-        subprocess.run(["ip", "netns", "del", self.ns], capture_output=True)
 
 
 class Run:
@@ -82,7 +56,7 @@ class Run:
         argv = list(self.system.procs[name][0])
         argv[argv.index("--etcd") + 1] = self.etcd.endpoints(link.HOST)
         self.system.kill(name, signal.SIGKILL)
-        self.system.spawn(name, ["ip", "netns", "exec", link.ns, *argv])
+        self.system.spawn(name, link.inside(argv))
         self.system.attach_buffers(snaps[0])
         self.version = 0
         self.acknowledged = []
@@ -276,7 +250,7 @@ def main():
     subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
     snaps = sorted(glob.glob(os.path.join(args.data, "*.safetensors")))
     tmp = tempfile.mkdtemp(prefix="wsync_replicas_")
-    link = Link()
+    link = Link("rep", 77)
     try:
         run = Run(os.path.abspath(args.build), snaps, tmp, link)
     except BaseException:
