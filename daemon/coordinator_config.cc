@@ -145,6 +145,13 @@ Status FinishCoordinatorConfig(CoordinatorConfig* config) {
       return InvalidArgumentError("listen address '" + a + "' is not host:port or unix:PATH");
     }
   }
+  if (const auto& follow = config->follow_store; !follow.url.empty()) {
+    if (!config->replica.etcd_endpoints.empty()) {
+      return InvalidArgumentError("--follow-store runs on one coordinator, not on replicas over etcd (--etcd)");
+    }
+    if (follow.run.empty()) return InvalidArgumentError("--follow-store needs --store-run (the run's key prefix)");
+    WSYNC_RETURN_IF_ERROR(store::S3OptionsFromUrl(follow.url).status().WithContext("--follow-store"));
+  }
   const auto& tls = config->server.tls;
   if (tls.cert_file.empty() != tls.key_file.empty()) {
     return InvalidArgumentError("TLS needs both a certificate and a key");

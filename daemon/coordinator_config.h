@@ -3,6 +3,7 @@
 // the key and what is wrong with it.
 #pragma once
 
+#include "store_follower.h"
 #include <string>
 #include <vector>
 
@@ -23,6 +24,9 @@ struct CoordinatorConfig {
   // store_dir then unused.
   control::ReplicaOptions replica;
   std::string etcd_password_file;  // read into replica.etcd_password
+  // A region's coordinator: announces the versions of a run in an object
+  // store (url empty: none; not with replicas).
+  StoreFollowOptions follow_store;
 };
 
 

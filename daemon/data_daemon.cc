@@ -371,8 +371,13 @@ class Sink : public Node, public v1::Local::Service {
   wsync::Status Start() {
     WSYNC_RETURN_IF_ERROR(StartCommon(
         [this]() -> StatusOr<PatchProvider*> {
-          core_ = std::make_unique<SinkCore>(
-              config_, SinkEnvironment{coordinator_.get(), transport_.get(), fetcher_.get(), membership_.get(), &pool_});
+          if (!config_.store_tier.url.empty()) {
+            WSYNC_ASSIGN_OR_RETURN(store_, StoreTier::Open(config_.store_tier));
+            spdlog::info("sink {}: reading {} when no daemon serves a version", config_.name, store_->where());
+          }
+          core_ = std::make_unique<SinkCore>(config_, SinkEnvironment{coordinator_.get(), transport_.get(),
+                                                                      fetcher_.get(), membership_.get(), &pool_,
+                                                                      store_.get()});
           return core_.get();
         },
         this));
@@ -496,6 +501,7 @@ class Sink : public Node, public v1::Local::Service {
   void FillHeartbeat(v1::HeartbeatRequest* h) override { core_->FillHeartbeat(h); }
 
  private:
+  std::unique_ptr<StoreTier> store_;  // before the core: it outlives it
   std::unique_ptr<SinkCore> core_;
 };
 

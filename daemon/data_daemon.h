@@ -18,6 +18,7 @@
 #include <string>
 
 #include "store_mirror.h"
+#include "store_tier.h"
 #include "wsync/control/client.h"
 #include "wsync/exchange/exchange.h"
 #include "wsync/util/status.h"
@@ -65,6 +66,7 @@ struct DataDaemonConfig {
   uint64_t segment_bytes = 64u << 20;
   DeviceBase device_base = DeviceBase::kDevice;  // sources of weights in GPU memory
   StoreMirrorOptions store;              // sources: the object store versions are mirrored to (url empty: none)
+  StoreTierOptions store_tier;           // sinks: the object store read when no daemon serves a version
   uint64_t corrupt_every = 0;            // fault injection (tests)
   uint64_t fail_announce = 0;            // fault injection (tests): announcing this version fails
 };

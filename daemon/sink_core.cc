@@ -202,6 +202,7 @@ void SinkCore::FillHeartbeat(v1::HeartbeatRequest* h) {
   const auto [holds, oldest_ms] = HoldSummary();
   h->set_active_holds(holds);
   if (auto w = weights()) h->set_holds_pieces(w->store().tensors().has_pieces());
+  h->set_reads_store(env_.store != nullptr);
   h->set_oldest_hold_ms(oldest_ms);
 }
 
@@ -364,11 +365,31 @@ void SinkCore::SyncLoop() {
     const PublishedLayout published = env_.coordinator->GetLayout();
     if (!TakesPublishedLayout(*target, published)) continue;
     const std::string& parent = target->parent;
-    const std::vector<PartPull> pulls = PullsFrom(parent, published);
-    const std::string from_where =
-        Quoted(parent) + (pulls.size() > 1 && pulls[0].node != parent ? " (each part from its source)" : "");
-    Status s = SyncTo(*target, pulls, from_where);
+    std::vector<PartPull> pulls;
+    std::string from_where = "no daemon (the coordinator assigned no parent)";
+    Status s = UnavailableError("no parent is assigned");
+    if (!parent.empty()) {
+      pulls = PullsFrom(parent, published);
+      from_where =
+          Quoted(parent) + (pulls.size() > 1 && pulls[0].node != parent ? " (each part from its source)" : "");
+      s = SyncTo(*target, pulls, from_where);
+    }
     if (stopping_) return;
+    if (!s.ok() && ReadsStoreAfter(s)) {
+      Status from_store = SyncFromStore(*target, published);
+      if (stopping_) return;
+      if (from_store.ok()) {
+        if (s.code() == StatusCode::kUnavailable || s.code() == StatusCode::kDeadlineExceeded) {
+          LeaveUnreachable(*target, pulls);
+        }
+        s = Status::Ok();
+      } else if (parent.empty()) {
+        s = from_store;
+      } else {
+        s = s.WithContext("then " + env_.store->where() + ": " + from_store.ToString());
+      }
+      from_where += " or " + env_.store->where();
+    }
     if (s.ok()) {
       OnSynced(*target);
     } else {
@@ -402,7 +423,9 @@ std::optional<SinkCore::SyncTarget> SinkCore::NextTarget() {
   }
   t.head = head_.load();
   const auto& w = t.weights;
-  if (!w || w.get() == mismatched_ || t.parent.empty() || w->applied() >= t.head) return std::nullopt;
+  if (!w || w.get() == mismatched_ || (t.parent.empty() && env_.store == nullptr) || w->applied() >= t.head) {
+    return std::nullopt;
+  }
   return t;
 }
 
@@ -449,24 +472,18 @@ void SinkCore::OnSyncFailed(const SyncTarget& t, const std::vector<PartPull>& pu
                             Status s) {
   auto delay = RetryDelay(++failures_);
   // A parent that lacks the version yet (a relay still receiving it) has it
-  // soon: asked again after at most kNotYetMs, kNotYetTries times in a row,
-  // before the backoff applies.
-  not_yet_ = s.code() == StatusCode::kNotFound ? not_yet_ + 1 : 0;
-  if (not_yet_ > 0 && not_yet_ <= kNotYetTries) delay = std::min(delay, std::chrono::milliseconds(kNotYetMs));
-  next_attempt_ = Clock::now() + delay;
-  if (s.code() == StatusCode::kUnavailable || s.code() == StatusCode::kDeadlineExceeded) {
-    // The peer is gone or unreachable: not the same parent again. The
-    // coordinator assigns another holder of the version at once; a new
-    // parent ends the backoff (OnHeartbeat).
-    for (const auto& p : pulls) DropPeer(p.node);
-    if (env_.membership != nullptr) {
-      {
-        std::lock_guard<std::mutex> lock(state_mu_);
-        unreachable_parent_ = t.parent;
-      }
-      env_.membership->HeartbeatNow(std::chrono::seconds(1));
-    }
+  // soon: asked again after at most kNotYetMs, kNotYetTries times in a row
+  // (with a store, for as long as the store's wait), before the backoff
+  // applies.
+  if (s.code() == StatusCode::kNotFound && not_yet_++ == 0) lacking_since_ = Clock::now();
+  if (s.code() != StatusCode::kNotFound) not_yet_ = 0;
+  const bool store_waits = env_.store != nullptr && Clock::now() - lacking_since_ <
+                                                        std::chrono::milliseconds(env_.store->options().wait_ms);
+  if (not_yet_ > 0 && (not_yet_ <= kNotYetTries || store_waits)) {
+    delay = std::min(delay, std::chrono::milliseconds(kNotYetMs));
   }
+  next_attempt_ = Clock::now() + delay;
+  if (s.code() == StatusCode::kUnavailable || s.code() == StatusCode::kDeadlineExceeded) LeaveUnreachable(t, pulls);
   if (s.code() == StatusCode::kNotFound) {
     std::lock_guard<std::mutex> lock(sync_mu_);
     retry_on_new_head_ = t.head;
@@ -476,6 +493,87 @@ void SinkCore::OnSyncFailed(const SyncTarget& t, const std::vector<PartPull>& pu
   t.weights->SetSyncError(s, /*permanent=*/false);
   spdlog::warn("sink {}: {} (failure {}; next attempt in {} ms)", config_.name, s.ToString(), failures_.load(),
                delay.count());
+}
+
+void SinkCore::LeaveUnreachable(const SyncTarget& t, const std::vector<PartPull>& pulls) {
+  // The peer is gone or unreachable: not the same parent again. The
+  // coordinator assigns another holder of the version at once; a new
+  // parent ends the backoff (OnHeartbeat).
+  for (const auto& p : pulls) DropPeer(p.node);
+  if (env_.membership == nullptr || t.parent.empty()) return;
+  {
+    std::lock_guard<std::mutex> lock(state_mu_);
+    unreachable_parent_ = t.parent;
+  }
+  env_.membership->HeartbeatNow(std::chrono::seconds(1));
+}
+
+// ------------------------------------------------------------ store tier
+
+bool SinkCore::ReadsStoreAfter(const Status& s) const {
+  if (env_.store == nullptr || s.code() == StatusCode::kAborted) return false;
+  if (s.code() != StatusCode::kNotFound || env_.store->options().wait_ms == 0) return true;
+  // This failure is not counted yet: the first NotFound of a row starts now.
+  return not_yet_ > 0 &&
+         Clock::now() - lacking_since_ >= std::chrono::milliseconds(env_.store->options().wait_ms);
+}
+
+Status SinkCore::SyncFromStore(const SyncTarget& t, const PublishedLayout& published) {
+  if (published.ok() && published->set() && published->layout().parts() > 1) {
+    return FailedPreconditionError("versions published in parts by several sources are not read from the store");
+  }
+  const auto& w = t.weights;
+  const uint64_t from = t.resync ? 0 : w->applied();
+  bool applying = false;
+  Status s = SyncFromStoreOnce(w, from, t.head, &applying);
+  if (!s.ok() && applying && from != 0 && !stopping_ &&
+      (s.code() == StatusCode::kFailedPrecondition || s.code() == StatusCode::kDataLoss)) {
+    spdlog::warn("sink {}: from {}: {}; reading from a keyframe", config_.name, env_.store->where(), s.ToString());
+    s = SyncFromStoreOnce(w, 0, t.head, &applying);
+  }
+  return s;
+}
+
+Status SinkCore::SyncFromStoreOnce(const std::shared_ptr<SinkWeights>& w, uint64_t from, uint64_t head,
+                                   bool* applying) {
+  const auto t0 = Clock::now();
+  WSYNC_ASSIGN_OR_RETURN(StoreTier::Plan plan, env_.store->PlanTo(from, head));
+  // The version reached must be the one this cluster published: a store of
+  // another run (a wrong --store-run) holds other weights under the same
+  // version numbers, and a keyframe of them would apply over anything.
+  auto known = env_.coordinator->ListVersions(plan.version - 1);
+  if (known.ok() && known->versions_size() > 0 && known->versions(0).version() == plan.version &&
+      !known->versions(0).incomplete() && known->versions(0).set_checksum() != plan.set_checksum) {
+    return FailedPreconditionError("version " + std::to_string(plan.version) + " in " + env_.store->where() +
+                                   " is not the version the coordinator published (their set checksums differ): "
+                                   "is --store-run this cluster's run?");
+  }
+  uint64_t bytes = 0;
+  for (const auto& step : plan.steps) {
+    if (stopping_) return AbortedError("the sink is stopping");
+    WSYNC_ASSIGN_OR_RETURN(std::string object, env_.store->Fetch(step.object));
+    bytes += object.size();
+    const bool keyframe = step.object.kind == store::StoredObject::Kind::kKeyframe;
+    auto stream = PatchStream::FromBytes(keyframe ? codec::PatchKind::kKeyframe : codec::PatchKind::kPatch,
+                                         step.object.base, step.version, std::move(object), 1u << 20);
+    if (w->layout() == 0) {
+      // Children pull it from this sink as from any relay.
+      std::lock_guard<std::mutex> lock(state_mu_);
+      KeepStreamLocked({stream->from(), stream->to(), 0}, stream);
+    }
+    if (Status s = w->Apply(*stream); !s.ok()) {
+      *applying = true;
+      return s.WithContext(step.object.key);
+    }
+    ReportApplied(w->applied());
+  }
+  bytes_received_ += bytes;
+  const double ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+  spdlog::info("sink {}: version {} applied from {} ({} object{}{}, {} bytes, {:.1f} ms)", config_.name,
+               w->applied(), env_.store->where(), plan.steps.size(), plan.steps.size() == 1 ? "" : "s",
+               plan.steps.front().object.kind == store::StoredObject::Kind::kKeyframe ? " from a keyframe" : "",
+               bytes, ms);
+  return wsync::Status::Ok();
 }
 
 // Whether the tensors hold pieces of the published tensors that a tile grid

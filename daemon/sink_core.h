@@ -7,11 +7,14 @@
 // (data_daemon.cc) is a thin adapter over it.
 //
 // States of the sync loop (docs/data-plane.md, "Sink"): no weights or no
-// parent -> idle; behind the head -> pull (from, head) from the parent, a
-// keyframe when it holds nothing, is told to resync, or the patch does not
-// fit -> apply (verify; undo on mismatch) -> report applied; a failure ->
-// retry after a backoff (a missing version: as soon as a newer head comes;
-// a parent that failed: reconnect); a layout mismatch -> never pull again
+// parent (and no store) -> idle; behind the head -> pull (from, head) from
+// the parent, a keyframe when it holds nothing, is told to resync, or the
+// patch does not fit -> apply (verify; undo on mismatch) -> report applied;
+// with a store tier, when no daemon serves the version (no parent, an
+// unreachable one, one lacking the version past the store's wait) -> the
+// store's plan to the head, applied version by version; a failure -> retry
+// after a backoff (a missing version: as soon as a newer head comes; a
+// parent that failed: reconnect); a layout mismatch -> never pull again
 // until new tensors are registered.
 //
 // Thread safety: thread-safe. Start/Stop from one thread.
@@ -32,6 +35,7 @@
 #include "data_daemon.h"
 #include "membership.h"
 #include "sink_weights.h"
+#include "store_tier.h"
 #include "wsync/buffers/region.h"
 #include "wsync/control/client.h"
 #include "wsync/exchange/exchange.h"
@@ -47,6 +51,7 @@ struct SinkEnvironment {
   exchange::PatchFetcher* fetcher = nullptr;
   Membership* membership = nullptr;           // heartbeats on demand (after a broken watch)
   ThreadPool* pool = nullptr;
+  StoreTier* store = nullptr;                 // read when no daemon serves a version (null: daemons only)
 };
 
 struct SinkStatus {
@@ -190,6 +195,19 @@ class SinkCore : public exchange::PatchProvider {
   // parent (Unavailable, DeadlineExceeded) is disconnected and reported at
   // once; NotFound lets a newer head end the delay; sets the sync error.
   void OnSyncFailed(const SyncTarget& t, const std::vector<PartPull>& pulls, const std::string& from_where, Status s);
+  // A parent that could not be reached: its connections closed and the
+  // coordinator told at once (it assigns another holder of the version).
+  void LeaveUnreachable(const SyncTarget& t, const std::vector<PartPull>& pulls);
+  // Whether the daemons' failure `s` sends this attempt to the store: no
+  // store -> never; a parent lacking the version (NotFound) -> once it has
+  // lacked it for the store's wait; anything else -> at once.
+  bool ReadsStoreAfter(const Status& s) const;
+  // The store's plan from what the target holds to its head (the newest
+  // version the store holds up to it), applied version by version; once
+  // more from a keyframe when a patch does not fit.
+  Status SyncFromStore(const SyncTarget& t, const PublishedLayout& published);
+  // One plan from `from`; *applying: the failure came from an apply.
+  Status SyncFromStoreOnce(const std::shared_ptr<SinkWeights>& w, uint64_t from, uint64_t head, bool* applying);
 
   const DataDaemonConfig config_;
   const SinkEnvironment env_;
@@ -223,6 +241,7 @@ class SinkCore : public exchange::PatchProvider {
   // Consecutive attempts the parent answered NotFound (it lacks the version
   // yet); the first kNotYetTries are retried within kNotYetMs.
   uint64_t not_yet_ = 0;
+  std::chrono::steady_clock::time_point lacking_since_;  // sync thread only: the first of those NotFound
   static constexpr uint64_t kNotYetTries = 10;
   static constexpr int64_t kNotYetMs = 200;
   std::mt19937_64 rng_;                 // sync thread only

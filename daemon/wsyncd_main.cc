@@ -116,6 +116,12 @@ int RunCoordinator(daemon::CoordinatorConfig config, bool check_only) {
   }
   auto state = control::CoordinatorState::Create(config.state, control::SystemClock(), std::move(store), recovered);
   if (!state.ok()) return Fail(state.status());
+  std::unique_ptr<daemon::StoreFollower> follower;  // stops before the state goes
+  if (!config.follow_store.url.empty()) {
+    auto started = daemon::StoreFollower::Start(config.follow_store, state->get());
+    if (!started.ok()) return Fail(started.status().WithContext("--follow-store"));
+    follower = std::move(*started);
+  }
 
   StopSignals signals;  // before any thread starts
 
@@ -156,10 +162,12 @@ int RunData(bool source, daemon::DataDaemonConfig config, const std::string& tok
   if (config.coordinator.address.empty()) {
     return Fail(InvalidArgumentError("no coordinator: --coordinator or env WSYNC_COORDINATOR"));
   }
-  if (!config.store.url.empty()) {
-    auto store = store::S3OptionsFromUrl(config.store.url);
+  for (const auto& [url, run] : {std::pair{config.store.url, config.store.run},
+                                  {config.store_tier.url, config.store_tier.run}}) {
+    if (url.empty()) continue;
+    auto store = store::S3OptionsFromUrl(url);
     if (!store.ok()) return Fail(store.status().WithContext("--store"));
-    if (config.store.run.empty()) return Fail(InvalidArgumentError("--store needs --store-run (the run's key prefix)"));
+    if (run.empty()) return Fail(InvalidArgumentError("--store needs --store-run (the run's key prefix)"));
   }
   if (check_only) return ConfigOk(source ? "source" : "sink");
   StopSignals signals;  // before any thread starts
@@ -251,6 +259,22 @@ int main(int argc, char** argv) {
   coord->add_option("--etcd-user", replica.etcd_user, "etcd user (etcd authentication)")->group("Replicas over etcd");
   coord->add_option("--etcd-password-file", config.etcd_password_file, "file holding its password")
       ->group("Replicas over etcd");
+  auto& follow = config.follow_store;
+  coord->add_option("--follow-store", follow.url,
+                    "a region's coordinator: announce the versions of a run in this S3-compatible object store "
+                    "(s3://BUCKET?endpoint=...; read-only credentials: AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY), "
+                    "for sinks given the store with --store; not with --etcd")
+      ->group("Following a store");
+  coord->add_option("--store-run", follow.run, "the key prefix of the run's versions in the store")
+      ->group("Following a store");
+  coord->add_option("--store-verify-key", follow.verify_key,
+                    "announce only versions whose manifest this Ed25519 public key (PEM) verifies")
+      ->check(CLI::ExistingFile)
+      ->group("Following a store");
+  coord->add_option("--store-poll-ms", follow.poll_ms, "how often the store is asked for a newer version")
+      ->capture_default_str()
+      ->check(CLI::Range(uint64_t{1}, uint64_t{3'600'000}))
+      ->group("Following a store");
   daemon::DataDaemonConfig data;
   std::string data_token_file, data_security = "auto";
   auto add_data_flags = [&](CLI::App* cmd) {
@@ -332,6 +356,28 @@ int main(int argc, char** argv) {
       ->group("Object store");
   auto* sink = app.add_subcommand("sink", "run next to an inference server: pull, verify, apply, relay");
   add_data_flags(sink);
+  auto& tier = data.store_tier;
+  sink->add_option("--store", tier.url,
+                   "read versions from this S3-compatible object store when no daemon serves them (no parent, an "
+                   "unreachable one, or one lacking the version past --store-wait-ms): s3://BUCKET?endpoint=... "
+                   "(read-only credentials: AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY; none: anonymous)")
+      ->group("Object store");
+  sink->add_option("--store-run", tier.run, "the key prefix of the run's versions in the store")->group("Object store");
+  sink->add_option("--store-verify-key", tier.verify_key,
+                   "accept only manifests signed by this Ed25519 public key (PEM: the run's signing key's)")
+      ->check(CLI::ExistingFile)
+      ->group("Object store");
+  sink->add_option("--store-wait-ms", tier.wait_ms,
+                   "how long a parent that lacks a version (a relay still receiving it) is waited for before the "
+                   "store is read")
+      ->capture_default_str()
+      ->group("Object store");
+  sink->add_option("--store-parallel", tier.parallel, "ranged GETs in flight per object")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 256))
+      ->group("Object store");
+  AddMibOption(sink, "--store-range-mib", &tier.range_bytes, "the size of each ranged GET", "8")
+      ->group("Object store");
   CLI11_PARSE(app, argc, argv);
 
   spdlog::set_level(spdlog::level::from_str(log_level));
@@ -374,6 +420,7 @@ int main(int argc, char** argv) {
                             {&config.etcd_password_file, &merged.etcd_password_file}}) {
       if (!from->empty()) *to = *from;
     }
+    merged.follow_store = config.follow_store;
     return RunCoordinator(merged, check_only);
   }
   if (source->parsed() || sink->parsed()) {

@@ -27,7 +27,10 @@ def free_port():
 
 
 class SeaweedFS:
-    def __init__(self, tmp):
+    """bind: the address its ports listen on (0.0.0.0: also reachable from
+    network namespaces, at their veth's address)."""
+
+    def __init__(self, tmp, bind="127.0.0.1"):
         self.dir = os.path.join(tmp, "seaweedfs")
         os.makedirs(os.path.join(self.dir, "data"), exist_ok=True)
         os.makedirs(os.path.join(self.dir, "log"), exist_ok=True)
@@ -40,7 +43,7 @@ class SeaweedFS:
         self.ports = [free_port() for _ in range(8)]
         self.s3_port, self.filer_port = self.ports[0], self.ports[1]
         master, master_grpc, volume, volume_grpc, filer_grpc, s3_grpc = self.ports[2:]
-        argv = [binary(), f"-logdir={self.dir}/log", "server", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+        argv = [binary(), f"-logdir={self.dir}/log", "server", "-ip=127.0.0.1", f"-ip.bind={bind}",
                 f"-dir={self.dir}/data", f"-master.port={master}", f"-master.port.grpc={master_grpc}",
                 f"-volume.port={volume}", f"-volume.port.grpc={volume_grpc}", "-filer",
                 f"-filer.port={self.filer_port}", f"-filer.port.grpc={filer_grpc}", "-s3",
@@ -53,11 +56,11 @@ class SeaweedFS:
         self.proc = subprocess.Popen(argv, stdout=open(os.path.join(self.dir, "server.log"), "w"),
                                      stderr=subprocess.STDOUT)
 
-    def endpoint(self):
-        return f"http://127.0.0.1:{self.s3_port}"
+    def endpoint(self, host="127.0.0.1"):
+        return f"http://{host}:{self.s3_port}"
 
-    def url(self, bucket):
-        return f"s3://{bucket}?endpoint={self.endpoint()}"
+    def url(self, bucket, host="127.0.0.1"):
+        return f"s3://{bucket}?endpoint={self.endpoint(host)}"
 
     def create_bucket(self, bucket, timeout=90):
         """Waits for the filer, makes the bucket (a directory of its

@@ -132,7 +132,7 @@ class System:
     coordinator, named coordinator-0.. (every client given all of them)."""
 
     def __init__(self, build, sinks, fanout, tmp, coordinator_args=(), source_args=(), device=-1, sink_args=(),
-                 token=None, data_security=None, etcd=None, replicas=3, answer_proxies=False):
+                 token=None, data_security=None, etcd=None, replicas=3, answer_proxies=False, source=True):
         self.wsync = os.path.join(build, "client", "wsync")
         self.wsyncd = os.path.join(build, "daemon", "wsyncd")
         self.tmp = tmp
@@ -165,8 +165,9 @@ class System:
             self.spawn("coordinator", [self.wsyncd, "coordinator", "--listen", f"unix:{tmp}/coordinator.sock",
                                        "--fanout", str(fanout), "--store-dir", f"{tmp}/store", *coordinator_args])
         self.wait_for(lambda: self.status() is not None, "coordinator")
-        self.spawn("source", [self.wsyncd, "source", "--name", "source", "--local", f"unix:{tmp}/source.sock",
-                              "--node-ttl-ms", "3000", *security, *source_args])
+        if source:
+            self.spawn("source", [self.wsyncd, "source", "--name", "source", "--local", f"unix:{tmp}/source.sock",
+                                  "--node-ttl-ms", "3000", *security, *source_args])
         for i in range(sinks):
             self.start_sink(f"sink-{i}")
 

@@ -421,6 +421,37 @@ TEST(CoordinatorComponents, RelayTreeAvoidsAReportedParentWhileAnotherHoldsTheVe
   EXPECT_FALSE(tree.Avoids("alone", "src"));
 }
 
+// Sinks that read an object store and reach no source (another network):
+// the one that reads it is rooted without a parent and relays to the others;
+// none is given back the source it avoids.
+TEST(CoordinatorComponents, RelayTreeRootsSinksThatReadAStore) {
+  TreeWithSource t(2);
+  auto& [clock, tree, nodes] = t;
+  for (const char* name : {"far-0", "far-1", "far-2"}) {
+    Add(nodes, name, wsync::v1::ROLE_SINK, 1);
+    nodes[name].set_reads_store(true);
+    tree.Avoid(name, "src");
+  }
+  for (int pass = 0; pass < 8 && tree.AssignParents(nodes, 1); ++pass) {
+  }
+  int roots = 0;
+  for (const char* name : {"far-0", "far-1", "far-2"}) {
+    const auto& parent = nodes[name].parent();
+    EXPECT_NE(parent, "src") << name;
+    roots += parent.empty();
+    if (!parent.empty()) EXPECT_FALSE(RelayTree::IsDescendant(nodes, parent, name)) << name;
+  }
+  EXPECT_EQ(roots, 1) << "one reads the store, the others are below it";
+
+  // Without the store, a sink with nowhere else to go gets the avoided source back.
+  for (const char* name : {"far-0", "far-1", "far-2"}) {
+    nodes[name].set_reads_store(false);
+    nodes[name].set_parent("");
+  }
+  tree.AssignParents(nodes, 1);
+  for (const char* name : {"far-0", "far-1", "far-2"}) EXPECT_EQ(nodes[name].parent(), "src") << name;
+}
+
 TEST(CoordinatorComponents, RelayTreeGivesChildrenBackToAParentWhoseWatchBroke) {
   TreeWithSource t;
   auto& [clock, tree, nodes] = t;

@@ -6,14 +6,18 @@ that reach no daemon and hold read-only credentials follow the run with
 stopped while the trainer publishes (its publishes do not wait for it; the
 version it missed is dropped and the next goes up with a keyframe), a
 puller that starts late or from an old file, one behind a proxy that
-answers some ranged GETs with 503 or cuts them short, and a region with its
+answers some ranged GETs with 503 or cuts them short, a region with its
 own coordinator whose gateway publishes what it pulls to the region's
-sinks (one behind the other).
+sinks (one behind the other), and sinks of the trainer's cluster that
+cannot reach its source (a network namespace of their own: they reach the
+coordinator and the store only) and read the store when no daemon serves
+them a version, relaying to each other.
 
     store_test.py BUILD SNAPSHOT_DIR
 """
 import glob
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -23,6 +27,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "..", "scripts"))
+from netns import Link  # noqa: E402
 from s3_fault_proxy import S3FaultProxy  # noqa: E402
 from seaweedfs import READER, WRITER, SeaweedFS  # noqa: E402
 from system_demo import System, tensor_digest  # noqa: E402
@@ -40,8 +45,8 @@ def main():
     build, data = sys.argv[1], sys.argv[2]
     snaps = sorted(glob.glob(os.path.join(data, "*.safetensors")))
     tmp = tempfile.mkdtemp(prefix="wsync_store_")
-    store = SeaweedFS(tmp)
-    system = None
+    store = SeaweedFS(tmp, bind="0.0.0.0")
+    system = link = None
     ok = False
     try:
         store.create_bucket("weights")
@@ -69,6 +74,34 @@ def main():
         system = System(build, 0, 2, tmp, source_args=("--store", url + "&attempts=2&timeout_ms=1000", "--store-run",
                                                       RUN, "--store-keyframe-every", "4", "--store-merge-every", "3",
                                                       "--store-signing-key", key))
+        # Sinks of the cluster in a network namespace: they reach the coordinator (a unix socket)
+        # and the store (over the veth pair), not the source's data plane (its 127.0.0.1). Each
+        # tries its parent first and reads the store when no daemon serves it the version; a
+        # sink whose parent is one of them waits for it (--store-wait-ms) and is relayed to.
+        link = Link("store", 78)
+        far_url = store.url("weights", link.HOST) + "&attempts=2&timeout_ms=1000"
+        far = [f"far-{i}" for i in range(3)]
+        for name in far:
+            system.sinks.append(name)
+            system.spawn(name, link.inside([
+                "env", f"AWS_ACCESS_KEY_ID={READER[0]}", f"AWS_SECRET_ACCESS_KEY={READER[1]}", system.wsyncd, "sink",
+                "--name", name, "--local", f"unix:{tmp}/{name}.sock", "--node-ttl-ms", "3000", "--retry-max-ms",
+                "2000", "--store", far_url, "--store-run", RUN, "--store-verify-key", pub, "--store-wait-ms",
+                "30000"]))
+        system.attach_buffers(snaps[0], sinks=far)
+        # A region that reads the store: its coordinator announces the run's versions from the
+        # store, its sinks read the store (one of them; the other is relayed to). No source, no
+        # gateway, read-only credentials.
+        os.environ.update(AWS_ACCESS_KEY_ID=READER[0], AWS_SECRET_ACCESS_KEY=READER[1])
+        follow_tmp = os.path.join(tmp, "follow")
+        os.makedirs(follow_tmp)
+        follow = System(build, 2, 1, follow_tmp, source=False,
+                        coordinator_args=("--follow-store", url, "--store-run", RUN, "--store-verify-key", pub,
+                                          "--store-poll-ms", "100"),
+                        sink_args=("--store", url, "--store-run", RUN, "--store-verify-key", pub,
+                                   "--store-wait-ms", "30000"))
+        follow.attach_buffers(snaps[0])
+        os.environ.update(AWS_ACCESS_KEY_ID=WRITER[0], AWS_SECRET_ACCESS_KEY=WRITER[1])
         # A region the trainer's cluster does not reach: its own coordinator, a gateway source
         # fed by `wsync store pull --publish-to` (read-only credentials), two sinks with their
         # inference servers behind it.
@@ -133,6 +166,15 @@ def main():
               f"the region's sinks hold version {last} bit for bit (parents: {region.parents()})")
         check(any(p.startswith("sink-") for p in region.parents().values()), "one region sink relays to the other")
         region.stop()
+        follow.wait_for(lambda: len(follow.applied()) == 2 and all(v >= last for v in follow.applied().values()),
+                        f"version {last} on the sinks of the region that reads the store", 90)
+        check(all(follow.verify(s, snaps[-1], last) for s in follow.sinks),
+              f"the sinks of the region that reads the store hold version {last} bit for bit "
+              f"(parents: {follow.parents()})")
+        logs = "".join(follow.log(s) for s in follow.sinks)
+        check(len(re.findall(r"applied from the store", logs)) > 0 and len(re.findall(r"applied from sink-", logs)) > 0,
+              "one of them reads the store, the other is relayed to")
+        follow.stop()
         listing = subprocess.run([wsync, "store", "ls", "--store", url, "--run", RUN], env=reader_env,
                                  capture_output=True, text=True, check=True).stdout
         print(listing, end="")
@@ -149,12 +191,31 @@ def main():
         except RuntimeError as e:
             check("PermissionDenied" in str(e) and "signature does not verify" in str(e),
                   f"a puller with another run's key is refused: {e}")
+        # The sinks that reach no source: at the last version, then two more, which the one
+        # that reads the store relays to the others.
+        system.wait_for(lambda: all(system.applied().get(n, 0) >= last for n in far),
+                        f"version {last} on the sinks that reach no source", 90)
+        for v, snap in ((last + 1, snaps[-2]), (last + 2, snaps[-1])):
+            system.publish(snap, v)
+            system.wait_for(lambda: all(system.applied().get(n, 0) >= v for n in far), f"version {v} on them", 90)
+        check(all(system.verify(n, snaps[-1], last + 2) for n in far),
+              f"the sinks that cannot reach the source hold version {last + 2} bit for bit "
+              f"(parents: { {n: p for n, p in system.parents().items() if n in far} })")
+        logs = "".join(system.log(n) for n in far)
+        from_store = len(re.findall(r"applied from the store", logs))
+        relayed = len(re.findall(r"applied from far-\d", logs))
+        check(from_store > 0 and relayed > 0,
+              f"they read the store ({from_store} catch-ups) and relay to each other ({relayed} versions)")
         ok = True
     finally:
         if system:
             system.stop()
+        if link:
+            link.close()
         if "region" in locals():
             region.stop()
+        if "follow" in locals():
+            follow.stop()
         if "gateway" in locals() and gateway.poll() is None:
             gateway.kill()
         store.stop()

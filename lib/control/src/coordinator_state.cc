@@ -344,9 +344,11 @@ StatusOr<wsync::v1::HeartbeatResponse> CoordinatorState::Heartbeat(const wsync::
   }
   n->set_sync_error(req.sync_error().substr(0, 1024));
   n->set_active_holds(req.active_holds());
-  if (n->holds_pieces() != req.holds_pieces()) {
-    // A sink that now holds pieces gives its children back.
+  if (n->holds_pieces() != req.holds_pieces() || n->reads_store() != req.reads_store()) {
+    // A sink that now holds pieces gives its children back; one that reads
+    // a store may be a parent without one.
     n->set_holds_pieces(req.holds_pieces());
+    n->set_reads_store(req.reads_store());
     AssignParentsLocked();
     NotifyLocked();
   }

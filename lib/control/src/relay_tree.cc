@@ -66,7 +66,7 @@ void RelayTree::GiveBackChildren(NodeMap& nodes, const std::string& parent, uint
     auto child = nodes.find(it->first);
     const bool back = child != nodes.end() && child->second.state() == wsync::v1::NODE_ALIVE && kids < fanout_ &&
                       p.role() == wsync::v1::ROLE_SINK && p.applied_version() == head && !p.holds_pieces() &&
-                      !p.parent().empty() && !Avoids(it->first, parent) &&
+                      Rooted(p) && !Avoids(it->first, parent) &&
                       !IsDescendant(nodes, parent, it->first) && [&] {
                         auto now = nodes.find(child->second.parent());
                         return now != nodes.end() && now->second.role() == wsync::v1::ROLE_SOURCE;
@@ -126,7 +126,7 @@ bool RelayTree::AssignParents(NodeMap& nodes, uint64_t head) {
     std::vector<std::string> out;
     if (!source.empty()) out.push_back(source);
     for (const auto& [name, c] : nodes) {
-      if (is_live_sink(c) && head != 0 && c.applied_version() == head && !c.resync_keyframe() && !c.parent().empty() &&
+      if (is_live_sink(c) && head != 0 && c.applied_version() == head && !c.resync_keyframe() && Rooted(c) &&
           !c.holds_pieces()) {
         out.push_back(name);
       }
@@ -178,7 +178,9 @@ bool RelayTree::AssignParents(NodeMap& nodes, uint64_t head) {
       }
     }
     if (chosen.empty()) chosen = least_loaded;
-    if (chosen.empty()) chosen = avoided;
+    // Nothing else holds the version: the avoided parent again, unless the
+    // sink reads a store (it reads the store until the avoidance ends).
+    if (chosen.empty() && !n.reads_store()) chosen = avoided;
     if (chosen.empty()) continue;
     n.set_parent(chosen);
     moved = true;

@@ -6,8 +6,8 @@
 // is durable.
 //
 // The tree: the source, then sinks that hold the head and are rooted (have a
-// parent themselves) and hold whole tensors, take up to `fanout` children
-// each; a sink is never below itself.
+// parent themselves, or read an object store) and hold whole tensors, take
+// up to `fanout` children each; a sink is never below itself.
 //
 // Thread safety: not thread-safe. REQUIRES for every method: the
 // coordinator's mutex held (a test using it alone: one thread).
@@ -34,7 +34,8 @@ class RelayTree {
   // One pass over `nodes` (at head version `head`): sinks drop parents that
   // are gone, not alive, hold pieces or are avoided; a parent above the
   // fan-out gives its excess to parents with room; orphans get the first
-  // parent with room, else the least loaded, else one they avoid. Returns
+  // parent with room, else the least loaded, else one they avoid (none when
+  // they read a store). Returns
   // whether a sink was moved or attached (the next pass may attach more).
   // Clears dirty().
   bool AssignParents(NodeMap& nodes, uint64_t head);
@@ -64,6 +65,9 @@ class RelayTree {
   // (`head`) whole, is rooted and has room. REQUIRES: `parent` in `nodes`.
   void GiveBackChildren(NodeMap& nodes, const std::string& parent, uint64_t head);
 
+  // Whether a sink gets versions other than through its children: it has a
+  // parent, or reads an object store.
+  static bool Rooted(const wsync::v1::Node& n) { return !n.parent().empty() || n.reads_store(); }
   // Whether `ancestor` is above `node` (true on a cycle: never attach there).
   static bool IsDescendant(const NodeMap& nodes, const std::string& node, const std::string& ancestor);
   // Whether `sink` can get version `head` walking up its parents: a sink
