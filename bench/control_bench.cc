@@ -55,7 +55,10 @@ struct Load {
   double register_per_s = 0, steady_s = 0, rps = 0;
   double offered_rps = 0;  // --fleet: the rate the fleet makes
   uint64_t versions = 0, errors = 0, late = 0;
-  std::vector<double> reg, hb, rep;  // microseconds
+  bool reports_on_heartbeats = false;  // --fleet: the coordinator took applied versions from heartbeats
+  // microseconds; rep: a report's call, or with reports on heartbeats, from
+  // the apply to the answer of the heartbeat that first carried it
+  std::vector<double> reg, hb, rep;
   std::vector<double> watch;          // --fleet: from a version's publish to each watcher's receipt, microseconds
 };
 
@@ -138,6 +141,8 @@ class FleetDriver {
   }
   uint64_t errors() const { return errors_; }
   uint64_t late() const { return late_; }
+  uint64_t calls() const { return calls_; }  // answered, heartbeats and reports
+  bool reports_on_heartbeats() const { return reports_on_heartbeats_; }
 
  private:
   struct Call {
@@ -147,6 +152,10 @@ class FleetDriver {
     v1::ReportAppliedRequest rep;
     v1::ReportAppliedResponse rep_resp;
     Clock::time_point start;
+    // A heartbeat that first carries a version applied at `applied_at`:
+    // the report's latency is from then to its answer.
+    bool carries_report = false;
+    Clock::time_point applied_at;
   };
   struct Lat {
     std::vector<double> hb, rep;
@@ -193,6 +202,9 @@ class FleetDriver {
     };
     std::priority_queue<Due, std::vector<Due>, std::greater<Due>> due;
     std::vector<uint64_t> reported(o_.sinks, 0);
+    // What each sink holds and when it applied it; the newest a heartbeat carried.
+    std::vector<uint64_t> applied(o_.sinks, 0), carried(o_.sinks, 0);
+    std::vector<Clock::time_point> applied_at(o_.sinks);
     // Heartbeats spread evenly over a period, as sinks started at random.
     for (int i = w; i < o_.sinks; i += o_.workers) {
       due.push({t0 + Us(static_cast<int64_t>(o_.heartbeat_ms) * 1000 * i / o_.sinks), i, false});
@@ -227,12 +239,28 @@ class FleetDriver {
       const std::string name = "sink-" + std::to_string(d.sink);
       if (d.report) {
         reported[d.sink] = v;
+        applied[d.sink] = v;
+        applied_at[d.sink] = d.at;
+      }
+      if (d.report && reports_on_heartbeats_) {
+        // The coordinator takes applied versions from heartbeats: the next one carries it.
+        delete call;
+        std::lock_guard<std::mutex> lock(mu_);
+        if (--in_flight_ == 0) done_.notify_all();
+      } else if (d.report) {
+        carried[d.sink] = v;  // reported by its own call: no heartbeat counts it
         call->rep.set_name(name);
         call->rep.set_version(v);
         stubs_[w]->async()->ReportApplied(&call->ctx, &call->rep, &call->rep_resp,
                                           [this, w, call](grpc::Status s) { Done(w, call, true, s); });
       } else {
         call->hb.set_name(name);
+        call->hb.set_applied_version(applied[d.sink]);
+        if (applied[d.sink] > carried[d.sink]) {
+          call->carries_report = true;
+          call->applied_at = applied_at[d.sink];
+        }
+        carried[d.sink] = applied[d.sink];
         stubs_[w]->async()->Heartbeat(&call->ctx, &call->hb, &call->hb_resp,
                                       [this, w, call](grpc::Status s) { Done(w, call, false, s); });
         due.push({d.at + std::chrono::milliseconds(o_.heartbeat_ms), d.sink, false});
@@ -241,17 +269,25 @@ class FleetDriver {
   }
 
   void Done(int w, Call* call, bool report, const grpc::Status& s) {
-    const double us = std::chrono::duration<double, std::micro>(Clock::now() - call->start).count();
+    const auto now = Clock::now();
+    const double us = std::chrono::duration<double, std::micro>(now - call->start).count();
+    const bool carried = call->carries_report && s.ok();
+    const double carried_us = std::chrono::duration<double, std::micro>(now - call->applied_at).count();
+    if (!report && s.ok() && call->hb_resp.reports_on_heartbeats()) reports_on_heartbeats_ = true;
     delete call;
     if (!s.ok()) ++errors_;
+    ++calls_;
     std::lock_guard<std::mutex> lock(mu_);
     (report ? lat_[w].rep : lat_[w].hb).push_back(us);
+    if (carried) lat_[w].rep.push_back(carried_us);
     if (--in_flight_ == 0) done_.notify_all();
   }
 
   const ControlBenchOptions& o_;
   std::vector<std::unique_ptr<v1::Coordinator::Stub>> stubs_;
   std::atomic<uint64_t> errors_{0}, late_{0}, watch_errors_{0};
+  std::atomic<bool> reports_on_heartbeats_{false};  // as the coordinator's heartbeat answers say
+  std::atomic<uint64_t> calls_{0};
   std::mutex mu_;
   std::condition_variable done_;
   uint64_t in_flight_ = 0;
@@ -373,11 +409,15 @@ Load Drive(const std::string& address, const ControlBenchOptions& o,
     l.watch = fleet->WatchLatencies();
   }
   l.register_per_s = l.reg.size() / register_s;
-  l.rps = (l.hb.size() + l.rep.size()) / l.steady_s;
+  l.rps = (fleet ? fleet->calls() : l.hb.size() + l.rep.size()) / l.steady_s;
   l.versions = head.load();
   l.errors = errors.load();
   l.late = late.load();
-  if (o.fleet) l.offered_rps = o.sinks * (1000.0 / o.heartbeat_ms + 1000.0 / o.publish_every_ms);
+  if (fleet) {
+    // Applied versions ride on heartbeats when the coordinator says so: no report calls.
+    l.reports_on_heartbeats = fleet->reports_on_heartbeats();
+    l.offered_rps = o.sinks * (1000.0 / o.heartbeat_ms + (l.reports_on_heartbeats ? 0 : 1000.0 / o.publish_every_ms));
+  }
   return l;
 }
 
@@ -454,11 +494,13 @@ StatusOr<Replicas> StartReplicas(const ControlBenchOptions& o) {
 void PrintLoad(const char* what, const Load& l) {
   std::printf("-- %s\n", what);
   std::printf("registration: %zu RPCs (%.0f/s)\n", l.reg.size(), l.register_per_s);
-  std::printf("steady state: %.1f s, %zu RPCs (%.0f/s), %" PRIu64 " versions published, %" PRIu64 " errors\n",
-              l.steady_s, l.hb.size() + l.rep.size(), l.rps, l.versions, l.errors);
+  std::printf("steady state: %.1f s, %.0f RPCs/s, %" PRIu64 " versions published, %" PRIu64 " errors\n", l.steady_s,
+              l.rps, l.versions, l.errors);
   if (l.offered_rps > 0) {
-    std::printf("fleet rate: %.0f RPCs/s offered; %" PRIu64 " calls (%.2f%%) started over 100 ms late\n", l.offered_rps,
-                l.late, 100.0 * l.late / std::max<size_t>(1, l.hb.size() + l.rep.size()));
+    std::printf("fleet rate: %.0f RPCs/s offered; %" PRIu64 " calls started over 100 ms late; applied versions %s\n",
+                l.offered_rps, l.late,
+                l.reports_on_heartbeats ? "on heartbeats (ReportApplied: from the apply to that heartbeat's answer)"
+                                        : "in ReportApplied calls");
   }
   std::printf("%-14s %10s %10s %10s\n", "method", "count", "p50 us", "p99 us");
   for (auto [name, v] : {std::pair<const char*, const std::vector<double>*>{"Register", &l.reg},
@@ -477,6 +519,7 @@ nlohmann::ordered_json LoadJson(const Load& l) {
   j["errors"] = l.errors;
   if (l.offered_rps > 0) {
     j["offered_rpcs_per_s"] = l.offered_rps;
+    j["reports_on_heartbeats"] = l.reports_on_heartbeats;
     j["late_calls"] = l.late;
   }
   for (auto [name, v] : {std::pair<const char*, const std::vector<double>*>{"register", &l.reg},

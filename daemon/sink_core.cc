@@ -66,6 +66,10 @@ void SinkCore::ReportApplied(uint64_t version) {
   }
 }
 
+void SinkCore::ReportAppliedAfterApply(uint64_t version) {
+  if (!reports_on_heartbeats_) ReportApplied(version);
+}
+
 // ------------------------------------------------------------ registration
 
 StatusOr<uint64_t> SinkCore::RegisterTensors(buffers::MappedTensors reg, uint64_t claimed) {
@@ -166,6 +170,7 @@ SinkStatus SinkCore::status() {
     s.timings = w->timings();
   }
   std::tie(s.active_holds, s.oldest_hold_ms) = HoldSummary();
+  s.reports_on_heartbeats = reports_on_heartbeats_.load();
   return s;
 }
 
@@ -179,6 +184,7 @@ void SinkCore::OnHeartbeat(const v1::HeartbeatResponse& hb) {
     resync_ = hb.node().resync_keyframe();
   }
   head_ = std::max(head_.load(), hb.head_version());
+  reports_on_heartbeats_ = hb.reports_on_heartbeats();
   // The coordinator shows another applied version than this sink holds: a
   // report it acknowledged was lost in a failover before it was durable.
   if (const auto w = weights(); w && hb.node().applied_version() != w->applied()) ReportApplied(w->applied());
@@ -203,6 +209,8 @@ void SinkCore::FillHeartbeat(v1::HeartbeatRequest* h) {
   h->set_active_holds(holds);
   if (auto w = weights()) h->set_holds_pieces(w->store().tensors().has_pieces());
   h->set_reads_store(env_.store != nullptr);
+  const auto w = weights();
+  h->set_applied_version(w ? w->applied() : 0);
   h->set_oldest_hold_ms(oldest_ms);
 }
 
@@ -565,7 +573,7 @@ Status SinkCore::SyncFromStoreOnce(const std::shared_ptr<SinkWeights>& w, uint64
       *applying = true;
       return s.WithContext(step.object.key);
     }
-    ReportApplied(w->applied());
+    ReportAppliedAfterApply(w->applied());
   }
   bytes_received_ += bytes;
   const double ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
@@ -676,7 +684,7 @@ Status SinkCore::SyncOnce(const std::shared_ptr<SinkWeights>& w, const std::vect
   for (const auto& stream : streams) received = std::max(received, stream->completed_at());
   WSYNC_RETURN_IF_ERROR(ahead ? w->Apply(*streams[0], *ahead, assembled) : w->ApplyParts(parts));
   if (ahead) staged_ahead_ += ahead->staged_ahead();
-  ReportApplied(w->applied());
+  ReportAppliedAfterApply(w->applied());
   using Ms = std::chrono::duration<double, std::milli>;
   const auto done = Clock::now();
   spdlog::info("sink {}: version {} applied from {} ({} {} bytes, {:.1f} ms: transfer {:.1f} ms, apply {:.1f} ms){}",

@@ -9,7 +9,8 @@
 // States of the sync loop (docs/data-plane.md, "Sink"): no weights or no
 // parent (and no store) -> idle; behind the head -> pull (from, head) from
 // the parent, a keyframe when it holds nothing, is told to resync, or the
-// patch does not fit -> apply (verify; undo on mismatch) -> report applied;
+// patch does not fit -> apply (verify; undo on mismatch) -> report applied
+// (or let the next heartbeat carry it, when the coordinator says so);
 // with a store tier, when no daemon serves the version (no parent, an
 // unreachable one, one lacking the version past the store's wait) -> the
 // store's plan to the head, applied version by version; a failure -> retry
@@ -63,6 +64,7 @@ struct SinkStatus {
   Status sync_error;
   uint32_t active_holds = 0;
   int64_t oldest_hold_ms = 0;
+  bool reports_on_heartbeats = false;  // the coordinator takes the applied version from heartbeats
 };
 
 class SinkCore : public exchange::PatchProvider {
@@ -134,6 +136,9 @@ class SinkCore : public exchange::PatchProvider {
   void Retire(const std::shared_ptr<SinkWeights>& old, const std::string& why);
   std::pair<uint32_t, int64_t> HoldSummary();
   void ReportApplied(uint64_t version);
+  // After an apply: reported now, unless the coordinator takes applied
+  // versions from heartbeats (then the next heartbeat carries it).
+  void ReportAppliedAfterApply(uint64_t version);
   void LeaseLoop();
   void WatchLoop();
   void SyncLoop();  // its steps: AwaitAttempt .. OnSyncFailed below
@@ -234,6 +239,7 @@ class SinkCore : public exchange::PatchProvider {
   const SinkWeights* mismatched_ = nullptr;         // sync thread only: weights refused by the layout check
   std::chrono::steady_clock::time_point next_attempt_;  // sync thread only: no attempt before it (the backoff)
   std::atomic<uint64_t> head_{0};
+  std::atomic<bool> reports_on_heartbeats_{false};  // as the last heartbeat's answer said
   std::atomic<uint64_t> pulls_made_{0};
   std::atomic<uint64_t> bytes_received_{0};
   std::atomic<uint64_t> staged_ahead_{0};

@@ -217,6 +217,7 @@ int main(int argc, char** argv) {
   std::vector<std::string> listen;
   std::optional<uint64_t> max_staleness, ttl;
   std::optional<uint32_t> fanout;
+  std::optional<size_t> heartbeat_reports_from;
   coord->add_option("--config", config_file, "TOML file with a [coordinator] table")->check(CLI::ExistingFile);
   coord->add_option("--listen", listen, "host:port or unix:PATH (repeatable)");
   coord->add_option("--store-dir", config.store_dir, "directory of the durable store");
@@ -228,6 +229,9 @@ int main(int argc, char** argv) {
   coord->add_option("--staleness-policy", policy, "block or evict");
   coord->add_option("--fanout", fanout, "children per parent in the sync tree");
   coord->add_option("--node-ttl-ms", ttl, "default node and lease TTL");
+  coord->add_option("--heartbeat-reports-from", heartbeat_reports_from,
+                    "from this many nodes on, with no staleness bound, sinks let their heartbeats carry their applied "
+                    "versions instead of a report per version (0: never; default 2000)");
   coord->add_option("--metrics-listen", config.server.metrics_listen, "Prometheus endpoint host:port");
   bool metrics_no_auth = false, reflection = false;
   coord->add_flag("--metrics-no-auth", metrics_no_auth,
@@ -404,6 +408,7 @@ int main(int argc, char** argv) {
     if (max_staleness) merged.state.max_staleness = *max_staleness;
     if (fanout) merged.state.fanout = *fanout;
     if (ttl) merged.state.default_ttl_ms = *ttl;
+    if (heartbeat_reports_from) merged.state.heartbeat_reports_from = *heartbeat_reports_from;
     if (!policy.empty()) {
       auto p = daemon::ParsePolicy(policy);
       if (!p.ok()) return Fail(p.status());

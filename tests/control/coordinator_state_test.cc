@@ -279,6 +279,46 @@ TEST(CoordinatorState, StalenessIsHeadMinusApplied) {
   EXPECT_EQ(s->GetStatus().oldest_needed_version(), 3u);
 }
 
+// In a large fleet with no staleness bound, sinks are told to let their
+// heartbeats carry their applied versions; a carried version is taken as a
+// report is, and one the coordinator cannot take leaves the heartbeat answered.
+TEST(CoordinatorState, HeartbeatsCarryAppliedVersionsInALargeFleetWithNoStalenessBound) {
+  FakeClock clock;
+  CoordinatorOptions o;
+  o.heartbeat_reports_from = 3;
+  auto s = Make(&clock, o);
+  ASSERT_TRUE(s->Register(Reg("src", wsync::v1::ROLE_SOURCE)).ok());
+  ASSERT_TRUE(s->Register(Reg("sink", wsync::v1::ROLE_SINK)).ok());
+  for (uint64_t v = 1; v <= 3; ++v) ASSERT_TRUE(s->Publish(V(v)).ok());
+  wsync::v1::HeartbeatRequest h;
+  h.set_name("sink");
+  auto small = s->Heartbeat(h);
+  ASSERT_TRUE(small.ok());
+  EXPECT_FALSE(small->reports_on_heartbeats()) << "two nodes: reports are made as calls";
+
+  ASSERT_TRUE(s->Register(Reg("other", wsync::v1::ROLE_SINK)).ok());
+  h.set_applied_version(2);
+  auto large = s->Heartbeat(h);
+  ASSERT_TRUE(large.ok());
+  EXPECT_TRUE(large->reports_on_heartbeats());
+  EXPECT_EQ(large->node().applied_version(), 2u);
+  EXPECT_EQ(large->node().staleness(), 1u);
+  EXPECT_EQ(FindNode(s->GetStatus(), "sink")->applied_version(), 2u);
+
+  h.set_applied_version(9);  // never published
+  auto wrong = s->Heartbeat(h);
+  ASSERT_TRUE(wrong.ok()) << wrong.status().ToString();
+  EXPECT_EQ(wrong->node().applied_version(), 2u) << "the version it cannot take is not recorded";
+
+  // With a staleness bound, publishing acts on the reports: they stay calls.
+  o.max_staleness = 2;
+  auto bounded = Make(&clock, o);
+  for (const char* n : {"a", "b", "c"}) ASSERT_TRUE(bounded->Register(Reg(n, wsync::v1::ROLE_SINK)).ok());
+  h.set_name("a");
+  h.clear_applied_version();
+  EXPECT_FALSE(bounded->Heartbeat(h)->reports_on_heartbeats());
+}
+
 TEST(CoordinatorState, BlockPolicyNamesTheLaggingSinks) {
   FakeClock clock;
   CoordinatorOptions o;
@@ -562,6 +602,43 @@ class CountingStore : public Store {
  private:
   std::unique_ptr<Store> inner_;
 };
+
+// Applied versions that heartbeats carry are carried again by the next ones:
+// stored once a second, not at every tick (each commit holds the state).
+TEST(CoordinatorState, ReportsCarriedByHeartbeatsAreStoredOnceASecond) {
+  const std::string dir = ::testing::TempDir() + "/wsync_hb_reports_" + std::to_string(::getpid());
+  std::filesystem::remove_all(dir);
+  FakeClock clock;
+  Recovered rec;
+  auto store = OpenLogStore(dir, &rec);
+  ASSERT_TRUE(store.ok());
+  auto counting = std::make_unique<CountingStore>(std::move(*store));
+  CountingStore* count = counting.get();
+  CoordinatorOptions o;
+  o.heartbeat_reports_from = 10;
+  auto s = CoordinatorState::Create(o, &clock, std::move(counting), rec);
+  ASSERT_TRUE(s.ok());
+  for (int i = 0; i < 10; ++i) ASSERT_TRUE((*s)->Register(Reg("sink-" + std::to_string(i), wsync::v1::ROLE_SINK)).ok());
+  ASSERT_TRUE((*s)->Publish(V(1)).ok());
+  count->appends = count->batches = 0;
+  wsync::v1::HeartbeatRequest h;
+  h.set_applied_version(1);
+  for (int i = 0; i < 10; ++i) {
+    h.set_name("sink-" + std::to_string(i));
+    auto hb = (*s)->Heartbeat(h);
+    ASSERT_TRUE(hb.ok());
+    EXPECT_TRUE(hb->reports_on_heartbeats());
+  }
+  (*s)->Tick();
+  clock.Advance(999);
+  (*s)->Tick();
+  EXPECT_EQ(count->appends + count->batches, 0) << "held for a second";
+  clock.Advance(1);
+  (*s)->Tick();
+  EXPECT_EQ(count->batches, 1);
+  EXPECT_EQ(count->records.back().node_reports().nodes_size(), 10);
+  std::filesystem::remove_all(dir);
+}
 
 TEST(CoordinatorState, ReportsAreStoredTogetherAtTheTickOrAheadOfTheNextDurableChange) {
   const std::string dir = ::testing::TempDir() + "/wsync_reports_" + std::to_string(::getpid());

@@ -44,6 +44,36 @@ TEST_F(SinkCoreTest, RegistersPullsAKeyframeThenPatches) {
   WaitReported("sink-0", 5);
 }
 
+// In a large fleet the coordinator takes applied versions from heartbeats:
+// after each apply the sink makes no ReportApplied call, and the coordinator
+// learns every version from its next heartbeat.
+TEST_F(SinkCoreTest, AppliedVersionsRideOnHeartbeatsWhenTheCoordinatorSaysSo) {
+  control::CoordinatorOptions o;
+  o.heartbeat_reports_from = 1;
+  auto s = control::CoordinatorState::Create(o, &clock_, control::NewNullStore(), control::Recovered());
+  ASSERT_TRUE(s.ok());
+  state_ = std::move(*s);
+  auto v = Versions(4);
+  TestSource source(state_.get(), fabric_);
+  source.Publish(1, v[0]);
+  TestSink sink("sink-0", state_.get(), fabric_);
+  ASSERT_TRUE(sink.RegisterMemory(Zeros(v[0])).ok());
+  sink.ExpectReaches(1, v[0]);
+  WaitReported("sink-0", 1);
+  const auto until = std::chrono::steady_clock::now() + kEventDeadline;
+  while (!sink.core->status().reports_on_heartbeats && std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(10ms);
+  }
+  ASSERT_TRUE(sink.core->status().reports_on_heartbeats) << "a heartbeat's answer says so";
+  const uint64_t reports = sink.client.report_calls();  // the registration's, perhaps the first apply's
+  for (int k = 1; k < 4; ++k) {
+    source.Publish(k + 1, v[k]);
+    sink.ExpectReaches(k + 1, v[k]);
+    WaitReported("sink-0", k + 1);
+  }
+  EXPECT_EQ(sink.client.report_calls(), reports) << "every later version reached the coordinator on a heartbeat";
+}
+
 // A patch that arrives over a slow link in many chunks is decoded while it
 // arrives: what is left at the end is the adds and the checks. The result
 // is bit for bit the trainer's; with decoding ahead turned off too.

@@ -354,7 +354,16 @@ StatusOr<wsync::v1::HeartbeatResponse> CoordinatorState::Heartbeat(const wsync::
   }
   n->set_oldest_hold_ms(req.oldest_hold_ms());
   if (n->role() == wsync::v1::ROLE_SOURCE) versions_->SetSourceHead(req.name(), req.source_head());
+  if (n->role() == wsync::v1::ROLE_SINK && req.has_applied_version() &&
+      req.applied_version() != n->applied_version()) {
+    // A report riding on the heartbeat: one the coordinator cannot take
+    // (a version it does not know) leaves the heartbeat answered.
+    if (Status s = ApplyReportLocked(n, req.applied_version()); !s.ok()) {
+      spdlog::debug("heartbeat of {}: its applied version not taken: {}", Quoted(req.name()), s.ToString());
+    }
+  }
   wsync::v1::HeartbeatResponse resp;
+  resp.set_reports_on_heartbeats(ReportsOnHeartbeatsLocked());
   *resp.mutable_node() = *n;
   FillDerived(resp.mutable_node(), versions_->head());
   resp.set_head_version(versions_->head());
@@ -379,6 +388,14 @@ StatusOr<Node> CoordinatorState::ReportApplied(const std::string& name, uint64_t
   Node* current = nodes_->FindLive(name);
   if (current == nullptr) return NotLiveError(name);
   if (current->state() == wsync::v1::NODE_DISCONNECTED) current->set_state(wsync::v1::NODE_ALIVE);  // it speaks
+  WSYNC_RETURN_IF_ERROR(ApplyReportLocked(current, version));
+  Node out = *current;
+  FillDerived(&out, versions_->head());
+  return out;
+}
+
+Status CoordinatorState::ApplyReportLocked(Node* current, uint64_t version) {
+  const std::string& name = current->name();
   const uint64_t head = versions_->head();
   if (version > head) {
     return InvalidArgumentError("node '" + name + "' reports version " + std::to_string(version) +
@@ -398,16 +415,16 @@ StatusOr<Node> CoordinatorState::ReportApplied(const std::string& name, uint64_t
     // when its heartbeat's answer shows an applied version not its own.
     wsync::store::v1::NodeRecord record = NodeRegistry::ToRecord(n);
     nodes_->Apply(record);
+    if (unflushed_reports_.empty()) unflushed_since_ms_ = clock_->NowMs();
     unflushed_reports_[name] = std::move(record);
     NotifyLocked();
     // A sink reaching the head may parent orphans or relieve a parent above
     // the fan-out: the tree is redone at the next Tick (within tick_ms), not
-    // at each of the thousands of reports a version brings.
-    tree_->MarkDirty();
+    // at each of the thousands of reports a version brings, and not at all
+    // when it has neither.
+    tree_->MarkCandidatesChanged();
   }
-  Node out = *current;
-  FillDerived(&out, head);
-  return out;
+  return Status::Ok();
 }
 
 // -------------------------------------------------------------- versions
@@ -503,9 +520,20 @@ bool CoordinatorState::HeadReachableLocked(const Node& sink, uint64_t head) cons
 
 // ---------------------------------------------------- liveness and topology
 
+bool CoordinatorState::ReportsOnHeartbeatsLocked() const {
+  return options_.max_staleness == 0 && options_.heartbeat_reports_from > 0 &&
+         nodes_->nodes().size() >= options_.heartbeat_reports_from;
+}
+
 void CoordinatorState::Tick() {
   std::lock_guard<std::mutex> lock(mu_);
-  if (Status s = CommitLocked(nullptr); !s.ok()) {
+  // Applied versions that heartbeats carry are carried again by the next
+  // ones (a new leader learns them within a heartbeat period): made durable
+  // once a second, not at every tick, each commit being made under the lock.
+  constexpr int64_t kHeartbeatReportsFlushMs = 1000;
+  const bool flush = !ReportsOnHeartbeatsLocked() || unflushed_reports_.empty() ||
+                     clock_->NowMs() - unflushed_since_ms_ >= kHeartbeatReportsFlushMs;
+  if (Status s = flush ? CommitLocked(nullptr) : Status::Ok(); !s.ok()) {
     spdlog::warn("cannot store {} applied versions reported (kept in memory, tried again next tick): {}",
                  unflushed_reports_.size(), s.ToString());
   } else {

@@ -97,6 +97,7 @@ bool RelayTree::HeadReachable(const NodeMap& nodes, const Node& sink, uint64_t h
 
 bool RelayTree::AssignParents(NodeMap& nodes, uint64_t head) {
   dirty_ = false;
+  settled_ = true;
   bool moved = false;
   std::string source;
   for (const auto& [name, n] : nodes) {
@@ -181,11 +182,17 @@ bool RelayTree::AssignParents(NodeMap& nodes, uint64_t head) {
     // Nothing else holds the version: the avoided parent again, unless the
     // sink reads a store (it reads the store until the avoidance ends).
     if (chosen.empty() && !n.reads_store()) chosen = avoided;
-    if (chosen.empty()) continue;
+    if (chosen.empty()) {
+      settled_ = false;
+      continue;
+    }
     n.set_parent(chosen);
     moved = true;
     children[chosen].push_back(name);
     spdlog::debug("sink {} assigned parent {}", name, chosen);
+  }
+  for (const auto& [parent, kids] : children) {
+    if (kids.size() > fanout_) settled_ = false;
   }
   return moved;
 }

@@ -39,8 +39,15 @@ class RelayTree {
   // whether a sink was moved or attached (the next pass may attach more).
   // Clears dirty().
   bool AssignParents(NodeMap& nodes, uint64_t head);
-  // The tree wants a pass (a sink's applied version changed).
+  // The tree wants a pass.
   void MarkDirty() { dirty_ = true; }
+  // A sink's applied version changed: a pass only when the last one left
+  // work a new holder of the head could take (an orphan, a parent above
+  // the fan-out); a settled tree of a large fleet is not redone at every
+  // report.
+  void MarkCandidatesChanged() {
+    if (!settled_) dirty_ = true;
+  }
   bool dirty() const { return dirty_; }
 
   // `child` cannot reach `parent`: avoided for it from now for avoid_ms.
@@ -81,6 +88,7 @@ class RelayTree {
   const uint32_t fanout_;
   const uint64_t avoid_ms_;
   bool dirty_ = false;
+  bool settled_ = false;  // the last pass left every live sink a parent and none above the fan-out
   // Sinks -> (a parent their pulls could not reach, until when it is
   // avoided for them, unix ms).
   std::map<std::string, std::pair<std::string, int64_t>> avoid_;

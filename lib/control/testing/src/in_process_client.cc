@@ -58,6 +58,7 @@ Status InProcessClient::Watch(const v1::WatchRequest& req,
 
 StatusOr<v1::Node> InProcessClient::ReportApplied(const std::string& name, uint64_t version) {
   WSYNC_RETURN_IF_ERROR(Reach());
+  ++report_calls_;
   return state_->ReportApplied(name, version);
 }
 

@@ -40,6 +40,10 @@ struct CoordinatorOptions {
   // long, unless the parent restarts (or no other holder exists).
   uint64_t parent_avoid_ms = 30'000;
   size_t compact_every = 10'000;     // log records between snapshots
+  // From this many registered nodes on, with no staleness bound, sinks are
+  // told to let their heartbeats carry their applied versions instead of a
+  // ReportApplied call per version (0: never).
+  size_t heartbeat_reports_from = 2'000;
 };
 
 // The coordinator's domains (internals in lib/control/src/): each holds its
@@ -161,6 +165,12 @@ class CoordinatorState {
   void ExpireLocked();
   // One pass of the relay tree; whether any sink's parent changed. REQUIRES: mu_ held.
   bool AssignParentsLocked();
+  // Sets a live sink's applied version (a report, or a heartbeat carrying
+  // one): validated, applied at once, made durable within a tick.
+  Status ApplyReportLocked(wsync::v1::Node* current, uint64_t version);
+  // Whether sinks are told to let heartbeats carry their applied versions
+  // (CoordinatorOptions::heartbeat_reports_from).
+  bool ReportsOnHeartbeatsLocked() const;
   // A registration's pass: at once, except in a storm of them in a large
   // fleet (a pass is O(nodes)): then at the next Tick. REQUIRES: mu_ held.
   void AssignParentsSoonLocked();
@@ -208,6 +218,7 @@ class CoordinatorState {
   // Applied versions reported and applied in memory, not yet in the store:
   // each node's latest durable fields, by node.
   std::unordered_map<std::string, wsync::store::v1::NodeRecord> unflushed_reports_;
+  int64_t unflushed_since_ms_ = 0;  // when the oldest of them came (clock_)
   // The registrations' queue (Register). Taken after mu_ when both are held.
   std::mutex register_mu_;
   std::condition_variable registered_;

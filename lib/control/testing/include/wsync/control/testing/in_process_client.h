@@ -25,6 +25,7 @@ class InProcessClient : public CoordinatorClient {
   // The next n Publish calls fail with Unavailable (a lost answer).
   void FailNextPublishes(int n) { failing_publishes_ = n; }
   uint64_t calls() const { return calls_.load(); }
+  uint64_t report_calls() const { return report_calls_.load(); }  // ReportApplied's
 
   StatusOr<wsync::v1::RegisterResponse> Register(const wsync::v1::RegisterRequest& req) override;
   StatusOr<wsync::v1::HeartbeatResponse> Heartbeat(const wsync::v1::HeartbeatRequest& req) override;
@@ -55,6 +56,7 @@ class InProcessClient : public CoordinatorClient {
   std::atomic<bool> unreachable_{false};
   std::atomic<bool> cancelled_{false};
   std::atomic<uint64_t> calls_{0};
+  std::atomic<uint64_t> report_calls_{0};
   std::atomic<int> failing_publishes_{0};
 };
 
