@@ -40,12 +40,6 @@ struct PullFlags {
   std::string publish_to;      // a source's local API: each version pulled is published through it
 };
 
-// The verifier of --verify-key, or none.
-StatusOr<std::unique_ptr<store::Verifier>> VerifierOf(const std::string& path) {
-  if (path.empty()) return std::unique_ptr<store::Verifier>();
-  return store::Verifier::FromPemFile(path);
-}
-
 // The tensors a file holds and the version its metadata names (nothing and
 // 0 when there is no file).
 StatusOr<uint64_t> LoadHeld(const std::string& path, std::vector<OwnedTensor>* tensors) {
@@ -100,9 +94,8 @@ Status CatchUp(store::ObjectStore& s3, store::VersionReader& reader, const PullF
 }
 
 Status RunPull(const PullFlags& f) {
-  WSYNC_ASSIGN_OR_RETURN(store::S3Options o, store::S3OptionsFromUrl(f.url));
-  WSYNC_ASSIGN_OR_RETURN(auto s3, store::OpenS3(o));
-  WSYNC_ASSIGN_OR_RETURN(auto verifier, VerifierOf(f.verify_key));
+  WSYNC_ASSIGN_OR_RETURN(auto s3, store::OpenS3Url(f.url));
+  WSYNC_ASSIGN_OR_RETURN(auto verifier, store::Verifier::FromPemFileIfAny(f.verify_key));
   store::VersionReader reader(*s3, f.run, f.parallel, f.range_mib << 20, verifier.get());
   std::vector<OwnedTensor> tensors;
   WSYNC_ASSIGN_OR_RETURN(uint64_t held, LoadHeld(f.out, &tensors));
@@ -153,9 +146,8 @@ Status RunPull(const PullFlags& f) {
 }
 
 Status RunList(const std::string& url, const std::string& run, const std::string& verify_key) {
-  WSYNC_ASSIGN_OR_RETURN(store::S3Options o, store::S3OptionsFromUrl(url));
-  WSYNC_ASSIGN_OR_RETURN(auto s3, store::OpenS3(o));
-  WSYNC_ASSIGN_OR_RETURN(auto verifier, VerifierOf(verify_key));
+  WSYNC_ASSIGN_OR_RETURN(auto s3, store::OpenS3Url(url));
+  WSYNC_ASSIGN_OR_RETURN(auto verifier, store::Verifier::FromPemFileIfAny(verify_key));
   store::VersionReader reader(*s3, run, 8, uint64_t{8} << 20, verifier.get());
   WSYNC_ASSIGN_OR_RETURN(auto versions, store::ListVersions(*s3, run));
   for (uint64_t v : versions) {

@@ -12,12 +12,8 @@ StatusOr<std::unique_ptr<StoreFollower>> StoreFollower::Start(const StoreFollowO
                                                               control::CoordinatorState* state) {
   if (options.run.empty()) return InvalidArgumentError("--store-run: the run's key prefix is empty");
   if (options.poll_ms == 0) return InvalidArgumentError("--store-poll-ms must be above 0");
-  WSYNC_ASSIGN_OR_RETURN(store::S3Options o, store::S3OptionsFromUrl(options.url));
-  WSYNC_ASSIGN_OR_RETURN(auto s3, store::OpenS3(o));
-  std::unique_ptr<store::Verifier> verifier;
-  if (!options.verify_key.empty()) {
-    WSYNC_ASSIGN_OR_RETURN(verifier, store::Verifier::FromPemFile(options.verify_key));
-  }
+  WSYNC_ASSIGN_OR_RETURN(auto s3, store::OpenS3Url(options.url));
+  WSYNC_ASSIGN_OR_RETURN(auto verifier, store::Verifier::FromPemFileIfAny(options.verify_key));
   return std::unique_ptr<StoreFollower>(new StoreFollower(options, std::move(s3), std::move(verifier), state));
 }
 

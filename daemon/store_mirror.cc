@@ -9,8 +9,7 @@ namespace wsync::daemon {
 StatusOr<std::unique_ptr<StoreMirror>> StoreMirror::Start(const StoreMirrorOptions& options, PatchProvider* history) {
   if (options.run.empty()) return InvalidArgumentError("--store-run: the run's key prefix is empty");
   if (options.keyframe_every == 0) return InvalidArgumentError("--store-keyframe-every must be at least 1");
-  WSYNC_ASSIGN_OR_RETURN(store::S3Options o, store::S3OptionsFromUrl(options.url));
-  WSYNC_ASSIGN_OR_RETURN(auto s3, store::OpenS3(o));
+  WSYNC_ASSIGN_OR_RETURN(auto s3, store::OpenS3Url(options.url));
   std::unique_ptr<store::Signer> signer;
   if (!options.signing_key.empty()) {
     WSYNC_ASSIGN_OR_RETURN(signer, store::Signer::FromPemFile(options.signing_key));

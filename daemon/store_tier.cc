@@ -8,12 +8,8 @@ StatusOr<std::unique_ptr<StoreTier>> StoreTier::Open(const StoreTierOptions& opt
   if (options.run.empty()) return InvalidArgumentError("--store-run: the run's key prefix is empty");
   if (options.parallel < 1) return InvalidArgumentError("--store-parallel must be at least 1");
   if (options.range_bytes == 0) return InvalidArgumentError("--store-range-mib must be above 0");
-  WSYNC_ASSIGN_OR_RETURN(store::S3Options o, store::S3OptionsFromUrl(options.url));
-  WSYNC_ASSIGN_OR_RETURN(auto s3, store::OpenS3(o));
-  std::unique_ptr<store::Verifier> verifier;
-  if (!options.verify_key.empty()) {
-    WSYNC_ASSIGN_OR_RETURN(verifier, store::Verifier::FromPemFile(options.verify_key));
-  }
+  WSYNC_ASSIGN_OR_RETURN(auto s3, store::OpenS3Url(options.url));
+  WSYNC_ASSIGN_OR_RETURN(auto verifier, store::Verifier::FromPemFileIfAny(options.verify_key));
   return std::unique_ptr<StoreTier>(new StoreTier(options, std::move(s3), std::move(verifier)));
 }
 

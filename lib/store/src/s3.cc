@@ -394,6 +394,11 @@ StatusOr<S3Options> S3OptionsFromUrl(std::string_view url) {
   return o;
 }
 
+StatusOr<std::unique_ptr<ObjectStore>> OpenS3Url(std::string_view url) {
+  WSYNC_ASSIGN_OR_RETURN(S3Options o, S3OptionsFromUrl(url));
+  return OpenS3(o);
+}
+
 StatusOr<std::unique_ptr<ObjectStore>> OpenS3(const S3Options& options) {
   if (options.endpoint.empty() || options.bucket.empty()) return InvalidArgumentError("S3 store: endpoint and bucket");
   if (options.attempts < 1) return InvalidArgumentError("S3 store: attempts must be at least 1");

@@ -48,6 +48,11 @@ StatusOr<std::unique_ptr<Signer>> Signer::FromPemFile(const std::string& path) {
   return std::unique_ptr<Signer>(new Signer(std::make_unique<Key>(Key{std::move(k)})));
 }
 
+StatusOr<std::unique_ptr<Verifier>> Verifier::FromPemFileIfAny(const std::string& path) {
+  if (path.empty()) return std::unique_ptr<Verifier>();
+  return FromPemFile(path);
+}
+
 StatusOr<std::unique_ptr<Verifier>> Verifier::FromPemFile(const std::string& path) {
   WSYNC_ASSIGN_OR_RETURN(Pkey k, ReadKey(path, false));
   return std::unique_ptr<Verifier>(new Verifier(std::make_unique<Key>(Key{std::move(k)})));

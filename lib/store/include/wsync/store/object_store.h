@@ -79,5 +79,7 @@ class ObjectStore {
 };
 
 StatusOr<std::unique_ptr<ObjectStore>> OpenS3(const S3Options& options);
+// OpenS3 of S3OptionsFromUrl(url): credentials from the environment.
+StatusOr<std::unique_ptr<ObjectStore>> OpenS3Url(std::string_view url);
 
 }  // namespace wsync::store
