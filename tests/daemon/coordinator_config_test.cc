@@ -2,15 +2,29 @@
 
 #include <gtest/gtest.h>
 
+#include <cstdio>
+#include <string>
+#include <vector>
+
 #include "wsync/util/file.h"
 #include "wsync/util/text.h"
 
 namespace wsync::daemon {
 namespace {
 
+// The files a test wrote, removed when its process ends.
+struct WrittenFiles {
+  std::vector<std::string> paths;
+  ~WrittenFiles() {
+    for (const auto& p : paths) std::remove(p.c_str());
+  }
+};
+
 std::string Write(const std::string& name, const std::string& text) {
+  static WrittenFiles written;
   std::string path = ::testing::TempDir() + "/wsync_cfg_" + std::to_string(::getpid()) + "_" + name;
   EXPECT_TRUE(WriteFileAtomic(path, text).ok());
+  written.paths.push_back(path);
   return path;
 }
 

@@ -2,10 +2,12 @@
 // killed with SIGKILL and restarted; the state it acknowledged is identical,
 // versions never go backwards, and a torn last log record is survived.
 #include <gtest/gtest.h>
+
 #include <signal.h>
 #include <spawn.h>
 #include <sys/wait.h>
 
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <thread>
@@ -39,12 +41,14 @@ class Daemon {
     pid_ = -1;
   }
   static std::string TokenFile() {
-    static std::string path = [] {
-      std::string p = ::testing::TempDir() + "/wsync_crash_token_" + std::to_string(::getpid());
-      std::ofstream(p) << "crash-test-token\n";
-      return p;
-    }();
-    return path;
+    // Written once per test process, removed when it ends.
+    struct File {
+      std::string path = ::testing::TempDir() + "/wsync_crash_token_" + std::to_string(::getpid());
+      File() { std::ofstream(path) << "crash-test-token\n"; }
+      ~File() { std::remove(path.c_str()); }
+    };
+    static File file;
+    return file.path;
   }
 
  private:

@@ -230,6 +230,8 @@ def systemd_units(build, root):
         for line in re.findall(r"^ExecStart=(.+)$", text, re.M):
             argv = [a.replace("%i", "unit-check") for a in shlex.split(line)]
             check_config(root, argv, env, f"{name} ExecStart")
+    shutil.rmtree(unit_dir, ignore_errors=True)
+    shutil.rmtree(bin_dir, ignore_errors=True)
 
 
 def kube_validate():

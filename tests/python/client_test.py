@@ -66,6 +66,7 @@ Scenarios:
 """
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -133,8 +134,13 @@ def run_client(s, build, code, *args):
                           cwd=os.path.join(HERE, "..", ".."), timeout=300)
 
 
+# Each scenario's directory (its logs): removed once every scenario passed.
+SCENARIO_DIRS = []
+
+
 def system(build, name, sinks=2, coordinator_args=(), sink_args=(), source_args=()):
     tmp = tempfile.mkdtemp(prefix=f"wsync_client_{name}_")
+    SCENARIO_DIRS.append(tmp)
     print(f"== {name}", flush=True)
     s = System(build, sinks, 4, tmp, coordinator_args, source_args, sink_args=sink_args)
     s.build = build
@@ -893,4 +899,6 @@ if __name__ == "__main__":
     names = sys.argv[2:] or list(SCENARIOS)
     for n in names:
         SCENARIOS[n](build)
+    for d in SCENARIO_DIRS:
+        shutil.rmtree(d, ignore_errors=True)
     print("client tests: all passed")

@@ -271,6 +271,7 @@ def main():
         run.system.stop()
         run.etcd.stop()
         link.close()
+    shutil.rmtree(tmp, ignore_errors=True)  # logs kept when a check failed
     print("PASS")
 
 

@@ -32,8 +32,13 @@ def check(cond, what):
     print(f"  ok: {what}")
 
 
+# Each scenario's directory (its logs): removed once every scenario passed.
+SCENARIO_DIRS = []
+
+
 def scenario(name, build, fanout=2, sinks=2, coordinator_args=(), source_args=(), token=None):
     tmp = tempfile.mkdtemp(prefix=f"wsync_{name}_")
+    SCENARIO_DIRS.append(tmp)
     print(f"== {name}")
     # WSYNC_TEST_DEVICE=N: the weights live in GPU N's memory (CUDA IPC).
     device = int(os.environ.get("WSYNC_TEST_DEVICE", "-1"))
@@ -249,6 +254,8 @@ def main():
         return
     for test in (late_join_and_sigkill, restarts, corruption, staleness, publish_after_copy, hostile_peers):
         test(build, snaps)
+    for d in SCENARIO_DIRS:
+        shutil.rmtree(d, ignore_errors=True)
     print("PASS")
 
 

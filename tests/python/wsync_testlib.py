@@ -1,6 +1,8 @@
 """Helpers for the Python integration tests: stubs generated from our proto
 with protoc + grpc_python_plugin, and a `wsyncd coordinator` subprocess."""
+import atexit
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -10,6 +12,7 @@ def generate_stubs(proto_dir):
     """Generates wsync/v1/coordinator_pb2{,_grpc}.py (and local_pb2.py,
     whose layout messages the coordinator's import); returns (pb, rpc)."""
     out = tempfile.mkdtemp(prefix="wsync_stubs_")
+    atexit.register(shutil.rmtree, out, True)
     subprocess.check_call([
         "protoc", f"--proto_path={proto_dir}", f"--python_out={out}", f"--grpc_out={out}",
         "--plugin=protoc-gen-grpc=/usr/bin/grpc_python_plugin",
@@ -39,3 +42,4 @@ class Coordinator:
     def stop(self):
         self.proc.terminate()
         self.proc.wait(timeout=10)
+        shutil.rmtree(self.dir, ignore_errors=True)

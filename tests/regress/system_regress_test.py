@@ -17,6 +17,7 @@ reported and checked fixed (real processes on loopback, UCX over tcp).
 import glob
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -73,6 +74,7 @@ def main():
     snaps = sorted(glob.glob(os.path.join(data, "*.safetensors")))
     tmp = tempfile.mkdtemp(prefix="wsync_regress_")
     s = System(build, 1, 4, tmp)
+    passed = False
     try:
         s.attach_buffers(snaps[0])
         s.publish(snaps[0], 1)
@@ -140,8 +142,11 @@ def main():
         gone = [line for line in cli(s, "status").stdout.splitlines() if line.startswith("sink-k")]
         check(gone and " gone " in gone[0], "`wsync status` shows it as gone: " + (gone[0] if gone else ""))
         print("PASS")
+        passed = True
     finally:
         s.stop()
+    if passed:  # logs kept otherwise
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 if __name__ == "__main__":
