@@ -204,12 +204,12 @@ void SinkCore::FillHeartbeat(v1::HeartbeatRequest* h) {
     std::lock_guard<std::mutex> lock(state_mu_);
     h->set_unreachable_parent(std::exchange(unreachable_parent_, std::string()));
   }
-  if (auto w = weights(); w && !w->sync_error().ok()) h->set_sync_error(w->sync_error().ToString());
+  const auto w = weights();  // one registration for every field
+  if (w && !w->sync_error().ok()) h->set_sync_error(w->sync_error().ToString());
   const auto [holds, oldest_ms] = HoldSummary();
   h->set_active_holds(holds);
-  if (auto w = weights()) h->set_holds_pieces(w->store().tensors().has_pieces());
+  if (w) h->set_holds_pieces(w->store().tensors().has_pieces());
   h->set_reads_store(env_.store != nullptr);
-  const auto w = weights();
   h->set_applied_version(w ? w->applied() : 0);
   h->set_oldest_hold_ms(oldest_ms);
 }
@@ -485,9 +485,7 @@ void SinkCore::OnSyncFailed(const SyncTarget& t, const std::vector<PartPull>& pu
   // applies.
   if (s.code() == StatusCode::kNotFound && not_yet_++ == 0) lacking_since_ = Clock::now();
   if (s.code() != StatusCode::kNotFound) not_yet_ = 0;
-  const bool store_waits = env_.store != nullptr && Clock::now() - lacking_since_ <
-                                                        std::chrono::milliseconds(env_.store->options().wait_ms);
-  if (not_yet_ > 0 && (not_yet_ <= kNotYetTries || store_waits)) {
+  if (not_yet_ > 0 && (not_yet_ <= kNotYetTries || (env_.store != nullptr && !LackedPastStoreWait()))) {
     delay = std::min(delay, std::chrono::milliseconds(kNotYetMs));
   }
   next_attempt_ = Clock::now() + delay;
@@ -522,8 +520,11 @@ bool SinkCore::ReadsStoreAfter(const Status& s) const {
   if (env_.store == nullptr || s.code() == StatusCode::kAborted) return false;
   if (s.code() != StatusCode::kNotFound || env_.store->options().wait_ms == 0) return true;
   // This failure is not counted yet: the first NotFound of a row starts now.
-  return not_yet_ > 0 &&
-         Clock::now() - lacking_since_ >= std::chrono::milliseconds(env_.store->options().wait_ms);
+  return not_yet_ > 0 && LackedPastStoreWait();
+}
+
+bool SinkCore::LackedPastStoreWait() const {
+  return Clock::now() - lacking_since_ >= std::chrono::milliseconds(env_.store->options().wait_ms);
 }
 
 Status SinkCore::SyncFromStore(const SyncTarget& t, const PublishedLayout& published) {

@@ -207,6 +207,9 @@ class SinkCore : public exchange::PatchProvider {
   // store -> never; a parent lacking the version (NotFound) -> once it has
   // lacked it for the store's wait; anything else -> at once.
   bool ReadsStoreAfter(const Status& s) const;
+  // Whether the parent has lacked the version (NotFound in a row since
+  // lacking_since_) for the store's wait. REQUIRES: a store.
+  bool LackedPastStoreWait() const;
   // The store's plan from what the target holds to its head (the newest
   // version the store holds up to it), applied version by version; once
   // more from a keyframe when a patch does not fit.
