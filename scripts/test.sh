@@ -42,11 +42,14 @@ cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=Debug -DWSYNC_SANITIZE=addr
 # Only the unit-test executables (the integration tiers run in the main build).
 ninja -C build-asan -j "$jobs" util_test codec_test buffers_test regress_test regress_control_test control_test daemon_config_test \
   version_history_test sink_weights_test sink_core_test source_core_test cuda_logic_test exchange_wire_test
-(cd build-asan && ctest -j "$jobs" -L unit --output-on-failure --timeout 600)
+(cd build-asan && ctest -j "$jobs" -L unit --output-on-failure --timeout 600) ||
+  { python3 scripts/failed_tails.py build-asan; exit 1; }
 
 phase "fuzz the patch decoder and the pull protocol (${WSYNC_FUZZ_SECONDS:-90} s)"
 bash scripts/fuzz.sh "${WSYNC_FUZZ_SECONDS:-90}"
 
 phase "all tests"
-(cd build && ctest -j "$jobs" --output-on-failure --timeout 900)
+# A failed test's own words come again at the end, where a log cut to its
+# head and tail keeps them.
+(cd build && ctest -j "$jobs" --output-on-failure --timeout 900) || { python3 scripts/failed_tails.py build; exit 1; }
 phase "done"

@@ -322,8 +322,19 @@ def offered_layouts(build):
                    "--lockstep-after-pause", str(len(workers) + len(LATE)))
         t.wait_event("paused")
         joined = join_fleet(rank)
-        waiting = wsync_status(s, f"sink-{len(EARLY) + 1}").sync_error
-        check("tile grid" in waiting, f"a TP 4 rank registered before its layout is served waits, saying why: {waiting}")
+        # The sink says why from its registration on; waited for, not sampled
+        # once (a loaded machine), and named if it never says it.
+        said = []
+
+        def says_why():
+            said.append(wsync_status(s, f"sink-{len(EARLY) + 1}").sync_error)
+            return "tile grid" in said[-1]
+        try:
+            s.wait_for(says_why, "the TP 4 rank's sink to say it waits for its layout", 60)
+        except RuntimeError:
+            pass
+        check("tile grid" in said[-1],
+              f"a TP 4 rank registered before its layout is served waits, saying why: {said[-1]}")
         open(os.path.join(s.tmp, "resume"), "w").close()
         t.finish()
         check_fleet(s, workers, joined, versions, join + 1, "across the new layouts")
@@ -410,9 +421,16 @@ def two_sources(build):
                    "--lockstep", "2", "--local-b", local(s, "source-b"), "--pause-at", str(pause))
         t.wait_event("paused")
         s.kill("source-b")  # SIGKILL between the two parts of version `pause`
+        # Every sink's report of version pause - 1 reaches the coordinator
+        # (the workers saw it applied locally first), then nothing moves on.
+        try:
+            s.wait_for(lambda: all(s.applied().get(n) == pause - 1 for n in s.sinks),
+                       f"the coordinator to know every sink holds {pause - 1}", 60)
+        except RuntimeError:
+            pass
         time.sleep(1.5)
         applied = s.applied()
-        check(all(applied[n] == pause - 1 for n in s.sinks),
+        check(all(applied.get(n) == pause - 1 for n in s.sinks),
               f"with one part of version {pause} published and its other source killed, every sink stays at "
               f"{pause - 1}: {applied}")
         out = subprocess.run([s.wsync, "versions"], env=s.env, capture_output=True, text=True).stdout
