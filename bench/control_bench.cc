@@ -56,6 +56,7 @@ struct Load {
   double offered_rps = 0;  // --fleet: the rate the fleet makes
   uint64_t versions = 0, errors = 0, late = 0;
   bool reports_on_heartbeats = false;  // --fleet: the coordinator took applied versions from heartbeats
+  uint64_t paced_ms = 0;               // --fleet: the heartbeat period the coordinator asked for (0: as run)
   // microseconds; rep: a report's call, or with reports on heartbeats, from
   // the apply to the answer of the heartbeat that first carried it
   std::vector<double> reg, hb, rep;
@@ -143,6 +144,7 @@ class FleetDriver {
   uint64_t late() const { return late_; }
   uint64_t calls() const { return calls_; }  // answered, heartbeats and reports
   bool reports_on_heartbeats() const { return reports_on_heartbeats_; }
+  uint64_t paced_ms() const { return paced_ms_; }
 
  private:
   struct Call {
@@ -263,7 +265,10 @@ class FleetDriver {
         carried[d.sink] = applied[d.sink];
         stubs_[w]->async()->Heartbeat(&call->ctx, &call->hb, &call->hb_resp,
                                       [this, w, call](grpc::Status s) { Done(w, call, false, s); });
-        due.push({d.at + std::chrono::milliseconds(o_.heartbeat_ms), d.sink, false});
+        // At the period the coordinator asks for, as Membership does (one
+        // pace for the whole fleet: the last answer's stands for every sink).
+        due.push({d.at + std::chrono::milliseconds(std::max<uint64_t>(o_.heartbeat_ms, paced_ms_.load())), d.sink,
+                  false});
       }
     }
   }
@@ -274,6 +279,7 @@ class FleetDriver {
     const bool carried = call->carries_report && s.ok();
     const double carried_us = std::chrono::duration<double, std::micro>(now - call->applied_at).count();
     if (!report && s.ok() && call->hb_resp.reports_on_heartbeats()) reports_on_heartbeats_ = true;
+    if (!report && s.ok()) paced_ms_ = call->hb_resp.heartbeat_interval_ms();
     delete call;
     if (!s.ok()) ++errors_;
     ++calls_;
@@ -287,6 +293,7 @@ class FleetDriver {
   std::vector<std::unique_ptr<v1::Coordinator::Stub>> stubs_;
   std::atomic<uint64_t> errors_{0}, late_{0}, watch_errors_{0};
   std::atomic<bool> reports_on_heartbeats_{false};  // as the coordinator's heartbeat answers say
+  std::atomic<uint64_t> paced_ms_{0};               // the period the last heartbeat answer asked for
   std::atomic<uint64_t> calls_{0};
   std::mutex mu_;
   std::condition_variable done_;
@@ -416,7 +423,9 @@ Load Drive(const std::string& address, const ControlBenchOptions& o,
   if (fleet) {
     // Applied versions ride on heartbeats when the coordinator says so: no report calls.
     l.reports_on_heartbeats = fleet->reports_on_heartbeats();
-    l.offered_rps = o.sinks * (1000.0 / o.heartbeat_ms + (l.reports_on_heartbeats ? 0 : 1000.0 / o.publish_every_ms));
+    l.paced_ms = fleet->paced_ms();
+    const double period_ms = std::max<double>(o.heartbeat_ms, static_cast<double>(l.paced_ms));
+    l.offered_rps = o.sinks * (1000.0 / period_ms + (l.reports_on_heartbeats ? 0 : 1000.0 / o.publish_every_ms));
   }
   return l;
 }
@@ -501,6 +510,7 @@ void PrintLoad(const char* what, const Load& l) {
                 l.offered_rps, l.late,
                 l.reports_on_heartbeats ? "on heartbeats (ReportApplied: from the apply to that heartbeat's answer)"
                                         : "in ReportApplied calls");
+    if (l.paced_ms > 0) std::printf("heartbeats paced by the coordinator: one per sink every %" PRIu64 " ms\n", l.paced_ms);
   }
   std::printf("%-14s %10s %10s %10s\n", "method", "count", "p50 us", "p99 us");
   for (auto [name, v] : {std::pair<const char*, const std::vector<double>*>{"Register", &l.reg},
@@ -521,6 +531,7 @@ nlohmann::ordered_json LoadJson(const Load& l) {
     j["offered_rpcs_per_s"] = l.offered_rps;
     j["reports_on_heartbeats"] = l.reports_on_heartbeats;
     j["late_calls"] = l.late;
+    j["heartbeat_paced_ms"] = l.paced_ms;
   }
   for (auto [name, v] : {std::pair<const char*, const std::vector<double>*>{"register", &l.reg},
                          {"heartbeat", &l.hb}, {"report_applied", &l.rep}, {"watch_delivery", &l.watch}}) {

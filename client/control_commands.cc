@@ -2,6 +2,7 @@
 
 #include <google/protobuf/util/json_util.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cinttypes>
 #include <cstdio>
@@ -94,6 +95,13 @@ void PrintNodes(const v1::StatusResponse& s) {
       std::printf("    %u hold(s) active, the oldest for %.1f s\n", n.active_holds(), n.oldest_hold_ms() / 1000.0);
     }
     if (!n.sync_error().empty()) std::printf("    cannot sync: %s\n", n.sync_error().c_str());
+  }
+  uint64_t paced = 0;
+  for (const auto& n : s.nodes()) paced = std::max(paced, n.heartbeat_interval_ms());
+  if (paced > 0) {
+    std::printf("sinks paced past the coordinator's heartbeat budget: a heartbeat every %.1f s each, dead after "
+                "four missed\n",
+                paced / 1000.0);
   }
 }
 

@@ -66,7 +66,8 @@ Status LoadCoordinatorToml(const std::string& path, CoordinatorConfig* config) {
   if (t == nullptr) return Status::Ok();
   static const std::set<std::string> kKeys = {"listen", "store_dir", "token_file", "max_staleness",
                                               "staleness_policy", "fanout", "node_ttl_ms", "max_ttl_ms",
-                                              "heartbeat_reports_from", "metrics_listen", "metrics_auth", "reflection", "tls", "etcd"};
+                                              "heartbeat_reports_from", "heartbeat_budget", "metrics_listen",
+                                              "metrics_auth", "reflection", "tls", "etcd"};
   for (const auto& [key, node] : *t) {
     if (!kKeys.count(std::string(key.str()))) return Bad(path, std::string(key.str()), "unknown key");
   }
@@ -90,6 +91,7 @@ Status LoadCoordinatorToml(const std::string& path, CoordinatorConfig* config) {
   WSYNC_RETURN_IF_ERROR(GetInt(*t, path, "max_ttl_ms", &config->state.max_ttl_ms, 100, 86'400'000));
   WSYNC_RETURN_IF_ERROR(
       GetInt(*t, path, "heartbeat_reports_from", &config->state.heartbeat_reports_from, 0, 1'000'000'000));
+  WSYNC_RETURN_IF_ERROR(GetInt(*t, path, "heartbeat_budget", &config->state.heartbeat_budget, 0, 1'000'000'000));
   std::string policy;
   WSYNC_RETURN_IF_ERROR(GetString(*t, path, "staleness_policy", &policy));
   if (!policy.empty()) {

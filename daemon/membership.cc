@@ -7,6 +7,7 @@ namespace wsync::daemon {
 Status Membership::Register() {
   WSYNC_ASSIGN_OR_RETURN(auto resp, coordinator_->Register(registration_));
   incarnation_ = resp.node().incarnation();
+  period_ms_ = 0;  // a new incarnation heartbeats every quarter of its TTL until told otherwise
   if (hooks_.after_register) hooks_.after_register(resp.node());
   return Status::Ok();
 }
@@ -26,7 +27,6 @@ void Membership::Stop() {
 }
 
 void Membership::Loop() {
-  const auto period = std::chrono::milliseconds(registration_.ttl_ms() / 4);
   std::unique_lock<std::mutex> lock(mu_);
   while (!stopping_) {
     in_flight_ = true;
@@ -37,6 +37,7 @@ void Membership::Loop() {
     if (hooks_.fill) hooks_.fill(&h);
     auto resp = coordinator_->Heartbeat(h);
     if (resp.ok()) {
+      period_ms_ = resp->heartbeat_interval_ms();
       if (hooks_.on_heartbeat) hooks_.on_heartbeat(*resp);
     } else if (resp.status().code() == StatusCode::kNotFound || resp.status().code() == StatusCode::kAborted) {
       spdlog::warn("{}: {}; registering again", registration_.name(), resp.status().ToString());
@@ -49,9 +50,14 @@ void Membership::Loop() {
     ++rounds_;
     in_flight_ = false;
     wake_.notify_all();
-    wake_.wait_for(lock, period, [&] { return stopping_ || now_; });
+    wake_.wait_for(lock, period(), [&] { return stopping_ || now_; });
     now_ = false;
   }
+}
+
+std::chrono::milliseconds Membership::period() const {
+  const uint64_t asked = period_ms_.load();
+  return std::chrono::milliseconds(asked > 0 ? asked : registration_.ttl_ms() / 4);
 }
 
 void Membership::HeartbeatNow(std::chrono::milliseconds timeout) {

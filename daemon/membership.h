@@ -1,5 +1,6 @@
 // A daemon's membership at the coordinator: it registers, heartbeats every
-// quarter of its TTL, registers again when the coordinator has forgotten it
+// quarter of its TTL (or at the period the coordinator's last answer asked
+// for: a large fleet is paced), registers again when the coordinator has forgotten it
 // (NotFound / Aborted: marked dead, or the coordinator restarted without
 // it), and heartbeats on demand. The role plugs in through hooks: what a
 // heartbeat carries, what its answer means, what follows a registration.
@@ -40,6 +41,8 @@ class Membership {
   void HeartbeatNow(std::chrono::milliseconds timeout);
   uint64_t incarnation() const { return incarnation_.load(); }
   const std::string& name() const { return registration_.name(); }
+  // The period of the next heartbeats.
+  std::chrono::milliseconds period() const;
 
  private:
   void Loop();
@@ -48,6 +51,7 @@ class Membership {
   const wsync::v1::RegisterRequest registration_;
   const Hooks hooks_;
   std::atomic<uint64_t> incarnation_{0};
+  std::atomic<uint64_t> period_ms_{0};  // as the last heartbeat's answer asked (0: a quarter of the TTL)
   std::mutex mu_;
   std::condition_variable wake_;
   bool stopping_ = false;

@@ -218,6 +218,7 @@ int main(int argc, char** argv) {
   std::optional<uint64_t> max_staleness, ttl;
   std::optional<uint32_t> fanout;
   std::optional<size_t> heartbeat_reports_from;
+  std::optional<uint64_t> heartbeat_budget;
   coord->add_option("--config", config_file, "TOML file with a [coordinator] table")->check(CLI::ExistingFile);
   coord->add_option("--listen", listen, "host:port or unix:PATH (repeatable)");
   coord->add_option("--store-dir", config.store_dir, "directory of the durable store");
@@ -232,6 +233,10 @@ int main(int argc, char** argv) {
   coord->add_option("--heartbeat-reports-from", heartbeat_reports_from,
                     "from this many nodes on, with no staleness bound, sinks let their heartbeats carry their applied "
                     "versions instead of a report per version (0: never; default 2000)");
+  coord->add_option("--heartbeat-budget", heartbeat_budget,
+                    "heartbeats per second the fleet is paced to with no staleness bound: past it sinks are asked "
+                    "for heartbeats less often, and their TTLs stretch to four of those periods (0: never paced; "
+                    "default 4000)");
   coord->add_option("--metrics-listen", config.server.metrics_listen, "Prometheus endpoint host:port");
   bool metrics_no_auth = false, reflection = false;
   coord->add_flag("--metrics-no-auth", metrics_no_auth,
@@ -409,6 +414,7 @@ int main(int argc, char** argv) {
     if (fanout) merged.state.fanout = *fanout;
     if (ttl) merged.state.default_ttl_ms = *ttl;
     if (heartbeat_reports_from) merged.state.heartbeat_reports_from = *heartbeat_reports_from;
+    if (heartbeat_budget) merged.state.heartbeat_budget = *heartbeat_budget;
     if (!policy.empty()) {
       auto p = daemon::ParsePolicy(policy);
       if (!p.ok()) return Fail(p.status());

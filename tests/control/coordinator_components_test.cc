@@ -124,7 +124,7 @@ TEST(CoordinatorComponents, NodeRegistryExpiresInTheOrderOfTheirDeadlinesAsTouch
   NodeRegistry nodes;
   for (int i = 0; i < 1000; ++i) nodes.Apply(Registered("n" + std::to_string(i), wsync::v1::ROLE_SINK, i + 1));
   nodes.GraceAll(0);
-  for (int i = 0; i < 1000; i += 2) nodes.Touch("n" + std::to_string(i), 500);
+  for (int i = 0; i < 1000; i += 2) nodes.Touch("n" + std::to_string(i), 500, 0);
   std::vector<std::string> odd = nodes.Expire(1001), even;
   for (int i = 1; i < 1000; i += 2) even.push_back("n" + std::to_string(i));
   std::sort(odd.begin(), odd.end());
@@ -137,20 +137,28 @@ TEST(CoordinatorComponents, NodeRegistryExpiresInTheOrderOfTheirDeadlinesAsTouch
   // A re-registration with a shorter TTL expires by it.
   nodes.Apply(Registered("x", wsync::v1::ROLE_SINK, 2000, 0, 10'000));
   nodes.Find("x")->set_state(wsync::v1::NODE_ALIVE);
-  nodes.Touch("x", 2000);
+  nodes.Touch("x", 2000, 0);
   nodes.Apply(Registered("x", wsync::v1::ROLE_SINK, 2001, 0, 100));
   EXPECT_EQ(nodes.Expire(2101), std::vector<std::string>{"x"});
   // Dead, registered again: alive from its touch.
   nodes.Apply(Registered("x", wsync::v1::ROLE_SINK, 2002, 0, 100));
   EXPECT_TRUE(nodes.Expire(5000).empty()) << "still dead until registered alive";
   nodes.Find("x")->set_state(wsync::v1::NODE_ALIVE);
-  nodes.Touch("x", 5000);
+  nodes.Touch("x", 5000, 0);
   EXPECT_TRUE(nodes.Expire(5100).empty());
   EXPECT_EQ(nodes.Expire(5101), std::vector<std::string>{"x"});
+  // Asked for heartbeats every 20 ms with a TTL of 100: its TTL; every 200: four of those.
+  nodes.Find("x")->set_state(wsync::v1::NODE_ALIVE);
+  nodes.Touch("x", 5200, 20);
+  EXPECT_EQ(nodes.Expire(5301), std::vector<std::string>{"x"});
+  nodes.Find("x")->set_state(wsync::v1::NODE_ALIVE);
+  nodes.Touch("x", 5400, 200);
+  EXPECT_TRUE(nodes.Expire(6200).empty());
+  EXPECT_EQ(nodes.Expire(6201), std::vector<std::string>{"x"});
   // Erased: never expired.
   nodes.Apply(Registered("y", wsync::v1::ROLE_SINK, 3000, 0, 100));
   nodes.Find("y")->set_state(wsync::v1::NODE_ALIVE);
-  nodes.Touch("y", 6000);
+  nodes.Touch("y", 6000, 0);
   nodes.Erase("y");
   EXPECT_TRUE(nodes.Expire(1'000'000).empty());
 }
@@ -439,7 +447,9 @@ TEST(CoordinatorComponents, RelayTreeRootsSinksThatReadAStore) {
     const auto& parent = nodes[name].parent();
     EXPECT_NE(parent, "src") << name;
     roots += parent.empty();
-    if (!parent.empty()) EXPECT_FALSE(RelayTree::IsDescendant(nodes, parent, name)) << name;
+    if (!parent.empty()) {
+      EXPECT_FALSE(RelayTree::IsDescendant(nodes, parent, name)) << name;
+    }
   }
   EXPECT_EQ(roots, 1) << "one reads the store, the others are below it";
 

@@ -319,6 +319,94 @@ TEST(CoordinatorState, HeartbeatsCarryAppliedVersionsInALargeFleetWithNoStalenes
   EXPECT_FALSE(bounded->Heartbeat(h)->reports_on_heartbeats());
 }
 
+// A fleet larger than the heartbeat budget allows at a quarter of the TTL is
+// paced: each sink is asked for heartbeats every nodes/budget seconds and is
+// dead only after four of those periods; sources are not paced, nor is any
+// sink with a staleness bound; a registration starts over at a quarter.
+TEST(CoordinatorState, AFleetPastTheHeartbeatBudgetIsPacedAndItsTtlsStretch) {
+  FakeClock clock;
+  CoordinatorOptions o;
+  o.heartbeat_budget = 2;  // heartbeats per second
+  auto s = Make(&clock, o);
+  auto beat = [&](CoordinatorState* c, const std::string& name) {
+    wsync::v1::HeartbeatRequest h;
+    h.set_name(name);
+    auto r = c->Heartbeat(h);
+    EXPECT_TRUE(r.ok()) << name << ": " << r.status().ToString();
+    return r.ok() ? r->heartbeat_interval_ms() : ~0ull;
+  };
+  ASSERT_TRUE(s->Register(Reg("src", wsync::v1::ROLE_SOURCE, 60'000)).ok());
+  ASSERT_TRUE(s->Register(Reg("sink-a", wsync::v1::ROLE_SINK, 1000)).ok());
+  // Two nodes at 2 heartbeats/s: one a second each, above a quarter of
+  // sink-a's TTL (250 ms).
+  EXPECT_EQ(beat(s.get(), "sink-a"), 1000u);
+  ASSERT_TRUE(s->Register(Reg("sink-b", wsync::v1::ROLE_SINK, 8000)).ok());
+  ASSERT_TRUE(s->Register(Reg("sink-c", wsync::v1::ROLE_SINK, 8000)).ok());
+  // Four nodes at 2 heartbeats/s: one every 2 s each.
+  EXPECT_EQ(beat(s.get(), "sink-a"), 2000u);
+  EXPECT_EQ(beat(s.get(), "sink-b"), 0u) << "a quarter of its 8 s TTL is 2 s: not paced";
+  EXPECT_EQ(beat(s.get(), "src"), 0u) << "sources are not paced";
+  EXPECT_EQ(FindNode(s->GetStatus(), "sink-a")->heartbeat_interval_ms(), 2000u);
+
+  // sink-a is dead after four periods (8 s), not after its TTL (1 s).
+  clock.Advance(7900);
+  s->Tick();
+  EXPECT_EQ(FindNode(s->GetStatus(), "sink-a")->state(), wsync::v1::NODE_ALIVE);
+  clock.Advance(200);
+  s->Tick();
+  EXPECT_EQ(FindNode(s->GetStatus(), "sink-a")->state(), wsync::v1::NODE_DEAD);
+  // Registered again, it starts over at a quarter of its TTL.
+  auto again = s->Register(Reg("sink-a", wsync::v1::ROLE_SINK, 1000));
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ(again->node().heartbeat_interval_ms(), 0u);
+  clock.Advance(1100);
+  s->Tick();
+  EXPECT_EQ(FindNode(s->GetStatus(), "sink-a")->state(), wsync::v1::NODE_DEAD) << "its TTL, unpaced, ran out";
+
+  // With a staleness bound, liveness gates publishing: never paced.
+  o.max_staleness = 2;
+  auto bounded = Make(&clock, o);
+  for (const char* n : {"a", "b", "c", "d"}) ASSERT_TRUE(bounded->Register(Reg(n, wsync::v1::ROLE_SINK, 1000)).ok());
+  EXPECT_EQ(beat(bounded.get(), "a"), 0u);
+  // Nor with no budget.
+  o.max_staleness = 0;
+  o.heartbeat_budget = 0;
+  auto unpaced = Make(&clock, o);
+  for (const char* n : {"a", "b", "c", "d"}) ASSERT_TRUE(unpaced->Register(Reg(n, wsync::v1::ROLE_SINK, 1000)).ok());
+  EXPECT_EQ(beat(unpaced.get(), "a"), 0u);
+}
+
+// A coordinator recovered from its store (a failover) does not know what
+// periods the sinks were asked for: it gives each the grace of the fleet's
+// pace, four periods, not its TTL.
+TEST(CoordinatorState, ARecoveredCoordinatorGivesPacedSinksFourPeriodsOfGrace) {
+  const std::string dir = ::testing::TempDir() + "/wsync_paced_" + std::to_string(::getpid());
+  std::filesystem::remove_all(dir);
+  FakeClock clock;
+  CoordinatorOptions o;
+  o.heartbeat_budget = 2;
+  {
+    Recovered rec;
+    auto store = OpenLogStore(dir, &rec);
+    ASSERT_TRUE(store.ok());
+    auto s = CoordinatorState::Create(o, &clock, std::move(*store), rec);
+    ASSERT_TRUE(s.ok());
+    for (const char* n : {"a", "b", "c", "d"}) ASSERT_TRUE((*s)->Register(Reg(n, wsync::v1::ROLE_SINK, 1000)).ok());
+  }
+  Recovered rec;
+  auto store = OpenLogStore(dir, &rec);
+  ASSERT_TRUE(store.ok());
+  auto s = CoordinatorState::Create(o, &clock, std::move(*store), rec);
+  ASSERT_TRUE(s.ok());
+  clock.Advance(7900);
+  (*s)->Tick();
+  EXPECT_EQ(FindNode((*s)->GetStatus(), "a")->state(), wsync::v1::NODE_ALIVE) << "four periods of 2 s";
+  clock.Advance(200);
+  (*s)->Tick();
+  EXPECT_EQ(FindNode((*s)->GetStatus(), "a")->state(), wsync::v1::NODE_DEAD);
+  std::filesystem::remove_all(dir);
+}
+
 TEST(CoordinatorState, BlockPolicyNamesTheLaggingSinks) {
   FakeClock clock;
   CoordinatorOptions o;

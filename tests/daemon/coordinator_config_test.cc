@@ -37,6 +37,7 @@ TEST(CoordinatorConfig, ExampleFileLoads) {
   EXPECT_EQ(c.state.policy, wsync::v1::STALENESS_BLOCK);
   EXPECT_EQ(c.state.fanout, 4u);
   EXPECT_EQ(c.state.heartbeat_reports_from, 2000u);
+  EXPECT_EQ(c.state.heartbeat_budget, 4000u);
   EXPECT_EQ(c.server.tls.client_ca_file, "/etc/wsync/tls/ca.pem");
 }
 

@@ -77,6 +77,25 @@ TEST_F(SinkCoreTest, AppliedVersionsRideOnHeartbeatsWhenTheCoordinatorSaysSo) {
 // A patch that arrives over a slow link in many chunks is decoded while it
 // arrives: what is left at the end is the adds and the checks. The result
 // is bit for bit the trainer's; with decoding ahead turned off too.
+// A fleet past the coordinator's heartbeat budget is paced: the sink's
+// heartbeats come at the period the last answer asked for, and a sink that
+// registers again starts over at a quarter of its TTL.
+TEST_F(SinkCoreTest, ASinkHeartbeatsAtThePeriodTheCoordinatorAsks) {
+  control::CoordinatorOptions o;
+  o.heartbeat_budget = 1;  // two nodes at one heartbeat a second: one every 2 s each
+  auto s = control::CoordinatorState::Create(o, &clock_, control::NewNullStore(), control::Recovered());
+  ASSERT_TRUE(s.ok());
+  state_ = std::move(*s);
+  auto v = Versions(1);
+  TestSource source(state_.get(), fabric_);
+  source.Publish(1, v[0]);
+  TestSink sink("sink-0", state_.get(), fabric_);
+  sink.membership->HeartbeatNow(kEventDeadline);
+  EXPECT_EQ(sink.membership->period(), 2000ms);
+  ASSERT_TRUE(sink.membership->Register().ok());
+  EXPECT_EQ(sink.membership->period(), std::chrono::milliseconds(kTtlMs / 4)) << "a new incarnation starts over";
+}
+
 TEST_F(SinkCoreTest, PatchesAreDecodedWhileTheyArrive) {
   auto v = Versions(4, 3'000'000);  // patches of 6 codec chunks, streams of ~20 transport chunks
   transport::TransportOptions slow;

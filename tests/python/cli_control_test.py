@@ -73,6 +73,23 @@ def main():
     finally:
         coord.stop()
 
+    # A fleet past the heartbeat budget (here one a second): each sink is
+    # asked for a heartbeat every nodes/budget seconds, and status says so.
+    coord = Coordinator(wsyncd, token, extra=["--heartbeat-budget", "1"])
+    try:
+        stub = rpc.CoordinatorStub(coord.channel())
+        md = [("authorization", f"Bearer {token}")]
+        for name in ("rollout-1", "rollout-2", "rollout-3"):  # 3 s apart each, above a quarter of 10 s
+            stub.Register(pb.RegisterRequest(name=name, role=pb.ROLE_SINK, host="10.0.0.2"), metadata=md)
+        hb = stub.Heartbeat(pb.HeartbeatRequest(name="rollout-1"), metadata=md)
+        assert hb.heartbeat_interval_ms == 3000, hb
+        env = dict(os.environ, WSYNC_COORDINATOR=coord.address, WSYNC_TOKEN=token)
+        out = run(wsync, "status", env=env).stdout
+        assert "a heartbeat every 3.0 s each, dead after four missed" in out, out
+        print("PASS: a fleet past --heartbeat-budget is paced and `wsync status` says so")
+    finally:
+        coord.stop()
+
 
 if __name__ == "__main__":
     main()

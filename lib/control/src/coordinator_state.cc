@@ -76,8 +76,12 @@ StatusOr<std::unique_ptr<CoordinatorState>> CoordinatorState::Create(const Coord
   s->layout_->LoadFrom(recovered.snapshot);
   s->versions_->ApplyFloor(recovered.version_floor);
   for (const auto& r : recovered.records) s->Apply(r);
-  // Heartbeats are not durable: every node gets a TTL of grace from now.
+  // Heartbeats are not durable: every node gets a TTL of grace from now
+  // (of the period its fleet's sinks are paced to, if longer).
   s->nodes_->GraceAll(clock->NowMs());
+  for (const auto& [name, n] : s->nodes_->nodes()) {
+    if (const uint64_t paced = s->PacedIntervalLocked(n); paced > 0) s->nodes_->Touch(name, clock->NowMs(), paced);
+  }
   s->AssignParentsLocked();
   if (!s->nodes_->nodes().empty() || !s->versions_->empty()) {
     spdlog::info("coordinator recovered: head version {}, {} nodes, {} leases, {} log records replayed",
@@ -285,7 +289,8 @@ void CoordinatorState::RegisterGroup(const std::vector<PendingRegistration*>& gr
           tree_->Joined(req.name());
         }
         stored.set_state(wsync::v1::NODE_ALIVE);
-        nodes_->Touch(req.name(), clock_->NowMs());
+        // A node registering starts over at a quarter of its TTL.
+        nodes_->Touch(req.name(), clock_->NowMs(), 0);
         stored.set_parent("");
         AssignParentsSoonLocked();
         spdlog::info("node {} registered as {} from {} (incarnation {})", req.name(),
@@ -331,7 +336,8 @@ StatusOr<wsync::v1::HeartbeatResponse> CoordinatorState::Heartbeat(const wsync::
     tree_->GiveBackChildren(nodes_->nodes(), req.name(), versions_->head());
     NotifyLocked();
   }
-  nodes_->Touch(req.name(), clock_->NowMs());
+  const uint64_t interval = PacedIntervalLocked(*n);
+  nodes_->Touch(req.name(), clock_->NowMs(), interval);
   if (!req.unreachable_parent().empty() && req.unreachable_parent() == n->parent()) {
     // The sink cannot reach its parent: another holder of its version now,
     // not at the parent's TTL.
@@ -364,6 +370,7 @@ StatusOr<wsync::v1::HeartbeatResponse> CoordinatorState::Heartbeat(const wsync::
   }
   wsync::v1::HeartbeatResponse resp;
   resp.set_reports_on_heartbeats(ReportsOnHeartbeatsLocked());
+  resp.set_heartbeat_interval_ms(interval);
   *resp.mutable_node() = *n;
   FillDerived(resp.mutable_node(), versions_->head());
   resp.set_head_version(versions_->head());
@@ -523,6 +530,14 @@ bool CoordinatorState::HeadReachableLocked(const Node& sink, uint64_t head) cons
 bool CoordinatorState::ReportsOnHeartbeatsLocked() const {
   return options_.max_staleness == 0 && options_.heartbeat_reports_from > 0 &&
          nodes_->nodes().size() >= options_.heartbeat_reports_from;
+}
+
+uint64_t CoordinatorState::PacedIntervalLocked(const Node& n) const {
+  if (n.role() != wsync::v1::ROLE_SINK || options_.max_staleness != 0 || options_.heartbeat_budget == 0) return 0;
+  // Every node heartbeats at this period: the budget holds.
+  const uint64_t nodes = nodes_->nodes().size();
+  const uint64_t paced = (nodes * 1000 + options_.heartbeat_budget - 1) / options_.heartbeat_budget;
+  return paced > n.ttl_ms() / 4 ? paced : 0;
 }
 
 void CoordinatorState::Tick() {

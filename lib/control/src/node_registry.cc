@@ -51,7 +51,9 @@ void NodeRegistry::Erase(const std::string& name) {
 void NodeRegistry::Reindex(const std::string& name) {
   const Node* n = Find(name);
   const bool filed = n != nullptr && n->state() != wsync::v1::NODE_DEAD;
-  const int64_t deadline = filed ? n->last_heartbeat_unix_ms() + static_cast<int64_t>(n->ttl_ms()) : 0;
+  const int64_t deadline =
+      filed ? n->last_heartbeat_unix_ms() + static_cast<int64_t>(std::max(n->ttl_ms(), 4 * n->heartbeat_interval_ms()))
+            : 0;
   auto it = deadline_.find(name);
   if (it != deadline_.end()) {
     if (filed && it->second == deadline) return;  // a report: the TTL did not move
@@ -63,10 +65,11 @@ void NodeRegistry::Reindex(const std::string& name) {
   deadline_[name] = deadline;
 }
 
-void NodeRegistry::Touch(const std::string& name, int64_t now) {
+void NodeRegistry::Touch(const std::string& name, int64_t now, uint64_t interval_ms) {
   Node* n = Find(name);
   if (n == nullptr) return;
   n->set_last_heartbeat_unix_ms(now);
+  n->set_heartbeat_interval_ms(interval_ms);
   Reindex(name);
 }
 
@@ -110,7 +113,12 @@ std::vector<std::string> NodeRegistry::Expire(int64_t now) {
     Node& n = nodes_.at(name);  // the order holds only nodes that exist
     n.set_state(wsync::v1::NODE_DEAD);
     dead.push_back(name);
-    spdlog::warn("node {} missed its TTL of {} ms: marked dead, its leases end", name, n.ttl_ms());
+    if (n.heartbeat_interval_ms() * 4 > n.ttl_ms()) {
+      spdlog::warn("node {} missed four heartbeats at the fleet's pace ({} ms each): marked dead, its leases end",
+                   name, n.heartbeat_interval_ms());
+    } else {
+      spdlog::warn("node {} missed its TTL of {} ms: marked dead, its leases end", name, n.ttl_ms());
+    }
   }
   return dead;
 }
@@ -127,6 +135,7 @@ void NodeRegistry::GraceAll(int64_t now) {
   for (auto& [name, n] : nodes_) {
     n.set_state(wsync::v1::NODE_ALIVE);
     n.set_last_heartbeat_unix_ms(now);
+    n.set_heartbeat_interval_ms(0);
     Reindex(name);
   }
 }

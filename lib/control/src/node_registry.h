@@ -56,9 +56,11 @@ class NodeRegistry {
   // since its last heartbeat; returns their names. O(expired nodes): the
   // nodes are kept ordered by when their TTL ends.
   std::vector<std::string> Expire(int64_t now);
-  // The node `name` was heard from at `now` (unix ms): its TTL runs from
+  // The node `name` was heard from at `now` (unix ms) and is asked for its
+  // next heartbeat within `interval_ms` (0: a quarter of its TTL): it is
+  // dead once its TTL, or four of those intervals if longer, pass from
   // then. REQUIRES: the node exists and is not dead.
-  void Touch(const std::string& name, int64_t now);
+  void Touch(const std::string& name, int64_t now, uint64_t interval_ms);
   // The node `name` of incarnation `incarnation`, if alive, is now
   // disconnected (its watch stream broke); true then. False, changing
   // nothing, when no such node is alive.

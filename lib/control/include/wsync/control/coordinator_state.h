@@ -44,6 +44,13 @@ struct CoordinatorOptions {
   // told to let their heartbeats carry their applied versions instead of a
   // ReportApplied call per version (0: never).
   size_t heartbeat_reports_from = 2'000;
+  // Heartbeats per second the fleet is paced to, with no staleness bound
+  // (0: never paced). Sinks heartbeat every quarter of their TTL, until the
+  // fleet is larger than this allows: then every sink is asked for one
+  // every nodes/budget seconds, and its TTL stretches to four of those
+  // periods (a process that dies is still marked dead at once, when its
+  // Watch stream breaks).
+  uint64_t heartbeat_budget = 4'000;
 };
 
 // The coordinator's domains (internals in lib/control/src/): each holds its
@@ -171,6 +178,9 @@ class CoordinatorState {
   // Whether sinks are told to let heartbeats carry their applied versions
   // (CoordinatorOptions::heartbeat_reports_from).
   bool ReportsOnHeartbeatsLocked() const;
+  // The heartbeat period node `n` is asked for
+  // (CoordinatorOptions::heartbeat_budget; 0: a quarter of its TTL).
+  uint64_t PacedIntervalLocked(const wsync::v1::Node& n) const;
   // A registration's pass: at once, except in a storm of them in a large
   // fleet (a pass is O(nodes)): then at the next Tick. REQUIRES: mu_ held.
   void AssignParentsSoonLocked();
