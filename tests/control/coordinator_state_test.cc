@@ -5,7 +5,9 @@
 #include <gtest/gtest.h>
 
 #include <condition_variable>
+#include <atomic>
 #include <filesystem>
+#include <functional>
 #include <mutex>
 #include <set>
 #include <thread>
@@ -56,6 +58,21 @@ const wsync::v1::Node* FindNode(const wsync::v1::StatusResponse& s, const std::s
     if (n.name() == name) return &n;
   }
   return nullptr;
+}
+
+// The state over the log store in `dir`, recovered from what it holds;
+// `wrap` (optional) puts the test's store around it. Null on a failure.
+std::unique_ptr<CoordinatorState> Durable(const std::string& dir, const Clock* clock, const CoordinatorOptions& o = {},
+                                          const std::function<std::unique_ptr<Store>(std::unique_ptr<Store>)>& wrap = {}) {
+  Recovered rec;
+  auto store = OpenLogStore(dir, &rec);
+  EXPECT_TRUE(store.ok()) << store.status().ToString();
+  if (!store.ok()) return nullptr;
+  std::unique_ptr<Store> st = std::move(*store);
+  if (wrap) st = wrap(std::move(st));
+  auto s = CoordinatorState::Create(o, clock, std::move(st), rec);
+  EXPECT_TRUE(s.ok()) << s.status().ToString();
+  return s.ok() ? std::move(*s) : nullptr;
 }
 
 TEST(CoordinatorState, VersionsOnlyGrow) {
@@ -386,24 +403,18 @@ TEST(CoordinatorState, ARecoveredCoordinatorGivesPacedSinksFourPeriodsOfGrace) {
   CoordinatorOptions o;
   o.heartbeat_budget = 2;
   {
-    Recovered rec;
-    auto store = OpenLogStore(dir, &rec);
-    ASSERT_TRUE(store.ok());
-    auto s = CoordinatorState::Create(o, &clock, std::move(*store), rec);
-    ASSERT_TRUE(s.ok());
-    for (const char* n : {"a", "b", "c", "d"}) ASSERT_TRUE((*s)->Register(Reg(n, wsync::v1::ROLE_SINK, 1000)).ok());
+    auto s = Durable(dir, &clock, o);
+    ASSERT_TRUE(s);
+    for (const char* n : {"a", "b", "c", "d"}) ASSERT_TRUE(s->Register(Reg(n, wsync::v1::ROLE_SINK, 1000)).ok());
   }
-  Recovered rec;
-  auto store = OpenLogStore(dir, &rec);
-  ASSERT_TRUE(store.ok());
-  auto s = CoordinatorState::Create(o, &clock, std::move(*store), rec);
-  ASSERT_TRUE(s.ok());
+  auto s = Durable(dir, &clock, o);
+  ASSERT_TRUE(s);
   clock.Advance(7900);
-  (*s)->Tick();
-  EXPECT_EQ(FindNode((*s)->GetStatus(), "a")->state(), wsync::v1::NODE_ALIVE) << "four periods of 2 s";
+  s->Tick();
+  EXPECT_EQ(FindNode(s->GetStatus(), "a")->state(), wsync::v1::NODE_ALIVE) << "four periods of 2 s";
   clock.Advance(200);
-  (*s)->Tick();
-  EXPECT_EQ(FindNode((*s)->GetStatus(), "a")->state(), wsync::v1::NODE_DEAD);
+  s->Tick();
+  EXPECT_EQ(FindNode(s->GetStatus(), "a")->state(), wsync::v1::NODE_DEAD);
   std::filesystem::remove_all(dir);
 }
 
@@ -679,12 +690,19 @@ class CountingStore : public Store {
   }
   Status AppendBatch(const std::vector<wsync::store::v1::Record>& rs) override {
     ++batches;
+    if (during_batch) std::exchange(during_batch, nullptr)();
+    if (fail_batches > 0) {
+      --fail_batches;
+      return UnavailableError("injected: the store did not confirm the write");
+    }
     records.insert(records.end(), rs.begin(), rs.end());
     return inner_->AppendBatch(rs);
   }
   Status Compact(const wsync::store::v1::Snapshot& s) override { return inner_->Compact(s); }
   size_t LogRecords() const override { return inner_->LogRecords(); }
   int appends = 0, batches = 0;
+  int fail_batches = 0;               // the next batches fail
+  std::function<void()> during_batch;  // runs once, within the next batch's call
   std::vector<wsync::store::v1::Record> records;
 
  private:
@@ -725,6 +743,77 @@ TEST(CoordinatorState, ReportsCarriedByHeartbeatsAreStoredOnceASecond) {
   (*s)->Tick();
   EXPECT_EQ(count->batches, 1);
   EXPECT_EQ(count->records.back().node_reports().nodes_size(), 10);
+  std::filesystem::remove_all(dir);
+}
+
+// A tick stores the reports with the state's lock released: a heartbeat is
+// answered while the store writes them, and a durable change made meanwhile
+// is stored after them. A failed write keeps them for the next tick, except
+// those of a node that is gone since (a report must not follow its end).
+TEST(CoordinatorState, ReportsAreStoredWithoutHoldingTheStateAndInTheirOrder) {
+  const std::string dir = ::testing::TempDir() + "/wsync_flush_" + std::to_string(::getpid());
+  std::filesystem::remove_all(dir);
+  FakeClock clock;
+  {
+    CountingStore* count = nullptr;
+    auto s = Durable(dir, &clock, {}, [&](std::unique_ptr<Store> inner) {
+      auto counting = std::make_unique<CountingStore>(std::move(inner));
+      count = counting.get();
+      return counting;
+    });
+    ASSERT_TRUE(s);
+    CoordinatorState* state = s.get();
+    for (int i = 0; i < 4; ++i) ASSERT_TRUE(state->Register(Reg("sink-" + std::to_string(i), wsync::v1::ROLE_SINK)).ok());
+    ASSERT_TRUE(state->Publish(V(1)).ok());
+    for (int i = 0; i < 4; ++i) ASSERT_TRUE(state->ReportApplied("sink-" + std::to_string(i), 1).ok());
+    count->records.clear();
+
+    std::thread beat, publisher;
+    std::atomic<bool> answered{false};
+    count->during_batch = [&] {
+      // With the state's lock held here, this heartbeat would wait until the
+      // write ends.
+      beat = std::thread([&] {
+        wsync::v1::HeartbeatRequest h;
+        h.set_name("sink-1");
+        answered = state->Heartbeat(h).ok();
+      });
+      const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+      while (!answered && std::chrono::steady_clock::now() < until) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      EXPECT_TRUE(answered) << "a heartbeat waited for the store's write";
+      publisher = std::thread([&] { EXPECT_TRUE(state->Publish(V(2)).ok()); });
+    };
+    state->Tick();
+    beat.join();
+    publisher.join();
+    ASSERT_EQ(count->records.size(), 2u);
+    EXPECT_EQ(count->records[0].node_reports().nodes_size(), 4) << "the reports first";
+    EXPECT_TRUE(count->records[1].has_version_published());
+
+    // A failed write: the reports stay, except sink-0's, deregistered while
+    // the write was made.
+    for (int i = 0; i < 4; ++i) ASSERT_TRUE(state->ReportApplied("sink-" + std::to_string(i), 2).ok());
+    count->records.clear();
+    count->fail_batches = 1;
+    std::thread leaving;
+    count->during_batch = [&] { leaving = std::thread([&] { EXPECT_TRUE(state->Deregister("sink-0").ok()); }); };
+    state->Tick();
+    leaving.join();
+    state->Tick();
+    ASSERT_TRUE(state->Flush().ok());
+    bool gone = false;
+    for (const auto& r : count->records) {
+      gone = gone || r.node_deregistered() == "sink-0";
+      for (const auto& n : r.node_reports().nodes()) EXPECT_FALSE(gone && n.name() == "sink-0") << "a report after its end";
+    }
+    EXPECT_TRUE(gone);
+  }
+  auto s = Durable(dir, &clock);
+  ASSERT_TRUE(s);
+  const auto status = s->GetStatus();
+  EXPECT_EQ(FindNode(status, "sink-0"), nullptr) << "deregistered, not brought back by its report";
+  EXPECT_EQ(FindNode(status, "sink-3")->applied_version(), 2u) << "stored at the next try";
+  EXPECT_EQ(status.head_version(), 2u);
   std::filesystem::remove_all(dir);
 }
 
@@ -943,27 +1032,21 @@ TEST(CoordinatorState, PartsOfAVersionSurviveARestart) {
   CoordinatorOptions o;
   o.compact_every = 3;
   {
-    Recovered rec;
-    auto store = OpenLogStore(dir, &rec);
-    ASSERT_TRUE(store.ok());
-    auto s = CoordinatorState::Create(o, &clock, std::move(*store), rec);
-    ASSERT_TRUE(s.ok());
-    ASSERT_TRUE((*s)->SetLayout(PartLayout(0, "src-a", {"a"})).ok());
-    ASSERT_TRUE((*s)->SetLayout(PartLayout(1, "src-b", {"b"})).ok());
-    ASSERT_TRUE((*s)->Publish(Part(1, 0)).ok());
-    ASSERT_TRUE((*s)->Publish(Part(1, 1)).ok());
-    ASSERT_TRUE((*s)->Publish(Part(2, 0)).ok());
+    auto s = Durable(dir, &clock, o);
+    ASSERT_TRUE(s);
+    ASSERT_TRUE(s->SetLayout(PartLayout(0, "src-a", {"a"})).ok());
+    ASSERT_TRUE(s->SetLayout(PartLayout(1, "src-b", {"b"})).ok());
+    ASSERT_TRUE(s->Publish(Part(1, 0)).ok());
+    ASSERT_TRUE(s->Publish(Part(1, 1)).ok());
+    ASSERT_TRUE(s->Publish(Part(2, 0)).ok());
   }
-  Recovered rec;
-  auto store = OpenLogStore(dir, &rec);
-  ASSERT_TRUE(store.ok());
-  auto s = CoordinatorState::Create(o, &clock, std::move(*store), rec);
-  ASSERT_TRUE(s.ok());
-  EXPECT_EQ((*s)->head(), 1u);
-  EXPECT_TRUE((*s)->GetLayout().set());
-  ASSERT_EQ((*s)->ListVersions(0).partial_size(), 1);
-  ASSERT_TRUE((*s)->Publish(Part(2, 1)).ok());
-  EXPECT_EQ((*s)->head(), 2u) << "the part announced before the restart counts";
+  auto s = Durable(dir, &clock, o);
+  ASSERT_TRUE(s);
+  EXPECT_EQ(s->head(), 1u);
+  EXPECT_TRUE(s->GetLayout().set());
+  ASSERT_EQ(s->ListVersions(0).partial_size(), 1);
+  ASSERT_TRUE(s->Publish(Part(2, 1)).ok());
+  EXPECT_EQ(s->head(), 2u) << "the part announced before the restart counts";
   std::filesystem::remove_all(dir);
 }
 

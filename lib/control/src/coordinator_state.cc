@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <spdlog/spdlog.h>
@@ -131,34 +132,62 @@ void CoordinatorState::Apply(const Record& r) {
 }
 
 Status CoordinatorState::CommitLocked(const Record* r) {
-  if (unflushed_reports_.empty()) return r ? store_->Append(*r) : Status::Ok();
   return CommitLocked(r ? std::vector<Record>{*r} : std::vector<Record>{});
 }
 
-Status CoordinatorState::CommitLocked(const std::vector<Record>& records) {
-  if (unflushed_reports_.empty()) {
-    if (records.size() == 1) return store_->Append(records[0]);
-    return records.empty() ? Status::Ok() : store_->AppendBatch(records);
-  }
+std::vector<Record> CoordinatorState::ReportRecordsLocked() const {
   // The reports in node_reports records of up to about 512 KiB each.
   constexpr size_t kReportBytes = 512 << 10;
-  std::vector<Record> batch(1);
+  std::vector<Record> batch;
   size_t bytes = 0;
   for (const auto& [name, n] : unflushed_reports_) {
     const size_t size = n.ByteSizeLong();
-    if (bytes > 0 && bytes + size > kReportBytes) {
+    if (batch.empty() || (bytes > 0 && bytes + size > kReportBytes)) {
       batch.emplace_back();
       bytes = 0;
     }
     *batch.back().mutable_node_reports()->add_nodes() = n;
     bytes += size;
   }
+  return batch;
+}
+
+Status CoordinatorState::CommitLocked(const std::vector<Record>& records) {
+  // The reports first: they were made before these records.
+  std::vector<Record> batch = ReportRecordsLocked();
   batch.insert(batch.end(), records.begin(), records.end());
-  // On an error they stay for the next try: applying a report again at
-  // recovery has the same effect.
-  WSYNC_RETURN_IF_ERROR(store_->AppendBatch(batch));
+  if (batch.empty()) return Status::Ok();
+  std::lock_guard<std::mutex> store(store_mu_);
+  // On an error the reports stay for the next try: applying a report again
+  // at recovery has the same effect.
+  WSYNC_RETURN_IF_ERROR(batch.size() == 1 ? store_->Append(batch[0]) : store_->AppendBatch(batch));
   unflushed_reports_.clear();
   return Status::Ok();
+}
+
+void CoordinatorState::FlushReportsUnlocked(std::unique_lock<std::mutex> lock) {
+  const std::vector<Record> batch = ReportRecordsLocked();
+  if (batch.empty()) return;
+  auto flushing = std::exchange(unflushed_reports_, {});
+  // The store is taken before mu_ is released: a record made after these
+  // reports is committed after them.
+  std::unique_lock<std::mutex> store(store_mu_);
+  lock.unlock();
+  const Status s = store_->AppendBatch(batch);
+  store.unlock();
+  if (s.ok()) return;
+  lock.lock();
+  spdlog::warn("cannot store {} applied versions reported (kept in memory, tried again next tick): {}",
+               flushing.size(), s.ToString());
+  // Back for the next try, unless superseded: a newer report of the node, or
+  // the node registered again or gone since (a record committed meanwhile
+  // that the old report must not follow).
+  for (auto& [name, record] : flushing) {
+    const Node* n = nodes_->Find(name);
+    if (n == nullptr || n->incarnation() != record.incarnation()) continue;
+    if (unflushed_reports_.empty()) unflushed_since_ms_ = clock_->NowMs();
+    unflushed_reports_.emplace(name, std::move(record));
+  }
 }
 
 Status CoordinatorState::Log(const Record& r) {
@@ -170,6 +199,7 @@ Status CoordinatorState::Log(const Record& r) {
 }
 
 void CoordinatorState::MaybeCompactLocked() {
+  std::lock_guard<std::mutex> store(store_mu_);
   if (store_->LogRecords() < options_.compact_every) return;
   Status s = store_->Compact(MakeSnapshot());
   if (!s.ok()) spdlog::warn("store compaction failed (the log keeps growing): {}", s.ToString());
@@ -541,19 +571,8 @@ uint64_t CoordinatorState::PacedIntervalLocked(const Node& n) const {
 }
 
 void CoordinatorState::Tick() {
-  std::lock_guard<std::mutex> lock(mu_);
-  // Applied versions that heartbeats carry are carried again by the next
-  // ones (a new leader learns them within a heartbeat period): made durable
-  // once a second, not at every tick, each commit being made under the lock.
-  constexpr int64_t kHeartbeatReportsFlushMs = 1000;
-  const bool flush = !ReportsOnHeartbeatsLocked() || unflushed_reports_.empty() ||
-                     clock_->NowMs() - unflushed_since_ms_ >= kHeartbeatReportsFlushMs;
-  if (Status s = flush ? CommitLocked(nullptr) : Status::Ok(); !s.ok()) {
-    spdlog::warn("cannot store {} applied versions reported (kept in memory, tried again next tick): {}",
-                 unflushed_reports_.size(), s.ToString());
-  } else {
-    MaybeCompactLocked();
-  }
+  std::unique_lock<std::mutex> lock(mu_);
+  MaybeCompactLocked();
   ExpireLocked();
   if (tree_->dirty()) {
     // Each pass gives the sinks that reached the head up to `fanout`
@@ -562,6 +581,13 @@ void CoordinatorState::Tick() {
     }
     NotifyLocked();
   }
+  // Applied versions that heartbeats carry are carried again by the next
+  // ones (a new leader learns them within a heartbeat period): made durable
+  // once a second, not at every tick, and with the lock released, so that
+  // heartbeats do not wait for the store.
+  constexpr int64_t kHeartbeatReportsFlushMs = 1000;
+  const bool flush = !ReportsOnHeartbeatsLocked() || clock_->NowMs() - unflushed_since_ms_ >= kHeartbeatReportsFlushMs;
+  if (flush) FlushReportsUnlocked(std::move(lock));
 }
 
 void CoordinatorState::WatchBroken(const std::string& name, uint64_t incarnation) {

@@ -178,6 +178,12 @@ class CoordinatorState {
   // Whether sinks are told to let heartbeats carry their applied versions
   // (CoordinatorOptions::heartbeat_reports_from).
   bool ReportsOnHeartbeatsLocked() const;
+  // The reports not yet in the store, as node_reports records (empty: none).
+  // REQUIRES: mu_ held.
+  std::vector<wsync::store::v1::Record> ReportRecordsLocked() const;
+  // Flushes the reports with mu_ released (Tick). REQUIRES: mu_ held by
+  // `lock`, which this releases.
+  void FlushReportsUnlocked(std::unique_lock<std::mutex> lock);
   // The heartbeat period node `n` is asked for
   // (CoordinatorOptions::heartbeat_budget; 0: a quarter of its TTL).
   uint64_t PacedIntervalLocked(const wsync::v1::Node& n) const;
@@ -229,6 +235,12 @@ class CoordinatorState {
   // each node's latest durable fields, by node.
   std::unordered_map<std::string, wsync::store::v1::NodeRecord> unflushed_reports_;
   int64_t unflushed_since_ms_ = 0;  // when the oldest of them came (clock_)
+  // Serializes the store's calls, in the order their records were made:
+  // taken with mu_ held (a commit under mu_), or, for the reports a tick
+  // flushes, taken under mu_ and kept after mu_ is released, so that
+  // heartbeats do not wait for that commit. Taken after mu_ when both are
+  // held; mu_ is never taken while it is held.
+  std::mutex store_mu_;
   // The registrations' queue (Register). Taken after mu_ when both are held.
   std::mutex register_mu_;
   std::condition_variable registered_;
