@@ -97,6 +97,18 @@ class FleetDriver {
     for (WatchStream* ws : watches_) delete ws;
   }
 
+  // One heartbeat (of the first sink) before the steady state: the fleet's
+  // first heartbeats are spread over the period the coordinator asks for,
+  // as a paced fleet's are, not over the driver's.
+  void LearnPace() {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+    v1::HeartbeatRequest req;
+    req.set_name("sink-0");
+    v1::HeartbeatResponse resp;
+    if (stubs_[0]->Heartbeat(&ctx, req, &resp).ok()) paced_ms_ = resp.heartbeat_interval_ms();
+  }
+
   // Unless --no-watch, every sink opens its Watch stream first, as a sink
   // daemon does (open until Run ends).
   void OpenWatches(const std::atomic<uint64_t>& head, const std::atomic<int64_t>& published_at_us) {
@@ -208,8 +220,9 @@ class FleetDriver {
     std::vector<uint64_t> applied(o_.sinks, 0), carried(o_.sinks, 0);
     std::vector<Clock::time_point> applied_at(o_.sinks);
     // Heartbeats spread evenly over a period, as sinks started at random.
+    const int64_t period_ms = static_cast<int64_t>(std::max<uint64_t>(o_.heartbeat_ms, paced_ms_.load()));
     for (int i = w; i < o_.sinks; i += o_.workers) {
-      due.push({t0 + Us(static_cast<int64_t>(o_.heartbeat_ms) * 1000 * i / o_.sinks), i, false});
+      due.push({t0 + Us(period_ms * 1000 * i / o_.sinks), i, false});
     }
     uint64_t scheduled_for = head.load();
     std::mt19937_64 rng(w);
@@ -330,9 +343,10 @@ Load Drive(const std::string& address, const ControlBenchOptions& o,
         r.set_name("sink-" + std::to_string(i));
         r.set_role(v1::ROLE_SINK);
         r.set_data_address(std::string(64, 'x'));
-        // The registration of a whole fleet at once can outlast a short TTL: what
-        // is measured is the steady state's heartbeats, not expiry.
-        if (o.fleet) r.set_ttl_ms(600'000);
+        // The daemons' TTL: four heartbeat periods (the coordinator paces a
+        // large fleet by it). The fleet's registration must end within it:
+        // heartbeats start once every sink is registered.
+        if (o.fleet) r.set_ttl_ms(4 * static_cast<uint64_t>(o.heartbeat_ms));
         auto t0 = Clock::now();
         record(reg_lat[w], t0, (*c)->Register(r).ok());
       }
@@ -374,7 +388,10 @@ Load Drive(const std::string& address, const ControlBenchOptions& o,
       ++errors;
     }
   }
-  if (fleet) fleet->OpenWatches(head, published_at_us);
+  if (fleet) {
+    fleet->LearnPace();
+    fleet->OpenWatches(head, published_at_us);
+  }
   const auto steady_start = Clock::now();
   if (fleet) {
     threads.emplace_back([&] { fleet->Run(stop, head, published_at_us); });

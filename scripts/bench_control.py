@@ -61,6 +61,12 @@ def how(r):
     return "heartbeats" if r.get("reports_on_heartbeats") else "reports"
 
 
+def period(r, args):
+    """Each sink's heartbeat period: the driver's, or the one the coordinator paced the fleet to."""
+    paced = r.get("heartbeat_paced_ms", 0)
+    return f"{max(paced, args.heartbeat_ms) / 1000:.1f} s" + (" (paced)" if paced > args.heartbeat_ms else "")
+
+
 def drive(bench, addresses, sinks, args):
     argv = [bench, "--json", "control", "--fleet", "--sinks", str(sinks), "--seconds", str(args.seconds),
             "--heartbeat-ms", str(args.heartbeat_ms), "--publish-every-ms", str(args.publish_every_ms),
@@ -108,7 +114,8 @@ def main():
                     finally:
                         c.stop()
                     rows.append((sinks, where, name, r))
-                    print(f"{sinks:>6} sinks, {where:<21} {name:<10}: {r['offered_rpcs_per_s']:7.0f} RPCs/s offered, "
+                    print(f"{sinks:>6} sinks, {where:<21} {name:<10}: heartbeats every {period(r, args)}, "
+                          f"{r['offered_rpcs_per_s']:7.0f} RPCs/s offered, "
                           f"{r['steady_rpcs_per_s']:7.0f} served; heartbeat p50 {r['heartbeat']['p50_us'] / 1000:6.2f} "
                           f"p99 {r['heartbeat']['p99_us'] / 1000:7.2f} ms; applied known p99 "
                           f"{r['report_applied']['p99_us'] / 1000:7.2f} ms ({how(r)}); watch p99 "
@@ -117,11 +124,11 @@ def main():
                           f"{r['errors']} errors", flush=True)
     finally:
         etcd.stop()
-    print("\n| sinks | coordinator | build | RPCs/s offered | served | heartbeat p50 / p99 | applied known p99 "
-          "| version to every watcher p50 / p99 | late calls | registrations/s |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("\n| sinks | coordinator | build | heartbeat period | RPCs/s offered | served | heartbeat p50 / p99 "
+          "| applied known p99 | version to every watcher p50 / p99 | late calls | registrations/s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for sinks, where, name, r in rows:
-        print(f"| {sinks:,} | {where} | {name} | {r['offered_rpcs_per_s']:,.0f} | {r['steady_rpcs_per_s']:,.0f} | "
+        print(f"| {sinks:,} | {where} | {name} | {period(r, args)} | {r['offered_rpcs_per_s']:,.0f} | {r['steady_rpcs_per_s']:,.0f} | "
               f"{r['heartbeat']['p50_us'] / 1000:.2f} / {r['heartbeat']['p99_us'] / 1000:.2f} ms | "
               f"{r['report_applied']['p99_us'] / 1000:.2f} ms ({how(r)}) | "
               f"{r['watch_delivery']['p50_us'] / 1000:.2f} / {r['watch_delivery']['p99_us'] / 1000:.2f} ms | "
