@@ -50,9 +50,7 @@ TEST_F(SinkCoreTest, RegistersPullsAKeyframeThenPatches) {
 TEST_F(SinkCoreTest, AppliedVersionsRideOnHeartbeatsWhenTheCoordinatorSaysSo) {
   control::CoordinatorOptions o;
   o.heartbeat_reports_from = 1;
-  auto s = control::CoordinatorState::Create(o, &clock_, control::NewNullStore(), control::Recovered());
-  ASSERT_TRUE(s.ok());
-  state_ = std::move(*s);
+  ASSERT_NO_FATAL_FAILURE(UseCoordinator(o));
   auto v = Versions(4);
   TestSource source(state_.get(), fabric_);
   source.Publish(1, v[0]);
@@ -83,9 +81,7 @@ TEST_F(SinkCoreTest, AppliedVersionsRideOnHeartbeatsWhenTheCoordinatorSaysSo) {
 TEST_F(SinkCoreTest, ASinkHeartbeatsAtThePeriodTheCoordinatorAsks) {
   control::CoordinatorOptions o;
   o.heartbeat_budget = 1;  // two nodes at one heartbeat a second: one every 2 s each
-  auto s = control::CoordinatorState::Create(o, &clock_, control::NewNullStore(), control::Recovered());
-  ASSERT_TRUE(s.ok());
-  state_ = std::move(*s);
+  ASSERT_NO_FATAL_FAILURE(UseCoordinator(o));
   auto v = Versions(1);
   TestSource source(state_.get(), fabric_);
   source.Publish(1, v[0]);
@@ -389,9 +385,7 @@ TEST_F(SinkCoreTest, ASinkToldToResyncTakesAKeyframe) {
   o.fanout = 1;
   o.max_staleness = 1;
   o.policy = v1::STALENESS_EVICT;
-  auto st = control::CoordinatorState::Create(o, &clock_, control::NewNullStore(), control::Recovered());
-  ASSERT_TRUE(st.ok());
-  state_ = std::move(*st);
+  ASSERT_NO_FATAL_FAILURE(UseCoordinator(o));
   auto v = Versions(6);
   auto [source, sink] = AtFirstVersion(v);
   WaitReported("sink-0", 1);  // a sink that never reported a version is not held to the bound

@@ -214,6 +214,10 @@ class SinkCoreTest : public ::testing::Test {
   void SetUp() override {
     control::CoordinatorOptions o;
     o.fanout = 1;  // a chain: the second sink behind the first (a relay)
+    UseCoordinator(o);
+  }
+  // The coordinator from now on: one of options `o`, in memory.
+  void UseCoordinator(const control::CoordinatorOptions& o) {
     auto s = control::CoordinatorState::Create(o, &clock_, control::NewNullStore(), control::Recovered());
     ASSERT_TRUE(s.ok()) << s.status().ToString();
     state_ = std::move(*s);

@@ -79,10 +79,7 @@ StatusOr<std::unique_ptr<CoordinatorState>> CoordinatorState::Create(const Coord
   for (const auto& r : recovered.records) s->Apply(r);
   // Heartbeats are not durable: every node gets a TTL of grace from now
   // (of the period its fleet's sinks are paced to, if longer).
-  s->nodes_->GraceAll(clock->NowMs());
-  for (const auto& [name, n] : s->nodes_->nodes()) {
-    if (const uint64_t paced = s->PacedIntervalLocked(n); paced > 0) s->nodes_->Touch(name, clock->NowMs(), paced);
-  }
+  s->nodes_->GraceAll(clock->NowMs(), [&](const Node& n) { return s->PacedIntervalLocked(n); });
   s->AssignParentsLocked();
   if (!s->nodes_->nodes().empty() || !s->versions_->empty()) {
     spdlog::info("coordinator recovered: head version {}, {} nodes, {} leases, {} log records replayed",
@@ -132,7 +129,11 @@ void CoordinatorState::Apply(const Record& r) {
 }
 
 Status CoordinatorState::CommitLocked(const Record* r) {
-  return CommitLocked(r ? std::vector<Record>{*r} : std::vector<Record>{});
+  if (!unflushed_reports_.empty()) return CommitLocked(r ? std::vector<Record>{*r} : std::vector<Record>{});
+  if (r == nullptr) return Status::Ok();
+  // Alone: appended as it is, not copied into a batch (a layout's record may be large).
+  std::lock_guard<std::mutex> store(store_mu_);
+  return store_->Append(*r);
 }
 
 std::vector<Record> CoordinatorState::ReportRecordsLocked() const {

@@ -13,6 +13,10 @@ using wsync::v1::Node;
 
 namespace {
 
+// How long node `n` may go without a heartbeat: its TTL, or four of the
+// periods it was asked to heartbeat at, if longer (a paced fleet).
+uint64_t SilenceMs(const Node& n) { return std::max(n.ttl_ms(), 4 * n.heartbeat_interval_ms()); }
+
 // Copies the durable fields (NodeRecord's) between a Node and a NodeRecord,
 // either way: the one list of what the log keeps of a node.
 template <typename From, typename To>
@@ -51,9 +55,7 @@ void NodeRegistry::Erase(const std::string& name) {
 void NodeRegistry::Reindex(const std::string& name) {
   const Node* n = Find(name);
   const bool filed = n != nullptr && n->state() != wsync::v1::NODE_DEAD;
-  const int64_t deadline =
-      filed ? n->last_heartbeat_unix_ms() + static_cast<int64_t>(std::max(n->ttl_ms(), 4 * n->heartbeat_interval_ms()))
-            : 0;
+  const int64_t deadline = filed ? n->last_heartbeat_unix_ms() + static_cast<int64_t>(SilenceMs(*n)) : 0;
   auto it = deadline_.find(name);
   if (it != deadline_.end()) {
     if (filed && it->second == deadline) return;  // a report: the TTL did not move
@@ -113,7 +115,7 @@ std::vector<std::string> NodeRegistry::Expire(int64_t now) {
     Node& n = nodes_.at(name);  // the order holds only nodes that exist
     n.set_state(wsync::v1::NODE_DEAD);
     dead.push_back(name);
-    if (n.heartbeat_interval_ms() * 4 > n.ttl_ms()) {
+    if (SilenceMs(n) > n.ttl_ms()) {
       spdlog::warn("node {} missed four heartbeats at the fleet's pace ({} ms each): marked dead, its leases end",
                    name, n.heartbeat_interval_ms());
     } else {
@@ -131,11 +133,11 @@ bool NodeRegistry::Disconnect(const std::string& name, uint64_t incarnation) {
   return true;
 }
 
-void NodeRegistry::GraceAll(int64_t now) {
+void NodeRegistry::GraceAll(int64_t now, const std::function<uint64_t(const Node&)>& interval_of) {
   for (auto& [name, n] : nodes_) {
     n.set_state(wsync::v1::NODE_ALIVE);
     n.set_last_heartbeat_unix_ms(now);
-    n.set_heartbeat_interval_ms(0);
+    n.set_heartbeat_interval_ms(interval_of ? interval_of(n) : 0);
     Reindex(name);
   }
 }

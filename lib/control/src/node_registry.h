@@ -9,6 +9,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <set>
 #include <string>
@@ -66,8 +67,9 @@ class NodeRegistry {
   // nothing, when no such node is alive.
   bool Disconnect(const std::string& name, uint64_t incarnation);
   // After recovery from the store: every node alive and last heard from at
-  // `now` (heartbeats are not durable).
-  void GraceAll(int64_t now);
+  // `now` (heartbeats are not durable), as if asked for heartbeats every
+  // `interval_of(node)` ms (none: a quarter of its TTL).
+  void GraceAll(int64_t now, const std::function<uint64_t(const wsync::v1::Node&)>& interval_of = {});
 
   // Every node: the relay tree sets parents, the staleness policy reads them.
   NodeMap& nodes() { return nodes_; }
