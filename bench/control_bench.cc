@@ -157,6 +157,12 @@ class FleetDriver {
   uint64_t calls() const { return calls_; }  // answered, heartbeats and reports
   bool reports_on_heartbeats() const { return reports_on_heartbeats_; }
   uint64_t paced_ms() const { return paced_ms_; }
+  // Each sink's heartbeat period: the driver's, or the one the coordinator
+  // asks for, as Membership does (one pace for the whole fleet: the last
+  // answer's stands for every sink).
+  std::chrono::milliseconds period() const {
+    return std::chrono::milliseconds(std::max<uint64_t>(o_.heartbeat_ms, paced_ms_.load()));
+  }
 
  private:
   struct Call {
@@ -220,9 +226,9 @@ class FleetDriver {
     std::vector<uint64_t> applied(o_.sinks, 0), carried(o_.sinks, 0);
     std::vector<Clock::time_point> applied_at(o_.sinks);
     // Heartbeats spread evenly over a period, as sinks started at random.
-    const int64_t period_ms = static_cast<int64_t>(std::max<uint64_t>(o_.heartbeat_ms, paced_ms_.load()));
+    const int64_t period_us = std::chrono::duration_cast<Us>(period()).count();
     for (int i = w; i < o_.sinks; i += o_.workers) {
-      due.push({t0 + Us(period_ms * 1000 * i / o_.sinks), i, false});
+      due.push({t0 + Us(period_us * i / o_.sinks), i, false});
     }
     uint64_t scheduled_for = head.load();
     std::mt19937_64 rng(w);
@@ -278,10 +284,7 @@ class FleetDriver {
         carried[d.sink] = applied[d.sink];
         stubs_[w]->async()->Heartbeat(&call->ctx, &call->hb, &call->hb_resp,
                                       [this, w, call](grpc::Status s) { Done(w, call, false, s); });
-        // At the period the coordinator asks for, as Membership does (one
-        // pace for the whole fleet: the last answer's stands for every sink).
-        due.push({d.at + std::chrono::milliseconds(std::max<uint64_t>(o_.heartbeat_ms, paced_ms_.load())), d.sink,
-                  false});
+        due.push({d.at + period(), d.sink, false});
       }
     }
   }
@@ -441,7 +444,7 @@ Load Drive(const std::string& address, const ControlBenchOptions& o,
     // Applied versions ride on heartbeats when the coordinator says so: no report calls.
     l.reports_on_heartbeats = fleet->reports_on_heartbeats();
     l.paced_ms = fleet->paced_ms();
-    const double period_ms = std::max<double>(o.heartbeat_ms, static_cast<double>(l.paced_ms));
+    const double period_ms = static_cast<double>(fleet->period().count());
     l.offered_rps = o.sinks * (1000.0 / period_ms + (l.reports_on_heartbeats ? 0 : 1000.0 / o.publish_every_ms));
   }
   return l;
