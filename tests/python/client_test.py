@@ -134,6 +134,15 @@ def run_client(s, build, code, *args):
                           cwd=os.path.join(HERE, "..", ".."), timeout=300)
 
 
+def wait_then_check(s, pred, what, timeout=60):
+    """Waits up to `timeout` s for `pred` (an event, not a time), leaving the
+    verdict to the check that follows, which names what was seen."""
+    try:
+        s.wait_for(pred, what, timeout)
+    except RuntimeError:
+        pass
+
+
 # Each scenario's directory (its logs): removed once every scenario passed.
 SCENARIO_DIRS = []
 
@@ -329,10 +338,7 @@ def offered_layouts(build):
         def says_why():
             said.append(wsync_status(s, f"sink-{len(EARLY) + 1}").sync_error)
             return "tile grid" in said[-1]
-        try:
-            s.wait_for(says_why, "the TP 4 rank's sink to say it waits for its layout", 60)
-        except RuntimeError:
-            pass
+        wait_then_check(s, says_why, "the TP 4 rank's sink to say it waits for its layout")
         check("tile grid" in said[-1],
               f"a TP 4 rank registered before its layout is served waits, saying why: {said[-1]}")
         open(os.path.join(s.tmp, "resume"), "w").close()
@@ -423,11 +429,8 @@ def two_sources(build):
         s.kill("source-b")  # SIGKILL between the two parts of version `pause`
         # Every sink's report of version pause - 1 reaches the coordinator
         # (the workers saw it applied locally first), then nothing moves on.
-        try:
-            s.wait_for(lambda: all(s.applied().get(n) == pause - 1 for n in s.sinks),
-                       f"the coordinator to know every sink holds {pause - 1}", 60)
-        except RuntimeError:
-            pass
+        wait_then_check(s, lambda: all(s.applied().get(n) == pause - 1 for n in s.sinks),
+                        f"the coordinator to know every sink holds {pause - 1}")
         time.sleep(1.5)
         applied = s.applied()
         check(all(applied.get(n) == pause - 1 for n in s.sinks),
