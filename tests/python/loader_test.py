@@ -22,6 +22,7 @@ import torch  # noqa: E402
 
 from wsync._tensors import share  # noqa: E402
 from wsync.layouts import Piece, RuntimeTensor  # noqa: E402
+from wsync import quantized  # noqa: E402
 from wsync.quantized import requested  # noqa: E402
 from wsync.vllm import fp8  # noqa: E402
 from wsync.vllm.loader import derive_layout  # noqa: E402
@@ -108,6 +109,17 @@ class Fp8Linear(torch.nn.Module):
         self.quant_method = type(method, (), {})()
 
 
+class Fp8BlockLinear(torch.nn.Module):
+    """A linear layer as vLLM's online per-block FP8 leaves it: (N, K) E4M3
+    codes and one F32 scale per 128x128 block, (ceil(N/128), ceil(K/128))."""
+
+    def __init__(self, n, k):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(n, k).to(torch.float8_e4m3fn), requires_grad=False)
+        self.weight_scale_inv = torch.nn.Parameter(torch.rand(-(-n // 128), -(-k // 128)), requires_grad=False)
+        self.quant_method = type("Fp8PerBlockOnlineLinearMethod", (), {})()
+
+
 def check_fp8():
     print("== FP8 engines: codes and row scales laid out as the loader places the BF16 weight")
     m = torch.nn.Module()
@@ -172,13 +184,74 @@ def check_fp8():
 
     print("== quantizations wsync does not keep are refused, naming the layer")
     m.experts = Fp8Linear(4, 4, "Fp8PerChannelOnlineMoEMethod")
-    m.blocks = Fp8Linear(4, 4, "Fp8PerBlockOnlineLinearMethod")
+    m.tensors = Fp8Linear(4, 4, "Fp8PerTensorOnlineLinearMethod")
     try:
         fp8.quantized_layers(m)
-        check(False, "MoE experts and per-block FP8: refused")
+        check(False, "MoE experts and per-tensor FP8: refused")
     except ValueError as e:
         check("2 layer(s)" in str(e) and "experts (Fp8PerChannelOnlineMoEMethod)" in str(e),
-              f"MoE experts and per-block FP8: {str(e)[:200]}")
+              f"MoE experts and per-tensor FP8: {str(e)[:200]}")
+
+
+def check_fp8_blocks():
+    print("== per-block FP8: codes where the weight's pieces are, each piece's blocks in the block scales")
+    m = torch.nn.Module()
+    m.qkv = Fp8BlockLinear(384, 256)  # q 256 rows, k 128 (a rank's share)
+    m.o = Fp8BlockLinear(200, 128)  # a row-parallel rank: columns [128, 256) of an o of 200 x 256
+    layers = fp8.quantized_layers(m)
+    check(layers == {"qkv": fp8.PER_BLOCK, "o": fp8.PER_BLOCK}, f"the quantized layers: {layers}")
+    shapes = {"q": (512, 256), "k": (256, 256), "o": (200, 256)}
+    bf16 = [RuntimeTensor("qkv.weight", (384, 256), (Piece("q", (256, 0), (256, 256), (0, 0)),
+                                                      Piece("k", (128, 0), (128, 256), (256, 0)))),
+            RuntimeTensor("o.weight", (200, 128), (Piece("o", (0, 128), (200, 128), (0, 0)),))]
+    tensors, written = fp8.quantized_layout(m, bf16, layers, shapes)
+    got = {rt.name: (rt.shape, rt.pieces) for rt in tensors}
+    want = {
+        "qkv.weight": ((384, 256), (Piece("fp8_per_block:q", (256, 0), (256, 256), (0, 0)),
+                                    Piece("fp8_per_block:k", (128, 0), (128, 256), (256, 0)))),
+        "qkv.weight_scale_inv": ((3, 2), (Piece("fp8_per_block:q_scale", (2, 0), (2, 2), (0, 0)),
+                                          Piece("fp8_per_block:k_scale", (1, 0), (1, 2), (2, 0)))),
+        "o.weight": ((200, 128), (Piece("fp8_per_block:o", (0, 128), (200, 128), (0, 0)),)),
+        # the last row block is ragged (rows 128..199) in the checkpoint and in the layer alike
+        "o.weight_scale_inv": ((2, 1), (Piece("fp8_per_block:o_scale", (0, 1), (2, 1), (0, 0)),)),
+    }
+    check(got == want, f"codes as placed, scales by block: {got}")
+    check(written["qkv.weight"] is m.qkv.weight and written["qkv.weight_scale_inv"].dtype == torch.int32
+          and written["qkv.weight_scale_inv"].data_ptr() == m.qkv.weight_scale_inv.data_ptr(),
+          "the sink writes the (N, K) codes as they are and the scales' bits in place")
+    check(requested([tensors]) == {"q": "fp8_per_block", "k": "fp8_per_block", "o": "fp8_per_block"},
+          f"a trainer is asked for q, k and o per block: {requested([tensors])}")
+    check(quantized.scale_shape(fp8.PER_BLOCK, (200, 256)) == (2, 2), "a trainer's block scales of a 200 x 256 tensor")
+
+    # A rank whose k holds 64 rows (a KV head split over more ranks than 128-row blocks allow): its block
+    # would hold k's rows and v's, which quantizing each checkpoint tensor on its own cannot give.
+    m.kv = Fp8BlockLinear(128, 256)
+    split = [RuntimeTensor("kv.weight", (128, 256), (Piece("k", (64, 0), (64, 256), (0, 0)),
+                                                     Piece("v", (64, 0), (64, 256), (64, 0))))]
+    try:
+        fp8.quantized_layout(m, split, {"kv": fp8.PER_BLOCK}, {"k": (128, 256), "v": (128, 256)})
+        check(False, "a block spanning two checkpoint tensors: refused")
+    except ValueError as e:
+        check("rows [64, 128) of 'k'" in str(e) and "fp8_per_channel" in str(e),
+              f"a block spanning two checkpoint tensors is refused, naming the rows and what to use: {str(e)[:160]}")
+    # A ragged end that is not the layer's: the checkpoint's last block would straddle into the next piece.
+    m.gu = Fp8BlockLinear(328, 128)
+    ragged = [RuntimeTensor("gu.weight", (328, 128), (Piece("g", (0, 0), (200, 128), (0, 0)),
+                                                      Piece("u", (0, 0), (128, 128), (200, 0))))]
+    try:
+        fp8.quantized_layout(m, ragged, {"gu": fp8.PER_BLOCK}, {"g": (200, 128), "u": (128, 128)})
+        check(False, "a ragged block inside a fused layer: refused")
+    except ValueError as e:
+        check("rows [0, 200) of 'g'" in str(e), f"a ragged block inside a fused layer is refused: {str(e)[:120]}")
+    # A kernel that keeps its scales in another layout (column-major, as some GPU kernels want them).
+    m.t = Fp8BlockLinear(256, 256)
+    m.t.weight_scale_inv = torch.nn.Parameter(torch.rand(2, 2).t(), requires_grad=False)
+    try:
+        fp8.quantized_layout(m, [RuntimeTensor("t.weight", (256, 256), (Piece("t", (0, 0), (256, 256), (0, 0)),))],
+                             {"t": fp8.PER_BLOCK}, {"t": (256, 256)})
+        check(False, "block scales in another layout: refused")
+    except ValueError as e:
+        check("'t.weight_scale_inv'" in str(e), f"block scales in another layout are refused: {str(e)[:120]}")
 
 
 def main():
@@ -238,6 +311,7 @@ def main():
               f"{mode}: the parameters are restored")
 
     check_fp8()
+    check_fp8_blocks()
     print(f"{len(failures)} failed checks" if failures else "PASS")
     sys.exit(1 if failures else 0)
 

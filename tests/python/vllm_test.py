@@ -27,11 +27,15 @@ version:
     backend runs deterministically equal a fresh vLLM engine's of the same
     TP degree loaded from that step's checkpoint (one more engine start per
     family: the parameters' bits above already hold for every engine).
-An FP8 engine (Llama with vLLM's online per-channel FP8, the FP8 mode
-vLLM's CPU backend runs) holds E4M3 codes and F32 row scales: those are
-what is compared, bit for bit, with vLLM's own FP8 load of the step's BF16
-checkpoint, and its tokens and logprobs with a fresh FP8 engine's. Per-tensor
-and per-block FP8 and FP8 experts do not run on this CPU (docs/fp8.md). An
+FP8 engines (Llama with vLLM's online FP8, per channel and per 128x128
+block) hold E4M3 codes and F32 scales: those are what is compared, bit for
+bit, with vLLM's own FP8 load of the step's BF16 checkpoint, and their
+tokens and logprobs with a fresh FP8 engine's. vLLM's CPU backend here runs
+per-channel FP8 itself; per-block FP8 has no CPU GEMM without AMX, so the
+per-block engines multiply with the tests' stand-in (cpu_block_fp8.py,
+loaded as a vLLM plugin): their codes and scales are vLLM's own, their
+generation is checked only where a GPU runs them (scripts/gpu_check.sh).
+Per-tensor FP8 and FP8 experts do not run on this CPU (docs/fp8.md). An
 INT8 engine is refused, naming the setting, and an FP8 engine that comes
 after a trainer registered without FP8 tensors is refused, saying why.
 Mixtral runs at TP 2 with expert parallelism (whole experts per rank); its
@@ -129,7 +133,11 @@ CONFIGS = {
 # An FP8 engine: vLLM's online per-channel FP8 (the FP8 mode its CPU backend runs), its linear layers
 # codes and row scales kept by wsync; the reference is vLLM's own FP8 load of each step's BF16 checkpoint.
 CONFIGS["llama_fp8"] = CONFIGS["llama"]
-ENGINE_ARGS = {"llama_fp8": {"quantization": "fp8_per_channel"}}
+# vLLM's online per-block FP8: its layers split over two ranks on 128-element boundaries (as real models'
+# are: a block spanning two checkpoint tensors is refused), the one KV head replicated on both.
+CONFIGS["llama_fp8_block"] = dict(CONFIGS["llama"], hidden_size=256, intermediate_size=512, num_attention_heads=2,
+                                  num_key_value_heads=1)
+ENGINE_ARGS = {"llama_fp8": {"quantization": "fp8_per_channel"}, "llama_fp8_block": {"quantization": "fp8_per_block"}}
 # Engines per family: (TP degree, expert parallelism). Mixtral at TP 2 with its experts split whole over
 # the ranks: vLLM 0.32's CPU backend dies (SIGSEGV in a worker) generating with expert parallelism, wsync or
 # not, so that engine's parameters are checked and its outputs are not (Qwen3-MoE's are).
@@ -331,6 +339,26 @@ def refused_quantization(ckpt):
         shutdown(llm)
 
 
+def blocks_off_boundaries(tmp):
+    """A per-block FP8 engine whose fused layer holds a checkpoint tensor
+    off the 128x128 blocks (a K projection of 64 rows after 128 of Q: one
+    block holds K's rows and V's) is refused at registration, naming the
+    layer and the rows."""
+    path = os.path.join(tmp, "narrow")
+    save_checkpoint(make_model("llama", seed=1), path)
+    llm = engine(path, 1, quantization="fp8_per_block")
+    try:
+        llm.init_weight_transfer_engine({"init_info": {"sink_address": "unix:/nonexistent/sink.sock", "timeout": 1.0}})
+        check(False, "a per-block FP8 layer split off the blocks is refused")
+    except Exception as e:  # noqa: BLE001 - vLLM wraps the worker's ValueError
+        text = str(e)
+        check("qkv_proj.weight' holds rows [0, 64) of 'model.layers.0.self_attn.k_proj.weight'" in text
+              and "fp8_per_channel" in text,
+              f"a per-block FP8 layer split off the blocks is refused, naming it ({text[text.find('holds') - 40:][:200]})")
+    finally:
+        shutdown(llm)
+
+
 def fp8_after_trainer(tmp, ckpt):
     """An FP8 engine that comes after the trainer registered without FP8
     tensors (the run's published tensors are fixed by then) is refused,
@@ -440,6 +468,8 @@ def run_family(build, family, steps):
             fp8_after_trainer(tmp, ckpt[0])
         if family == "llama_fp8":
             refused_quantization(ckpt[0])
+        if family == "llama_fp8_block":
+            blocks_off_boundaries(tmp)
         trainer.shutdown()
     finally:
         for llm in llms.values():
@@ -589,6 +619,22 @@ def run_served(build, steps):
         keep_or_remove(tmp, failed_before)
 
 
+def install_cpu_block_fp8():
+    """Makes every engine process load cpu_block_fp8 as a vLLM plugin (an
+    entry point of the `vllm.general_plugins` group, in a distribution's
+    metadata on the path of this process and of those it starts)."""
+    plugin_dir = tempfile.mkdtemp(prefix="wsync_vllm_plugin_")
+    dist = os.path.join(plugin_dir, "wsync_test_cpu_block_fp8-0.dist-info")
+    os.makedirs(dist)
+    with open(os.path.join(dist, "METADATA"), "w") as f:
+        f.write("Metadata-Version: 2.1\nName: wsync-test-cpu-block-fp8\nVersion: 0\n")
+    with open(os.path.join(dist, "entry_points.txt"), "w") as f:
+        f.write("[vllm.general_plugins]\nwsync_test_cpu_block_fp8 = cpu_block_fp8:register\n")
+    sys.path[:0] = [plugin_dir, HERE]
+    os.environ["PYTHONPATH"] = os.pathsep.join([plugin_dir, HERE] + [p for p in [os.environ.get("PYTHONPATH")] if p])
+    return plugin_dir
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("build")
@@ -609,6 +655,7 @@ def main():
     rpc_dir = tempfile.mkdtemp(prefix="wsync_vllm_rpc_")
     os.environ["VLLM_RPC_BASE_PATH"] = rpc_dir
     prepare_cpu()
+    plugin_dir = install_cpu_block_fp8()
     build = os.path.abspath(args.build)
     start = time.time()
     shm_before = shm_names()
@@ -625,6 +672,7 @@ def main():
         removed = remove_leaked_vllm_shm(shm_before)
         print(f"removed {len(removed)} shared-memory segments vLLM's ranks left in /dev/shm")
         shutil.rmtree(rpc_dir, ignore_errors=True)
+        shutil.rmtree(plugin_dir, ignore_errors=True)
         # And the files its CPU ranks describe those segments with in /tmp.
         for name in set(os.listdir(tempfile.gettempdir())) - tmp_before:
             if name.startswith("vllm_dist_"):

@@ -1,15 +1,21 @@
 """Quantized forms of the published tensors, for engines that hold them.
 
-An engine that quantizes the checkpoint after loading (vLLM's online
-per-channel FP8) holds codes and scales, not the checkpoint's values. Its
-sinks name what they hold in the layouts they offer, in the scheme's own
-name space beside the checkpoint's:
+An engine that quantizes the checkpoint after loading (vLLM's online FP8,
+per channel or per 128x128 block) holds codes and scales, not the
+checkpoint's values. Its sinks name what they hold in the layouts they
+offer, in the scheme's own name space beside the checkpoint's:
 
-- ``"fp8_per_channel:<name>"``: the E4M3 codes of checkpoint tensor
-  ``<name>`` (``F8_E4M3``, its shape);
-- ``"fp8_per_channel:<name>_scale"``: its row scales, (N, 1), as the bit
-  patterns of their F32 values (``I32``: a source publishes F32 tensors as
-  BF16, and scales must not be rounded).
+- ``"<scheme>:<name>"``: the E4M3 codes of checkpoint tensor ``<name>``
+  (``F8_E4M3``, its shape);
+- ``"<scheme>:<name>_scale"``: its scales as the bit patterns of their F32
+  values (``I32``: a source publishes F32 tensors as BF16, and scales must
+  not be rounded): (N, 1) row scales for ``fp8_per_channel``,
+  (ceil(N/128), ceil(K/128)) block scales for ``fp8_per_block``.
+
+Each scheme's unit (a row, a block) is quantized on its own once its scale is
+known, so a checkpoint tensor's codes and scales are the same whichever
+rank or fused layer holds them, as long as no unit spans two checkpoint
+tensors (wsync.vllm.fp8 refuses a layout where one would).
 
 A source asked for them (wsync.Source.register with layouts that name them)
 quantizes the tensors with the engine's own functions (vLLM's, imported
@@ -26,10 +32,13 @@ import torch
 
 from .layouts import RuntimeTensor
 
-__all__ = ["PER_CHANNEL", "QuantizedTensors", "codes_name", "requested", "scale_name"]
+__all__ = ["BLOCK", "PER_BLOCK", "PER_CHANNEL", "QuantizedTensors", "codes_name", "requested", "scale_name",
+           "scale_shape"]
 
 PER_CHANNEL = "fp8_per_channel"
-_SCHEMES = (PER_CHANNEL,)
+PER_BLOCK = "fp8_per_block"
+BLOCK = 128  # the side of vLLM's weight blocks (Fp8PerBlockOnlineLinearMethod.weight_block_size)
+_SCHEMES = (PER_CHANNEL, PER_BLOCK)
 
 
 def codes_name(scheme: str, name: str) -> str:
@@ -40,6 +49,14 @@ def codes_name(scheme: str, name: str) -> str:
 def scale_name(scheme: str, name: str) -> str:
     """The published name of `name`'s scales in `scheme`."""
     return f"{scheme}:{name}_scale"
+
+
+def scale_shape(scheme: str, shape: Sequence[int]) -> Tuple[int, int]:
+    """The shape of the scales of an (N, K) tensor's codes in `scheme`."""
+    n, k = shape
+    if scheme == PER_BLOCK:
+        return -(-n // BLOCK), -(-k // BLOCK)
+    return n, 1
 
 
 def requested(layouts: Iterable[Sequence[RuntimeTensor]]) -> Dict[str, str]:
@@ -73,7 +90,7 @@ class QuantizedTensors:
     def __init__(self, weights: Mapping[str, torch.Tensor], names: Mapping[str, str]):
         self._weights = weights
         self.tensors: Dict[str, torch.Tensor] = {}
-        self._names: List[Tuple[str, str, str]] = []
+        self._names: List[Tuple[str, str, str, str]] = []
         for name, scheme in sorted(names.items()):
             w = weights.get(name)
             if w is None or w.ndim != 2:
@@ -81,17 +98,17 @@ class QuantizedTensors:
                                  f"{'not at all' if w is None else 'as ' + str(tuple(w.shape))}, not as a matrix")
             c, s = codes_name(scheme, name), scale_name(scheme, name)
             self.tensors[c] = torch.empty(w.shape, dtype=torch.float8_e4m3fn, device=w.device)
-            self.tensors[s] = torch.empty((w.shape[0], 1), dtype=torch.int32, device=w.device)
-            self._names.append((name, c, s))
-        self._quantize = _vllm_per_channel() if self._names else None
+            self.tensors[s] = torch.empty(scale_shape(scheme, w.shape), dtype=torch.int32, device=w.device)
+            self._names.append((name, scheme, c, s))
+        self._quantize = {scheme: _VLLM[scheme]() for scheme in set(names.values())}
         self.refresh()
 
     def refresh(self) -> None:
         """Quantizes the weights as they are now into the tensors (looked up
         again: registering moves them into shared memory)."""
         with torch.no_grad():
-            for name, c, s in self._names:
-                codes, scale = self._quantize(self._weights[name].to(torch.bfloat16))
+            for name, scheme, c, s in self._names:
+                codes, scale = self._quantize[scheme](self._weights[name].to(torch.bfloat16))
                 self.tensors[c].copy_(codes)
                 self.tensors[s].view(torch.float32).copy_(scale)
 
@@ -111,9 +128,33 @@ def _vllm_per_channel() -> Callable[[torch.Tensor], Tuple[torch.Tensor, torch.Te
 
     def quantize(weight: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         scale = channel_scale(weight_amax(weight, dim=-1, keepdim=True))
-        codes = quant(weight, scale)
-        if codes.dtype != torch.float8_e4m3fn:
-            raise ValueError(f"vLLM quantizes to {codes.dtype} on the trainer's platform; the engine's codes are "
-                             "E4M3 (float8_e4m3fn)")
-        return codes, scale
+        return _e4m3(quant(weight, scale)), scale
     return quantize
+
+
+def _vllm_per_block() -> Callable[[torch.Tensor], Tuple[torch.Tensor, torch.Tensor]]:
+    """vLLM's 128x128 block quantization, as Fp8PerBlockOnlineLinearMethod
+    runs it after loading (per_block_cast_to_fp8 without UE8M0 scales): the
+    reference, never a re-implementation. The scales it returns are the
+    dequantization scales vLLM keeps as ``weight_scale_inv``."""
+    try:
+        from vllm.utils.deep_gemm import per_block_cast_to_fp8
+    except (ImportError, AttributeError) as e:
+        raise ValueError("an engine holds FP8 weights quantized per 128x128 block, and the trainer's Python has no "
+                         "vLLM with that quantization (vLLM 0.32's per_block_cast_to_fp8) to compute them exactly as "
+                         f"the engine does: {e}") from e
+
+    def quantize(weight: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        codes, scale = per_block_cast_to_fp8(weight, block_size=[BLOCK, BLOCK], use_ue8m0=False)
+        return _e4m3(codes), scale
+    return quantize
+
+
+def _e4m3(codes: torch.Tensor) -> torch.Tensor:
+    if codes.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"vLLM quantizes to {codes.dtype} on the trainer's platform; the engine's codes are "
+                         "E4M3 (float8_e4m3fn)")
+    return codes
+
+
+_VLLM = {PER_CHANNEL: _vllm_per_channel, PER_BLOCK: _vllm_per_block}

@@ -1,25 +1,31 @@
-"""FP8 engines: vLLM's online per-channel FP8 (``quantization="fp8_per_channel"``)
-kept bit-identical to vLLM's own FP8 load of every version.
+"""FP8 engines: vLLM's online FP8 per channel (``quantization="fp8_per_channel"``)
+and per 128x128 block (``"fp8_per_block"``) kept bit-identical to vLLM's own
+FP8 load of every version.
 
-Such an engine holds, for every quantized linear layer, E4M3 codes (its
-``weight``: an (N, K) buffer that vLLM exposes transposed, as (K, N)) and one
-F32 scale per output row (``weight_scale``, (N, 1)), both computed by vLLM
-from the BF16 checkpoint after loading. wsync ships those, not BF16 values
-(docs/fp8.md has the measurements behind that choice): the trainer quantizes
-its weights with vLLM's own functions and publishes, beside the BF16 tensors,
+Such an engine holds, for every quantized linear layer, E4M3 codes and F32
+scales computed by vLLM from the BF16 checkpoint after loading:
 
-- ``"fp8_per_channel:<name>"``: the codes of checkpoint tensor ``<name>``
-  (F8_E4M3, its shape);
-- ``"fp8_per_channel:<name>_scale"``: its row scales, (N, 1), as the bit
-  patterns of their F32 values (I32, which the source never rounds: it
-  publishes F32 tensors as BF16),
+- per channel: ``weight``, an (N, K) buffer that vLLM exposes transposed, as
+  (K, N), and one scale per output row (``weight_scale``, (N, 1));
+- per block: ``weight``, (N, K), and one dequantization scale per 128x128
+  block (``weight_scale_inv``, (ceil(N/128), ceil(K/128))).
 
-and each worker's sink writes them into the codes and scales in place.
-Per-channel quantization is row by row: vLLM all-reduces a row's amax over
-the tensor-parallel ranks when it splits the row (row-parallel layers), and
-a fused layer stacks whole rows (``qkv_proj``, ``gate_up_proj``). So the
-codes a rank holds are the rows and columns of the checkpoint tensors' codes
-that vLLM's loader places in the BF16 weight, and its scales the same rows.
+wsync ships those, not BF16 values (docs/fp8.md has the measurements behind
+that choice): the trainer quantizes its weights with vLLM's own functions
+and publishes, beside the BF16 tensors, the codes and scales of each
+checkpoint tensor (wsync.quantized names them), and each worker's sink
+writes them into the codes and scales in place.
+
+A unit (row or block) is quantized on its own once its scale is known.
+vLLM all-reduces a row's amax over the tensor-parallel ranks when it splits
+the row (row-parallel layers), and a fused layer stacks whole rows
+(``qkv_proj``, ``gate_up_proj``); blocks are the rank's own, so they are
+the checkpoint tensor's blocks where every piece the loader places starts
+on a block boundary and ends on one or at the tensor's end in both. Then
+the codes a rank holds are the rows and columns of the checkpoint tensors'
+codes that vLLM's loader places in the BF16 weight, and its scales the
+same rows (or blocks). A layout where a unit would span two checkpoint
+tensors (or part of one) is refused, naming the layer.
 
 This module is the worker's side: :func:`quantized_layout` derives that
 layout from vLLM's loader run over each quantized layer's checkpoint-format
@@ -34,11 +40,12 @@ from typing import Dict, Iterable, List, Mapping, Sequence, Tuple
 import torch
 
 from ..layouts import Piece, RuntimeTensor
-from ..quantized import PER_CHANNEL, codes_name, scale_name
+from ..quantized import BLOCK, PER_BLOCK, PER_CHANNEL, codes_name, scale_name, scale_shape
 
-__all__ = ["PER_CHANNEL", "checkpoint_format", "quantized_layers", "quantized_layout"]
+__all__ = ["PER_BLOCK", "PER_CHANNEL", "SCHEMES", "checkpoint_format", "quantized_layers", "quantized_layout"]
 
-_LINEAR_METHODS = {"Fp8PtpcOnlineLinearMethod": PER_CHANNEL}
+_LINEAR_METHODS = {"Fp8PtpcOnlineLinearMethod": PER_CHANNEL, "Fp8PerBlockOnlineLinearMethod": PER_BLOCK}
+SCHEMES = tuple(_LINEAR_METHODS.values())  # the quantization= settings wsync keeps exact
 _UNQUANTIZED = {"UnquantizedLinearMethod", "UnquantizedFusedMoEMethod", "UnquantizedEmbeddingMethod"}
 
 
@@ -60,8 +67,9 @@ def quantized_layers(model: torch.nn.Module) -> Dict[str, str]:
             refused.append(f"{name} ({kind})")
     if refused:
         raise ValueError(f"{len(refused)} layer(s) are quantized by a method wsync does not keep exact, e.g. "
-                         f"{refused[0]}: wsync keeps BF16 engines and vLLM's online per-channel FP8 linear layers "
-                         "(quantization='fp8_per_channel', its MoE experts excepted) bit-identical to a fresh load")
+                         f"{refused[0]}: wsync keeps BF16 engines and vLLM's online FP8 linear layers "
+                         "(quantization='fp8_per_channel' or 'fp8_per_block', MoE experts excepted) bit-identical to a "
+                         "fresh load")
     return out
 
 
@@ -101,13 +109,16 @@ def _bound_loader(loader, module: torch.nn.Module):
     return loader
 
 
-def quantized_layout(model: torch.nn.Module, tensors: Sequence[RuntimeTensor], layers: Mapping[str, str]
+def quantized_layout(model: torch.nn.Module, tensors: Sequence[RuntimeTensor], layers: Mapping[str, str],
+                     checkpoint: Mapping[str, Sequence[int]] = {}
                      ) -> Tuple[List[RuntimeTensor], Dict[str, torch.Tensor]]:
     """This rank's runtime tensors with each quantized layer's BF16 weight
     (as vLLM's loader places the checkpoint, `tensors`) replaced by its
     codes and its scales, and the tensors the sink writes for them: the
-    codes' (N, K) buffer and the scales' bits. Raises ValueError when the
-    engine's kernel left the codes or scales in another layout."""
+    codes' (N, K) buffer and the scales' bits. `checkpoint`: the shape of
+    each checkpoint tensor (where its last block ends), for blocks. Raises
+    ValueError when the engine's kernel left the codes or scales in another
+    layout, or when a row or block would span two checkpoint tensors."""
     params = dict(model.named_parameters())
     weights = {(f"{n}.weight" if n else "weight"): s for n, s in layers.items()}
     out, targets = [], {}
@@ -117,28 +128,72 @@ def quantized_layout(model: torch.nn.Module, tensors: Sequence[RuntimeTensor], l
             out.append(rt)
             continue
         layer = rt.name[:-len("weight")]
-        codes, scales = params[rt.name], params.get(layer + "weight_scale")
         n, k = rt.shape
-        if codes.dtype != torch.float8_e4m3fn or tuple(codes.shape) != (k, n) or not codes.t().is_contiguous():
-            raise ValueError(f"{rt.name!r} is {codes.dtype} {tuple(codes.shape)} with strides {codes.stride()}: "
-                             f"vLLM's FP8 kernel keeps per-channel codes as an ({n}, {k}) E4M3 buffer seen "
-                             "transposed, which wsync writes; this kernel repacked them")
-        if scales is None or scales.dtype != torch.float32 or tuple(scales.shape) != (n, 1) \
+        codes, scale_param = params[rt.name], layer + _SCALE_PARAM[scheme]
+        scales = params.get(scale_param)
+        if scheme == PER_CHANNEL:
+            fits, held = tuple(codes.shape) == (k, n) and codes.t().is_contiguous(), "seen transposed"
+            codes = codes.t()  # a view of the Parameter: the Parameter moves, strides kept
+            units = _row_units(rt)
+        else:
+            fits, held = tuple(codes.shape) == (n, k) and codes.is_contiguous(), "contiguous"
+            units = _block_units(rt, checkpoint)
+        if codes.dtype != torch.float8_e4m3fn or not fits:
+            raise ValueError(f"{rt.name!r} is {codes.dtype} {tuple(params[rt.name].shape)} with strides "
+                             f"{params[rt.name].stride()}: vLLM's FP8 kernel keeps {scheme} codes as an ({n}, {k}) "
+                             f"E4M3 buffer {held}, which wsync writes; this kernel repacked them")
+        want = scale_shape(scheme, (n, k))
+        if scales is None or scales.dtype != torch.float32 or tuple(scales.shape) != want \
                 or not scales.is_contiguous():
-            raise ValueError(f"{layer + 'weight_scale'!r} is not the ({n}, 1) F32 row scales of per-channel FP8")
-        rows = dict.fromkeys((p.canonical, p.start[0], p.extent[0], p.at[0]) for p in rt.pieces)
-        spans = sorted((a, a + e, c) for c, _, e, a in rows)
-        for (a0, a1, c0), (b0, _, c1) in zip(spans, spans[1:]):
-            if b0 < a1:
-                raise ValueError(f"{rt.name!r} holds rows of {c0!r} and {c1!r} side by side: a row's FP8 scale spans "
-                                 "both, which quantizing each checkpoint tensor on its own cannot give")
+            raise ValueError(f"{scale_param!r} is not the {want} F32 scales of {scheme} FP8 (it is "
+                             f"{None if scales is None else (scales.dtype, tuple(scales.shape), scales.stride())}): "
+                             "this kernel keeps them in another layout, which wsync does not write")
         out.append(RuntimeTensor(rt.name, rt.shape, tuple(Piece(codes_name(scheme, p.canonical), p.start, p.extent,
                                                                 p.at) for p in rt.pieces)))
-        scale_rt = layer + "weight_scale"
-        out.append(RuntimeTensor(scale_rt, (n, 1), tuple(
-            Piece(scale_name(scheme, c), (r, 0), (e, 1), (a, 0)) for c, r, e, a in rows)))
-        targets[rt.name] = codes.t()  # a view of the Parameter: the Parameter moves, strides kept
+        out.append(RuntimeTensor(scale_param, want, tuple(Piece(scale_name(scheme, c), start, extent, at)
+                                                          for c, start, extent, at in units)))
+        targets[rt.name] = codes
         bits = scales.view(torch.int32)
         bits.wsync_owner = scales  # torch does not link a dtype view to its base
-        targets[scale_rt] = bits
+        targets[scale_param] = bits
     return out, targets
+
+
+_SCALE_PARAM = {PER_CHANNEL: "weight_scale", PER_BLOCK: "weight_scale_inv"}
+
+
+def _row_units(rt: RuntimeTensor) -> List[tuple]:
+    """The row scales' pieces of a per-channel layer: the rows its pieces
+    hold, whole (a row-parallel layer's pieces split them by columns)."""
+    rows = dict.fromkeys((p.canonical, p.start[0], p.extent[0], p.at[0]) for p in rt.pieces)
+    spans = sorted((a, a + e, c) for c, _, e, a in rows)
+    for (a0, a1, c0), (b0, _, c1) in zip(spans, spans[1:]):
+        if b0 < a1:
+            raise ValueError(f"{rt.name!r} holds rows of {c0!r} and {c1!r} side by side: a row's FP8 scale spans "
+                             "both, which quantizing each checkpoint tensor on its own cannot give")
+    return [(c, (r, 0), (e, 1), (a, 0)) for c, r, e, a in rows]
+
+
+def _block_units(rt: RuntimeTensor, checkpoint: Mapping[str, Sequence[int]]) -> List[tuple]:
+    """The block scales' pieces of a per-block layer: each piece's blocks,
+    when every piece starts on a block boundary in both the checkpoint
+    tensor and the layer and ends on one or at the end of both (then the
+    layer's blocks are the checkpoint tensor's)."""
+    units = []
+    for p in rt.pieces:
+        shape = checkpoint.get(p.canonical)
+        if shape is None:
+            raise ValueError(f"{rt.name!r} holds {p.canonical!r}, whose checkpoint shape is unknown")
+        for d, what in enumerate(("rows", "columns")):
+            start, extent, at = p.start[d], p.extent[d], p.at[d]
+            ends = start + extent == shape[d] and at + extent == rt.shape[d]
+            if start % BLOCK or at % BLOCK or (extent % BLOCK and not ends):
+                raise ValueError(
+                    f"{rt.name!r} holds {what} [{start}, {start + extent}) of {p.canonical!r} at [{at}, {at + extent}), "
+                    f"off vLLM's {BLOCK}x{BLOCK} FP8 blocks: a block of this layer would span other values than that "
+                    f"tensor's block, which quantizing each checkpoint tensor on its own cannot give. Use a "
+                    f"tensor-parallel degree that splits this layer on {BLOCK}-element boundaries, or "
+                    f"quantization='fp8_per_channel'")
+        units.append((p.canonical, tuple(s // BLOCK for s in p.start), tuple(-(-e // BLOCK) for e in p.extent),
+                      tuple(a // BLOCK for a in p.at)))
+    return list(dict.fromkeys(units))

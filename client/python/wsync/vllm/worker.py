@@ -12,9 +12,8 @@ from typing import Optional
 import torch
 
 from ..errors import FailedPreconditionError
-from ..quantized import PER_CHANNEL
 from ..rank_sync import RankSync, rank_address
-from .fp8 import checkpoint_format, quantized_layers, quantized_layout
+from .fp8 import SCHEMES, checkpoint_format, quantized_layers, quantized_layout
 from .loader import LoaderLayout, checkpoint_shapes, derive_layout
 
 __all__ = ["DEFAULT_ADDRESS", "VllmWorkerExtension", "check_vllm_memory", "check_vllm_quantization",
@@ -42,8 +41,9 @@ def vllm_rank_sync(model: torch.nn.Module, vllm_config, address: str = DEFAULT_A
     place with the sink at `address` (a template with {rank}/{tp_rank},
     {tp_size}, {dp_rank}), laid out as vLLM's loader places the checkpoint
     (the sink offers that layout to the coordinator, for the source to
-    serve). An engine with vLLM's online per-channel FP8 holds its quantized
-    layers' codes and scales, which the sink writes (wsync.vllm.fp8).
+    serve). An engine with vLLM's online FP8 (per channel or per block) holds
+    its quantized layers' codes and scales, which the sink writes
+    (wsync.vllm.fp8).
     Refuses, naming the setting, an engine whose weights wsync could not
     keep exact: pipeline parallelism, quantization other than that, expert
     load balancing, sleep mode, CUDA expandable segments, inductor freezing,
@@ -71,7 +71,7 @@ def vllm_rank_sync(model: torch.nn.Module, vllm_config, address: str = DEFAULT_A
     params = dict(model.named_parameters())
     unpacked = {n: (p.wsync_unpacked[0], functools.partial(_repack_cpu_moe, p))
                 for n, p in params.items() if hasattr(p, "wsync_unpacked")}
-    tensors, written = quantized_layout(model, layout.tensors, layers)
+    tensors, written = quantized_layout(model, layout.tensors, layers, {n: s for n, (s, _) in checkpoint.items()})
     unpacked.update(_widened(params, [rt for rt in tensors if rt.name not in written], checkpoint))
     act_dtype = vllm_config.model_config.dtype
     derived = [functools.partial(d.recompute, act_dtype) for d in layout.derived]
@@ -79,7 +79,7 @@ def vllm_rank_sync(model: torch.nn.Module, vllm_config, address: str = DEFAULT_A
         return RankSync({**params, **written}, tensors, target, timeout, unpacked=unpacked, after_version=derived,
                         what=f"rank {tp.rank_in_group} of {tp.world_size}")
     except FailedPreconditionError as e:
-        if layers and "no such tensor" in str(e) and f"'{PER_CHANNEL}:" in str(e):
+        if layers and "no such tensor" in str(e) and any(f"'{s}:" in str(e) for s in SCHEMES):
             raise FailedPreconditionError(
                 f"{e} -- the trainer's source publishes no FP8 codes: it registered before this FP8 engine offered "
                 "its layout, and the tensors a run publishes are fixed by its first registration. Start the FP8 "
@@ -128,15 +128,16 @@ def _repack_cpu_moe(param: torch.Tensor) -> None:
 
 def check_vllm_quantization(vllm_config) -> None:
     """Raises ValueError naming the quantization unless it is vLLM's online
-    quantization of a BF16 checkpoint ('fp8_per_channel', or 'online' with
-    a quantization_config), whose layers wsync.vllm.fp8 then checks one by
+    quantization of a BF16 checkpoint ('fp8_per_channel', 'fp8_per_block',
+    or 'online' with a quantization_config), whose layers wsync.vllm.fp8 then checks one by
     one: wsync writes what the parameters hold, which for any other
     quantization it does not reproduce exactly."""
     quantization = getattr(vllm_config.model_config, "quantization", None)
-    if quantization and quantization not in (PER_CHANNEL, "online"):
+    if quantization and quantization not in (*SCHEMES, "online"):
         raise ValueError(f"the engine is quantized (quantization={quantization!r}): wsync keeps BF16 and FP16 "
-                         "engines exact, and FP8 engines that quantize a BF16 checkpoint per channel "
-                         "(quantization='fp8_per_channel'); start the engine without quantization or with that one")
+                         "engines exact, and FP8 engines that quantize a BF16 checkpoint per channel or per "
+                         "128x128 block (quantization='fp8_per_channel' or 'fp8_per_block'); start the engine "
+                         "without quantization or with one of those")
 
 
 def _check_moe(model: torch.nn.Module) -> None:
