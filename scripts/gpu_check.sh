@@ -54,12 +54,13 @@ step bench_gpu_3b 420 "$build/bench/wsync-bench" gpu --params 3500000000 --steps
   --tp 0
 step faults_gpu 300 env WSYNC_TEST_DEVICE=0 "$py" "$src/tests/python/system_faults_test.py" "$build" "$data"
 # WSYNC_VLLM_PYTHON: a Python with a CUDA build of vLLM 0.32 and this build's wsync package installed.
-# vLLM's FP8 engines generate on the GPU (docs/fp8.md): a BF16 engine and FP8 engines per channel and per
-# 128x128 block (vLLM's own GPU block kernels, not the CPU tests' stand-in), TP 1, each version bit-identical
-# to vLLM's own load of that step and its tokens and logprobs to a fresh engine's. A block kernel that keeps
-# its codes or scales in another layout is refused at registration, naming the parameter.
+# vLLM's FP8 engines generate on the GPU (docs/fp8.md): a BF16 engine and FP8 engines per tensor, per channel
+# and per 128x128 block on vLLM's own GPU kernels (not the CPU tests' stand-ins), TP 1, each version
+# bit-identical to vLLM's own load of that step (per tensor: its CUDA quantization kernel, which the trainer
+# then runs too) and its tokens and logprobs to a fresh engine's. A kernel that keeps its codes or scales in
+# another layout is refused at registration, naming the parameter.
 if [ -n "${WSYNC_VLLM_PYTHON:-}" ]; then
-  step vllm_fp8_gpu 600 "$WSYNC_VLLM_PYTHON" "$src/tests/python/vllm_test.py" "$build" --families llama,llama_fp8,llama_fp8_block --tp 1
+  step vllm_fp8_gpu 600 "$WSYNC_VLLM_PYTHON" "$src/tests/python/vllm_test.py" "$build" --families llama,llama_fp8,llama_fp8_block,llama_fp8_tensor --tp 1
 else
   results+=("$(printf '%-22s %-6s' vllm_fp8_gpu skip) (set WSYNC_VLLM_PYTHON to a CUDA vLLM's Python)")
 fi

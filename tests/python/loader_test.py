@@ -184,13 +184,50 @@ def check_fp8():
 
     print("== quantizations wsync does not keep are refused, naming the layer")
     m.experts = Fp8Linear(4, 4, "Fp8PerChannelOnlineMoEMethod")
-    m.tensors = Fp8Linear(4, 4, "Fp8PerTensorOnlineLinearMethod")
+    m.stored = Fp8Linear(4, 4, "Fp8LinearMethod")
     try:
         fp8.quantized_layers(m)
-        check(False, "MoE experts and per-tensor FP8: refused")
+        check(False, "MoE experts and an FP8 checkpoint's layers: refused")
     except ValueError as e:
         check("2 layer(s)" in str(e) and "experts (Fp8PerChannelOnlineMoEMethod)" in str(e),
-              f"MoE experts and per-tensor FP8: {str(e)[:200]}")
+              f"MoE experts and an FP8 checkpoint's layers: {str(e)[:200]}")
+
+
+def check_fp8_tensors():
+    print("== per-tensor FP8: a fused layer's tensors quantized as one group, its one scale")
+    m = torch.nn.Module()
+    m.qkv = Fp8Linear(6, 8, "Fp8PerTensorOnlineLinearMethod")
+    m.qkv.weight_scale = torch.nn.Parameter(torch.rand(1), requires_grad=False)
+    m.qkv.tp_size, m.qkv.output_size, m.qkv.output_size_per_partition = 2, 12, 6  # column parallel over 2 ranks
+    layers = fp8.quantized_layers(m)
+    check(layers == {"qkv": fp8.PER_TENSOR}, f"the quantized layers: {layers}")
+    bf16 = [RuntimeTensor("qkv.weight", (6, 8), (Piece("q", (4, 0), (4, 8), (0, 0)), Piece("k", (2, 0), (2, 8), (4, 0))))]
+    tensors, written = fp8.quantized_layout(m, bf16, layers, {"q": (8, 8), "k": (4, 8)})
+    got = {rt.name: (rt.shape, rt.pieces) for rt in tensors}
+    want = {"qkv.weight": ((6, 8), (Piece("fp8_per_tensor:q@q+k", (4, 0), (4, 8), (0, 0)),
+                                    Piece("fp8_per_tensor:k@q+k", (2, 0), (2, 8), (4, 0)))),
+            "qkv.weight_scale": ((1,), (Piece("fp8_per_tensor:q+k_scale", (0,), (1,), (0,)),))}
+    check(got == want, f"codes named with their group, the group's one scale: {got}")
+    wanted = requested([tensors])
+    check(wanted == {"q@q+k": "fp8_per_tensor", "k@q+k": "fp8_per_tensor"}, f"a trainer is asked for: {wanted}")
+    weights = {"q": torch.randn(8, 8), "k": torch.randn(4, 8), "v": torch.randn(4, 8)}
+    check(quantized.owned(wanted, weights) == wanted and quantized.owned(wanted, {"o": weights["q"]}) == {},
+          "a source part quantizes the groups it holds whole")
+    try:
+        quantized.owned(wanted, {"q": weights["q"]})
+        check(False, "a group split between source parts: refused")
+    except ValueError as e:
+        check("q, k" in str(e) and "one part" in str(e), f"a group split between source parts is refused: {e}")
+
+    # A replicated layer (vLLM takes its amax on each rank alone) holding half of q: refused.
+    m.rep = Fp8Linear(4, 8, "Fp8PerTensorOnlineLinearMethod")
+    m.rep.weight_scale = torch.nn.Parameter(torch.rand(1), requires_grad=False)
+    try:
+        fp8.quantized_layout(m, [RuntimeTensor("rep.weight", (4, 8), (Piece("q", (0, 0), (4, 8), (0, 0)),))],
+                             {"rep": fp8.PER_TENSOR}, {"q": (8, 8)})
+        check(False, "a per-tensor layer holding part of a tensor: refused")
+    except ValueError as e:
+        check("32 of the 64 elements of 'q'" in str(e), f"a per-tensor layer holding part of a tensor: {str(e)[:140]}")
 
 
 def check_fp8_blocks():
@@ -312,6 +349,7 @@ def main():
 
     check_fp8()
     check_fp8_blocks()
+    check_fp8_tensors()
     print(f"{len(failures)} failed checks" if failures else "PASS")
     sys.exit(1 if failures else 0)
 

@@ -27,15 +27,19 @@ version:
     backend runs deterministically equal a fresh vLLM engine's of the same
     TP degree loaded from that step's checkpoint (one more engine start per
     family: the parameters' bits above already hold for every engine).
-FP8 engines (Llama with vLLM's online FP8, per channel and per 128x128
-block) hold E4M3 codes and F32 scales: those are what is compared, bit for
-bit, with vLLM's own FP8 load of the step's BF16 checkpoint, and their
-tokens and logprobs with a fresh FP8 engine's. vLLM's CPU backend here runs
-per-channel FP8 itself; per-block FP8 has no CPU GEMM without AMX, so the
-per-block engines multiply with the tests' stand-in (cpu_block_fp8.py,
-loaded as a vLLM plugin): their codes and scales are vLLM's own, their
-generation is checked only where a GPU runs them (scripts/gpu_check.sh).
-Per-tensor FP8 and FP8 experts do not run on this CPU (docs/fp8.md). An
+FP8 engines (Llama with vLLM's online FP8, per tensor, per channel and
+per 128x128 block) hold E4M3 codes and F32 scales: those are what is
+compared, bit for bit, with vLLM's own FP8 load of the step's BF16
+checkpoint, and their tokens and logprobs with a fresh FP8 engine's. vLLM's
+CPU backend here runs per-channel FP8 itself. Per-block FP8 has no CPU GEMM
+without AMX, and per-tensor FP8's static quantization kernel has no CPU
+build: the tests' plugin (cpu_fp8.py) adds a block GEMM that dequantizes,
+and vLLM's own pure-torch form of the static quantization
+(QuantFP8.forward_native), in every process, the trainer's included. So the
+per-block codes and scales are vLLM's own; the per-tensor ones are those of
+vLLM's native form, whose equality with the GPU kernel, and both modes'
+generation on vLLM's GPU kernels, scripts/gpu_check.sh checks. FP8 experts
+do not run on this CPU (docs/fp8.md). An
 INT8 engine is refused, naming the setting, and an FP8 engine that comes
 after a trainer registered without FP8 tensors is refused, saying why.
 Mixtral runs at TP 2 with expert parallelism (whole experts per rank); its
@@ -137,7 +141,10 @@ CONFIGS["llama_fp8"] = CONFIGS["llama"]
 # are: a block spanning two checkpoint tensors is refused), the one KV head replicated on both.
 CONFIGS["llama_fp8_block"] = dict(CONFIGS["llama"], hidden_size=256, intermediate_size=512, num_attention_heads=2,
                                   num_key_value_heads=1)
-ENGINE_ARGS = {"llama_fp8": {"quantization": "fp8_per_channel"}, "llama_fp8_block": {"quantization": "fp8_per_block"}}
+# vLLM's online per-tensor FP8: one scale per fused layer (q, k and v together, all-reduced over the ranks).
+CONFIGS["llama_fp8_tensor"] = CONFIGS["llama"]
+ENGINE_ARGS = {"llama_fp8": {"quantization": "fp8_per_channel"}, "llama_fp8_block": {"quantization": "fp8_per_block"},
+               "llama_fp8_tensor": {"quantization": "fp8_per_tensor"}}
 # Engines per family: (TP degree, expert parallelism). Mixtral at TP 2 with its experts split whole over
 # the ranks: vLLM 0.32's CPU backend dies (SIGSEGV in a worker) generating with expert parallelism, wsync or
 # not, so that engine's parameters are checked and its outputs are not (Qwen3-MoE's are).
@@ -619,17 +626,17 @@ def run_served(build, steps):
         keep_or_remove(tmp, failed_before)
 
 
-def install_cpu_block_fp8():
-    """Makes every engine process load cpu_block_fp8 as a vLLM plugin (an
+def install_cpu_fp8():
+    """Makes every engine process (and this one) load cpu_fp8 as a vLLM plugin (an
     entry point of the `vllm.general_plugins` group, in a distribution's
     metadata on the path of this process and of those it starts)."""
     plugin_dir = tempfile.mkdtemp(prefix="wsync_vllm_plugin_")
-    dist = os.path.join(plugin_dir, "wsync_test_cpu_block_fp8-0.dist-info")
+    dist = os.path.join(plugin_dir, "wsync_test_cpu_fp8-0.dist-info")
     os.makedirs(dist)
     with open(os.path.join(dist, "METADATA"), "w") as f:
-        f.write("Metadata-Version: 2.1\nName: wsync-test-cpu-block-fp8\nVersion: 0\n")
+        f.write("Metadata-Version: 2.1\nName: wsync-test-cpu-fp8\nVersion: 0\n")
     with open(os.path.join(dist, "entry_points.txt"), "w") as f:
-        f.write("[vllm.general_plugins]\nwsync_test_cpu_block_fp8 = cpu_block_fp8:register\n")
+        f.write("[vllm.general_plugins]\nwsync_test_cpu_fp8 = cpu_fp8:register\n")
     sys.path[:0] = [plugin_dir, HERE]
     os.environ["PYTHONPATH"] = os.pathsep.join([plugin_dir, HERE] + [p for p in [os.environ.get("PYTHONPATH")] if p])
     return plugin_dir
@@ -655,7 +662,7 @@ def main():
     rpc_dir = tempfile.mkdtemp(prefix="wsync_vllm_rpc_")
     os.environ["VLLM_RPC_BASE_PATH"] = rpc_dir
     prepare_cpu()
-    plugin_dir = install_cpu_block_fp8()
+    plugin_dir = install_cpu_fp8()
     build = os.path.abspath(args.build)
     start = time.time()
     shm_before = shm_names()

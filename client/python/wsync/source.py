@@ -9,7 +9,7 @@ from ._tensors import Registration, TensorsLike, named_tensors, share, served_la
 from .errors import (STALE_VERSION, DeadlineExceededError, FailedPreconditionError, StaleVersionError,
                      UnavailableError)
 from .layouts import Piece, RuntimeTensor
-from .quantized import QuantizedTensors, requested
+from .quantized import QuantizedTensors, owned, requested
 
 
 @dataclass
@@ -121,7 +121,7 @@ class Source:
         if wanted:
             weights = dict(named_tensors(model))
             if part is not None:  # the other parts quantize theirs
-                wanted = {n: s for n, s in wanted.items() if n in weights}
+                wanted = owned(wanted, weights)
             quantized = QuantizedTensors(weights, wanted)
             model = {**weights, **quantized.tensors}
         reg = share(model, "source", pack)

@@ -1,12 +1,15 @@
-"""FP8 engines: vLLM's online FP8 per channel (``quantization="fp8_per_channel"``)
-and per 128x128 block (``"fp8_per_block"``) kept bit-identical to vLLM's own
-FP8 load of every version.
+"""FP8 engines: vLLM's online FP8 per tensor (``quantization="fp8_per_tensor"``),
+per channel (``"fp8_per_channel"``) and per 128x128 block (``"fp8_per_block"``)
+kept bit-identical to vLLM's own FP8 load of every version.
 
 Such an engine holds, for every quantized linear layer, E4M3 codes and F32
 scales computed by vLLM from the BF16 checkpoint after loading:
 
-- per channel: ``weight``, an (N, K) buffer that vLLM exposes transposed, as
-  (K, N), and one scale per output row (``weight_scale``, (N, 1));
+- per tensor: ``weight``, an (N, K) buffer that vLLM exposes transposed, as
+  (K, N), and one scale for the whole fused layer (``weight_scale``, (1,)),
+  from the amax of all of it (all-reduced over the ranks);
+- per channel: ``weight`` as per tensor, and one scale per output row
+  (``weight_scale``, (N, 1));
 - per block: ``weight``, (N, K), and one dequantization scale per 128x128
   block (``weight_scale_inv``, (ceil(N/128), ceil(K/128))).
 
@@ -40,11 +43,13 @@ from typing import Dict, Iterable, List, Mapping, Sequence, Tuple
 import torch
 
 from ..layouts import Piece, RuntimeTensor
-from ..quantized import BLOCK, PER_BLOCK, PER_CHANNEL, codes_name, scale_name, scale_shape
+from ..quantized import BLOCK, PER_BLOCK, PER_CHANNEL, PER_TENSOR, codes_name, group_name, scale_name, scale_shape
 
-__all__ = ["PER_BLOCK", "PER_CHANNEL", "SCHEMES", "checkpoint_format", "quantized_layers", "quantized_layout"]
+__all__ = ["PER_BLOCK", "PER_CHANNEL", "PER_TENSOR", "SCHEMES", "checkpoint_format", "quantized_layers",
+           "quantized_layout"]
 
-_LINEAR_METHODS = {"Fp8PtpcOnlineLinearMethod": PER_CHANNEL, "Fp8PerBlockOnlineLinearMethod": PER_BLOCK}
+_LINEAR_METHODS = {"Fp8PerTensorOnlineLinearMethod": PER_TENSOR, "Fp8PtpcOnlineLinearMethod": PER_CHANNEL,
+                   "Fp8PerBlockOnlineLinearMethod": PER_BLOCK}
 SCHEMES = tuple(_LINEAR_METHODS.values())  # the quantization= settings wsync keeps exact
 _UNQUANTIZED = {"UnquantizedLinearMethod", "UnquantizedFusedMoEMethod", "UnquantizedEmbeddingMethod"}
 
@@ -68,8 +73,8 @@ def quantized_layers(model: torch.nn.Module) -> Dict[str, str]:
     if refused:
         raise ValueError(f"{len(refused)} layer(s) are quantized by a method wsync does not keep exact, e.g. "
                          f"{refused[0]}: wsync keeps BF16 engines and vLLM's online FP8 linear layers "
-                         "(quantization='fp8_per_channel' or 'fp8_per_block', MoE experts excepted) bit-identical to a "
-                         "fresh load")
+                         "(quantization='fp8_per_tensor', 'fp8_per_channel' or 'fp8_per_block' on a BF16 checkpoint; "
+                         "not FP8 checkpoints or MoE experts) bit-identical to a fresh load")
     return out
 
 
@@ -119,7 +124,7 @@ def quantized_layout(model: torch.nn.Module, tensors: Sequence[RuntimeTensor], l
     each checkpoint tensor (where its last block ends), for blocks. Raises
     ValueError when the engine's kernel left the codes or scales in another
     layout, or when a row or block would span two checkpoint tensors."""
-    params = dict(model.named_parameters())
+    params, modules = dict(model.named_parameters()), dict(model.named_modules())
     weights = {(f"{n}.weight" if n else "weight"): s for n, s in layers.items()}
     out, targets = [], {}
     for rt in tensors:
@@ -131,10 +136,15 @@ def quantized_layout(model: torch.nn.Module, tensors: Sequence[RuntimeTensor], l
         n, k = rt.shape
         codes, scale_param = params[rt.name], layer + _SCALE_PARAM[scheme]
         scales = params.get(scale_param)
-        if scheme == PER_CHANNEL:
+        group = ""
+        if scheme in (PER_CHANNEL, PER_TENSOR):
             fits, held = tuple(codes.shape) == (k, n) and codes.t().is_contiguous(), "seen transposed"
             codes = codes.t()  # a view of the Parameter: the Parameter moves, strides kept
-            units = _row_units(rt)
+            if scheme == PER_CHANNEL:
+                units = _row_units(rt)
+            else:
+                group = _tensor_group(rt, modules[layer[:-1]], checkpoint)
+                units = [(group, (0,), (1,), (0,))]
         else:
             fits, held = tuple(codes.shape) == (n, k) and codes.is_contiguous(), "contiguous"
             units = _block_units(rt, checkpoint)
@@ -148,8 +158,8 @@ def quantized_layout(model: torch.nn.Module, tensors: Sequence[RuntimeTensor], l
             raise ValueError(f"{scale_param!r} is not the {want} F32 scales of {scheme} FP8 (it is "
                              f"{None if scales is None else (scales.dtype, tuple(scales.shape), scales.stride())}): "
                              "this kernel keeps them in another layout, which wsync does not write")
-        out.append(RuntimeTensor(rt.name, rt.shape, tuple(Piece(codes_name(scheme, p.canonical), p.start, p.extent,
-                                                                p.at) for p in rt.pieces)))
+        out.append(RuntimeTensor(rt.name, rt.shape, tuple(Piece(codes_name(scheme, p.canonical, group), p.start,
+                                                                p.extent, p.at) for p in rt.pieces)))
         out.append(RuntimeTensor(scale_param, want, tuple(Piece(scale_name(scheme, c), start, extent, at)
                                                           for c, start, extent, at in units)))
         targets[rt.name] = codes
@@ -159,7 +169,7 @@ def quantized_layout(model: torch.nn.Module, tensors: Sequence[RuntimeTensor], l
     return out, targets
 
 
-_SCALE_PARAM = {PER_CHANNEL: "weight_scale", PER_BLOCK: "weight_scale_inv"}
+_SCALE_PARAM = {PER_TENSOR: "weight_scale", PER_CHANNEL: "weight_scale", PER_BLOCK: "weight_scale_inv"}
 
 
 def _row_units(rt: RuntimeTensor) -> List[tuple]:
@@ -172,6 +182,37 @@ def _row_units(rt: RuntimeTensor) -> List[tuple]:
             raise ValueError(f"{rt.name!r} holds rows of {c0!r} and {c1!r} side by side: a row's FP8 scale spans "
                              "both, which quantizing each checkpoint tensor on its own cannot give")
     return [(c, (r, 0), (e, 1), (a, 0)) for c, r, e, a in rows]
+
+
+def _tensor_group(rt: RuntimeTensor, layer: torch.nn.Module, checkpoint: Mapping[str, Sequence[int]]) -> str:
+    """The per-tensor group of a layer: its checkpoint tensors in the order
+    it holds them. Each must lie in the layer whole: on this rank when vLLM
+    takes the layer's amax here alone, over the ranks (this rank's share of
+    it at least) when it all-reduces the amax over them."""
+    names, count = [], {}
+    for p in rt.pieces:
+        if p.canonical not in count:
+            names.append(p.canonical)
+        n = 1
+        for e in p.extent:
+            n *= e
+        count[p.canonical] = count.get(p.canonical, 0) + n
+    tp = int(getattr(layer, "tp_size", 1) or 1)
+    sharded = tp > 1 and (getattr(layer, "input_size", 0) != getattr(layer, "input_size_per_partition", 0)
+                          or getattr(layer, "output_size", 0) != getattr(layer, "output_size_per_partition", 0))
+    for name in names:
+        shape = checkpoint.get(name)
+        if shape is None:
+            raise ValueError(f"{rt.name!r} holds {name!r}, whose checkpoint shape is unknown")
+        whole = 1
+        for d in shape:
+            whole *= d
+        if count[name] * (tp if sharded else 1) < whole:
+            raise ValueError(f"{rt.name!r} holds {count[name]} of the {whole} elements of {name!r}"
+                             f"{f' on each of {tp} ranks' if sharded else ''}: per-tensor FP8 scales the layer by "
+                             "its amax, and a source quantizing whole checkpoint tensors cannot give the amax of "
+                             "part of one. Use quantization='fp8_per_channel'")
+    return group_name(names)
 
 
 def _block_units(rt: RuntimeTensor, checkpoint: Mapping[str, Sequence[int]]) -> List[tuple]:

@@ -41,7 +41,7 @@ def vllm_rank_sync(model: torch.nn.Module, vllm_config, address: str = DEFAULT_A
     place with the sink at `address` (a template with {rank}/{tp_rank},
     {tp_size}, {dp_rank}), laid out as vLLM's loader places the checkpoint
     (the sink offers that layout to the coordinator, for the source to
-    serve). An engine with vLLM's online FP8 (per channel or per block) holds
+    serve). An engine with vLLM's online FP8 (per tensor, channel or block) holds
     its quantized layers' codes and scales, which the sink writes
     (wsync.vllm.fp8).
     Refuses, naming the setting, an engine whose weights wsync could not
@@ -128,16 +128,17 @@ def _repack_cpu_moe(param: torch.Tensor) -> None:
 
 def check_vllm_quantization(vllm_config) -> None:
     """Raises ValueError naming the quantization unless it is vLLM's online
-    quantization of a BF16 checkpoint ('fp8_per_channel', 'fp8_per_block',
-    or 'online' with a quantization_config), whose layers wsync.vllm.fp8 then checks one by
-    one: wsync writes what the parameters hold, which for any other
-    quantization it does not reproduce exactly."""
+    FP8 quantization of a BF16 checkpoint ('fp8_per_tensor', 'fp8_per_channel',
+    'fp8_per_block', 'fp8', or 'online' with a quantization_config), whose
+    layers wsync.vllm.fp8 then checks one by one (an FP8 checkpoint, also
+    'fp8', is refused there): wsync writes what the parameters hold, which
+    for any other quantization it does not reproduce exactly."""
     quantization = getattr(vllm_config.model_config, "quantization", None)
-    if quantization and quantization not in (*SCHEMES, "online"):
+    if quantization and quantization not in (*SCHEMES, "fp8", "online"):
         raise ValueError(f"the engine is quantized (quantization={quantization!r}): wsync keeps BF16 and FP16 "
-                         "engines exact, and FP8 engines that quantize a BF16 checkpoint per channel or per "
-                         "128x128 block (quantization='fp8_per_channel' or 'fp8_per_block'); start the engine "
-                         "without quantization or with one of those")
+                         "engines exact, and FP8 engines that quantize a BF16 checkpoint per tensor, per channel or "
+                         "per 128x128 block (quantization='fp8_per_tensor', 'fp8_per_channel' or 'fp8_per_block'); "
+                         "start the engine without quantization or with one of those")
 
 
 def _check_moe(model: torch.nn.Module) -> None:
