@@ -78,6 +78,7 @@ int RunGpuBench(const GpuBenchOptions& o) {
     spdlog::error("{}", dc.status().ToString());
     return 2;
   }
+  cuda::Workspace ws;  // every call's scratch, kept between the runs
   ThreadPool pool(o.host_threads);
   SynthModel model(o.synth, &pool);
   const double dense = static_cast<double>(model.params()) * 2;
@@ -144,7 +145,7 @@ int RunGpuBench(const GpuBenchOptions& o) {
     ao.pool = &pool;
     for (int r = 0; r < o.repeat; ++r) {
       auto t0 = Clock::now();
-      auto p = (*dc)->EncodePatch(base->Const(), target->Const(), eo);
+      auto p = (*dc)->EncodePatch(ws, base->Const(), target->Const(), eo);
       enc.push_back(Since(t0));
       enc_phases.Add((*dc)->last_phases());
       if (!p.ok()) {
@@ -156,11 +157,11 @@ int RunGpuBench(const GpuBenchOptions& o) {
       // page-locked host memory: encode and update the base.
       if (!Reset(*work, *base).ok()) return 1;
       t0 = Clock::now();
-      auto on_device = (*dc)->EncodeAndAdvance(target->Const(), work->views, eo);
+      auto on_device = (*dc)->EncodeAndAdvance(ws, target->Const(), work->views, eo);
       pause_device.push_back(Since(t0));
       for (size_t i = 0; i < prev.size(); ++i) std::memcpy(pinned[i].data(), prev[i].bytes.data(), prev[i].bytes.size());
       t0 = Clock::now();
-      auto on_host = (*dc)->EncodeAndAdvanceFromHost(target->Const(), pinned_views, eo);
+      auto on_host = (*dc)->EncodeAndAdvanceFromHost(ws, target->Const(), pinned_views, eo);
       pause_host.push_back(Since(t0));
       if (!on_device.ok() || !on_host.ok()) {
         spdlog::error("{}", (on_device.ok() ? on_host.status() : on_device.status()).ToString());
@@ -176,7 +177,7 @@ int RunGpuBench(const GpuBenchOptions& o) {
       }
       d2h.push_back(Since(t0));
       t0 = Clock::now();
-      const Status a = (*dc)->Apply(patch, work->views, ao);
+      const Status a = (*dc)->Apply(ws, patch, work->views, ao);
       app.push_back(Since(t0));
       app_phases.Add((*dc)->last_phases());
       if (!a.ok()) {
@@ -186,7 +187,7 @@ int RunGpuBench(const GpuBenchOptions& o) {
       if (!Reset(*work, *base).ok()) return 1;
       const std::string_view one(patch);
       t0 = Clock::now();
-      auto staged = (*dc)->Stage(std::span(&one, 1), work->views, ao);
+      auto staged = (*dc)->Stage(ws, std::span(&one, 1), work->views, ao);
       staging.push_back(Since(t0));
       if (!staged.ok()) {
         spdlog::error("stage: {}", staged.status().ToString());
@@ -194,11 +195,11 @@ int RunGpuBench(const GpuBenchOptions& o) {
       }
       changed.push_back(static_cast<double>(staged->changes()));
       t0 = Clock::now();
-      Status c = (*dc)->Commit(*staged);
+      Status c = (*dc)->Commit(ws, *staged);
       commit.push_back(Since(t0));
       commit_phases.Add((*dc)->last_phases());
       t0 = Clock::now();
-      if (c.ok()) c = (*dc)->Confirm(*staged);
+      if (c.ok()) c = (*dc)->Confirm(ws, *staged);
       confirm.push_back(Since(t0));
       if (!c.ok()) {
         spdlog::error("commit: {}", c.ToString());
@@ -222,7 +223,7 @@ int RunGpuBench(const GpuBenchOptions& o) {
       std::string gridded;
       for (int r = 0; r < o.repeat; ++r) {
         t0 = Clock::now();
-        auto p = (*dc)->EncodePatch(base->Const(), target->Const(), go);
+        auto p = (*dc)->EncodePatch(ws, base->Const(), target->Const(), go);
         enc_tp.push_back(Since(t0));
         if (!p.ok()) {
           spdlog::error("gridded encode: {}", p.status().ToString());
@@ -246,7 +247,7 @@ int RunGpuBench(const GpuBenchOptions& o) {
         std::vector<codec::RuntimeTensor> layout = rank.layout;
         for (size_t i = 0; i < layout.size(); ++i) layout[i].view.data = pieces->views[i].data;
         t0 = Clock::now();
-        const Status a = (*dc)->Apply(*selection, layout, ao);
+        const Status a = (*dc)->Apply(ws, *selection, layout, ao);
         app_tp.push_back(Since(t0));
         tp_phases.Add((*dc)->last_phases());
         if (!a.ok()) {

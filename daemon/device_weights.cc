@@ -49,6 +49,7 @@ StatusOr<std::unique_ptr<DeviceSource>> DeviceSource::Create(std::span<const cod
     if (p.dtype != t.dtype) cast.push_back(p);
   }
   WSYNC_ASSIGN_OR_RETURN(d->codec_, cuda::DeviceCodec::Create(device));
+  d->ws_ = cuda::Workspace(device);
   WSYNC_ASSIGN_OR_RETURN(d->previous_, Allocate(published, device, base == DeviceBase::kHost));
   if (!cast.empty()) {
     WSYNC_ASSIGN_OR_RETURN(d->cast_, Allocate(cast, device, false));
@@ -120,8 +121,8 @@ VersionHistory::NewVersion DeviceSource::Next(std::span<const codec::TensorView>
       primed_ = true;
     }
     // On an error `previous` still holds the head (EncodeAndAdvance).
-    return base_ == DeviceBase::kHost ? codec_->EncodeAndAdvanceFromHost(effective_, previous_.views, eo)
-                                      : codec_->EncodeAndAdvance(effective_, previous_.views, eo);
+    return base_ == DeviceBase::kHost ? codec_->EncodeAndAdvanceFromHost(ws_, effective_, previous_.views, eo)
+                                      : codec_->EncodeAndAdvance(ws_, effective_, previous_.views, eo);
   };
   // The first version: the trainer's tensors into `previous`, and down to
   // the host for the keyframe.
@@ -149,7 +150,8 @@ StatusOr<uint64_t> TensorsSetChecksum(const buffers::MappedTensors& tensors, std
   const auto views = tensors.Views();
   if (!tensors.on_device()) return codec::SetChecksum(views, grids, pool);
   WSYNC_ASSIGN_OR_RETURN(auto dc, cuda::DeviceCodec::Create(tensors.device()));
-  return dc->SetChecksum(views, grids);
+  cuda::Workspace ws(tensors.device());
+  return dc->SetChecksum(ws, views, grids);
 }
 
 }  // namespace wsync::daemon

@@ -59,6 +59,7 @@ class DeviceSource {
   Status CastLive(std::span<const codec::TensorView> live);
 
   std::unique_ptr<cuda::DeviceCodec> codec_;
+  cuda::Workspace ws_;  // the codec's scratch, kept between versions
   DeviceBase base_ = DeviceBase::kDevice;
   Set previous_;
   Set cast_;                                  // BF16 copies of the F32 tensors, in table order

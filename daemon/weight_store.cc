@@ -66,8 +66,9 @@ class HostStore : public WeightStore {
 // reads them).
 class DeviceStaged : public StagedApply {
  public:
-  DeviceStaged(const buffers::MappedTensors& tensors, cuda::DeviceCodec& codec, const codec::ApplyOptions& options)
-      : tensors_(tensors), codec_(codec), options_(options) {}
+  DeviceStaged(const buffers::MappedTensors& tensors, cuda::DeviceCodec& codec, cuda::Workspace& ws,
+               const codec::ApplyOptions& options)
+      : tensors_(tensors), codec_(codec), ws_(ws), options_(options) {}
   void Advance(std::string_view) override {}
   Status Prepare(std::string_view stream) override {
     staged_.reset();
@@ -76,10 +77,10 @@ class DeviceStaged : public StagedApply {
     StatusOr<cuda::DeviceCodec::Staged> staged = [&] {
       if (tensors_.has_pieces()) {
         const auto runtime = tensors_.Runtime();
-        return codec_.Stage(parts, runtime, options_);
+        return codec_.Stage(ws_, parts, runtime, options_);
       }
       const auto views = tensors_.MutableViews();
-      return codec_.Stage(parts, views, options_);
+      return codec_.Stage(ws_, parts, views, options_);
     }();
     WSYNC_RETURN_IF_ERROR(staged.status());
     staged_ = std::make_unique<cuda::DeviceCodec::Staged>(std::move(*staged));
@@ -89,15 +90,16 @@ class DeviceStaged : public StagedApply {
     if (!staged_ || stream.data() != stream_.data() || stream.size() != stream_.size()) {
       WSYNC_RETURN_IF_ERROR(Prepare(stream));
     }
-    return codec_.Commit(*staged_);
+    return codec_.Commit(ws_, *staged_);
   }
-  Status Confirm() const override { return staged_ ? codec_.Confirm(*staged_) : Status::Ok(); }
+  Status Confirm() const override { return staged_ ? codec_.Confirm(ws_, *staged_) : Status::Ok(); }
   size_t staged_ahead() const override { return 0; }
   size_t decoded_again() const override { return staged_ && staged_->decodes_again() ? 1 : 0; }
 
  private:
   const buffers::MappedTensors& tensors_;
   cuda::DeviceCodec& codec_;
+  cuda::Workspace& ws_;
   const codec::ApplyOptions options_;
   std::string_view stream_;
   std::unique_ptr<cuda::DeviceCodec::Staged> staged_;
@@ -106,9 +108,9 @@ class DeviceStaged : public StagedApply {
 class DeviceStore : public WeightStore {
  public:
   DeviceStore(buffers::MappedTensors tensors, std::unique_ptr<cuda::DeviceCodec> codec)
-      : WeightStore(std::move(tensors)), codec_(std::move(codec)) {}
+      : WeightStore(std::move(tensors)), codec_(std::move(codec)), ws_(tensors_.device()) {}
   std::unique_ptr<StagedApply> BeginStaged(const codec::ApplyOptions& options) const override {
-    return std::make_unique<DeviceStaged>(tensors_, *codec_, options);
+    return std::make_unique<DeviceStaged>(tensors_, *codec_, ws_, options);
   }
   StatusOr<std::vector<buffers::OwnedTensor>> HostCopy() const override {
     std::vector<buffers::OwnedTensor> out;
@@ -120,7 +122,7 @@ class DeviceStore : public WeightStore {
     return out;
   }
   StatusOr<uint64_t> SetChecksum(std::span<const codec::TileGrid> grids, ThreadPool*) const override {
-    return codec_->SetChecksum(Views(), grids);
+    return codec_->SetChecksum(ws_, Views(), grids);
   }
   // The keyframe is encoded on the host from a copy (a late sink's, rare).
   StatusOr<std::string> EncodeKeyframe(const codec::EncodeOptions& options,
@@ -133,6 +135,7 @@ class DeviceStore : public WeightStore {
 
  private:
   std::unique_ptr<cuda::DeviceCodec> codec_;
+  mutable cuda::Workspace ws_;  // the codec's scratch, kept between versions
 };
 
 }  // namespace

@@ -86,7 +86,7 @@ class DeviceCodecTest : public ::testing::Test {
     auto host = codec::EncodePatch(buffers::Views(base), buffers::Views(target), o);
     ASSERT_TRUE(host.ok()) << host.status().ToString();
     DeviceSet b = DeviceSet::Of(base), t = DeviceSet::Of(target);
-    auto dev = codec_->EncodePatch(b.Const(), t.Const(), o);
+    auto dev = codec_->EncodePatch(ws_, b.Const(), t.Const(), o);
     ASSERT_TRUE(dev.ok()) << dev.status().ToString();
     if (device_codes) {
       const auto& phases = codec_->last_phases();
@@ -96,11 +96,12 @@ class DeviceCodecTest : public ::testing::Test {
     }
     EXPECT_EQ(dev->size(), host->size());
     EXPECT_TRUE(*dev == *host) << "device patch differs from the host codec's";
-    ASSERT_TRUE(codec_->Apply(*host, b.views, {}).ok());
+    ASSERT_TRUE(codec_->Apply(ws_, *host, b.views, {}).ok());
     EXPECT_TRUE(testing::SameBits(b.ToHost(base), target));
   }
 
   std::unique_ptr<cuda::DeviceCodec> codec_;
+  cuda::Workspace ws_;
 };
 
 TEST_F(DeviceCodecTest, RandomSetsOfEveryWidthAndDensity) {
@@ -124,6 +125,42 @@ TEST_F(DeviceCodecTest, RandomSetsOfEveryWidthAndDensity) {
       }
     }
   }
+}
+
+// The caller's workspace holds the calls' memory: grown by a call, kept
+// for the next, freed by Release (the next call allocates again), shared by
+// two codecs that run one after the other; one of another device refused.
+TEST_F(DeviceCodecTest, CallsWorkInTheCallersWorkspace) {
+  std::mt19937_64 rng(5);
+  std::vector<OwnedTensor> base = {testing::RandomTensor("w", codec::DType::kBF16, {1 << 20}, rng)};
+  std::vector<OwnedTensor> target = {testing::PerturbByExponent(base[0], 1e-2, 118, rng)};
+  auto host = codec::EncodePatch(buffers::Views(base), buffers::Views(target), {});
+  ASSERT_TRUE(host.ok());
+  DeviceSet b = DeviceSet::Of(base), t = DeviceSet::Of(target);
+  cuda::Workspace ws;
+  EXPECT_EQ(ws.device_bytes(), 0u);
+  auto first = codec_->EncodePatch(ws, b.Const(), t.Const(), {});
+  ASSERT_TRUE(first.ok()) << first.status().ToString();
+  EXPECT_EQ(*first, *host);
+  const size_t held = ws.device_bytes();
+  EXPECT_GT(held, 0u);
+  ASSERT_TRUE(codec_->EncodePatch(ws, b.Const(), t.Const(), {}).ok());
+  EXPECT_EQ(ws.device_bytes(), held) << "a call alike grows nothing";
+  ws.Release();
+  EXPECT_EQ(ws.device_bytes(), 0u);
+  EXPECT_EQ(ws.pinned_bytes(), 0u);
+  auto other = cuda::DeviceCodec::Create();
+  ASSERT_TRUE(other.ok());
+  auto again = (*other)->EncodePatch(ws, b.Const(), t.Const(), {});
+  ASSERT_TRUE(again.ok()) << again.status().ToString();
+  EXPECT_EQ(*again, *host);
+  ASSERT_TRUE((*other)->Apply(ws, *host, b.views, {}).ok());
+  EXPECT_TRUE(testing::SameBits(b.ToHost(base), target));
+
+  cuda::Workspace elsewhere(7);
+  const Status refused = codec_->Apply(elsewhere, *host, b.views, {});
+  EXPECT_EQ(refused.code(), StatusCode::kInvalidArgument) << refused.ToString();
+  EXPECT_EQ(elsewhere.device_bytes(), 0u);
 }
 
 TEST_F(DeviceCodecTest, RealSnapshotsGiveTheHostBytes) {
@@ -153,7 +190,7 @@ TEST_F(DeviceCodecTest, SnapshotAndEncodeCopiesAndEncodesLikeTheHost) {
   ASSERT_TRUE(host.ok());
   DeviceSet prev = DeviceSet::Of(base), trainer = DeviceSet::Of(live), snap = DeviceSet::Of(base);
   int reported = 0;
-  auto patch = codec_->SnapshotAndEncode(trainer.Const(), snap.views, prev.Const(), {}, [&] { ++reported; });
+  auto patch = codec_->SnapshotAndEncode(ws_, trainer.Const(), snap.views, prev.Const(), {}, [&] { ++reported; });
   ASSERT_TRUE(patch.ok()) << patch.status().ToString();
   EXPECT_EQ(reported, 1);
   EXPECT_TRUE(*patch == *host);
@@ -179,7 +216,7 @@ TEST_F(DeviceCodecTest, EncodeAndAdvanceGiveTheHostBytesAndUpdateTheBase) {
   const DeviceSet trainer = DeviceSet::Of(live);
 
   DeviceSet prev = DeviceSet::Of(base);
-  auto patch = codec_->EncodeAndAdvance(trainer.Const(), prev.views, {});
+  auto patch = codec_->EncodeAndAdvance(ws_, trainer.Const(), prev.views, {});
   ASSERT_TRUE(patch.ok()) << patch.status().ToString();
   EXPECT_TRUE(*patch == *host);
   EXPECT_TRUE(testing::SameBits(prev.ToHost(base), live));
@@ -189,11 +226,11 @@ TEST_F(DeviceCodecTest, EncodeAndAdvanceGiveTheHostBytesAndUpdateTheBase) {
   const auto& host_prev = held.views;
   auto renamed = trainer.Const();
   renamed[1].name = "other";
-  EXPECT_FALSE(codec_->EncodeAndAdvanceFromHost(renamed, host_prev, {}).ok());
+  EXPECT_FALSE(codec_->EncodeAndAdvanceFromHost(ws_, renamed, host_prev, {}).ok());
   for (size_t i = 0; i < base.size(); ++i) {
     EXPECT_EQ(std::memcmp(pinned[i].data(), base[i].bytes.data(), base[i].bytes.size()), 0) << "refused, yet changed";
   }
-  patch = codec_->EncodeAndAdvanceFromHost(trainer.Const(), host_prev, {});
+  patch = codec_->EncodeAndAdvanceFromHost(ws_, trainer.Const(), host_prev, {});
   ASSERT_TRUE(patch.ok()) << patch.status().ToString();
   EXPECT_TRUE(*patch == *host);
   for (size_t i = 0; i < live.size(); ++i) {
@@ -222,22 +259,22 @@ TEST_F(DeviceCodecTest, TileGridsGiveTheHostBytes) {
   ASSERT_TRUE(host.ok()) << host.status().ToString();
   const DeviceSet trainer = DeviceSet::Of(live);
   DeviceSet b = DeviceSet::Of(base);
-  auto dev = codec_->EncodePatch(b.Const(), trainer.Const(), o);
+  auto dev = codec_->EncodePatch(ws_, b.Const(), trainer.Const(), o);
   ASSERT_TRUE(dev.ok()) << dev.status().ToString();
   EXPECT_TRUE(*dev == *host) << "device patch differs from the host codec's";
-  auto patch = codec_->EncodeAndAdvance(trainer.Const(), b.views, o);
+  auto patch = codec_->EncodeAndAdvance(ws_, trainer.Const(), b.views, o);
   ASSERT_TRUE(patch.ok()) << patch.status().ToString();
   EXPECT_TRUE(*patch == *host);
   EXPECT_TRUE(testing::SameBits(b.ToHost(base), live));
 
   PinnedSet held = PinnedSet::Of(base);
   const auto& host_prev = held.views;
-  patch = codec_->EncodeAndAdvanceFromHost(trainer.Const(), host_prev, o);
+  patch = codec_->EncodeAndAdvanceFromHost(ws_, trainer.Const(), host_prev, o);
   ASSERT_TRUE(patch.ok()) << patch.status().ToString();
   EXPECT_TRUE(*patch == *host);
 
   o.chunk_bytes = 2u << 20;
-  EXPECT_EQ(codec_->EncodePatch(b.Const(), trainer.Const(), o).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(codec_->EncodePatch(ws_, b.Const(), trainer.Const(), o).status().code(), StatusCode::kInvalidArgument);
 }
 
 // Tensor-parallel ranks holding pieces in device memory: every rank of TP 2
@@ -275,13 +312,13 @@ TEST_F(DeviceCodecTest, PiecesGridsAndPartsApplyOnTheDevice) {
         for (size_t i = 0; i < layout.size(); ++i) layout[i].view.data = dev.views[i].data;
         Status s;
         if (form == 2) {
-          s = codec_->Apply(part_views, layout, {});
+          s = codec_->Apply(ws_, part_views, layout, {});
         } else if (form == 4) {
-          s = codec_->Apply(*keyframe, layout, {});
+          s = codec_->Apply(ws_, *keyframe, layout, {});
         } else if (form == 5) {
-          s = codec_->Apply(key_and_patch, layout, {});
+          s = codec_->Apply(ws_, key_and_patch, layout, {});
         } else {
-          s = codec_->Apply(form == 1 ? *selection : *patch, layout, {});
+          s = codec_->Apply(ws_, form == 1 ? *selection : *patch, layout, {});
         }
         if (form == 3) {
           EXPECT_EQ(s.code(), StatusCode::kDataLoss) << s.ToString();
@@ -296,12 +333,12 @@ TEST_F(DeviceCodecTest, PiecesGridsAndPartsApplyOnTheDevice) {
   // Whole tensors from the gridded patch; whole tensors at another version
   // than its base: FailedPrecondition, as codec::Apply says, unchanged.
   DeviceSet whole = DeviceSet::Of(v0);
-  ASSERT_TRUE(codec_->Apply(*patch, whole.views, {}).ok());
+  ASSERT_TRUE(codec_->Apply(ws_, *patch, whole.views, {}).ok());
   EXPECT_TRUE(testing::SameBits(whole.ToHost(v0), v1));
   DeviceSet other = DeviceSet::Of(mixed);
   auto host_other = mixed;
   const Status host_says = codec::Apply(*patch, buffers::MutableViews(host_other), {});
-  const Status s = codec_->Apply(*patch, other.views, {});
+  const Status s = codec_->Apply(ws_, *patch, other.views, {});
   EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition) << s.ToString();
   EXPECT_EQ(s.code(), host_says.code());
   EXPECT_TRUE(testing::SameBits(other.ToHost(v0), mixed));
@@ -320,7 +357,7 @@ TEST_F(DeviceCodecTest, CorruptPatchIsDataLossAndTheDestinationIsUnchanged) {
     DeviceSet d = DeviceSet::Of(base);
     codec::ApplyOptions o;
     o.verify_patch_checksum = false;  // reach the stream decoders and the tensor checksums
-    const Status s = codec_->Apply(bad, d.views, o);
+    const Status s = codec_->Apply(ws_, bad, d.views, o);
     const auto after = d.ToHost(base);
     if (s.ok()) {
       EXPECT_TRUE(testing::SameBits(after, target)) << "accepted a flip at " << at << " with wrong bits";
@@ -339,7 +376,7 @@ TEST_F(DeviceCodecTest, WrongBaseIsFailedPrecondition) {
   auto patch = codec::EncodePatch(buffers::Views(base), buffers::Views(target), {});
   ASSERT_TRUE(patch.ok());
   DeviceSet d = DeviceSet::Of(target);  // already at the target, not the base
-  const Status s = codec_->Apply(*patch, d.views, {});
+  const Status s = codec_->Apply(ws_, *patch, d.views, {});
   EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition) << s.ToString();
   EXPECT_TRUE(testing::SameBits(d.ToHost(target), target));
 }
@@ -368,37 +405,37 @@ TEST_F(DeviceCodecTest, StagedThenCommittedWithAnotherWriterBetween) {
   };
   {
     DeviceSet d = DeviceSet::Of(base);
-    auto staged = codec_->Stage(std::span(&one, 1), d.views, {});
+    auto staged = codec_->Stage(ws_, std::span(&one, 1), d.views, {});
     ASSERT_TRUE(staged.ok()) << staged.status().ToString();
     EXPECT_GT(staged->changes(), 0u);
     EXPECT_EQ(staged->kept_bytes(), staged->changes() * 12);
     EXPECT_TRUE(testing::SameBits(d.ToHost(base), base)) << "staging wrote";
     auto mirror = base;
     flip(d, changed, &mirror);
-    const Status s = codec_->Commit(*staged);
+    const Status s = codec_->Commit(ws_, *staged);
     EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition) << s.ToString();
     EXPECT_TRUE(testing::SameBits(d.ToHost(base), mirror)) << "the refused commit wrote";
   }
   {
     DeviceSet d = DeviceSet::Of(base);
-    auto staged = codec_->Stage(std::span(&one, 1), d.views, {});
+    auto staged = codec_->Stage(ws_, std::span(&one, 1), d.views, {});
     ASSERT_TRUE(staged.ok()) << staged.status().ToString();
     auto mirror = target;
     flip(d, unchanged, &mirror);
-    ASSERT_TRUE(codec_->Commit(*staged).ok());
+    ASSERT_TRUE(codec_->Commit(ws_, *staged).ok());
     EXPECT_TRUE(testing::SameBits(d.ToHost(base), mirror));
-    EXPECT_EQ(codec_->Confirm(*staged).code(), StatusCode::kDataLoss);
+    EXPECT_EQ(codec_->Confirm(ws_, *staged).code(), StatusCode::kDataLoss);
   }
   for (const uint64_t budget : {std::numeric_limits<uint64_t>::max(), uint64_t{0}}) {
     DeviceSet d = DeviceSet::Of(base);
     codec::ApplyOptions o;
     o.stage_keep_bytes = budget;
-    auto staged = codec_->Stage(std::span(&one, 1), d.views, o);
+    auto staged = codec_->Stage(ws_, std::span(&one, 1), d.views, o);
     ASSERT_TRUE(staged.ok()) << staged.status().ToString();
     EXPECT_EQ(staged->decodes_again(), budget == 0);
-    ASSERT_TRUE(codec_->Commit(*staged).ok());
+    ASSERT_TRUE(codec_->Commit(ws_, *staged).ok());
     EXPECT_TRUE(testing::SameBits(d.ToHost(base), target));
-    EXPECT_TRUE(codec_->Confirm(*staged).ok());
+    EXPECT_TRUE(codec_->Confirm(ws_, *staged).ok());
   }
 }
 
@@ -410,7 +447,7 @@ TEST_F(DeviceCodecTest, KeyframeAppliesIntoDeviceMemory) {
   std::vector<OwnedTensor> zero = target;
   std::fill(zero[0].bytes.begin(), zero[0].bytes.end(), 0);
   DeviceSet d = DeviceSet::Of(zero);
-  ASSERT_TRUE(codec_->Apply(*kf, d.views, {}).ok());
+  ASSERT_TRUE(codec_->Apply(ws_, *kf, d.views, {}).ok());
   EXPECT_TRUE(testing::SameBits(d.ToHost(target), target));
 }
 
@@ -431,7 +468,7 @@ TEST_F(DeviceCodecTest, ChecksumAndCastMatchTheHost) {
   codec::CastFp32ToBf16(f32.data(), want.data(), f32.size());
   EXPECT_TRUE(got == want);
   for (size_t len : {size_t{0}, size_t{5}, size_t{241}, size_t{1} << 20, f32.size() * 4}) {
-    auto sum = codec_->TensorChecksum(src->data(), len);
+    auto sum = codec_->TensorChecksum(ws_, src->data(), len);
     ASSERT_TRUE(sum.ok());
     EXPECT_EQ(*sum, codec::TensorChecksum(f32.data(), len)) << len;
   }
@@ -442,7 +479,7 @@ TEST_F(DeviceCodecTest, ChecksumAndCastMatchTheHost) {
   const std::vector<codec::TileGrid> grids = {{"a", {700}, {550, 551}}, {"c", {150}, {}}};
   const DeviceSet dev = DeviceSet::Of(set);
   for (const auto& g : {std::vector<codec::TileGrid>{}, grids}) {
-    auto sum = codec_->SetChecksum(dev.Const(), g);
+    auto sum = codec_->SetChecksum(ws_, dev.Const(), g);
     ASSERT_TRUE(sum.ok()) << sum.status().ToString();
     EXPECT_EQ(*sum, *codec::SetChecksum(buffers::Views(set), g));
   }

@@ -61,7 +61,8 @@ TEST(CudaIpc, TwoProcessesShareAndPatchOneAllocation) {
     codec::MutableTensorView view{"shared", codec::DType::kU8, {n}, static_cast<uint8_t*>(*ptr)};
     auto codec = cuda::DeviceCodec::Create();
     ASSERT_TRUE(codec.ok());
-    auto base_sum = (*codec)->TensorChecksum(*ptr, n);
+    cuda::Workspace ws;
+    auto base_sum = (*codec)->TensorChecksum(ws, *ptr, n);
     ASSERT_TRUE(base_sum.ok());
     std::vector<uint8_t> base(n), target(n);
     for (size_t i = 0; i < n; ++i) base[i] = static_cast<uint8_t>((i + 4096) * 7 + 3);
@@ -71,7 +72,7 @@ TEST(CudaIpc, TwoProcessesShareAndPatchOneAllocation) {
     codec::TensorView tv{"shared", codec::DType::kU8, {n}, target.data()};
     auto patch = codec::EncodePatch({&bv, 1}, {&tv, 1}, {});
     ASSERT_TRUE(patch.ok());
-    ASSERT_TRUE((*codec)->Apply(*patch, std::span(&view, 1), {}).ok());
+    ASSERT_TRUE((*codec)->Apply(ws, *patch, std::span(&view, 1), {}).ok());
     EXPECT_TRUE(mapper.Unmap(*handle).ok());
     EXPECT_TRUE(mapper.Unmap(*handle).ok());
     EXPECT_EQ(mapper.open_allocations(), 0u);

@@ -64,7 +64,7 @@ bool DeviceCodec::Staged::decodes_again() const { return state_ && !state_->kept
 
 Status DeviceCodec::Impl::UploadTileJobs(std::span<const codec::staged::ApplyPlan> plans, const placed::Batch& b,
                                          std::span<void* const> dst, TileJob* jobs_dev) {
-  WSYNC_ASSIGN_OR_RETURN(TileJob* jobs, pinned.Alloc<TileJob>(b.works.size()));
+  WSYNC_ASSIGN_OR_RETURN(TileJob* jobs, ws->pinned.Alloc<TileJob>(b.works.size()));
   for (size_t j = 0; j < b.works.size(); ++j) {
     const codec::staged::Work& work = plans[b.works[j].part].works[b.works[j].work];
     jobs[j] = TileJob{dst[work.dst], work.map};
@@ -87,8 +87,8 @@ Status DeviceCodec::Impl::DigestImage(std::span<const codec::staged::PatchReader
   Carver carve;
   const size_t o_jobs = carve.Add<DigestJob>(n);
   const size_t o_digests = carve.Add<uint64_t>(blocks);
-  WSYNC_ASSIGN_OR_RETURN(void* mem, digest_mem.Get(carve.bytes()));
-  WSYNC_ASSIGN_OR_RETURN(DigestJob* jobs, pinned.Alloc<DigestJob>(n));
+  WSYNC_ASSIGN_OR_RETURN(void* mem, ws->digest_mem.Get(carve.bytes()));
+  WSYNC_ASSIGN_OR_RETURN(DigestJob* jobs, ws->pinned.Alloc<DigestJob>(n));
   // A 1 MiB block per digest on the device; a gridded chunk of more than
   // one block is hashed whole on the host (its tile digest).
   std::vector<const uint8_t*> whole(n, nullptr);
@@ -99,7 +99,7 @@ Status DeviceCodec::Impl::DigestImage(std::span<const codec::staged::PatchReader
     const uint64_t bytes = plans[ref.part].works[ref.work].map.n * width;
     const uint8_t* slot = static_cast<const uint8_t*>(image) + j * b.slot * width;
     if (gridded(ref) && bytes > codec::kChecksumBlockBytes) {
-      WSYNC_RETURN_IF_ERROR(CopyToPinned(pinned, &whole[j], slot, bytes, compute));
+      WSYNC_RETURN_IF_ERROR(CopyToPinned(ws->pinned, &whole[j], slot, bytes, compute));
       continue;
     }
     jobs[nd++] = DigestJob{slot, bytes, At<uint64_t>(mem, o_digests) + block, block};
@@ -110,7 +110,7 @@ Status DeviceCodec::Impl::DigestImage(std::span<const codec::staged::PatchReader
     WSYNC_RETURN_IF_ERROR(LaunchBlockDigests(At<DigestJob>(mem, o_jobs), nd, block, compute));
   }
   const uint64_t* sums = nullptr;
-  WSYNC_RETURN_IF_ERROR(CopyToPinned(pinned, &sums, At<uint64_t>(mem, o_digests), block, compute));
+  WSYNC_RETURN_IF_ERROR(CopyToPinned(ws->pinned, &sums, At<uint64_t>(mem, o_digests), block, compute));
   WSYNC_RETURN_IF_ERROR(Check(cudaStreamSynchronize(compute), "digests"));
   block = 0;
   for (size_t j = 0; j < n; ++j) {
@@ -170,9 +170,9 @@ StatusOr<std::vector<placed::Writes>> DeviceCodec::Impl::StagePatches(
     offsets[p] = patch_bytes;
     patch_bytes += (st.patch_bytes[p].size() + 255) / 256 * 256;
   }
-  WSYNC_ASSIGN_OR_RETURN(void* patch_dev, staging.Get(patch_bytes));
+  WSYNC_ASSIGN_OR_RETURN(void* patch_dev, ws->staging.Get(patch_bytes));
   for (size_t p = 0; p < plans.size(); ++p) {
-    WSYNC_ASSIGN_OR_RETURN(uint8_t* host, pinned.Alloc<uint8_t>(st.patch_bytes[p].size()));
+    WSYNC_ASSIGN_OR_RETURN(uint8_t* host, ws->pinned.Alloc<uint8_t>(st.patch_bytes[p].size()));
     std::memcpy(host, st.patch_bytes[p].data(), st.patch_bytes[p].size());
     WSYNC_RETURN_IF_ERROR(CopyUp(At<void>(patch_dev, offsets[p]), host, st.patch_bytes[p].size(), compute));
   }
@@ -184,7 +184,7 @@ StatusOr<std::vector<placed::Writes>> DeviceCodec::Impl::StagePatches(
   // the device, the others on the host), add them in the image and digest
   // the results. The destination is only read.
   for (const placed::Batch& b : placed::Batches(readers, plans, kImageBytes)) {
-    pinned.Reset();
+    ws->pinned.Reset();
     const size_t n = b.works.size(), width = b.width;
     const int w = static_cast<int>(width);
     const logic::Layout l = LayoutOf(n * b.slot, width, static_cast<uint32_t>(b.slot * width));
@@ -229,7 +229,7 @@ StatusOr<std::vector<placed::Writes>> DeviceCodec::Impl::StagePatches(
     const size_t o_spos = carve.Add<uint32_t>(sm), o_smpos = carve.Add<uint32_t>(sm);
     const size_t o_sold = carve.Add<uint8_t>(sb.bytes), o_smold = carve.Add<uint8_t>(sb.bytes);
     const size_t o_sindex = carve.Add<uint64_t>(sm), o_sdelta = carve.Add<uint8_t>(sb.bytes);
-    WSYNC_ASSIGN_OR_RETURN(void* mem, scratch.Get(carve.bytes()));
+    WSYNC_ASSIGN_OR_RETURN(void* mem, ws->scratch.Get(carve.bytes()));
     void* image = At<void>(mem, o_image);
     WSYNC_RETURN_IF_ERROR(UploadTileJobs(plans, b, st.dst, At<TileJob>(mem, o_jobs)));
     WSYNC_RETURN_IF_ERROR(LaunchGatherTiles(At<TileJob>(mem, o_jobs), n, w, b.slot, image, compute));
@@ -238,13 +238,13 @@ StatusOr<std::vector<placed::Writes>> DeviceCodec::Impl::StagePatches(
     RankScratch rs;
     if (me > 0 || sb.conditioned) {
       rs = RankScratchOf(l);
-      WSYNC_ASSIGN_OR_RETURN(rmem, rank_mem.Get(rs.bytes));
+      WSYNC_ASSIGN_OR_RETURN(rmem, ws->rank_mem.Get(rs.bytes));
       WSYNC_RETURN_IF_ERROR(RankPrefix(image, width, l, specs, rmem, rs));
     }
     // The device's ranks, checked before they are resolved.
     const uint32_t* serr = nullptr;
     if (nj > 0) {
-      WSYNC_ASSIGN_OR_RETURN(SparseJob* sjobs_h, pinned.Alloc<SparseJob>(nj));
+      WSYNC_ASSIGN_OR_RETURN(SparseJob* sjobs_h, ws->pinned.Alloc<SparseJob>(nj));
       std::copy(sb.jobs.begin(), sb.jobs.end(), sjobs_h);
       WSYNC_RETURN_IF_ERROR(CopyUp(At<void>(mem, o_sjobs), sjobs_h, nj * sizeof(SparseJob), compute));
       WSYNC_RETURN_IF_ERROR(Check(cudaMemsetAsync(At<void>(mem, o_serr), 0, (nj + 1) * 4, compute), "memset"));
@@ -252,7 +252,7 @@ StatusOr<std::vector<placed::Writes>> DeviceCodec::Impl::StagePatches(
                                               At<uint32_t>(mem, o_srank), At<uint8_t>(mem, o_scls),
                                               At<uint32_t>(mem, o_sslot), At<uint64_t>(mem, o_scounts),
                                               At<uint32_t>(mem, o_serr), compute));
-      WSYNC_RETURN_IF_ERROR(CopyToPinned(pinned, &serr, At<uint32_t>(mem, o_serr), nj + 1, compute));
+      WSYNC_RETURN_IF_ERROR(CopyToPinned(ws->pinned, &serr, At<uint32_t>(mem, o_serr), nj + 1, compute));
       WSYNC_RETURN_IF_ERROR(Check(cudaStreamSynchronize(compute), "sparse ranks"));
     }
     auto sparse_errors = [&]() -> Status {
@@ -283,7 +283,7 @@ StatusOr<std::vector<placed::Writes>> DeviceCodec::Impl::StagePatches(
           At<uint64_t>(mem, o_scounts), At<uint32_t>(mem, o_spos), At<uint8_t>(mem, o_sold),
           At<uint32_t>(mem, o_smpos), At<uint8_t>(mem, o_smold), At<uint64_t>(mem, o_sindex),
           At<uint8_t>(mem, o_sdelta), At<uint32_t>(mem, o_serr), compute));
-      WSYNC_RETURN_IF_ERROR(CopyToPinned(pinned, &serr, At<uint32_t>(mem, o_serr), nj + 1, compute));
+      WSYNC_RETURN_IF_ERROR(CopyToPinned(ws->pinned, &serr, At<uint32_t>(mem, o_serr), nj + 1, compute));
     }
     const uint32_t* pos_back = nullptr;
     const uint8_t* eold_back = nullptr;
@@ -293,10 +293,10 @@ StatusOr<std::vector<placed::Writes>> DeviceCodec::Impl::StagePatches(
     uint8_t* cls_h = nullptr;
     uint32_t* rank_h = nullptr;
     if (me > 0 || mg > 0) {
-      WSYNC_ASSIGN_OR_RETURN(chunk_h, pinned.Alloc<uint32_t>(me));
-      WSYNC_ASSIGN_OR_RETURN(cls_h, pinned.Alloc<uint8_t>(me));
-      WSYNC_ASSIGN_OR_RETURN(rank_h, pinned.Alloc<uint32_t>(me));
-      WSYNC_ASSIGN_OR_RETURN(uint64_t* gidx_h, pinned.Alloc<uint64_t>(mg));
+      WSYNC_ASSIGN_OR_RETURN(chunk_h, ws->pinned.Alloc<uint32_t>(me));
+      WSYNC_ASSIGN_OR_RETURN(cls_h, ws->pinned.Alloc<uint8_t>(me));
+      WSYNC_ASSIGN_OR_RETURN(rank_h, ws->pinned.Alloc<uint32_t>(me));
+      WSYNC_ASSIGN_OR_RETURN(uint64_t* gidx_h, ws->pinned.Alloc<uint64_t>(mg));
       for (size_t j = 0; j < n; ++j) {
         const DecodedChunk& dc = decoded[b.works[j].part][b.works[j].work];
         if (!dc.values_pending || dc.spec.k == 1) continue;
@@ -316,14 +316,14 @@ StatusOr<std::vector<placed::Writes>> DeviceCodec::Impl::StagePatches(
                                                   At<uint8_t>(mem, o_cls), At<uint32_t>(mem, o_rank), me,
                                                   At<uint32_t>(mem, o_pos), At<uint8_t>(mem, o_eold),
                                                   At<uint32_t>(mem, o_err), compute));
-        WSYNC_RETURN_IF_ERROR(CopyToPinned(pinned, &pos_back, At<uint32_t>(mem, o_pos), me, compute));
-        WSYNC_RETURN_IF_ERROR(CopyToPinned(pinned, &eold_back, At<uint8_t>(mem, o_eold), me * width, compute));
-        WSYNC_RETURN_IF_ERROR(CopyToPinned(pinned, &err_back, At<uint32_t>(mem, o_err), 1, compute));
+        WSYNC_RETURN_IF_ERROR(CopyToPinned(ws->pinned, &pos_back, At<uint32_t>(mem, o_pos), me, compute));
+        WSYNC_RETURN_IF_ERROR(CopyToPinned(ws->pinned, &eold_back, At<uint8_t>(mem, o_eold), me * width, compute));
+        WSYNC_RETURN_IF_ERROR(CopyToPinned(ws->pinned, &err_back, At<uint32_t>(mem, o_err), 1, compute));
       }
       if (mg > 0) {
         WSYNC_RETURN_IF_ERROR(CopyUp(At<void>(mem, o_gidx), gidx_h, mg * 8, compute));
         WSYNC_RETURN_IF_ERROR(LaunchGather(image, w, At<uint64_t>(mem, o_gidx), mg, At<uint8_t>(mem, o_gold), compute));
-        WSYNC_RETURN_IF_ERROR(CopyToPinned(pinned, &gold_back, At<uint8_t>(mem, o_gold), mg * width, compute));
+        WSYNC_RETURN_IF_ERROR(CopyToPinned(ws->pinned, &gold_back, At<uint8_t>(mem, o_gold), mg * width, compute));
       }
     }
     WSYNC_RETURN_IF_ERROR(Check(cudaStreamSynchronize(compute), "positions"));
@@ -366,12 +366,12 @@ StatusOr<std::vector<placed::Writes>> DeviceCodec::Impl::StagePatches(
     size_t hm = 0;
     for (const placed::Ref& ref : b.works) hm += decoded[ref.part][ref.work].pos.size();
     const size_t m = hm + sm;
-    WSYNC_ASSIGN_OR_RETURN(uint64_t* idx_h, pinned.Alloc<uint64_t>(hm));
-    WSYNC_ASSIGN_OR_RETURN(uint8_t* delta_h, pinned.Alloc<uint8_t>(hm * width));
+    WSYNC_ASSIGN_OR_RETURN(uint64_t* idx_h, ws->pinned.Alloc<uint64_t>(hm));
+    WSYNC_ASSIGN_OR_RETURN(uint8_t* delta_h, ws->pinned.Alloc<uint8_t>(hm * width));
     Carver sc;
     const size_t o_idx = sc.Add<uint64_t>(m), o_delta = sc.Add<uint8_t>(m * width);
     const size_t o_old = sc.Add<uint8_t>(m * width), o_new = sc.Add<uint8_t>(m * width);
-    WSYNC_ASSIGN_OR_RETURN(void* smem, changes.Get(sc.bytes()));
+    WSYNC_ASSIGN_OR_RETURN(void* smem, ws->changes.Get(sc.bytes()));
     size_t at = 0;
     for (size_t j = 0; j < n; ++j) {
       const DecodedChunk& dc = decoded[b.works[j].part][b.works[j].work];
@@ -395,9 +395,9 @@ StatusOr<std::vector<placed::Writes>> DeviceCodec::Impl::StagePatches(
     const uint64_t* sidx_h = nullptr;
     const uint8_t* old_h = nullptr;
     const uint8_t* new_h = nullptr;
-    WSYNC_RETURN_IF_ERROR(CopyToPinned(pinned, &sidx_h, At<uint64_t>(smem, o_idx) + hm, sm, compute));
-    WSYNC_RETURN_IF_ERROR(CopyToPinned(pinned, &old_h, At<uint8_t>(smem, o_old), m * width, compute));
-    WSYNC_RETURN_IF_ERROR(CopyToPinned(pinned, &new_h, At<uint8_t>(smem, o_new), m * width, compute));
+    WSYNC_RETURN_IF_ERROR(CopyToPinned(ws->pinned, &sidx_h, At<uint64_t>(smem, o_idx) + hm, sm, compute));
+    WSYNC_RETURN_IF_ERROR(CopyToPinned(ws->pinned, &old_h, At<uint8_t>(smem, o_old), m * width, compute));
+    WSYNC_RETURN_IF_ERROR(CopyToPinned(ws->pinned, &new_h, At<uint8_t>(smem, o_new), m * width, compute));
     WSYNC_RETURN_IF_ERROR(DigestImage(readers, plans, b, image, digests));  // synchronizes
     at = 0;
     for (const placed::Ref& ref : b.works) {
@@ -539,21 +539,21 @@ Status DeviceCodec::Impl::Commit(Staged::State& st) {
                                      writes.status().ToString() + "; nothing written");
     }
     WSYNC_RETURN_IF_ERROR(writes.status());
-    WSYNC_RETURN_IF_ERROR(UploadWrites(st, *writes, changes));
+    WSYNC_RETURN_IF_ERROR(UploadWrites(st, *writes, ws->changes));
   }
   uint64_t total = 0;
   for (const CommitJob& j : st.jobs) total += j.count;
   if (total > 0) {
-    pinned.Reset();
+    ws->pinned.Reset();
     Carver carve;
     const size_t o_first = carve.Add<unsigned long long>(1);
-    WSYNC_ASSIGN_OR_RETURN(void* mem, digest_mem.Get(carve.bytes()));
+    WSYNC_ASSIGN_OR_RETURN(void* mem, ws->digest_mem.Get(carve.bytes()));
     auto* first_foreign = At<unsigned long long>(mem, o_first);
     const CommitJob* jobs = st.jobs_dev;
     WSYNC_RETURN_IF_ERROR(Check(cudaMemsetAsync(first_foreign, 0xFF, sizeof(unsigned long long), compute), "memset"));
     WSYNC_RETURN_IF_ERROR(LaunchCommitCheck(jobs, st.jobs.size(), total, first_foreign, compute));
     const unsigned long long* back = nullptr;
-    WSYNC_RETURN_IF_ERROR(CopyToPinned(pinned, &back, first_foreign, 1, compute));
+    WSYNC_RETURN_IF_ERROR(CopyToPinned(ws->pinned, &back, first_foreign, 1, compute));
     WSYNC_RETURN_IF_ERROR(Check(cudaStreamSynchronize(compute), "checking the staged writes"));
     EndPhase("check");
     if (*back != ~0ull) {
@@ -581,12 +581,12 @@ StatusOr<Digests> DeviceCodec::Impl::DestinationDigests(std::span<const codec::s
                                                         std::span<void* const> dst) {
   Digests digests = EmptyDigests(plans);
   for (const placed::Batch& b : placed::Batches(readers, plans, kImageBytes)) {
-    pinned.Reset();
+    ws->pinned.Reset();
     const size_t n = b.works.size();
     Carver carve;
     const size_t o_image = carve.Add<uint8_t>(n * b.slot * b.width);
     const size_t o_jobs = carve.Add<TileJob>(n);
-    WSYNC_ASSIGN_OR_RETURN(void* mem, scratch.Get(carve.bytes()));
+    WSYNC_ASSIGN_OR_RETURN(void* mem, ws->scratch.Get(carve.bytes()));
     WSYNC_RETURN_IF_ERROR(UploadTileJobs(plans, b, dst, At<TileJob>(mem, o_jobs)));
     WSYNC_RETURN_IF_ERROR(
         LaunchGatherTiles(At<TileJob>(mem, o_jobs), n, static_cast<int>(b.width), b.slot, At<void>(mem, o_image),
@@ -615,16 +615,16 @@ Status DeviceCodec::Impl::WriteTiles(const codec::staged::PatchReader& r, const 
                                      const std::vector<std::vector<uint8_t>>& values, std::span<void* const> dst) {
   const codec::staged::PatchReader* readers[] = {&r};
   for (const placed::Batch& b : placed::Batches(readers, std::span(&plan, 1), kImageBytes)) {
-    pinned.Reset();
+    ws->pinned.Reset();
     const size_t n = b.works.size(), slot_bytes = b.slot * b.width;
-    WSYNC_ASSIGN_OR_RETURN(uint8_t* image_h, pinned.Alloc<uint8_t>(n * slot_bytes));
+    WSYNC_ASSIGN_OR_RETURN(uint8_t* image_h, ws->pinned.Alloc<uint8_t>(n * slot_bytes));
     for (size_t j = 0; j < n; ++j) {
       const auto& v = values[b.works[j].work];
       std::memcpy(image_h + j * slot_bytes, v.data(), v.size());
     }
     Carver carve;
     const size_t o_image = carve.Add<uint8_t>(n * slot_bytes), o_jobs = carve.Add<TileJob>(n);
-    WSYNC_ASSIGN_OR_RETURN(void* mem, scratch.Get(carve.bytes()));
+    WSYNC_ASSIGN_OR_RETURN(void* mem, ws->scratch.Get(carve.bytes()));
     WSYNC_RETURN_IF_ERROR(CopyUp(At<void>(mem, o_image), image_h, n * slot_bytes, compute));
     WSYNC_RETURN_IF_ERROR(UploadTileJobs(std::span(&plan, 1), b, dst, At<TileJob>(mem, o_jobs)));
     WSYNC_RETURN_IF_ERROR(LaunchScatterTiles(At<TileJob>(mem, o_jobs), n, static_cast<int>(b.width), b.slot,
@@ -635,13 +635,13 @@ Status DeviceCodec::Impl::WriteTiles(const codec::staged::PatchReader& r, const 
   return Status::Ok();
 }
 
-StatusOr<DeviceCodec::Staged> DeviceCodec::Stage(std::span<const std::string_view> parts,
+StatusOr<DeviceCodec::Staged> DeviceCodec::Stage(Workspace& ws, std::span<const std::string_view> parts,
                                                  const codec::Destination& destination,
                                                  const codec::ApplyOptions& options) {
-  return Stage(parts, destination, options, /*as_parts=*/parts.size() != 1);
+  return Stage(ws, parts, destination, options, /*as_parts=*/parts.size() != 1);
 }
 
-StatusOr<DeviceCodec::Staged> DeviceCodec::Stage(std::span<const std::string_view> parts,
+StatusOr<DeviceCodec::Staged> DeviceCodec::Stage(Workspace& ws, std::span<const std::string_view> parts,
                                                  const codec::Destination& destination,
                                                  const codec::ApplyOptions& options, bool as_parts) {
   auto st = std::make_unique<Staged::State>();
@@ -655,48 +655,46 @@ StatusOr<DeviceCodec::Staged> DeviceCodec::Stage(std::span<const std::string_vie
     WSYNC_ASSIGN_OR_RETURN(auto r, codec::staged::PatchReader::Open(p, options.verify_patch_checksum));
     st->readers.push_back(std::move(r));
   }
-  impl_->StartPhases();
-  WSYNC_RETURN_IF_ERROR(impl_->Activate());
-  const EndOfCall end{impl_->compute, impl_->pinned};
+  WSYNC_RETURN_IF_ERROR(impl_->Begin(ws));
+  const EndOfCall end{impl_->compute, impl_->ws->pinned};
   WSYNC_RETURN_IF_ERROR(impl_->StageInto(*st));
   Staged staged;
   staged.state_ = std::move(st);
   return staged;
 }
 
-Status DeviceCodec::Commit(Staged& staged) {
+Status DeviceCodec::Commit(Workspace& ws, Staged& staged) {
   if (!staged.state_) return FailedPreconditionError("nothing staged");
-  impl_->StartPhases();
-  WSYNC_RETURN_IF_ERROR(impl_->Activate());
-  const EndOfCall end{impl_->compute, impl_->pinned};
+  WSYNC_RETURN_IF_ERROR(impl_->Begin(ws));
+  const EndOfCall end{impl_->compute, impl_->ws->pinned};
   return impl_->Commit(*staged.state_);
 }
 
-Status DeviceCodec::Confirm(const Staged& staged) {
+Status DeviceCodec::Confirm(Workspace& ws, const Staged& staged) {
   if (!staged.state_) return FailedPreconditionError("nothing staged");
-  impl_->StartPhases();
-  WSYNC_RETURN_IF_ERROR(impl_->Activate());
-  const EndOfCall end{impl_->compute, impl_->pinned};
+  WSYNC_RETURN_IF_ERROR(impl_->Begin(ws));
+  const EndOfCall end{impl_->compute, impl_->ws->pinned};
   return impl_->Confirm(*staged.state_);
 }
 
-Status DeviceCodec::Apply(std::string_view patch, const codec::Destination& destination,
+Status DeviceCodec::Apply(Workspace& ws, std::string_view patch, const codec::Destination& destination,
                           const codec::ApplyOptions& options) {
-  return StageAndCommit(std::span(&patch, 1), destination, options, /*as_parts=*/false);
+  return StageAndCommit(ws, std::span(&patch, 1), destination, options, /*as_parts=*/false);
 }
 
-Status DeviceCodec::Apply(std::span<const std::string_view> parts, const codec::Destination& destination,
-                          const codec::ApplyOptions& options) {
-  return StageAndCommit(parts, destination, options, /*as_parts=*/true);
+Status DeviceCodec::Apply(Workspace& ws, std::span<const std::string_view> parts,
+                          const codec::Destination& destination, const codec::ApplyOptions& options) {
+  return StageAndCommit(ws, parts, destination, options, /*as_parts=*/true);
 }
 
-Status DeviceCodec::StageAndCommit(std::span<const std::string_view> parts, const codec::Destination& destination,
-                                   const codec::ApplyOptions& options, bool as_parts) {
+Status DeviceCodec::StageAndCommit(Workspace& ws, std::span<const std::string_view> parts,
+                                   const codec::Destination& destination, const codec::ApplyOptions& options,
+                                   bool as_parts) {
   codec::ApplyOptions keep_all = options;
   keep_all.stage_keep_bytes = std::numeric_limits<uint64_t>::max();  // the writes follow at once
-  WSYNC_ASSIGN_OR_RETURN(Staged staged, Stage(parts, destination, keep_all, as_parts));
+  WSYNC_ASSIGN_OR_RETURN(Staged staged, Stage(ws, parts, destination, keep_all, as_parts));
   const std::vector<Phase> staging = impl_->phases;
-  Status s = Commit(staged);
+  Status s = Commit(ws, staged);
   impl_->phases.insert(impl_->phases.begin(), staging.begin(), staging.end());
   return s;
 }

@@ -52,12 +52,12 @@ StatusOr<std::vector<uint64_t>> DeviceCodec::Impl::Checksums(
   Carver carve;
   const size_t o_digests = carve.Add<uint64_t>(first.back());
   const size_t o_jobs = carve.Add<DigestJob>(regions.size());
-  WSYNC_ASSIGN_OR_RETURN(void* mem, digest_mem.Get(carve.bytes()));
+  WSYNC_ASSIGN_OR_RETURN(void* mem, ws->digest_mem.Get(carve.bytes()));
   auto* dev = At<uint64_t>(mem, o_digests);
   std::vector<DigestJob> jobs;
   for (size_t i = 0; i < regions.size(); ++i) jobs.push_back({regions[i].first, regions[i].second, dev + first[i], 0});
-  WSYNC_RETURN_IF_ERROR(EnqueueDigests(pinned, jobs, At<DigestJob>(mem, o_jobs), compute));
-  WSYNC_ASSIGN_OR_RETURN(uint64_t* host, pinned.Alloc<uint64_t>(first.back()));
+  WSYNC_RETURN_IF_ERROR(EnqueueDigests(ws->pinned, jobs, At<DigestJob>(mem, o_jobs), compute));
+  WSYNC_ASSIGN_OR_RETURN(uint64_t* host, ws->pinned.Alloc<uint64_t>(first.back()));
   WSYNC_RETURN_IF_ERROR(
       Check(cudaMemcpyAsync(host, dev, first.back() * sizeof(uint64_t), cudaMemcpyDeviceToHost, compute), "copy"));
   WSYNC_RETURN_IF_ERROR(Check(cudaStreamSynchronize(compute), "digests"));
@@ -75,8 +75,7 @@ StatusOr<uint64_t> DeviceCodec::Impl::Checksum(const void* data, size_t nbytes) 
 
 StatusOr<uint64_t> DeviceCodec::Impl::SetChecksum(std::span<const TensorView> tensors,
                                                   std::span<const codec::TileGrid> grids) {
-  WSYNC_RETURN_IF_ERROR(Activate());
-  const EndOfCall end{compute, pinned};
+  const EndOfCall end{compute, ws->pinned};
   codec::EncodeOptions o;
   o.grids.assign(grids.begin(), grids.end());
   WSYNC_ASSIGN_OR_RETURN(auto writer, codec::staged::PatchWriter::Create(tensors, o));
@@ -85,7 +84,7 @@ StatusOr<uint64_t> DeviceCodec::Impl::SetChecksum(std::span<const TensorView> te
   // Cells batch by batch: whole rows hashed in place, the others gathered
   // first (at most kStagingBytes of them at a time, or one).
   for (size_t k0 = 0; k0 < cells.size();) {
-    pinned.Reset();
+    ws->pinned.Reset();
     size_t k1 = k0, gathered = 0, nblocks = 0;
     while (k1 < cells.size()) {
       const codec::staged::Cell& c = cells[k1];
@@ -98,7 +97,7 @@ StatusOr<uint64_t> DeviceCodec::Impl::SetChecksum(std::span<const TensorView> te
     Carver carve;
     const size_t o_image = carve.Add<uint8_t>(gathered), o_jobs = carve.Add<DigestJob>(k1 - k0);
     const size_t o_sums = carve.Add<uint64_t>(nblocks);
-    WSYNC_ASSIGN_OR_RETURN(void* mem, images.Get(carve.bytes()));
+    WSYNC_ASSIGN_OR_RETURN(void* mem, ws->images.Get(carve.bytes()));
     std::vector<DigestJob> jobs;
     uint8_t* at = At<uint8_t>(mem, o_image);
     uint64_t block = 0;
@@ -110,9 +109,9 @@ StatusOr<uint64_t> DeviceCodec::Impl::SetChecksum(std::span<const TensorView> te
       jobs.push_back({src, bytes, At<uint64_t>(mem, o_sums) + block, 0});
       block += codec::ChecksumBlockCount(bytes);
     }
-    WSYNC_RETURN_IF_ERROR(EnqueueDigests(pinned, jobs, At<DigestJob>(mem, o_jobs), compute));
+    WSYNC_RETURN_IF_ERROR(EnqueueDigests(ws->pinned, jobs, At<DigestJob>(mem, o_jobs), compute));
     const uint64_t* sums = nullptr;
-    WSYNC_RETURN_IF_ERROR(CopyToPinned(pinned, &sums, At<uint64_t>(mem, o_sums), nblocks, compute));
+    WSYNC_RETURN_IF_ERROR(CopyToPinned(ws->pinned, &sums, At<uint64_t>(mem, o_sums), nblocks, compute));
     WSYNC_RETURN_IF_ERROR(Check(cudaStreamSynchronize(compute), "checksums"));
     block = 0;
     for (size_t k = k0; k < k1; ++k) {
@@ -128,14 +127,15 @@ StatusOr<uint64_t> DeviceCodec::Impl::SetChecksum(std::span<const TensorView> te
   return codec::SetChecksumOf(sums);
 }
 
-StatusOr<uint64_t> DeviceCodec::SetChecksum(std::span<const TensorView> tensors,
+StatusOr<uint64_t> DeviceCodec::SetChecksum(Workspace& ws, std::span<const TensorView> tensors,
                                             std::span<const codec::TileGrid> grids) {
+  WSYNC_RETURN_IF_ERROR(impl_->Begin(ws));
   return impl_->SetChecksum(tensors, grids);
 }
 
-StatusOr<uint64_t> DeviceCodec::TensorChecksum(const void* data, size_t nbytes) {
-  WSYNC_RETURN_IF_ERROR(impl_->Activate());
-  impl_->pinned.Reset();
+StatusOr<uint64_t> DeviceCodec::TensorChecksum(Workspace& ws, const void* data, size_t nbytes) {
+  WSYNC_RETURN_IF_ERROR(impl_->Begin(ws));
+  const EndOfCall end{impl_->compute, impl_->ws->pinned};
   return impl_->Checksum(data, nbytes);
 }
 

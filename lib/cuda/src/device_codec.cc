@@ -87,6 +87,16 @@ DeviceCodec::Impl::~Impl() {
 
 Status DeviceCodec::Impl::Activate() const { return Check(cudaSetDevice(device), "select device"); }
 
+Status DeviceCodec::Impl::Begin(Workspace& workspace) {
+  if (workspace.device() != device) {
+    return InvalidArgumentError("a workspace of device " + std::to_string(workspace.device()) +
+                                " passed to a codec of device " + std::to_string(device));
+  }
+  ws = &workspace.arenas();
+  StartPhases();
+  return Activate();
+}
+
 void DeviceCodec::Impl::StartPhases() {
   phases.clear();
   mark = std::chrono::steady_clock::now();

@@ -1,19 +1,21 @@
 // What the files of DeviceCodec share: CUDA error conversion, the device
-// scratch and page-locked arenas, the batch limits, the encode's per-cell
-// state and DeviceCodec::Impl (streams, scratch, phase timing, and the
-// steps the encode, apply and checksum files define). Private to
-// lib/cuda/src: it includes the CUDA runtime, which device_codec.h does not.
+// scratch and page-locked arenas (a Workspace's), the batch limits, the
+// encode's per-cell state and DeviceCodec::Impl (streams, the workspace of
+// the call running, phase timing, and the steps the encode, apply and
+// checksum files define). Private to lib/cuda/src: it includes the CUDA
+// runtime, which device_codec.h does not.
 //
 // The files: device_codec.cc (Create, phases, shared helpers),
 // device_encode.cc (EncodePatch, SnapshotAndEncode, EncodeAndAdvance*),
 // device_apply.cc (Stage, Commit, Confirm, Apply),
 // device_checksum.cc (checksums, the cast), device_memory.cc (copies,
-// DeviceBuffer, PinnedBuffer).
+// DeviceBuffer, PinnedBuffer, Workspace).
 #pragma once
 
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -28,6 +30,7 @@
 #include "wsync/cuda/device_codec.h"
 #include "wsync/cuda/kernels.h"
 #include "wsync/cuda/placed.h"
+#include "wsync/cuda/workspace.h"
 #include "wsync/util/status.h"
 
 namespace wsync::cuda {
@@ -39,21 +42,28 @@ Status Check(cudaError_t e, const char* what);
 // frees the old block, so no enqueued work still uses it.
 class Scratch {
  public:
+  Scratch() = default;
+  Scratch(const Scratch&) = delete;
+  Scratch& operator=(const Scratch&) = delete;
   ~Scratch() {
     if (ptr_ != nullptr) cudaFree(ptr_);
   }
   StatusOr<void*> Get(size_t bytes) {
     if (bytes <= size_) return ptr_;
-    if (ptr_ != nullptr) {
-      WSYNC_RETURN_IF_ERROR(Check(cudaDeviceSynchronize(), "synchronize"));
-      cudaFree(ptr_);
-      ptr_ = nullptr;
-      size_ = 0;
-    }
     const size_t want = std::max(bytes, size_ * 3 / 2);
+    WSYNC_RETURN_IF_ERROR(Free());
     WSYNC_RETURN_IF_ERROR(Check(cudaMalloc(&ptr_, want), "allocating scratch memory"));
     size_ = want;
     return ptr_;
+  }
+  size_t size() const { return size_; }
+  Status Free() {
+    if (ptr_ == nullptr) return Status::Ok();
+    WSYNC_RETURN_IF_ERROR(Check(cudaDeviceSynchronize(), "synchronize"));
+    cudaFree(ptr_);
+    ptr_ = nullptr;
+    size_ = 0;
+    return Status::Ok();
   }
 
  private:
@@ -76,9 +86,7 @@ class PinnedArena {
   PinnedArena() = default;
   PinnedArena(const PinnedArena&) = delete;
   PinnedArena& operator=(const PinnedArena&) = delete;
-  ~PinnedArena() {
-    for (const Block& b : blocks_) cudaFreeHost(b.ptr);
-  }
+  ~PinnedArena() { Release(); }
   void Reset() {
     for (Block& b : blocks_) b.used = 0;
     used_ = 0;
@@ -87,18 +95,13 @@ class PinnedArena {
   // `keep` and twice what the call used at its peak stays (room for the
   // blocks' leftovers), so that calls alike reuse their memory and one large
   // call does not hold it for good.
-  void Trim(size_t keep) {
-    keep = std::max(keep, 2 * peak_);
-    peak_ = 0;
-    std::sort(blocks_.begin(), blocks_.end(), [](const Block& a, const Block& b) { return a.size < b.size; });
+  void Trim(size_t keep) { FreeAbove(std::max(keep, 2 * peak_)); }
+  // Frees every block.
+  void Release() { FreeAbove(0); }
+  size_t bytes() const {
     size_t total = 0;
     for (const Block& b : blocks_) total += b.size;
-    while (total > keep && !blocks_.empty()) {
-      total -= blocks_.back().size;
-      cudaFreeHost(blocks_.back().ptr);
-      blocks_.pop_back();
-    }
-    Reset();
+    return total;
   }
   template <typename T>
   StatusOr<T*> Alloc(size_t count) {
@@ -126,6 +129,18 @@ class PinnedArena {
     size_t size;
     size_t used;
   };
+  void FreeAbove(size_t keep) {
+    peak_ = 0;
+    std::sort(blocks_.begin(), blocks_.end(), [](const Block& a, const Block& b) { return a.size < b.size; });
+    size_t total = bytes();
+    while (total > keep && !blocks_.empty()) {
+      total -= blocks_.back().size;
+      cudaFreeHost(blocks_.back().ptr);
+      blocks_.pop_back();
+    }
+    Reset();
+  }
+
   std::vector<Block> blocks_;
   size_t used_ = 0;  // handed out since the last Reset
   size_t peak_ = 0;  // the most handed out at once since the last Trim
@@ -243,16 +258,14 @@ Status WrongBase(const codec::staged::PatchReader& r);
 
 }  // namespace internal
 
-// Not thread-safe: a call uses the streams, the scratch and the page-locked
-// arena from start to end.
-struct DeviceCodec::Impl {
+// A Workspace's memory. Each arena serves one use at a time, in stream
+// order.
+struct Workspace::Arenas {
   int device = 0;
-  cudaStream_t compute = nullptr;
-  cudaStream_t copy = nullptr;
   // encode: a batch's first pass; apply: the entries (on the device's
   // decoding, all of it)
   internal::Scratch scratch;
-  internal::Scratch changes;     // encode: a batch's compact changes; apply: the scatter lists
+  internal::Scratch changes;     // encode: a batch's compact changes; apply: the writes when not kept
   internal::Scratch rank_mem;    // class counts and their scan, one tensor at a time
   internal::Scratch digest_mem;  // digests
   internal::Scratch staging;     // encode: bases in host memory, a batch at a time; apply: the patch parts
@@ -261,12 +274,33 @@ struct DeviceCodec::Impl {
   internal::Scratch packed_mem;  // encode: the coded streams packed for the copy to the host
   internal::Scratch fetch_mem;   // encode: the compact changes the host reads, packed for the copy
   internal::PinnedArena pinned;  // what the device copies back
+
+  std::array<internal::Scratch*, 9> device_arenas() {
+    return {&scratch, &changes, &rank_mem, &digest_mem, &staging, &images, &coder_mem, &packed_mem, &fetch_mem};
+  }
+  std::array<const internal::Scratch*, 9> device_arenas() const {
+    return {&scratch, &changes, &rank_mem, &digest_mem, &staging, &images, &coder_mem, &packed_mem, &fetch_mem};
+  }
+};
+
+// Not thread-safe: a call uses the streams and its workspace from start to
+// end.
+struct DeviceCodec::Impl {
+  int device = 0;
+  cudaStream_t compute = nullptr;
+  cudaStream_t copy = nullptr;
+  Workspace::Arenas* ws = nullptr;  // the running call's (Begin)
   std::vector<Phase> phases;
   std::chrono::steady_clock::time_point mark;
 
   ~Impl();
 
   Status Activate() const;
+  // Starts a call in `workspace`: the device selected, the workspace bound
+  // (InvalidArgument when it belongs to another device), the phases
+  // cleared. The call ends with an EndOfCall over the workspace's pinned
+  // arena.
+  Status Begin(Workspace& workspace);
 
   void StartPhases();
   // Ends the phase running since the last mark.

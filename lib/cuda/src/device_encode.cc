@@ -55,7 +55,7 @@ std::vector<TensorView> ConstViews(std::span<const MutableTensorView> v) {
 
 Status DeviceCodec::Impl::StageBases(std::span<const TensorView> host, size_t t0, size_t t1, size_t bytes,
                                      std::vector<TensorView>& bases) {
-  WSYNC_ASSIGN_OR_RETURN(void* mem, staging.Get(bytes));
+  WSYNC_ASSIGN_OR_RETURN(void* mem, ws->staging.Get(bytes));
   size_t at = 0;
   for (size_t t = t0; t < t1; ++t) {
     bases[t] = host[t];
@@ -76,7 +76,7 @@ Status DeviceCodec::Impl::PlaceCells(const codec::staged::PatchWriter& writer, s
   for (const codec::staged::Cell& cell : of) bytes += 2 * GatheredBytes(cell, chunks[cell.first_chunk].width);
   void* mem = nullptr;
   if (bytes > 0) {
-    WSYNC_ASSIGN_OR_RETURN(mem, images.Get(bytes));
+    WSYNC_ASSIGN_OR_RETURN(mem, ws->images.Get(bytes));
   }
   uint8_t* at = static_cast<uint8_t*>(mem);
   size_t waited = SIZE_MAX;
@@ -123,7 +123,7 @@ Status DeviceCodec::Impl::CompactBatch(const codec::staged::PatchWriter& writer,
     tc.o_tdig = carve.Add<uint64_t>(tc.ndigests);
   }
   const size_t o_jobs = carve.Add<DigestJob>(2 * batch.size());
-  WSYNC_ASSIGN_OR_RETURN(void* mem, scratch.Get(carve.bytes()));
+  WSYNC_ASSIGN_OR_RETURN(void* mem, ws->scratch.Get(carve.bytes()));
   // Each step synchronizes once for the batch, so that the phases time apart.
   std::vector<DigestJob> jobs;
   for (CellChange& tc : batch) {
@@ -132,11 +132,11 @@ Status DeviceCodec::Impl::CompactBatch(const codec::staged::PatchWriter& writer,
     jobs.push_back({tc.base, nbytes, At<uint64_t>(mem, tc.o_bdig), 0});
     jobs.push_back({tc.target, nbytes, At<uint64_t>(mem, tc.o_tdig), 0});
   }
-  WSYNC_RETURN_IF_ERROR(EnqueueDigests(pinned, jobs, At<DigestJob>(mem, o_jobs), compute));
+  WSYNC_RETURN_IF_ERROR(EnqueueDigests(ws->pinned, jobs, At<DigestJob>(mem, o_jobs), compute));
   for (CellChange& tc : batch) {
     if (tc.empty()) continue;
-    WSYNC_RETURN_IF_ERROR(CopyToPinned(pinned, &tc.base_digests, At<uint64_t>(mem, tc.o_bdig), tc.ndigests, compute));
-    WSYNC_RETURN_IF_ERROR(CopyToPinned(pinned, &tc.target_digests, At<uint64_t>(mem, tc.o_tdig), tc.ndigests, compute));
+    WSYNC_RETURN_IF_ERROR(CopyToPinned(ws->pinned, &tc.base_digests, At<uint64_t>(mem, tc.o_bdig), tc.ndigests, compute));
+    WSYNC_RETURN_IF_ERROR(CopyToPinned(ws->pinned, &tc.target_digests, At<uint64_t>(mem, tc.o_tdig), tc.ndigests, compute));
   }
   WSYNC_RETURN_IF_ERROR(Check(cudaStreamSynchronize(compute), "digests"));
   EndPhase("digests");
@@ -150,7 +150,7 @@ Status DeviceCodec::Impl::CompactBatch(const codec::staged::PatchWriter& writer,
                                         At<uint32_t>(mem, tc.o_offsets), l.Blocks() + 1, compute));
     WSYNC_RETURN_IF_ERROR(LaunchChunkOffsets(At<uint32_t>(mem, tc.o_offsets), l, At<uint32_t>(mem, tc.o_chunks),
                                              compute));
-    WSYNC_RETURN_IF_ERROR(CopyToPinned(pinned, &tc.chunk_off, At<uint32_t>(mem, tc.o_chunks), l.Chunks() + 1, compute));
+    WSYNC_RETURN_IF_ERROR(CopyToPinned(ws->pinned, &tc.chunk_off, At<uint32_t>(mem, tc.o_chunks), l.Chunks() + 1, compute));
   }
   WSYNC_RETURN_IF_ERROR(Check(cudaStreamSynchronize(compute), "diff"));
   EndPhase("diff");
@@ -161,7 +161,7 @@ Status DeviceCodec::Impl::CompactBatch(const codec::staged::PatchWriter& writer,
                                                 ef.mask, static_cast<uint32_t>(tc.bins), At<uint32_t>(mem, tc.o_hist),
                                                 compute));
     WSYNC_RETURN_IF_ERROR(
-        CopyToPinned(pinned, &tc.hist, At<uint32_t>(mem, tc.o_hist), tc.layout.Chunks() * tc.bins, compute));
+        CopyToPinned(ws->pinned, &tc.hist, At<uint32_t>(mem, tc.o_hist), tc.layout.Chunks() * tc.bins, compute));
   }
   WSYNC_RETURN_IF_ERROR(Check(cudaStreamSynchronize(compute), "histograms"));
   EndPhase("histograms");
@@ -176,7 +176,7 @@ Status DeviceCodec::Impl::CompactBatch(const codec::staged::PatchWriter& writer,
     tc.o_old = cc.Add<uint8_t>(m * tc.width);
     tc.o_rank = cc.Add<uint32_t>(m);
   }
-  WSYNC_ASSIGN_OR_RETURN(void* cmem, changes.Get(cc.bytes()));
+  WSYNC_ASSIGN_OR_RETURN(void* cmem, ws->changes.Get(cc.bytes()));
   for (CellChange& tc : batch) {
     if (tc.empty()) continue;
     WSYNC_RETURN_IF_ERROR(LaunchDiffScatter(tc.base, tc.target, static_cast<int>(tc.width),
@@ -221,7 +221,7 @@ Status DeviceCodec::Impl::CompactBatch(const codec::staged::PatchWriter& writer,
   if (rank_bytes == 0) return Status::Ok();
 
   // Ranks on the device, one tensor after another in rank_mem.
-  WSYNC_ASSIGN_OR_RETURN(void* rmem, rank_mem.Get(rank_bytes));
+  WSYNC_ASSIGN_OR_RETURN(void* rmem, ws->rank_mem.Get(rank_bytes));
   for (CellChange& tc : batch) {
     if (!tc.need_ranks) continue;
     const void* b = tc.base;
@@ -242,13 +242,13 @@ StatusOr<const uint8_t*> DeviceCodec::Impl::PackToHost(std::span<const PackSegme
                                                        Scratch& mem, const char* what) {
   const size_t o_packed = (segments.size() * sizeof(PackSegment) + 255) / 256 * 256;
   WSYNC_ASSIGN_OR_RETURN(void* dev, mem.Get(o_packed + bytes));
-  WSYNC_ASSIGN_OR_RETURN(PackSegment * list, pinned.Alloc<PackSegment>(segments.size()));
+  WSYNC_ASSIGN_OR_RETURN(PackSegment * list, ws->pinned.Alloc<PackSegment>(segments.size()));
   std::copy(segments.begin(), segments.end(), list);
   WSYNC_RETURN_IF_ERROR(CopyUp(dev, list, segments.size() * sizeof(PackSegment), compute));
   WSYNC_RETURN_IF_ERROR(
       LaunchPackSegments(static_cast<const PackSegment*>(dev), segments.size(), At<uint8_t>(dev, o_packed), compute));
   const uint8_t* host = nullptr;
-  WSYNC_RETURN_IF_ERROR(CopyToPinned(pinned, &host, At<uint8_t>(dev, o_packed), bytes, compute));
+  WSYNC_RETURN_IF_ERROR(CopyToPinned(ws->pinned, &host, At<uint8_t>(dev, o_packed), bytes, compute));
   WSYNC_RETURN_IF_ERROR(Check(cudaStreamSynchronize(compute), what));
   return host;
 }
@@ -283,7 +283,7 @@ Status DeviceCodec::Impl::FetchChanges(std::span<CellChange> batch,
     if (w.pos != kNone || w.rank != kNone) where.push_back(w);
   }
   if (segments.empty()) return Status::Ok();
-  WSYNC_ASSIGN_OR_RETURN(const uint8_t* host, PackToHost(segments, bytes, fetch_mem, "fetching changes"));
+  WSYNC_ASSIGN_OR_RETURN(const uint8_t* host, PackToHost(segments, bytes, ws->fetch_mem, "fetching changes"));
   for (const Where& w : where) {
     CellChange::Fetched& f = batch[w.cell].fetched[w.chunk];
     if (w.pos != kNone) {
@@ -330,14 +330,14 @@ Status DeviceCodec::Impl::CodeOnDevice(codec::staged::PatchWriter& writer, std::
   if (inputs.empty()) return fetch(changed);
   const size_t arena_bytes = PlanSparseEncode(inputs, nullptr, kCoderArenaBytes).bytes;
   const size_t o_lg = (arena_bytes + 255) / 256 * 256;
-  WSYNC_ASSIGN_OR_RETURN(void* mem, coder_mem.Get(o_lg + sizeof(codec::sparse::Log2Table)));
+  WSYNC_ASSIGN_OR_RETURN(void* mem, ws->coder_mem.Get(o_lg + sizeof(codec::sparse::Log2Table)));
   auto* arena = static_cast<uint8_t*>(mem);
   const EncodePlan plan = PlanSparseEncode(inputs, arena, kCoderArenaBytes);
   const size_t njobs = plan.jobs.size();
   if (njobs == 0) return fetch(changed);
-  WSYNC_ASSIGN_OR_RETURN(SparseEncodeJob * jobs, pinned.Alloc<SparseEncodeJob>(njobs));
+  WSYNC_ASSIGN_OR_RETURN(SparseEncodeJob * jobs, ws->pinned.Alloc<SparseEncodeJob>(njobs));
   std::copy(plan.jobs.begin(), plan.jobs.end(), jobs);
-  WSYNC_ASSIGN_OR_RETURN(uint32_t * lg, pinned.Alloc<uint32_t>(codec::sparse::kLog2Table.size()));
+  WSYNC_ASSIGN_OR_RETURN(uint32_t * lg, ws->pinned.Alloc<uint32_t>(codec::sparse::kLog2Table.size()));
   std::copy(codec::sparse::kLog2Table.begin(), codec::sparse::kLog2Table.end(), lg);
   WSYNC_RETURN_IF_ERROR(CopyUp(arena + plan.o_jobs, jobs, njobs * sizeof(SparseEncodeJob), compute));
   WSYNC_RETURN_IF_ERROR(CopyUp(arena + o_lg, lg, sizeof(codec::sparse::Log2Table), compute));
@@ -345,7 +345,7 @@ Status DeviceCodec::Impl::CodeOnDevice(codec::staged::PatchWriter& writer, std::
   WSYNC_RETURN_IF_ERROR(LaunchSparseEncode(At<SparseEncodeJob>(arena, plan.o_jobs), njobs, At<uint32_t>(arena, o_lg),
                                            results_dev, compute));
   const codec::sparse::SparseEncodeResult* results = nullptr;
-  WSYNC_RETURN_IF_ERROR(CopyToPinned(pinned, &results, results_dev, njobs, compute));
+  WSYNC_RETURN_IF_ERROR(CopyToPinned(ws->pinned, &results, results_dev, njobs, compute));
   WSYNC_RETURN_IF_ERROR(Check(cudaStreamSynchronize(compute), "sparse encode"));
   EndPhase("device entropy");
 
@@ -356,7 +356,7 @@ Status DeviceCodec::Impl::CodeOnDevice(codec::staged::PatchWriter& writer, std::
   const Packing packing = PackSparseEncoded(plan, rs);
   if (packing.segments.empty()) return Status::Ok();
   WSYNC_ASSIGN_OR_RETURN(const uint8_t* packed,
-                         PackToHost(packing.segments, packing.bytes, packed_mem, "packing the coded streams"));
+                         PackToHost(packing.segments, packing.bytes, ws->packed_mem, "packing the coded streams"));
   EndPhase("streams to host");
   auto change_of = [&](size_t chunk) {
     const auto [k, c] = where.at(chunk);
@@ -367,32 +367,36 @@ Status DeviceCodec::Impl::CodeOnDevice(codec::staged::PatchWriter& writer, std::
   return Status::Ok();
 }
 
-StatusOr<std::string> DeviceCodec::EncodePatch(std::span<const TensorView> base, std::span<const TensorView> target,
-                                               const codec::EncodeOptions& options) {
+StatusOr<std::string> DeviceCodec::EncodePatch(Workspace& ws, std::span<const TensorView> base,
+                                               std::span<const TensorView> target, const codec::EncodeOptions& options) {
+  WSYNC_RETURN_IF_ERROR(impl_->Begin(ws));
   return impl_->Encode({}, {}, base, options, {}, target, {}, false);
 }
 
-StatusOr<std::string> DeviceCodec::SnapshotAndEncode(std::span<const TensorView> live,
+StatusOr<std::string> DeviceCodec::SnapshotAndEncode(Workspace& ws, std::span<const TensorView> live,
                                                      std::span<const MutableTensorView> snapshot,
                                                      std::span<const TensorView> previous,
                                                      const codec::EncodeOptions& options,
                                                      const std::function<void()>& on_snapshot) {
   const std::vector<TensorView> targets = ConstViews(snapshot);
   WSYNC_RETURN_IF_ERROR(CheckPairs(live, targets, "live and snapshot"));
+  WSYNC_RETURN_IF_ERROR(impl_->Begin(ws));
   return impl_->Encode(live, snapshot, previous, options, on_snapshot, targets, {}, false);
 }
 
-StatusOr<std::string> DeviceCodec::EncodeAndAdvance(std::span<const TensorView> live,
+StatusOr<std::string> DeviceCodec::EncodeAndAdvance(Workspace& ws, std::span<const TensorView> live,
                                                     std::span<const MutableTensorView> previous,
                                                     const codec::EncodeOptions& options) {
   const std::vector<TensorView> base = ConstViews(previous);
+  WSYNC_RETURN_IF_ERROR(impl_->Begin(ws));
   return impl_->Encode({}, {}, base, options, {}, live, previous, false);
 }
 
-StatusOr<std::string> DeviceCodec::EncodeAndAdvanceFromHost(std::span<const TensorView> live,
+StatusOr<std::string> DeviceCodec::EncodeAndAdvanceFromHost(Workspace& ws, std::span<const TensorView> live,
                                                             std::span<const MutableTensorView> previous,
                                                             const codec::EncodeOptions& options) {
   const std::vector<TensorView> base = ConstViews(previous);
+  WSYNC_RETURN_IF_ERROR(impl_->Begin(ws));
   return impl_->Encode({}, {}, base, options, {}, live, previous, true);
 }
 
@@ -403,9 +407,7 @@ StatusOr<std::string> DeviceCodec::Impl::Encode(std::span<const TensorView> live
                                                 const std::function<void()>& on_snapshot,
                                                 std::span<const TensorView> target,
                                                 std::span<const MutableTensorView> advance, bool base_on_host) {
-  StartPhases();
-  WSYNC_RETURN_IF_ERROR(Activate());
-  const EndOfCall end{compute, pinned};
+  const EndOfCall end{compute, ws->pinned};
   WSYNC_RETURN_IF_ERROR(CheckPairs(previous, target, "base and target"));
   WSYNC_ASSIGN_OR_RETURN(auto writer, codec::staged::PatchWriter::Create(target, options));
   if (!options.grids.empty() && options.chunk_bytes != codec::kChecksumBlockBytes) {
@@ -477,7 +479,7 @@ StatusOr<std::string> DeviceCodec::Impl::Encode(std::span<const TensorView> live
       ++t1;
     }
     batch.assign(first_cell[t1] - first_cell[t0], CellChange{});
-    pinned.Reset();
+    ws->pinned.Reset();
     if (base_on_host) status = StageBases(previous, t0, t1, staged, bases);
     if (status.ok()) status = PlaceCells(writer, bases, target, first_cell[t0], batch, landed);
     if (status.ok()) status = CompactBatch(writer, batch, options, specs);

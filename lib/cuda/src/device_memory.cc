@@ -1,5 +1,5 @@
 // The device memory helpers of device_codec.h: synchronous copies,
-// DeviceBuffer and PinnedBuffer.
+// DeviceBuffer and PinnedBuffer; and Workspace (workspace.h).
 #include "wsync/cuda/device_codec.h"
 
 #include <cuda_runtime_api.h>
@@ -104,6 +104,31 @@ PinnedBuffer& PinnedBuffer::operator=(PinnedBuffer&& o) noexcept {
 
 PinnedBuffer::~PinnedBuffer() {
   if (data_ != nullptr) cudaFreeHost(data_);
+}
+
+Workspace::Workspace(int device) : arenas_(std::make_unique<Arenas>()) { arenas_->device = device; }
+Workspace::~Workspace() {
+  if (arenas_ != nullptr) cudaSetDevice(arenas_->device);  // frees on its device
+}
+Workspace::Workspace(Workspace&&) noexcept = default;
+Workspace& Workspace::operator=(Workspace&&) noexcept = default;
+
+int Workspace::device() const { return arenas_ != nullptr ? arenas_->device : -1; }
+
+size_t Workspace::device_bytes() const {
+  size_t total = 0;
+  if (arenas_ != nullptr) {
+    for (const Scratch* a : arenas_->device_arenas()) total += a->size();
+  }
+  return total;
+}
+
+size_t Workspace::pinned_bytes() const { return arenas_ != nullptr ? arenas_->pinned.bytes() : 0; }
+
+void Workspace::Release() {
+  if (arenas_ == nullptr || cudaSetDevice(arenas_->device) != cudaSuccess) return;
+  for (Scratch* a : arenas_->device_arenas()) (void)a->Free();
+  arenas_->pinned.Release();
 }
 
 }  // namespace wsync::cuda

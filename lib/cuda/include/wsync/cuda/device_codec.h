@@ -5,8 +5,11 @@
 // byte-identical to codec::EncodePatch on host copies of the same tensors,
 // and applying one here equals codec::Apply, errors included.
 //
-// No CUDA header is included: a build without CUDA has the same API, and
-// Create() then returns Unavailable. Tensor views carry device pointers.
+// Every call works in a Workspace the caller owns and passes in
+// (workspace.h): the codec itself holds only its device, its streams and
+// the last call's phase timings. No CUDA header is included: a build
+// without CUDA has the same API, and Create() then returns Unavailable.
+// Tensor views carry device pointers.
 #pragma once
 
 #include <cstddef>
@@ -19,6 +22,7 @@
 #include <vector>
 
 #include "wsync/codec/codec.h"
+#include "wsync/cuda/workspace.h"
 #include "wsync/util/status.h"
 
 namespace wsync::cuda {
@@ -29,8 +33,9 @@ Status DeviceAvailable();
 
 class DeviceCodec {
  public:
-  // A codec on `device` with its own streams and scratch memory (grown on
-  // demand, kept between calls). Unavailable when DeviceAvailable() is not ok.
+  // A codec on `device` with its own streams; its calls work in a
+  // Workspace of the same device. Unavailable when DeviceAvailable() is not
+  // ok.
   static StatusOr<std::unique_ptr<DeviceCodec>> Create(int device = 0);
   ~DeviceCodec();
   DeviceCodec(const DeviceCodec&) = delete;
@@ -38,15 +43,16 @@ class DeviceCodec {
 
   // codec::EncodePatch over tensors in device memory. options.pool (if any)
   // runs the host entropy stage.
-  StatusOr<std::string> EncodePatch(std::span<const codec::TensorView> base,
+  StatusOr<std::string> EncodePatch(Workspace& ws, std::span<const codec::TensorView> base,
                                     std::span<const codec::TensorView> target, const codec::EncodeOptions& options);
 
   // codec::Apply of a patch or keyframe, or of the parts of a version, into
   // whole tensors or the pieces of runtime tensors in device memory (tile
   // grids and selections included), with its checks, errors and
   // all-or-nothing: Stage, then Commit.
-  Status Apply(std::string_view patch, const codec::Destination& destination, const codec::ApplyOptions& options);
-  Status Apply(std::span<const std::string_view> parts, const codec::Destination& destination,
+  Status Apply(Workspace& ws, std::string_view patch, const codec::Destination& destination,
+               const codec::ApplyOptions& options);
+  Status Apply(Workspace& ws, std::span<const std::string_view> parts, const codec::Destination& destination,
                const codec::ApplyOptions& options);
 
   // A version staged on the device (Stage), for Commit to write.
@@ -83,20 +89,22 @@ class DeviceCodec {
   // the value it becomes, up to options.stage_keep_bytes (past it, Commit
   // decodes again). Keyframe parts are decoded and verified on the host and
   // kept there. One part: as Apply(patch); more: as Apply(parts). The
-  // parts' bytes must outlive the Staged.
-  StatusOr<Staged> Stage(std::span<const std::string_view> parts, const codec::Destination& destination,
-                         const codec::ApplyOptions& options);
+  // parts' bytes must outlive the Staged; the workspace need not (the kept
+  // writes are the Staged's own).
+  StatusOr<Staged> Stage(Workspace& ws, std::span<const std::string_view> parts,
+                         const codec::Destination& destination, const codec::ApplyOptions& options);
   // Writes a staged version, and nothing else: one launch checks that every
   // changed element still holds the value it was staged against, one
   // writes the new values; then the keyframes' tiles. FailedPrecondition
   // naming the first element another writer changed since staging, with
   // nothing written. Needs no other writer while it runs; once per Staged.
-  Status Commit(Staged& staged);
+  // Writes not kept are decoded again in `ws`.
+  Status Commit(Workspace& ws, Staged& staged);
   // After Commit, reads the destination back (its readers may have resumed):
   // DataLoss naming the first chunk that is not the version's (another
   // writer changed an element the version did not, between staging and
   // the writes).
-  Status Confirm(const Staged& staged);
+  Status Confirm(Workspace& ws, const Staged& staged);
 
   // A source's base without a second copy of the model on the trainer's
   // GPU. Both encode previous -> live (like EncodePatch), then make
@@ -107,7 +115,7 @@ class DeviceCodec {
   //
   // EncodeAndAdvance: `previous` in device memory (one copy of the model);
   // the update is a device-to-device copy.
-  StatusOr<std::string> EncodeAndAdvance(std::span<const codec::TensorView> live,
+  StatusOr<std::string> EncodeAndAdvance(Workspace& ws, std::span<const codec::TensorView> live,
                                          std::span<const codec::MutableTensorView> previous,
                                          const codec::EncodeOptions& options);
   // EncodeAndAdvanceFromHost: `previous` in host memory (page-locked,
@@ -115,7 +123,7 @@ class DeviceCodec {
   // batch by batch (at most the larger of 256 MiB and the largest tensor):
   // next to no device memory, and the model's size crosses PCIe twice per
   // version (previous up, live down).
-  StatusOr<std::string> EncodeAndAdvanceFromHost(std::span<const codec::TensorView> live,
+  StatusOr<std::string> EncodeAndAdvanceFromHost(Workspace& ws, std::span<const codec::TensorView> live,
                                                  std::span<const codec::MutableTensorView> previous,
                                                  const codec::EncodeOptions& options);
 
@@ -129,13 +137,14 @@ class DeviceCodec {
   const std::vector<Phase>& last_phases() const;
 
   // codec::TensorChecksum of nbytes of device memory.
-  StatusOr<uint64_t> TensorChecksum(const void* data, size_t nbytes);
+  StatusOr<uint64_t> TensorChecksum(Workspace& ws, const void* data, size_t nbytes);
 
   // codec::SetChecksum of tensors in device memory on tile grids: a gridded
   // tensor hashed by cells (those not whole rows gathered into scratch).
-  StatusOr<uint64_t> SetChecksum(std::span<const codec::TensorView> tensors, std::span<const codec::TileGrid> grids);
+  StatusOr<uint64_t> SetChecksum(Workspace& ws, std::span<const codec::TensorView> tensors,
+                                 std::span<const codec::TileGrid> grids);
 
-  // codec::CastFp32ToBf16 on device memory; returns when done.
+  // codec::CastFp32ToBf16 on device memory (no scratch); returns when done.
   Status CastFp32ToBf16(const uint32_t* src, uint16_t* dst, size_t n);
 
   // The source pipeline. Copies `live` (e.g. a trainer's buffers, opened by
@@ -146,7 +155,7 @@ class DeviceCodec {
   // trainer may then write its buffers again. Returns the patch; `previous`
   // is left untouched (the caller swaps the roles of the two sets).
   // REQUIRES: the three sets have equal names, dtypes and shapes.
-  StatusOr<std::string> SnapshotAndEncode(std::span<const codec::TensorView> live,
+  StatusOr<std::string> SnapshotAndEncode(Workspace& ws, std::span<const codec::TensorView> live,
                                           std::span<const codec::MutableTensorView> snapshot,
                                           std::span<const codec::TensorView> previous,
                                           const codec::EncodeOptions& options,
@@ -156,10 +165,10 @@ class DeviceCodec {
   struct Impl;
   explicit DeviceCodec(std::unique_ptr<Impl> impl);
   // as_parts: Apply's list form, else one patch.
-  StatusOr<Staged> Stage(std::span<const std::string_view> parts, const codec::Destination& destination,
-                         const codec::ApplyOptions& options, bool as_parts);
-  Status StageAndCommit(std::span<const std::string_view> parts, const codec::Destination& destination,
-                        const codec::ApplyOptions& options, bool as_parts);
+  StatusOr<Staged> Stage(Workspace& ws, std::span<const std::string_view> parts,
+                         const codec::Destination& destination, const codec::ApplyOptions& options, bool as_parts);
+  Status StageAndCommit(Workspace& ws, std::span<const std::string_view> parts,
+                        const codec::Destination& destination, const codec::ApplyOptions& options, bool as_parts);
   std::unique_ptr<Impl> impl_;
 };
 
