@@ -57,10 +57,10 @@ step faults_gpu 300 env WSYNC_TEST_DEVICE=0 "$py" "$src/tests/python/system_faul
 # vLLM's FP8 engines generate on the GPU (docs/fp8.md): a BF16 engine and FP8 engines per tensor, per channel
 # and per 128x128 block on vLLM's own GPU kernels (not the CPU tests' stand-ins), TP 1, each version
 # bit-identical to vLLM's own load of that step (per tensor: its CUDA quantization kernel, which the trainer
-# then runs too) and its tokens and logprobs to a fresh engine's. A kernel that keeps its codes or scales in
-# another layout is refused at registration, naming the parameter.
+# then runs too) and its tokens and logprobs to a fresh engine's. A kernel that processes the codes or scales
+# after quantizing them (DeepGEMM) is refused at registration, naming it, hence VLLM_USE_DEEP_GEMM=0.
 if [ -n "${WSYNC_VLLM_PYTHON:-}" ]; then
-  step vllm_fp8_gpu 600 "$WSYNC_VLLM_PYTHON" "$src/tests/python/vllm_test.py" "$build" --families llama,llama_fp8,llama_fp8_block,llama_fp8_tensor --tp 1
+  step vllm_fp8_gpu 600 env VLLM_USE_DEEP_GEMM=0 "$WSYNC_VLLM_PYTHON" "$src/tests/python/vllm_test.py" "$build" --families llama,llama_fp8,llama_fp8_block,llama_fp8_tensor --tp 1
 else
   results+=("$(printf '%-22s %-6s' vllm_fp8_gpu skip) (set WSYNC_VLLM_PYTHON to a CUDA vLLM's Python)")
 fi

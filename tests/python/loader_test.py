@@ -96,6 +96,28 @@ CHECKPOINT = {"q": ((8, 8), torch.float32), "k": ((4, 8), torch.float32), "o": (
               "embed": ((20, 8), torch.float32), "kv_b": ((4, 4), torch.float32), "lm_head": ((20, 8), torch.float32)}
 
 
+def refused(what, call, *needles):
+    """Checks that call() raises ValueError saying every one of `needles`."""
+    try:
+        call()
+        check(False, f"{what}: refused")
+    except ValueError as e:
+        check(all(n in str(e) for n in needles), f"{what}: refused ({str(e)[:160]})")
+
+
+def kernel(owner="FP8ScaledMMLinearKernel"):
+    """An FP8 kernel whose weight processing is defined by class `owner`
+    (named as vLLM names it), as a quantization method holds it."""
+    base = type(owner, (), {"process_weights_after_loading": lambda self, layer: None})
+    return type("SomeKernel", (base,), {})()
+
+
+def quant_method(name, owner="FP8ScaledMMLinearKernel"):
+    method = type(name, (), {})()
+    method.fp8_linear = kernel(owner)
+    return method
+
+
 class Fp8Linear(torch.nn.Module):
     """A linear layer as vLLM's online per-channel FP8 leaves it: E4M3
     codes seen transposed ((K, N) over an (N, K) buffer), (N, 1) F32 row
@@ -106,7 +128,7 @@ class Fp8Linear(torch.nn.Module):
         codes = torch.randn(n, k).to(torch.float8_e4m3fn)
         self.weight = torch.nn.Parameter(codes.t(), requires_grad=False)
         self.weight_scale = torch.nn.Parameter(torch.rand(n, 1), requires_grad=False)
-        self.quant_method = type(method, (), {})()
+        self.quant_method = quant_method(method)
 
 
 class Fp8BlockLinear(torch.nn.Module):
@@ -117,7 +139,7 @@ class Fp8BlockLinear(torch.nn.Module):
         super().__init__()
         self.weight = torch.nn.Parameter(torch.randn(n, k).to(torch.float8_e4m3fn), requires_grad=False)
         self.weight_scale_inv = torch.nn.Parameter(torch.rand(-(-n // 128), -(-k // 128)), requires_grad=False)
-        self.quant_method = type("Fp8PerBlockOnlineLinearMethod", (), {})()
+        self.quant_method = quant_method("Fp8PerBlockOnlineLinearMethod", "Fp8BlockScaledMMLinearKernel")
 
 
 def check_fp8():
@@ -153,11 +175,8 @@ def check_fp8():
         check("'nvfp4'" in str(e), f"a scheme the trainer does not know: {str(e)[:120]}")
 
     side = [RuntimeTensor("qkv.weight", (6, 8), (Piece("a", (0, 0), (6, 4), (0, 0)), Piece("b", (0, 0), (6, 4), (0, 4))))]
-    try:
-        fp8.quantized_layout(m, side, {"qkv": fp8.PER_CHANNEL})
-        check(False, "rows of two checkpoint tensors side by side: refused")
-    except ValueError as e:
-        check("'a' and 'b'" in str(e), f"rows of two checkpoint tensors side by side (one scale over both): {e}")
+    refused("rows of two checkpoint tensors side by side (one scale over both)",
+            lambda: fp8.quantized_layout(m, side, {"qkv": fp8.PER_CHANNEL}), "'a' and 'b'")
 
     print("== codes held transposed move into shared memory as they are laid out")
     codes, scales = m.qkv.weight, m.qkv.weight_scale
@@ -213,21 +232,16 @@ def check_fp8_tensors():
     weights = {"q": torch.randn(8, 8), "k": torch.randn(4, 8), "v": torch.randn(4, 8)}
     check(quantized.owned(wanted, weights) == wanted and quantized.owned(wanted, {"o": weights["q"]}) == {},
           "a source part quantizes the groups it holds whole")
-    try:
-        quantized.owned(wanted, {"q": weights["q"]})
-        check(False, "a group split between source parts: refused")
-    except ValueError as e:
-        check("q, k" in str(e) and "one part" in str(e), f"a group split between source parts is refused: {e}")
+    refused("a group split between source parts", lambda: quantized.owned(wanted, {"q": weights["q"]}),
+            "q, k", "one part")
 
     # A replicated layer (vLLM takes its amax on each rank alone) holding half of q: refused.
     m.rep = Fp8Linear(4, 8, "Fp8PerTensorOnlineLinearMethod")
     m.rep.weight_scale = torch.nn.Parameter(torch.rand(1), requires_grad=False)
-    try:
-        fp8.quantized_layout(m, [RuntimeTensor("rep.weight", (4, 8), (Piece("q", (0, 0), (4, 8), (0, 0)),))],
-                             {"rep": fp8.PER_TENSOR}, {"q": (8, 8)})
-        check(False, "a per-tensor layer holding part of a tensor: refused")
-    except ValueError as e:
-        check("32 of the 64 elements of 'q'" in str(e), f"a per-tensor layer holding part of a tensor: {str(e)[:140]}")
+    refused("a per-tensor layer holding part of a tensor",
+            lambda: fp8.quantized_layout(m, [RuntimeTensor("rep.weight", (4, 8), (Piece("q", (0, 0), (4, 8), (0, 0)),))],
+                                         {"rep": fp8.PER_TENSOR}, {"q": (8, 8)}),
+            "32 of the 64 elements of 'q'")
 
 
 def check_fp8_blocks():
@@ -265,30 +279,30 @@ def check_fp8_blocks():
     m.kv = Fp8BlockLinear(128, 256)
     split = [RuntimeTensor("kv.weight", (128, 256), (Piece("k", (64, 0), (64, 256), (0, 0)),
                                                      Piece("v", (64, 0), (64, 256), (64, 0))))]
-    try:
-        fp8.quantized_layout(m, split, {"kv": fp8.PER_BLOCK}, {"k": (128, 256), "v": (128, 256)})
-        check(False, "a block spanning two checkpoint tensors: refused")
-    except ValueError as e:
-        check("rows [64, 128) of 'k'" in str(e) and "fp8_per_channel" in str(e),
-              f"a block spanning two checkpoint tensors is refused, naming the rows and what to use: {str(e)[:160]}")
+    refused("a block spanning two checkpoint tensors, naming the rows and what to use",
+            lambda: fp8.quantized_layout(m, split, {"kv": fp8.PER_BLOCK}, {"k": (128, 256), "v": (128, 256)}),
+            "rows [64, 128) of 'k'", "fp8_per_channel")
     # A ragged end that is not the layer's: the checkpoint's last block would straddle into the next piece.
     m.gu = Fp8BlockLinear(328, 128)
     ragged = [RuntimeTensor("gu.weight", (328, 128), (Piece("g", (0, 0), (200, 128), (0, 0)),
                                                       Piece("u", (0, 0), (128, 128), (200, 0))))]
-    try:
-        fp8.quantized_layout(m, ragged, {"gu": fp8.PER_BLOCK}, {"g": (200, 128), "u": (128, 128)})
-        check(False, "a ragged block inside a fused layer: refused")
-    except ValueError as e:
-        check("rows [0, 200) of 'g'" in str(e), f"a ragged block inside a fused layer is refused: {str(e)[:120]}")
+    refused("a ragged block inside a fused layer",
+            lambda: fp8.quantized_layout(m, ragged, {"gu": fp8.PER_BLOCK}, {"g": (200, 128), "u": (128, 128)}),
+            "rows [0, 200) of 'g'")
     # A kernel that keeps its scales in another layout (column-major, as some GPU kernels want them).
     m.t = Fp8BlockLinear(256, 256)
     m.t.weight_scale_inv = torch.nn.Parameter(torch.rand(2, 2).t(), requires_grad=False)
-    try:
-        fp8.quantized_layout(m, [RuntimeTensor("t.weight", (256, 256), (Piece("t", (0, 0), (256, 256), (0, 0)),))],
-                             {"t": fp8.PER_BLOCK}, {"t": (256, 256)})
-        check(False, "block scales in another layout: refused")
-    except ValueError as e:
-        check("'t.weight_scale_inv'" in str(e), f"block scales in another layout are refused: {str(e)[:120]}")
+    whole = lambda name: [RuntimeTensor(f"{name}.weight", (256, 256), (Piece("t", (0, 0), (256, 256), (0, 0)),))]  # noqa: E731
+    refused("block scales in another layout",
+            lambda: fp8.quantized_layout(m, whole("t"), {"t": fp8.PER_BLOCK}, {"t": (256, 256)}),
+            "'t.weight_scale_inv'")
+    # A kernel that rewrites the codes and scales in place after vLLM quantized them (DeepGEMM's UE8M0
+    # requantization keeps their shapes): refused, naming it and what to do.
+    m.dg = Fp8BlockLinear(256, 256)
+    m.dg.quant_method.fp8_linear = kernel("DeepGemmFp8BlockScaledMMKernel")
+    refused("a kernel that processes the weights after quantizing them",
+            lambda: fp8.quantized_layout(m, whole("dg"), {"dg": fp8.PER_BLOCK}, {"t": (256, 256)}),
+            "'dg'", "DeepGemmFp8BlockScaledMMKernel.process_weights_after_loading", "VLLM_USE_DEEP_GEMM=0")
 
 
 def main():

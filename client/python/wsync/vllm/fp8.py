@@ -133,6 +133,7 @@ def quantized_layout(model: torch.nn.Module, tensors: Sequence[RuntimeTensor], l
             out.append(rt)
             continue
         layer = rt.name[:-len("weight")]
+        _check_kernel(layer[:-1], modules[layer[:-1]])
         n, k = rt.shape
         codes, scale_param = params[rt.name], layer + _SCALE_PARAM[scheme]
         scales = params.get(scale_param)
@@ -167,6 +168,29 @@ def quantized_layout(model: torch.nn.Module, tensors: Sequence[RuntimeTensor], l
         bits.wsync_owner = scales  # torch does not link a dtype view to its base
         targets[scale_param] = bits
     return out, targets
+
+
+# The kernels' weight processing (after the method quantized) that leaves the codes and scales as the
+# method computed them, by the class that defines it: none (FP8ScaledMMLinearKernel), E4M3FNUZ
+# normalization only, which the codes' dtype check refuses (Fp8BlockScaledMMLinearKernel), padding to
+# multiples of 16, which the shape check refuses (CutlassFP8ScaledMMLinearKernel). Others rewrite them in
+# place (DeepGEMM's UE8M0 requantization and scale layout, Marlin's repacking, AMX's VNNI packing).
+_KEEPING_KERNELS = ("FP8ScaledMMLinearKernel", "Fp8BlockScaledMMLinearKernel", "CutlassFP8ScaledMMLinearKernel")
+
+
+def _check_kernel(name: str, layer: torch.nn.Module) -> None:
+    """Raises ValueError naming the layer's FP8 kernel when it processes the
+    weights after vLLM's method quantized them: the codes and scales would
+    then be the kernel's, not those of vLLM's quantization functions the
+    trainer runs, and could differ in value at the same shape."""
+    kernel = getattr(getattr(layer, "quant_method", None), "fp8_linear", None)
+    owner = next((c for c in type(kernel).__mro__ if "process_weights_after_loading" in c.__dict__), None)
+    if kernel is None or owner is None or owner.__name__ not in _KEEPING_KERNELS:
+        raise ValueError(f"{name!r} runs vLLM's FP8 kernel {type(kernel).__name__}, which processes the weights after "
+                         f"quantizing them ({getattr(owner, '__name__', '?')}.process_weights_after_loading): wsync "
+                         "writes what vLLM's quantization functions compute and would not keep it exact. Start the "
+                         "engine with a kernel that leaves them as quantized (for 128x128 blocks on CUDA, "
+                         "VLLM_USE_DEEP_GEMM=0 leaves DeepGEMM out)")
 
 
 _SCALE_PARAM = {PER_TENSOR: "weight_scale", PER_CHANNEL: "weight_scale", PER_BLOCK: "weight_scale_inv"}
