@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.join(sys.argv[1], "python"))
 import torch  # noqa: E402
 
 from wsync._tensors import share  # noqa: E402
-from wsync.layouts import Piece, RuntimeTensor  # noqa: E402
+from wsync.layouts import Piece, RuntimeTensor, runtime_tensor  # noqa: E402
 from wsync import quantized  # noqa: E402
 from wsync.quantized import requested  # noqa: E402
 from wsync.vllm import fp8  # noqa: E402
@@ -177,6 +177,14 @@ def check_fp8():
     side = [RuntimeTensor("qkv.weight", (6, 8), (Piece("a", (0, 0), (6, 4), (0, 0)), Piece("b", (0, 0), (6, 4), (0, 4))))]
     refused("rows of two checkpoint tensors side by side (one scale over both)",
             lambda: fp8.quantized_layout(m, side, {"qkv": fp8.PER_CHANNEL}), "'a' and 'b'")
+
+    print("== one expert's scales, a slice of a view in another dtype, name the Parameter they move with")
+    experts = torch.nn.Parameter(torch.rand(4, 2, 2), requires_grad=False)
+    bits = experts.view(torch.int32)
+    bits.wsync_owner = experts
+    one = runtime_tensor({"w13_weight_scale_inv": bits}, "w13_weight_scale_inv[2]")
+    check(getattr(one, "wsync_owner", None) is experts and one.data_ptr() == experts[2].data_ptr(),
+          "expert 2's scale bits name the experts' Parameter")
 
     print("== codes held transposed move into shared memory as they are laid out")
     codes, scales = m.qkv.weight, m.qkv.weight_scale

@@ -38,8 +38,11 @@ and vLLM's own pure-torch form of the static quantization
 (QuantFP8.forward_native), in every process, the trainer's included. So the
 per-block codes and scales are vLLM's own; the per-tensor ones are those of
 vLLM's native form, whose equality with the GPU kernel, and both modes'
-generation on vLLM's GPU kernels, scripts/gpu_check.sh checks. FP8 experts
-do not run on this CPU (docs/fp8.md). An
+generation on vLLM's GPU kernels, scripts/gpu_check.sh checks. Qwen3-MoE's
+experts per 128x128 block (DeepSeek's scheme) have no FP8 MoE backend on
+this CPU either: the plugin answers vLLM's backend choice with Triton's
+(whose load-time format is the method's own) and experts that dequantize
+and run each expert in F32. An
 INT8 engine is refused, naming the setting, and an FP8 engine that comes
 after a trainer registered without FP8 tensors is refused, saying why.
 Mixtral runs at TP 2 with expert parallelism (whole experts per rank); its
@@ -143,8 +146,13 @@ CONFIGS["llama_fp8_block"] = dict(CONFIGS["llama"], hidden_size=256, intermediat
                                   num_key_value_heads=1)
 # vLLM's online per-tensor FP8: one scale per fused layer (q, k and v together, all-reduced over the ranks).
 CONFIGS["llama_fp8_tensor"] = CONFIGS["llama"]
+# Qwen3-MoE with per-block FP8 experts (DeepSeek's scheme): experts split by their intermediate dimension
+# over two ranks on 128-element boundaries, its attention and dense layer quantized per block too.
+CONFIGS["qwen3_moe_fp8_block"] = dict(CONFIGS["qwen3_moe"], hidden_size=256, intermediate_size=512,
+                                      moe_intermediate_size=256, head_dim=128)
 ENGINE_ARGS = {"llama_fp8": {"quantization": "fp8_per_channel"}, "llama_fp8_block": {"quantization": "fp8_per_block"},
-               "llama_fp8_tensor": {"quantization": "fp8_per_tensor"}}
+               "llama_fp8_tensor": {"quantization": "fp8_per_tensor"},
+               "qwen3_moe_fp8_block": {"quantization": "fp8_per_block"}}
 # Engines per family: (TP degree, expert parallelism). Mixtral at TP 2 with its experts split whole over
 # the ranks: vLLM 0.32's CPU backend dies (SIGSEGV in a worker) generating with expert parallelism, wsync or
 # not, so that engine's parameters are checked and its outputs are not (Qwen3-MoE's are).

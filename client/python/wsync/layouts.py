@@ -301,10 +301,17 @@ def _experts(d: dict, p: str, size: int, rank: int, expert_parallel: bool) -> li
 def runtime_tensor(params: Mapping, name: str):
     """The tensor a runtime name stands for: ``params[name]``, or for
     ``"<parameter>[e]"`` the ``e``-th slice of that parameter (one expert of a
-    fused MoE tensor). Raises KeyError naming a parameter ``params`` lacks."""
+    fused MoE tensor; of a view in another dtype, naming the Parameter as
+    the view does). Raises KeyError naming a parameter ``params`` lacks."""
     base, _, index = name.partition("[")
     tensor = params[base]
-    return tensor[int(index[:-1])] if index else tensor
+    if not index:
+        return tensor
+    part = tensor[int(index[:-1])]
+    owner = getattr(tensor, "wsync_owner", None)  # a view in another dtype names its Parameter
+    if owner is not None:
+        part.wsync_owner = owner
+    return part
 
 
 def canonical_tensors(named: Mapping, config: Mapping) -> dict:

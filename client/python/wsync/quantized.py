@@ -130,7 +130,7 @@ class QuantizedTensors:
     matrix."""
 
     def __init__(self, weights: Mapping[str, torch.Tensor], names: Mapping[str, str]):
-        self._weights = weights
+        self._weights = {name: _follower(t) for name, t in weights.items()}
         self.tensors: Dict[str, torch.Tensor] = {}
         self._names: List[Tuple[str, str, str, str]] = []  # (tensor, scheme, codes, scales)
         self._groups: Dict[str, List[Tuple[str, str]]] = {}  # per tensor: group -> its (tensor, codes)
@@ -161,16 +161,27 @@ class QuantizedTensors:
         again: registering moves them into shared memory)."""
         with torch.no_grad():
             for name, scheme, c, s in self._names:
-                codes, scale = self._quantize[scheme](self._weights[name].to(torch.bfloat16))
+                codes, scale = self._quantize[scheme](self._weights[name]().to(torch.bfloat16))
                 self.tensors[c].copy_(codes)
                 self.tensors[s].view(torch.float32).copy_(scale)
             for group, held in self._groups.items():
                 # The group's scale is the amax of all its tensors, whichever of them this engine holds.
-                scale, quantize = self._quantize[PER_TENSOR]([self._weights[t].to(torch.bfloat16)
+                scale, quantize = self._quantize[PER_TENSOR]([self._weights[t]().to(torch.bfloat16)
                                                               for t in members(group)])
                 for name, c in held:
-                    self.tensors[c].copy_(quantize(self._weights[name].to(torch.bfloat16)))
+                    self.tensors[c].copy_(quantize(self._weights[name]().to(torch.bfloat16)))
                 self.tensors[scale_name(PER_TENSOR, group)].view(torch.float32).copy_(scale)
+
+
+def _follower(t: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """`t` as it is when called: a view of a Parameter (one expert of a fused
+    MoE parameter) is taken again from the Parameter, which registering
+    rebinds to shared memory (the view would still read the old storage)."""
+    base = t._base
+    if not isinstance(base, torch.nn.Parameter):
+        return lambda: t
+    shape, stride, offset = tuple(t.shape), tuple(t.stride()), t.storage_offset() - base.storage_offset()
+    return lambda: base.data.as_strided(shape, stride, base.data.storage_offset() + offset)
 
 
 def _vllm_per_channel() -> Callable[[torch.Tensor], Tuple[torch.Tensor, torch.Tensor]]:

@@ -42,7 +42,7 @@ from typing import Dict, Iterable, List, Mapping, Sequence, Tuple
 
 import torch
 
-from ..layouts import Piece, RuntimeTensor
+from ..layouts import Piece, RuntimeTensor, runtime_tensor
 from ..quantized import BLOCK, PER_BLOCK, PER_CHANNEL, PER_TENSOR, codes_name, group_name, scale_name, scale_shape
 
 __all__ = ["PER_BLOCK", "PER_CHANNEL", "PER_TENSOR", "SCHEMES", "checkpoint_format", "quantized_layers",
@@ -50,6 +50,9 @@ __all__ = ["PER_BLOCK", "PER_CHANNEL", "PER_TENSOR", "SCHEMES", "checkpoint_form
 
 _LINEAR_METHODS = {"Fp8PerTensorOnlineLinearMethod": PER_TENSOR, "Fp8PtpcOnlineLinearMethod": PER_CHANNEL,
                    "Fp8PerBlockOnlineLinearMethod": PER_BLOCK}
+# MoE experts: per 128x128 block of each expert's gate, up and down projections (its w13_weight[e] and
+# w2_weight[e], as the loader places them).
+_MOE_METHODS = {"Fp8PerBlockOnlineMoEMethod": PER_BLOCK}
 SCHEMES = tuple(_LINEAR_METHODS.values())  # the quantization= settings wsync keeps exact
 _UNQUANTIZED = {"UnquantizedLinearMethod", "UnquantizedFusedMoEMethod", "UnquantizedEmbeddingMethod"}
 
@@ -66,23 +69,34 @@ def quantized_layers(model: torch.nn.Module) -> Dict[str, str]:
         if method is None or any(c.__name__ in _UNQUANTIZED for c in type(method).__mro__):
             continue  # vLLM's unquantized methods, and the model-specific ones derived from them
         kind = type(method).__name__
-        if kind in _LINEAR_METHODS:
-            out[name] = _LINEAR_METHODS[kind]
+        if kind in _LINEAR_METHODS or kind in _MOE_METHODS:
+            out[name] = _LINEAR_METHODS.get(kind) or _MOE_METHODS[kind]
         elif any(hasattr(module, p) for p in ("weight", "w13_weight", "w2_weight", "qweight")):
             refused.append(f"{name} ({kind})")
     if refused:
         raise ValueError(f"{len(refused)} layer(s) are quantized by a method wsync does not keep exact, e.g. "
                          f"{refused[0]}: wsync keeps BF16 engines and vLLM's online FP8 linear layers "
-                         "(quantization='fp8_per_tensor', 'fp8_per_channel' or 'fp8_per_block' on a BF16 checkpoint; "
-                         "not FP8 checkpoints or MoE experts) bit-identical to a fresh load")
+                         "(quantization='fp8_per_tensor', 'fp8_per_channel' or 'fp8_per_block' on a BF16 checkpoint) "
+                         "and MoE experts per block ('fp8_per_block') bit-identical to a fresh load; not FP8 "
+                         "checkpoints")
     return out
 
 
+def _quantized_params(module: torch.nn.Module) -> Tuple[str, ...]:
+    """The parameters of a quantized layer that hold its codes."""
+    return ("w13_weight", "w2_weight") if type(module.quant_method).__name__ in _MOE_METHODS else ("weight",)
+
+
+def _joined(layer: str, param: str) -> str:
+    return f"{layer}.{param}" if layer else param
+
+
 def checkpoint_format(model: torch.nn.Module, layers: Iterable[str]) -> Dict[str, torch.Tensor]:
-    """The ``weight`` each quantized layer had before vLLM quantized it (the
-    checkpoint's format: BF16, (N, K), its weight loader), on the meta
-    device, by parameter name: what vLLM recorded to reload weights, for
-    wsync.vllm.loader.derive_layout to run vLLM's loader over."""
+    """The weights each quantized layer had before vLLM quantized them (the
+    checkpoint's format: BF16, (N, K) or (experts, N, K), their weight
+    loader), on the meta device, by parameter name: what vLLM recorded to
+    reload weights, for wsync.vllm.loader.derive_layout to run vLLM's loader
+    over."""
     if not layers:
         return {}
     from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
@@ -91,16 +105,17 @@ def checkpoint_format(model: torch.nn.Module, layers: Iterable[str]) -> Dict[str
     for name in layers:
         module = modules[name]
         info = LAYERWISE_INFO.get(module)
-        recorded = info.restore_metadata[0].get("weight") if info is not None else None
-        if recorded is None:
-            raise ValueError(f"vLLM recorded no checkpoint-format weight for {name!r}: wsync cannot tell which "
-                             "checkpoint rows its FP8 codes hold")
-        twin = torch.nn.Parameter(torch.empty(recorded.shape, dtype=recorded.dtype, device="meta"),
-                                  requires_grad=False)
-        twin.__class__ = type(recorded)
-        twin.__dict__.update(recorded.__dict__)
-        twin.weight_loader = _bound_loader(twin.weight_loader, module)
-        out[f"{name}.weight" if name else "weight"] = twin
+        for param in _quantized_params(module):
+            recorded = info.restore_metadata[0].get(param) if info is not None else None
+            if recorded is None:
+                raise ValueError(f"vLLM recorded no checkpoint-format {param} for {name!r}: wsync cannot tell which "
+                                 "checkpoint rows its FP8 codes hold")
+            twin = torch.nn.Parameter(torch.empty(recorded.shape, dtype=recorded.dtype, device="meta"),
+                                      requires_grad=False)
+            twin.__class__ = type(recorded)
+            twin.__dict__.update(recorded.__dict__)
+            twin.weight_loader = _bound_loader(twin.weight_loader, module)
+            out[_joined(name, param)] = twin
     return out
 
 
@@ -125,47 +140,52 @@ def quantized_layout(model: torch.nn.Module, tensors: Sequence[RuntimeTensor], l
     ValueError when the engine's kernel left the codes or scales in another
     layout, or when a row or block would span two checkpoint tensors."""
     params, modules = dict(model.named_parameters()), dict(model.named_modules())
-    weights = {(f"{n}.weight" if n else "weight"): s for n, s in layers.items()}
+    weights = {_joined(n, param): (n, s) for n, s in layers.items() for param in _quantized_params(modules[n])}
+    for name in layers:
+        _check_kernel(name, modules[name])
     out, targets = [], {}
     for rt in tensors:
-        scheme = weights.get(rt.name)
-        if scheme is None:
+        base, _, expert = rt.name.partition("[")  # "<parameter>[e]": one expert of a fused MoE parameter
+        expert = f"[{expert}" if expert else ""
+        if base not in weights:
             out.append(rt)
             continue
-        layer = rt.name[:-len("weight")]
-        _check_kernel(layer[:-1], modules[layer[:-1]])
+        name, scheme = weights[base]
         n, k = rt.shape
-        codes, scale_param = params[rt.name], layer + _SCALE_PARAM[scheme]
-        scales = params.get(scale_param)
+        scale_param = base + _SCALE_SUFFIX[scheme]
+        codes, scales = runtime_tensor(params, rt.name), params.get(scale_param)
+        scales = scales[int(expert[1:-1])] if scales is not None and expert else scales
         group = ""
         if scheme in (PER_CHANNEL, PER_TENSOR):
             fits, held = tuple(codes.shape) == (k, n) and codes.t().is_contiguous(), "seen transposed"
-            codes = codes.t()  # a view of the Parameter: the Parameter moves, strides kept
             if scheme == PER_CHANNEL:
                 units = _row_units(rt)
             else:
-                group = _tensor_group(rt, modules[layer[:-1]], checkpoint)
+                group = _tensor_group(rt, modules[name], checkpoint)
                 units = [(group, (0,), (1,), (0,))]
         else:
             fits, held = tuple(codes.shape) == (n, k) and codes.is_contiguous(), "contiguous"
             units = _block_units(rt, checkpoint)
         if codes.dtype != torch.float8_e4m3fn or not fits:
-            raise ValueError(f"{rt.name!r} is {codes.dtype} {tuple(params[rt.name].shape)} with strides "
-                             f"{params[rt.name].stride()}: vLLM's FP8 kernel keeps {scheme} codes as an ({n}, {k}) "
-                             f"E4M3 buffer {held}, which wsync writes; this kernel repacked them")
+            raise ValueError(f"{rt.name!r} is {codes.dtype} {tuple(codes.shape)} with strides {codes.stride()}: "
+                             f"vLLM's FP8 kernel keeps {scheme} codes as an ({n}, {k}) E4M3 buffer {held}, which "
+                             "wsync writes; this kernel repacked them")
         want = scale_shape(scheme, (n, k))
         if scales is None or scales.dtype != torch.float32 or tuple(scales.shape) != want \
                 or not scales.is_contiguous():
-            raise ValueError(f"{scale_param!r} is not the {want} F32 scales of {scheme} FP8 (it is "
+            raise ValueError(f"{scale_param + expert!r} is not the {want} F32 scales of {scheme} FP8 (it is "
                              f"{None if scales is None else (scales.dtype, tuple(scales.shape), scales.stride())}): "
                              "this kernel keeps them in another layout, which wsync does not write")
         out.append(RuntimeTensor(rt.name, rt.shape, tuple(Piece(codes_name(scheme, p.canonical, group), p.start,
                                                                 p.extent, p.at) for p in rt.pieces)))
-        out.append(RuntimeTensor(scale_param, want, tuple(Piece(scale_name(scheme, c), start, extent, at)
-                                                          for c, start, extent, at in units)))
-        targets[rt.name] = codes
-        bits = scales.view(torch.int32)
-        bits.wsync_owner = scales  # torch does not link a dtype view to its base
+        out.append(RuntimeTensor(scale_param + expert, want, tuple(Piece(scale_name(scheme, c), start, extent, at)
+                                                                   for c, start, extent, at in units)))
+        # The Parameters (the sink resolves an expert's slice); per channel and tensor the codes' (N, K)
+        # buffer, a view of the Parameter: it moves, strides kept.
+        whole = params[base]
+        targets[base] = whole.t() if scheme in (PER_CHANNEL, PER_TENSOR) else whole
+        bits = params[scale_param].view(torch.int32)
+        bits.wsync_owner = params[scale_param]  # torch does not link a dtype view to its base
         targets[scale_param] = bits
     return out, targets
 
@@ -178,12 +198,30 @@ def quantized_layout(model: torch.nn.Module, tensors: Sequence[RuntimeTensor], l
 _KEEPING_KERNELS = ("FP8ScaledMMLinearKernel", "Fp8BlockScaledMMLinearKernel", "CutlassFP8ScaledMMLinearKernel")
 
 
+# FP8 MoE backends whose load-time format is the method's own (vLLM's convert_to_fp8_moe_kernel_format
+# leaves their weights and scales as quantized), with experts that do not process them further.
+_KEEPING_MOE_BACKENDS = ("TRITON", "BATCHED_TRITON", "VLLM_CUTLASS", "BATCHED_VLLM_CUTLASS")
+
+
 def _check_kernel(name: str, layer: torch.nn.Module) -> None:
     """Raises ValueError naming the layer's FP8 kernel when it processes the
     weights after vLLM's method quantized them: the codes and scales would
     then be the kernel's, not those of vLLM's quantization functions the
     trainer runs, and could differ in value at the same shape."""
-    kernel = getattr(getattr(layer, "quant_method", None), "fp8_linear", None)
+    method = getattr(layer, "quant_method", None)
+    if type(method).__name__ in _MOE_METHODS:
+        backend = getattr(getattr(method, "fp8_backend", None), "value", None)
+        experts = getattr(method, "experts_cls", None)
+        owner = next((c for c in getattr(experts, "__mro__", ()) if "process_weights_after_loading" in c.__dict__),
+                     None)
+        if backend in _KEEPING_MOE_BACKENDS and getattr(owner, "__name__", None) == "FusedMoEExperts":
+            return
+        raise ValueError(f"{name!r} runs vLLM's FP8 MoE backend {backend} with experts "
+                         f"{getattr(experts, '__name__', None)}, which convert or process the experts' weights "
+                         "after quantizing them (shuffles, repacking, UE8M0 scales): wsync writes what vLLM's "
+                         "quantization functions compute and would not keep them exact. wsync keeps the backends "
+                         f"that leave them as quantized ({', '.join(_KEEPING_MOE_BACKENDS)})")
+    kernel = getattr(method, "fp8_linear", None)
     owner = next((c for c in type(kernel).__mro__ if "process_weights_after_loading" in c.__dict__), None)
     if kernel is None or owner is None or owner.__name__ not in _KEEPING_KERNELS:
         raise ValueError(f"{name!r} runs vLLM's FP8 kernel {type(kernel).__name__}, which processes the weights after "
@@ -193,7 +231,7 @@ def _check_kernel(name: str, layer: torch.nn.Module) -> None:
                          "VLLM_USE_DEEP_GEMM=0 leaves DeepGEMM out)")
 
 
-_SCALE_PARAM = {PER_TENSOR: "weight_scale", PER_CHANNEL: "weight_scale", PER_BLOCK: "weight_scale_inv"}
+_SCALE_SUFFIX = {PER_TENSOR: "_scale", PER_CHANNEL: "_scale", PER_BLOCK: "_scale_inv"}
 
 
 def _row_units(rt: RuntimeTensor) -> List[tuple]:

@@ -72,7 +72,7 @@ def vllm_rank_sync(model: torch.nn.Module, vllm_config, address: str = DEFAULT_A
     unpacked = {n: (p.wsync_unpacked[0], functools.partial(_repack_cpu_moe, p))
                 for n, p in params.items() if hasattr(p, "wsync_unpacked")}
     tensors, written = quantized_layout(model, layout.tensors, layers, {n: s for n, (s, _) in checkpoint.items()})
-    unpacked.update(_widened(params, [rt for rt in tensors if rt.name not in written], checkpoint))
+    unpacked.update(_widened(params, [rt for rt in tensors if rt.name.partition("[")[0] not in written], checkpoint))
     act_dtype = vllm_config.model_config.dtype
     derived = [functools.partial(d.recompute, act_dtype) for d in layout.derived]
     try:
