@@ -60,7 +60,7 @@ step faults_gpu 300 env WSYNC_TEST_DEVICE=0 "$py" "$src/tests/python/system_faul
 # then runs too) and its tokens and logprobs to a fresh engine's. A kernel that processes the codes or scales
 # after quantizing them (DeepGEMM) is refused at registration, naming it, hence VLLM_USE_DEEP_GEMM=0.
 if [ -n "${WSYNC_VLLM_PYTHON:-}" ]; then
-  step vllm_fp8_gpu 600 env VLLM_USE_DEEP_GEMM=0 "$WSYNC_VLLM_PYTHON" "$src/tests/python/vllm_test.py" "$build" --families llama,llama_fp8,llama_fp8_block,llama_fp8_tensor,qwen3_moe_fp8_block --tp 1
+  step vllm_fp8_gpu 600 env VLLM_USE_DEEP_GEMM=0 "$WSYNC_VLLM_PYTHON" "$src/tests/python/vllm_test.py" "$build" --families llama,llama_fp8,llama_fp8_block,llama_fp8_tensor,llama_fp8_ckpt,qwen3_moe_fp8_block --tp 1
 else
   results+=("$(printf '%-22s %-6s' vllm_fp8_gpu skip) (set WSYNC_VLLM_PYTHON to a CUDA vLLM's Python)")
 fi

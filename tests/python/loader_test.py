@@ -211,12 +211,13 @@ def check_fp8():
 
     print("== quantizations wsync does not keep are refused, naming the layer")
     m.experts = Fp8Linear(4, 4, "Fp8PerChannelOnlineMoEMethod")
-    m.stored = Fp8Linear(4, 4, "Fp8LinearMethod")
+    m.stored = Fp8Linear(4, 4, "Fp8LinearMethod")  # an FP8 checkpoint per tensor (no 128x128 blocks)
     try:
         fp8.quantized_layers(m)
         check(False, "MoE experts and an FP8 checkpoint's layers: refused")
     except ValueError as e:
-        check("2 layer(s)" in str(e) and "experts (Fp8PerChannelOnlineMoEMethod)" in str(e),
+        check("2 layer(s)" in str(e) and "experts (Fp8PerChannelOnlineMoEMethod)" in str(e)
+              and "stored (Fp8LinearMethod, an FP8 checkpoint with blocks None" in str(e),
               f"MoE experts and an FP8 checkpoint's layers: {str(e)[:200]}")
 
 

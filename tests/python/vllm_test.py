@@ -42,7 +42,9 @@ generation on vLLM's GPU kernels, scripts/gpu_check.sh checks. Qwen3-MoE's
 experts per 128x128 block (DeepSeek's scheme) have no FP8 MoE backend on
 this CPU either: the plugin answers vLLM's backend choice with Triton's
 (whose load-time format is the method's own) and experts that dequantize
-and run each expert in F32. An
+and run each expert in F32. An engine started from FP8 checkpoints with
+128x128 block scales (each step's quantized by vLLM's per_block_cast_to_fp8)
+is compared with a fresh load of the step's FP8 checkpoint. An
 INT8 engine is refused, naming the setting, and an FP8 engine that comes
 after a trainer registered without FP8 tensors is refused, saying why.
 Mixtral runs at TP 2 with expert parallelism (whole experts per rank); its
@@ -150,6 +152,10 @@ CONFIGS["llama_fp8_tensor"] = CONFIGS["llama"]
 # over two ranks on 128-element boundaries, its attention and dense layer quantized per block too.
 CONFIGS["qwen3_moe_fp8_block"] = dict(CONFIGS["qwen3_moe"], hidden_size=256, intermediate_size=512,
                                       moe_intermediate_size=256, head_dim=128)
+# An engine started from checkpoints already in FP8 with 128x128 block scales (DeepSeek's format), each
+# step's quantized by vLLM's per_block_cast_to_fp8; the trainer trains and publishes BF16.
+CONFIGS["llama_fp8_ckpt"] = CONFIGS["llama_fp8_block"]
+FP8_CHECKPOINTS = {"llama_fp8_ckpt"}
 ENGINE_ARGS = {"llama_fp8": {"quantization": "fp8_per_channel"}, "llama_fp8_block": {"quantization": "fp8_per_block"},
                "llama_fp8_tensor": {"quantization": "fp8_per_tensor"},
                "qwen3_moe_fp8_block": {"quantization": "fp8_per_block"}}
@@ -187,18 +193,29 @@ def make_model(family, seed):
     return transformers.AutoModelForCausalLM.from_config(config).float()
 
 
-def save_checkpoint(model, path):
+def save_checkpoint(model, path, fp8_blocks=False):
     """A Hugging Face folder of the model in BF16 (experts one tensor each,
-    as on the Hub): what vLLM loads."""
+    as on the Hub): what vLLM loads. fp8_blocks: its linear layers' weights
+    in FP8 with 128x128 block scales (`<name>_scale_inv`), as DeepSeek
+    ships its checkpoints, quantized by vLLM's per_block_cast_to_fp8."""
     import torch
     from safetensors.torch import save_file
     from wsync.checkpoint import checkpoint_tensors
     os.makedirs(path, exist_ok=True)
     named = checkpoint_tensors(model).tensors
     tensors = {n: p.detach().to(torch.bfloat16).contiguous() for n, p in named.items()}
-    save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    stored = dict(tensors)
+    if fp8_blocks:
+        from vllm.utils.deep_gemm import per_block_cast_to_fp8
+        for n, t in tensors.items():
+            if n.endswith("_proj.weight") and t.ndim == 2:
+                stored[n], stored[n + "_scale_inv"] = per_block_cast_to_fp8(t, [128, 128], use_ue8m0=False)
+    save_file(stored, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
     config = model.config.to_dict()
     config["torch_dtype"] = config["dtype"] = "bfloat16"
+    if fp8_blocks:
+        config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                         "weight_block_size": [128, 128]}
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f)
     return tensors
@@ -417,7 +434,7 @@ def run_family(build, family, steps):
         model = make_model(family, seed=1)
         config = model.config.to_dict()
         ckpt = [os.path.join(tmp, "step-0")]
-        save_checkpoint(model, ckpt[0])
+        save_checkpoint(model, ckpt[0], family in FP8_CHECKPOINTS)
         for tp, ep in engines:
             llms[tp, ep] = engine(ckpt[0], tp, ep=ep, **kw)
         template = f"unix:{tmp}/sink-tp{{tp_size}}-{{tp_rank}}.sock"
@@ -435,7 +452,7 @@ def run_family(build, family, steps):
                 opt.step()
                 opt.zero_grad()
                 ckpt.append(os.path.join(tmp, f"step-{step}"))
-                save_checkpoint(model, ckpt[step])
+                save_checkpoint(model, ckpt[step], family in FP8_CHECKPOINTS)
             stats = trainer.send_weights()
             print(f"  step {step}: version {stats.version}, {stats.patch_bytes} patch bytes "
                   f"(ratio {stats.ratio:.1f})", flush=True)

@@ -53,6 +53,10 @@ _LINEAR_METHODS = {"Fp8PerTensorOnlineLinearMethod": PER_TENSOR, "Fp8PtpcOnlineL
 # MoE experts: per 128x128 block of each expert's gate, up and down projections (its w13_weight[e] and
 # w2_weight[e], as the loader places them).
 _MOE_METHODS = {"Fp8PerBlockOnlineMoEMethod": PER_BLOCK}
+# A checkpoint already in FP8 with 128x128 block scales (DeepSeek's format: `weight` in E4M3 and
+# `weight_scale_inv`), loaded as stored: the same codes and scales as online per-block quantization
+# when the checkpoint was quantized by vLLM's per_block_cast_to_fp8.
+_CHECKPOINT_METHOD = "Fp8LinearMethod"
 SCHEMES = tuple(_LINEAR_METHODS.values())  # the quantization= settings wsync keeps exact
 _UNQUANTIZED = {"UnquantizedLinearMethod", "UnquantizedFusedMoEMethod", "UnquantizedEmbeddingMethod"}
 
@@ -71,20 +75,34 @@ def quantized_layers(model: torch.nn.Module) -> Dict[str, str]:
         kind = type(method).__name__
         if kind in _LINEAR_METHODS or kind in _MOE_METHODS:
             out[name] = _LINEAR_METHODS.get(kind) or _MOE_METHODS[kind]
+        elif kind == _CHECKPOINT_METHOD and list(getattr(method, "weight_block_size", None) or []) == [BLOCK, BLOCK]:
+            out[name] = PER_BLOCK
+        elif kind == _CHECKPOINT_METHOD:
+            refused.append(f"{name} ({kind}, an FP8 checkpoint with blocks "
+                           f"{getattr(method, 'weight_block_size', None)}, not {BLOCK}x{BLOCK})")
         elif any(hasattr(module, p) for p in ("weight", "w13_weight", "w2_weight", "qweight")):
             refused.append(f"{name} ({kind})")
     if refused:
-        raise ValueError(f"{len(refused)} layer(s) are quantized by a method wsync does not keep exact, e.g. "
-                         f"{refused[0]}: wsync keeps BF16 engines and vLLM's online FP8 linear layers "
-                         "(quantization='fp8_per_tensor', 'fp8_per_channel' or 'fp8_per_block' on a BF16 checkpoint) "
-                         "and MoE experts per block ('fp8_per_block') bit-identical to a fresh load; not FP8 "
-                         "checkpoints")
+        shown = "; ".join(refused[:3]) + ("; ..." if len(refused) > 3 else "")
+        raise ValueError(f"{len(refused)} layer(s) are quantized by a method wsync does not keep exact ({shown}): "
+                         "wsync keeps BF16 engines, vLLM's online FP8 linear layers (quantization='fp8_per_tensor', "
+                         "'fp8_per_channel' or 'fp8_per_block' on a BF16 checkpoint), MoE experts per block "
+                         "('fp8_per_block') and checkpoints in FP8 with 128x128 block scales bit-identical to a fresh "
+                         "load")
     return out
 
 
 def _quantized_params(module: torch.nn.Module) -> Tuple[str, ...]:
     """The parameters of a quantized layer that hold its codes."""
     return ("w13_weight", "w2_weight") if type(module.quant_method).__name__ in _MOE_METHODS else ("weight",)
+
+
+def _loaded_params(module: torch.nn.Module) -> Tuple[str, ...]:
+    """The parameters of a quantized layer vLLM's loader writes from the
+    checkpoint: its codes' (online quantization loads them in BF16), and
+    an FP8 checkpoint's block scales."""
+    scales = ("weight_scale_inv",) if type(module.quant_method).__name__ == _CHECKPOINT_METHOD else ()
+    return _quantized_params(module) + scales
 
 
 def _joined(layer: str, param: str) -> str:
@@ -105,7 +123,7 @@ def checkpoint_format(model: torch.nn.Module, layers: Iterable[str]) -> Dict[str
     for name in layers:
         module = modules[name]
         info = LAYERWISE_INFO.get(module)
-        for param in _quantized_params(module):
+        for param in _loaded_params(module):
             recorded = info.restore_metadata[0].get(param) if info is not None else None
             if recorded is None:
                 raise ValueError(f"vLLM recorded no checkpoint-format {param} for {name!r}: wsync cannot tell which "
@@ -141,12 +159,16 @@ def quantized_layout(model: torch.nn.Module, tensors: Sequence[RuntimeTensor], l
     layout, or when a row or block would span two checkpoint tensors."""
     params, modules = dict(model.named_parameters()), dict(model.named_modules())
     weights = {_joined(n, param): (n, s) for n, s in layers.items() for param in _quantized_params(modules[n])}
+    # An FP8 checkpoint's block scales as loaded: replaced by the scales of each piece's blocks below.
+    loaded = {_joined(n, p) for n in layers for p in _loaded_params(modules[n])} - set(weights)
     for name in layers:
         _check_kernel(name, modules[name])
     out, targets = [], {}
     for rt in tensors:
         base, _, expert = rt.name.partition("[")  # "<parameter>[e]": one expert of a fused MoE parameter
         expert = f"[{expert}" if expert else ""
+        if base in loaded:
+            continue
         if base not in weights:
             out.append(rt)
             continue
