@@ -31,6 +31,7 @@ vLLM quantizes them again.
 """
 import argparse
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -194,6 +195,7 @@ def main():
               f"before), {1e3 * d:.0f} ms dense; bytes {pb:,.0f} with wsync, {db:,.0f} dense ({db / pb:.0f}x fewer)")
     finally:
         s.stop()  # also when an engine fails to start
+        shutil.rmtree(tmp, ignore_errors=True)  # a checkpoint per step
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ import asyncio
 import dataclasses
 import os
 import statistics
+import shutil
 import sys
 import tempfile
 import time
@@ -181,6 +182,7 @@ def main():
                   f"over {len(gaps)} tokens (p99 {p99 - base[1]:+.1f} ms against none){extra}", flush=True)
     finally:
         s.stop()
+        shutil.rmtree(tmp, ignore_errors=True)  # the checkpoint
 
 
 if __name__ == "__main__":

@@ -51,6 +51,7 @@ import signal
 import statistics
 import struct
 import subprocess
+import shutil
 import sys
 import tempfile
 import time
@@ -411,6 +412,7 @@ def main():
         raise
     finally:
         c.close()
+    shutil.rmtree(tmp, ignore_errors=True)  # kept only when the campaign failed (above)
     print(json.dumps(r, indent=1))
     if a.json:
         with open(a.json, "w") as f:

@@ -10,6 +10,7 @@ Uses the installed `wsync` package (scripts/install-python.sh).
 import argparse
 import os
 import subprocess
+import shutil
 import sys
 import tempfile
 
@@ -25,6 +26,7 @@ def main():
     a = p.parse_args()
     tmp = tempfile.mkdtemp(prefix="wsync_python_demo_")
     s = System(a.build, 2, 2, tmp)
+    ok = False
     examples = os.path.join(HERE, "..", "examples")
     try:
         for n in s.sinks:
@@ -45,8 +47,13 @@ def main():
                 raise SystemExit(f"inference server on {n} failed")
         if trainer.returncode != 0:
             raise SystemExit("trainer failed")
+        ok = True
     finally:
         s.stop()
+        if ok:
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            print(f"logs: {tmp}", flush=True)
 
 
 if __name__ == "__main__":
