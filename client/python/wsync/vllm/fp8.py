@@ -150,13 +150,15 @@ def _bound_loader(loader, module: torch.nn.Module):
 def quantized_layout(model: torch.nn.Module, tensors: Sequence[RuntimeTensor], layers: Mapping[str, str],
                      checkpoint: Mapping[str, Sequence[int]] = {}
                      ) -> Tuple[List[RuntimeTensor], Dict[str, torch.Tensor]]:
-    """This rank's runtime tensors with each quantized layer's BF16 weight
-    (as vLLM's loader places the checkpoint, `tensors`) replaced by its
-    codes and its scales, and the tensors the sink writes for them: the
-    codes' (N, K) buffer and the scales' bits. `checkpoint`: the shape of
-    each checkpoint tensor (where its last block ends), for blocks. Raises
-    ValueError when the engine's kernel left the codes or scales in another
-    layout, or when a row or block would span two checkpoint tensors."""
+    """This rank's runtime tensors with each quantized layer's weight (as
+    vLLM's loader places the checkpoint, `tensors`: a BF16 weight, one
+    expert's ``w13_weight[e]`` or ``w2_weight[e]``, an FP8 checkpoint's
+    codes) replaced by its codes and its scales, and the tensors the sink
+    writes for them: the codes' (N, K) buffer and the scales' bits.
+    `checkpoint`: the shape of each checkpoint tensor (where its last block
+    ends), for blocks. Raises ValueError when the engine's kernel left the
+    codes or scales in another layout, or when a row or block would span two
+    checkpoint tensors."""
     params, modules = dict(model.named_parameters()), dict(model.named_modules())
     weights = {_joined(n, param): (n, s) for n, s in layers.items() for param in _quantized_params(modules[n])}
     # An FP8 checkpoint's block scales as loaded: replaced by the scales of each piece's blocks below.
