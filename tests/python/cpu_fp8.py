@@ -41,10 +41,7 @@ def register() -> None:
 
         def apply_block_scaled_mm(self, A: torch.Tensor, B: torch.Tensor, As: torch.Tensor,
                                   Bs: torch.Tensor) -> torch.Tensor:
-            n, k = B.shape
-            bn, bk = self.weight_group_shape  # the weight's block: 128 x 128
-            scale = Bs.repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
-            return A.float() @ (B.float() * scale).t()
+            return A.float() @ _dequantized(B, Bs, tuple(self.weight_group_shape)).t()  # blocks: 128 x 128
 
     kernels = _POSSIBLE_FP8_BLOCK_KERNELS[PlatformEnum.CPU]
     if not any(k.__name__ == DequantizedBlockFp8Kernel.__name__ for k in kernels):
@@ -97,9 +94,10 @@ def _block_experts_on_cpu() -> None:
     online.select_fp8_moe_backend = select_on_cpu
 
 
-def _dequantized(codes: torch.Tensor, scales: torch.Tensor, block: int = 128) -> torch.Tensor:
+def _dequantized(codes: torch.Tensor, scales: torch.Tensor, block=(128, 128)) -> torch.Tensor:
+    """An (N, K) weight from its E4M3 codes and one scale per block."""
     n, k = codes.shape
-    return codes.float() * scales.repeat_interleave(block, 0)[:n].repeat_interleave(block, 1)[:, :k]
+    return codes.float() * scales.repeat_interleave(block[0], 0)[:n].repeat_interleave(block[1], 1)[:, :k]
 
 
 def _static_per_tensor_quant_on_cpu() -> None:

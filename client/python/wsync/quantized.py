@@ -130,7 +130,6 @@ class QuantizedTensors:
     matrix."""
 
     def __init__(self, weights: Mapping[str, torch.Tensor], names: Mapping[str, str]):
-        self._weights = {name: _follower(t) for name, t in weights.items()}
         self.tensors: Dict[str, torch.Tensor] = {}
         self._names: List[Tuple[str, str, str, str]] = []  # (tensor, scheme, codes, scales)
         self._groups: Dict[str, List[Tuple[str, str]]] = {}  # per tensor: group -> its (tensor, codes)
@@ -148,6 +147,8 @@ class QuantizedTensors:
                 self._groups.setdefault(group, []).append((name, c))
             else:
                 self._names.append((name, scheme, c, s))
+        used = {n for n, _, _, _ in self._names} | {t for g in self._groups for t in members(g) if t in weights}
+        self._weights = {name: _follower(weights[name]) for name in used}
         for group in self._groups:
             missing = [t for t in members(group) if t not in weights]
             if missing:
