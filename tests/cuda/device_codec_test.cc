@@ -74,9 +74,14 @@ class DeviceCodecTest : public ::testing::Test {
   void SetUp() override {
     const Status s = cuda::DeviceAvailable();
     if (!s.ok()) GTEST_SKIP() << "no GPU: " << s.ToString();
-    auto c = cuda::DeviceCodec::Create();
+    // codec_ runs the entropy stage of sparse-coded chunks on the device;
+    // host_codec_ on the host (the default), which RoundTrip checks too.
+    auto c = cuda::DeviceCodec::Create(0, cuda::EntropyStage::kDevice);
     ASSERT_TRUE(c.ok()) << c.status().ToString();
     codec_ = std::move(*c);
+    auto h = cuda::DeviceCodec::Create(0, cuda::EntropyStage::kHost);
+    ASSERT_TRUE(h.ok()) << h.status().ToString();
+    host_codec_ = std::move(*h);
   }
 
   // Encodes on both, compares bytes; applies on the device, compares bits.
@@ -98,9 +103,17 @@ class DeviceCodecTest : public ::testing::Test {
     EXPECT_TRUE(*dev == *host) << "device patch differs from the host codec's";
     ASSERT_TRUE(codec_->Apply(ws_, *host, b.views, {}).ok());
     EXPECT_TRUE(testing::SameBits(b.ToHost(base), target));
+    // The entropy stage on the host: the same bytes, the same bits.
+    DeviceSet again = DeviceSet::Of(base);
+    auto hosted = host_codec_->EncodePatch(ws_, again.Const(), t.Const(), o);
+    ASSERT_TRUE(hosted.ok()) << hosted.status().ToString();
+    EXPECT_TRUE(*hosted == *host) << "the host entropy stage's patch differs from the host codec's";
+    ASSERT_TRUE(host_codec_->Apply(ws_, *host, again.views, {}).ok());
+    EXPECT_TRUE(testing::SameBits(again.ToHost(base), target));
   }
 
   std::unique_ptr<cuda::DeviceCodec> codec_;
+  std::unique_ptr<cuda::DeviceCodec> host_codec_;
   cuda::Workspace ws_;
 };
 
@@ -299,12 +312,24 @@ TEST_F(DeviceCodecTest, PiecesGridsAndPartsApplyOnTheDevice) {
   const std::vector<std::string_view> part_views(parts.begin(), parts.end());
   auto mixed = v0;
   mixed.back() = v1.back();  // "down" (gridded) at another version than the base
+  // Both entropy stages; at 0.2% changed as well, where every chunk is
+  // sparse-coded and decoded by the device's jobs with the device stage.
+  auto sparse_v1 = v0;
+  for (auto& t : sparse_v1) t = testing::PerturbByExponent(t, 0.002, 118, rng);
+  auto sparse_patch = codec::EncodePatch(buffers::Views(v0), buffers::Views(sparse_v1), o);
+  ASSERT_TRUE(sparse_patch.ok());
+  for (const auto& [dc, dense] : {std::pair{codec_.get(), true}, std::pair{codec_.get(), false},
+                                  std::pair{host_codec_.get(), true}, std::pair{host_codec_.get(), false}}) {
+  const std::string& vpatch = dense ? *patch : *sparse_patch;
+  const std::vector<OwnedTensor>& target = dense ? v1 : sparse_v1;
   for (uint64_t tp : {2, 4}) {
     for (uint64_t r = 0; r < tp; ++r) {
-      SCOPED_TRACE("TP " + std::to_string(tp) + " rank " + std::to_string(r));
-      auto selection = codec::SelectForPieces(*patch, testing::MakeRank(tp, r).layout);
+      SCOPED_TRACE("TP " + std::to_string(tp) + " rank " + std::to_string(r) + (dense ? ", 5%" : ", 0.2%") +
+                   (dc == codec_.get() ? " changed, device entropy stage" : " changed, host entropy stage"));
+      auto selection = codec::SelectForPieces(vpatch, testing::MakeRank(tp, r).layout);
       ASSERT_TRUE(selection.ok());
       for (int form = 0; form < 6; ++form) {
+        if (!dense && form != 0 && form != 1 && form != 3) continue;  // the parts and keyframes are 5%'s
         testing::Rank rank = testing::MakeRank(tp, r);
         testing::Fill(&rank, form == 3 ? mixed : v0);
         DeviceSet dev = DeviceSet::Of(rank.tensors);
@@ -312,13 +337,13 @@ TEST_F(DeviceCodecTest, PiecesGridsAndPartsApplyOnTheDevice) {
         for (size_t i = 0; i < layout.size(); ++i) layout[i].view.data = dev.views[i].data;
         Status s;
         if (form == 2) {
-          s = codec_->Apply(ws_, part_views, layout, {});
+          s = dc->Apply(ws_, part_views, layout, {});
         } else if (form == 4) {
-          s = codec_->Apply(ws_, *keyframe, layout, {});
+          s = dc->Apply(ws_, *keyframe, layout, {});
         } else if (form == 5) {
-          s = codec_->Apply(ws_, key_and_patch, layout, {});
+          s = dc->Apply(ws_, key_and_patch, layout, {});
         } else {
-          s = codec_->Apply(ws_, form == 1 ? *selection : *patch, layout, {});
+          s = dc->Apply(ws_, form == 1 ? *selection : vpatch, layout, {});
         }
         if (form == 3) {
           EXPECT_EQ(s.code(), StatusCode::kDataLoss) << s.ToString();
@@ -326,9 +351,10 @@ TEST_F(DeviceCodecTest, PiecesGridsAndPartsApplyOnTheDevice) {
           continue;
         }
         ASSERT_TRUE(s.ok()) << "form " << form << ": " << s.ToString();
-        EXPECT_TRUE(testing::SameBits(dev.ToHost(rank.tensors), testing::Expected(tp, r, v1))) << "form " << form;
+        EXPECT_TRUE(testing::SameBits(dev.ToHost(rank.tensors), testing::Expected(tp, r, target))) << "form " << form;
       }
     }
+  }
   }
   // Whole tensors from the gridded patch; whole tensors at another version
   // than its base: FailedPrecondition, as codec::Apply says, unchanged.

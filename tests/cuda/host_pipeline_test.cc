@@ -325,6 +325,10 @@ struct DecodeStats {
   size_t device = 0, host = 0;
 };
 
+// The sparse-coded works ApplyPlacedLikeTheDevice decoded with the
+// device's jobs, all calls together.
+size_t placed_sparse_jobs = 0;
+
 template <typename T>
 Status ApplyPlacedLikeTheDevice(std::span<const std::string_view> parts, const codec::Destination& destination,
                                 bool as_parts, size_t budget, const Between& between = {},
@@ -401,6 +405,7 @@ Status ApplyPlacedLikeTheDevice(std::span<const std::string_view> parts, const c
     for (size_t j = 0; j < n; ++j) specs[j] = dec[b.works[j].part][b.works[j].work].spec;
     const auto sb = cuda::placed::PlanSparseBatch(refs, plans, b, sparse, patch_bytes, offsets);
     const size_t nj = sb.jobs.size(), sm = sb.entries;
+    placed_sparse_jobs += nj;
     for (size_t k = 0; k < nj; ++k) specs[sb.slot[k]] = sb.jobs[k].spec;
     const cuda::logic::Layout l{.n = n * b.slot, .chunk_elems = b.slot};
     const auto prefix = Prefix(image.data(), l, specs);
@@ -542,12 +547,16 @@ Status ApplyPlacedLikeTheDevice(std::span<const std::string_view> parts, const c
 // is refused and nothing is written.
 TEST(HostPlacedPath, PiecesGridsAndPartsApplyLikeTheHostCodec) {
   using testing::Rank;
-  for (uint64_t tp : {1, 2, 4}) {
-    SCOPED_TRACE("TP " + std::to_string(tp));
+  // 5% changed: chunks the host decodes; 0.2%: sparse-coded chunks, the
+  // device's jobs.
+  for (const auto& [tp, rate] : std::vector<std::pair<uint64_t, double>>{{1, 0.05}, {2, 0.05}, {4, 0.05},
+                                                                         {2, 0.002}, {4, 0.002}}) {
+    SCOPED_TRACE("TP " + std::to_string(tp) + ", " + std::to_string(rate) + " changed");
     std::mt19937_64 rng(40 + tp);
     const auto v0 = testing::CanonicalModel(rng);
     std::vector<OwnedTensor> v1;
-    for (const auto& t : v0) v1.push_back(testing::PerturbByExponent(t, 0.05, 118, rng));
+    for (const auto& t : v0) v1.push_back(testing::PerturbByExponent(t, rate, 118, rng));
+    placed_sparse_jobs = 0;
     std::vector<Rank> ranks = testing::MakeRanks(4);
     codec::EncodeOptions o;
     o.grids = codec::GridsFor(testing::Layouts(ranks), buffers::Views(v0));
@@ -600,6 +609,7 @@ TEST(HostPlacedPath, PiecesGridsAndPartsApplyLikeTheHostCodec) {
     ASSERT_TRUE(
         ApplyPlacedLikeTheDevice<uint16_t>(std::span(&one, 1), buffers::MutableViews(whole), false, 3 << 19).ok());
     EXPECT_TRUE(testing::SameBits(whole, v1));
+    EXPECT_GT(placed_sparse_jobs, 0u) << "no chunk took the device's sparse decoding";
   }
   // Tiles of more than one checksum block (2 MiB chunks): their digests are
   // of the whole tile.

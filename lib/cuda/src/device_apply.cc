@@ -152,9 +152,15 @@ StatusOr<std::vector<placed::Writes>> DeviceCodec::Impl::StagePatches(
                                                  "base); destination unchanged"));
   };
   FirstError error;
-  // Sparse-coded chunks are decoded on the device (their streams located
-  // here); the host decodes the positions (or ranks) of every other chunk.
-  const placed::SparseWorks sparse = placed::LocateSparseWorks(readers, plans, &error);
+  // With the entropy stage on the device, sparse-coded chunks are decoded
+  // there (their streams located here); the host decodes the positions (or
+  // ranks) of every other chunk.
+  placed::SparseWorks sparse(plans.size());
+  if (entropy == EntropyStage::kDevice) {
+    sparse = placed::LocateSparseWorks(readers, plans, &error);
+  } else {
+    for (size_t p = 0; p < plans.size(); ++p) sparse[p].resize(plans[p].works.size());
+  }
   ParallelFor(options.pool, first.back(), [&](size_t g) {
     const size_t p = std::upper_bound(first.begin(), first.end(), g) - first.begin() - 1;
     const size_t w = g - first[p];
@@ -237,7 +243,7 @@ StatusOr<std::vector<placed::Writes>> DeviceCodec::Impl::StagePatches(
     void* rmem = nullptr;
     RankScratch rs;
     if (me > 0 || sb.conditioned) {
-      rs = RankScratchOf(l);
+      WSYNC_ASSIGN_OR_RETURN(rs, RankScratchOf(l));
       WSYNC_ASSIGN_OR_RETURN(rmem, ws->rank_mem.Get(rs.bytes));
       WSYNC_RETURN_IF_ERROR(RankPrefix(image, width, l, specs, rmem, rs));
     }

@@ -94,7 +94,12 @@ Status DeviceCodec::Impl::Begin(Workspace& workspace) {
   }
   ws = &workspace.arenas();
   StartPhases();
-  return Activate();
+  WSYNC_RETURN_IF_ERROR(Activate());
+  // A failed runtime call elsewhere in this thread (another library's, a
+  // pointer query on host memory) leaves its error for the next check of the
+  // last error: CUB's and each launch's here would report it as their own.
+  (void)cudaGetLastError();
+  return Status::Ok();
 }
 
 void DeviceCodec::Impl::StartPhases() {
@@ -115,10 +120,10 @@ void DeviceCodec::Impl::EndPhase(const char* name) {
   phases.push_back({name, s});
 }
 
-DeviceCodec::Impl::RankScratch DeviceCodec::Impl::RankScratchOf(logic::Layout l) {
+StatusOr<DeviceCodec::Impl::RankScratch> DeviceCodec::Impl::RankScratchOf(logic::Layout l) {
   RankScratch r;
   const size_t scan_n = kMaxClasses * l.Blocks() + 1;
-  r.scan_bytes = ScanBytes(scan_n);
+  WSYNC_ASSIGN_OR_RETURN(r.scan_bytes, ScanBytes(scan_n));
   Carver carve;
   r.o_specs = carve.Add<ClassSpec>(l.Chunks());
   r.o_counts = carve.Add<uint32_t>(scan_n);
@@ -139,19 +144,21 @@ Status DeviceCodec::Impl::RankPrefix(const void* base, size_t width, logic::Layo
                        kMaxClasses * l.Blocks() + 1, compute);
 }
 
-size_t DeviceCodec::Impl::ScanBytes(size_t n) {
+StatusOr<size_t> DeviceCodec::Impl::ScanBytes(size_t n) {
   size_t bytes = 0;
-  if (!ExclusiveScan(nullptr, &bytes, nullptr, nullptr, n, nullptr).ok()) return 0;
+  WSYNC_RETURN_IF_ERROR(ExclusiveScan(nullptr, &bytes, nullptr, nullptr, n, nullptr)
+                            .WithContext("the scratch of a scan of " + std::to_string(n) + " counts"));
   return bytes;
 }
 
 DeviceCodec::DeviceCodec(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 DeviceCodec::~DeviceCodec() = default;
 
-StatusOr<std::unique_ptr<DeviceCodec>> DeviceCodec::Create(int device) {
+StatusOr<std::unique_ptr<DeviceCodec>> DeviceCodec::Create(int device, EntropyStage entropy) {
   WSYNC_RETURN_IF_ERROR(DeviceAvailable());
   auto impl = std::make_unique<Impl>();
   impl->device = device;
+  impl->entropy = entropy;
   WSYNC_RETURN_IF_ERROR(impl->Activate());
   WSYNC_RETURN_IF_ERROR(Check(cudaStreamCreateWithFlags(&impl->compute, cudaStreamNonBlocking), "stream"));
   WSYNC_RETURN_IF_ERROR(Check(cudaStreamCreateWithFlags(&impl->copy, cudaStreamNonBlocking), "stream"));

@@ -287,6 +287,7 @@ struct Workspace::Arenas {
 // end.
 struct DeviceCodec::Impl {
   int device = 0;
+  EntropyStage entropy = EntropyStage::kHost;
   cudaStream_t compute = nullptr;
   cudaStream_t copy = nullptr;
   Workspace::Arenas* ws = nullptr;  // the running call's (Begin)
@@ -323,7 +324,7 @@ struct DeviceCodec::Impl {
   struct RankScratch {
     size_t o_specs = 0, o_counts = 0, o_prefix = 0, o_temp = 0, scan_bytes = 0, bytes = 0;
   };
-  RankScratch RankScratchOf(logic::Layout l);
+  StatusOr<RankScratch> RankScratchOf(logic::Layout l);
 
   // Per-class rank prefix (exclusive scan of class counts) of a tensor under
   // per-chunk specs, into rank_mem (laid out by RankScratchOf, already
@@ -332,7 +333,8 @@ struct DeviceCodec::Impl {
   Status RankPrefix(const void* base, size_t width, logic::Layout l, const std::vector<codec::ClassSpec>& specs,
                     void* mem, const RankScratch& r);
 
-  size_t ScanBytes(size_t n);
+  // The scratch bytes of an exclusive scan of n counts.
+  StatusOr<size_t> ScanBytes(size_t n);
 
   // ------------------------------------------------------------------- encode
   // (device_encode.cc)
@@ -379,11 +381,11 @@ struct DeviceCodec::Impl {
   // Synchronizes.
   Status FetchChanges(std::span<internal::CellChange> batch, std::span<const std::pair<size_t, size_t>> which);
 
-  // The entropy stage on the device: codes the batch's chunks that
-  // MaySparseEncode (encode_plan.h), one per thread, and hands their
-  // streams to the writer; coded[chunk] marks those it coded. The rest
-  // (other modes, or streams past their room) are left for the host.
-  // Then fetches the changes of the chunks it leaves to the host.
+  // The entropy stage on the device (EntropyStage::kDevice): codes the
+  // batch's chunks that MaySparseEncode (encode_plan.h), one per thread, and
+  // hands their streams to the writer; coded[chunk] marks those it coded.
+  // The rest (other modes, or streams past their room; every chunk with
+  // EntropyStage::kHost) are left for the host, whose changes it fetches.
   Status CodeOnDevice(codec::staged::PatchWriter& writer, std::span<internal::CellChange> batch,
                       const codec::EncodeOptions& options, std::vector<uint8_t>& coded);
 

@@ -112,7 +112,7 @@ Status DeviceCodec::Impl::CompactBatch(const codec::staged::PatchWriter& writer,
     tc.bins = codec::staged::HistogramBins(first.dtype);
     tc.conditioned = options.condition_on_base && tc.bins > 0;
     const uint64_t blocks = tc.layout.Blocks(), chunks = tc.layout.Chunks();
-    tc.scan_bytes = ScanBytes(blocks + 1);
+    WSYNC_ASSIGN_OR_RETURN(tc.scan_bytes, ScanBytes(blocks + 1));
     tc.ndigests = codec::ChecksumBlockCount(tc.n * tc.width);
     tc.o_counts = carve.Add<uint32_t>(blocks + 1);
     tc.o_offsets = carve.Add<uint32_t>(blocks + 1);
@@ -215,7 +215,9 @@ Status DeviceCodec::Impl::CompactBatch(const codec::staged::PatchWriter& writer,
       tc.specs[c] = specs[writer.ClassSource(tc.chunk_ids[c])];
       tc.need_ranks = tc.need_ranks || writer.NeedsRanks(tc.chunk_ids[c], tc.Change(c).count, tc.specs[c]);
     }
-    if (tc.need_ranks) rank_bytes = std::max(rank_bytes, RankScratchOf(tc.layout).bytes);
+    if (!tc.need_ranks) continue;
+    WSYNC_ASSIGN_OR_RETURN(const RankScratch rs, RankScratchOf(tc.layout));
+    rank_bytes = std::max(rank_bytes, rs.bytes);
   }
   EndPhase("classes");
   if (rank_bytes == 0) return Status::Ok();
@@ -225,7 +227,7 @@ Status DeviceCodec::Impl::CompactBatch(const codec::staged::PatchWriter& writer,
   for (CellChange& tc : batch) {
     if (!tc.need_ranks) continue;
     const void* b = tc.base;
-    const RankScratch rs = RankScratchOf(tc.layout);
+    WSYNC_ASSIGN_OR_RETURN(const RankScratch rs, RankScratchOf(tc.layout));
     WSYNC_RETURN_IF_ERROR(RankPrefix(b, tc.width, tc.layout, tc.specs, rmem, rs));
     WSYNC_RETURN_IF_ERROR(LaunchRanks(b, static_cast<int>(tc.width), tc.layout, At<ClassSpec>(rmem, rs.o_specs),
                                       At<uint32_t>(rmem, rs.o_prefix), At<uint32_t>(mem, tc.o_chunks),
@@ -324,7 +326,7 @@ Status DeviceCodec::Impl::CodeOnDevice(codec::staged::PatchWriter& writer, std::
       in.rank = tc.d_rank == nullptr ? nullptr : tc.d_rank + off;
       in.spec = tc.specs[c];
       in.width = static_cast<int>(tc.width);
-      if (MaySparseEncode(in.elements, in.changed)) inputs.push_back(in);
+      if (entropy == EntropyStage::kDevice && MaySparseEncode(in.elements, in.changed)) inputs.push_back(in);
     }
   }
   if (inputs.empty()) return fetch(changed);

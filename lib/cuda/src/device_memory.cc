@@ -107,9 +107,7 @@ PinnedBuffer::~PinnedBuffer() {
 }
 
 Workspace::Workspace(int device) : arenas_(std::make_unique<Arenas>()) { arenas_->device = device; }
-Workspace::~Workspace() {
-  if (arenas_ != nullptr) cudaSetDevice(arenas_->device);  // frees on its device
-}
+Workspace::~Workspace() { Release(); }
 Workspace::Workspace(Workspace&&) noexcept = default;
 Workspace& Workspace::operator=(Workspace&&) noexcept = default;
 
@@ -126,9 +124,16 @@ size_t Workspace::device_bytes() const {
 size_t Workspace::pinned_bytes() const { return arenas_ != nullptr ? arenas_->pinned.bytes() : 0; }
 
 void Workspace::Release() {
-  if (arenas_ == nullptr || cudaSetDevice(arenas_->device) != cudaSuccess) return;
+  if (arenas_ == nullptr || (device_bytes() == 0 && pinned_bytes() == 0)) return;
+  // Frees on its device, then gives the thread back the device it had.
+  int current = 0;
+  if (cudaGetDevice(&current) != cudaSuccess || cudaSetDevice(arenas_->device) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return;
+  }
   for (Scratch* a : arenas_->device_arenas()) (void)a->Free();
   arenas_->pinned.Release();
+  (void)cudaSetDevice(current);
 }
 
 }  // namespace wsync::cuda

@@ -19,7 +19,7 @@ Status DeviceAvailable() { return NotBuilt(); }
 
 DeviceCodec::DeviceCodec(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 DeviceCodec::~DeviceCodec() = default;
-StatusOr<std::unique_ptr<DeviceCodec>> DeviceCodec::Create(int) { return NotBuilt(); }
+StatusOr<std::unique_ptr<DeviceCodec>> DeviceCodec::Create(int, EntropyStage) { return NotBuilt(); }
 StatusOr<std::string> DeviceCodec::EncodePatch(Workspace&, std::span<const codec::TensorView>, std::span<const codec::TensorView>,
                                                const codec::EncodeOptions&) {
   return NotBuilt();

@@ -1,9 +1,11 @@
 // The patch codec on a GPU: encode from and apply into device memory, with
 // the bytes and the behaviour of the host codec (codec.h). The device diffs,
-// compacts, histograms, ranks, checksums and scatters; the host runs only the
-// entropy coders on the compact streams (staged.h), so a patch made here is
-// byte-identical to codec::EncodePatch on host copies of the same tensors,
-// and applying one here equals codec::Apply, errors included.
+// compacts, histograms, ranks, checksums and scatters; the entropy coders run
+// on the compact streams, on the host's threads (staged.h) or, for
+// sparse-coded chunks, one chunk per device thread (EntropyStage). Either
+// way a patch made here is byte-identical to codec::EncodePatch on host
+// copies of the same tensors, and applying one here equals codec::Apply,
+// errors included.
 //
 // Every call works in a Workspace the caller owns and passes in
 // (workspace.h): the codec itself holds only its device, its streams and
@@ -31,12 +33,21 @@ namespace wsync::cuda {
 // saying why (built without CUDA, no device, driver error).
 Status DeviceAvailable();
 
+// Where a DeviceCodec codes and decodes the rANS streams of sparse-coded
+// chunks (patch mode 1, nearly every chunk at RL change rates): on the
+// host's threads (a call's options.pool), or one chunk per device thread.
+// A chunk's streams are serial work, and a model has about a thousand chunks
+// per GB: too few threads to fill a GPU, so the host's threads are faster
+// unless the host has very few to spare (docs/gpu.md has the figures).
+enum class EntropyStage { kHost, kDevice };
+
 class DeviceCodec {
  public:
   // A codec on `device` with its own streams; its calls work in a
   // Workspace of the same device. Unavailable when DeviceAvailable() is not
   // ok.
-  static StatusOr<std::unique_ptr<DeviceCodec>> Create(int device = 0);
+  static StatusOr<std::unique_ptr<DeviceCodec>> Create(int device = 0,
+                                                       EntropyStage entropy = EntropyStage::kHost);
   ~DeviceCodec();
   DeviceCodec(const DeviceCodec&) = delete;
   DeviceCodec& operator=(const DeviceCodec&) = delete;

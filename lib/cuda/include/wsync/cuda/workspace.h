@@ -25,6 +25,7 @@ class Workspace {
  public:
   // Allocates nothing: the first call does.
   explicit Workspace(int device = 0);
+  // Release()s.
   ~Workspace();
   Workspace(Workspace&&) noexcept;
   Workspace& operator=(Workspace&&) noexcept;
@@ -36,7 +37,8 @@ class Workspace {
   size_t device_bytes() const;
   size_t pinned_bytes() const;
   // Frees all of it, after the device has finished what was enqueued; the
-  // next call allocates again.
+  // next call allocates again. The thread's current device is left as it
+  // was.
   void Release();
 
   struct Arenas;  // lib/cuda's
