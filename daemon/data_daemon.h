@@ -20,6 +20,7 @@
 #include "store_mirror.h"
 #include "store_tier.h"
 #include "wsync/control/client.h"
+#include "wsync/cuda/device_codec.h"
 #include "wsync/exchange/exchange.h"
 #include "wsync/util/status.h"
 
@@ -65,6 +66,9 @@ struct DataDaemonConfig {
   // whole, announced once encoded).
   uint64_t segment_bytes = 64u << 20;
   DeviceBase device_base = DeviceBase::kDevice;  // sources of weights in GPU memory
+  // Weights in GPU memory: where sparse-coded chunks are entropy-coded and
+  // decoded (cuda::EntropyStage).
+  cuda::EntropyStage entropy_stage = cuda::EntropyStage::kHost;
   StoreMirrorOptions store;              // sources: the object store versions are mirrored to (url empty: none)
   StoreTierOptions store_tier;           // sinks: the object store read when no daemon serves a version
   uint64_t corrupt_every = 0;            // fault injection (tests)

@@ -36,7 +36,7 @@ StatusOr<DeviceSource::Set> DeviceSource::Allocate(std::span<const codec::Tensor
 }
 
 StatusOr<std::unique_ptr<DeviceSource>> DeviceSource::Create(std::span<const codec::TensorView> layout, int device,
-                                                             DeviceBase base) {
+                                                             DeviceBase base, cuda::EntropyStage entropy) {
   std::unique_ptr<DeviceSource> d(new DeviceSource());
   d->device_ = device;
   d->base_ = base;
@@ -48,7 +48,7 @@ StatusOr<std::unique_ptr<DeviceSource>> DeviceSource::Create(std::span<const cod
     published.push_back(p);
     if (p.dtype != t.dtype) cast.push_back(p);
   }
-  WSYNC_ASSIGN_OR_RETURN(d->codec_, cuda::DeviceCodec::Create(device));
+  WSYNC_ASSIGN_OR_RETURN(d->codec_, cuda::DeviceCodec::Create(device, entropy));
   d->ws_ = cuda::Workspace(device);
   WSYNC_ASSIGN_OR_RETURN(d->previous_, Allocate(published, device, base == DeviceBase::kHost));
   if (!cast.empty()) {

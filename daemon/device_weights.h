@@ -31,7 +31,8 @@ class DeviceSource {
   // published layout (F32 tensors are published as BF16: cast on the device
   // into a buffer of their own before each encode).
   static StatusOr<std::unique_ptr<DeviceSource>> Create(std::span<const codec::TensorView> layout, int device,
-                                                        DeviceBase base);
+                                                        DeviceBase base,
+                                                        cuda::EntropyStage entropy = cuda::EntropyStage::kHost);
 
   // Whether this state serves the trainer's tensors `layout` on this device.
   bool Matches(std::span<const codec::TensorView> layout, int device) const;

@@ -90,7 +90,7 @@ StatusOr<uint64_t> SinkCore::RegisterTensors(buffers::MappedTensors reg, uint64_
   }
   const std::string description = reg.description();
   const bool reg_has_pieces = reg.has_pieces();
-  WSYNC_ASSIGN_OR_RETURN(auto store, WeightStore::Open(std::move(reg)));
+  WSYNC_ASSIGN_OR_RETURN(auto store, WeightStore::Open(std::move(reg), config_.entropy_stage));
   // Trust a claimed version only if the tensors' checksum is that version's
   // (a sink that died mid-apply leaves torn weights: those get a keyframe).
   uint64_t applied = claimed;

@@ -196,7 +196,7 @@ StatusOr<SourceRegistration> SourceCore::RegisterTensors(buffers::MappedTensors 
     device_.reset();
   }
   if (reg.on_device() && !device_) {
-    WSYNC_ASSIGN_OR_RETURN(device_, DeviceSource::Create(views, reg.device(), config_.device_base));
+    WSYNC_ASSIGN_OR_RETURN(device_, DeviceSource::Create(views, reg.device(), config_.device_base, config_.entropy_stage));
   }
   SourceRegistration out;
   for (const auto& t : views) {

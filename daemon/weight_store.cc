@@ -146,9 +146,10 @@ Status WeightStore::CheckWhole() const {
   return Status::Ok();
 }
 
-StatusOr<std::unique_ptr<WeightStore>> WeightStore::Open(buffers::MappedTensors tensors) {
+StatusOr<std::unique_ptr<WeightStore>> WeightStore::Open(buffers::MappedTensors tensors,
+                                                         cuda::EntropyStage entropy) {
   if (!tensors.on_device()) return std::unique_ptr<WeightStore>(std::make_unique<HostStore>(std::move(tensors)));
-  WSYNC_ASSIGN_OR_RETURN(auto codec, cuda::DeviceCodec::Create(tensors.device()));
+  WSYNC_ASSIGN_OR_RETURN(auto codec, cuda::DeviceCodec::Create(tensors.device(), entropy));
   return std::unique_ptr<WeightStore>(std::make_unique<DeviceStore>(std::move(tensors), std::move(codec)));
 }
 

@@ -49,9 +49,11 @@ class StagedApply {
 class WeightStore {
  public:
   // A host store for host regions, a device store (with a device codec on
-  // the regions' GPU) for device regions; Unavailable when the CUDA library
-  // is not built in or no device is usable.
-  static StatusOr<std::unique_ptr<WeightStore>> Open(buffers::MappedTensors tensors);
+  // the regions' GPU, its entropy stage where `entropy` says) for device
+  // regions; Unavailable when the CUDA library is not built in or no device
+  // is usable.
+  static StatusOr<std::unique_ptr<WeightStore>> Open(buffers::MappedTensors tensors,
+                                                     cuda::EntropyStage entropy = cuda::EntropyStage::kHost);
   virtual ~WeightStore() = default;
 
   // The tensors: device pointers for a device store.

@@ -321,6 +321,14 @@ int main(int argc, char** argv) {
                     "copy of the model on the GPU) or host (page-locked host memory; the model crosses PCIe "
                     "twice per publish)")
         ->default_str("device")->check(CLI::IsMember({"device", "host"}));
+    cmd->add_option("--entropy-stage", [&data](const std::vector<std::string>& v) {
+                      data.entropy_stage = v.at(0) == "device" ? cuda::EntropyStage::kDevice : cuda::EntropyStage::kHost;
+                      return true;
+                    },
+                    "weights in GPU memory: where sparse-coded chunks are entropy-coded and decoded: host (the "
+                    "--threads pool; faster unless the host has very few cores to spare) or device (a chunk per "
+                    "GPU thread)")
+        ->default_str("host")->check(CLI::IsMember({"host", "device"}));
     cmd->add_flag("--no-decode-ahead", [&data](int64_t) { data.decode_ahead = false; },
                   "sinks: decode a patch once all of it is in, not while it arrives (figures: "
                   "scripts/bench_shaped_link.py)");
