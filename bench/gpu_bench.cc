@@ -73,9 +73,12 @@ int RunGpuBench(const GpuBenchOptions& o) {
     spdlog::error("{}", avail.ToString());
     return 2;
   }
-  auto dc = cuda::DeviceCodec::Create();
-  if (!dc.ok()) {
-    spdlog::error("{}", dc.status().ToString());
+  // The figures are the default codec's (the entropy stage on the host's
+  // threads); `dd` runs it on the device, measured beside it.
+  auto dc = cuda::DeviceCodec::Create(0, cuda::EntropyStage::kHost);
+  auto dd = cuda::DeviceCodec::Create(0, cuda::EntropyStage::kDevice);
+  if (!dc.ok() || !dd.ok()) {
+    spdlog::error("{}", (dc.ok() ? dd.status() : dc.status()).ToString());
     return 2;
   }
   cuda::Workspace ws;  // every call's scratch, kept between the runs
@@ -91,6 +94,9 @@ int RunGpuBench(const GpuBenchOptions& o) {
   std::vector<std::vector<uint8_t>> host_copy;
   for (const auto& t : cur) host_copy.emplace_back(t.bytes.size(), uint8_t{1});
   PhaseTimes enc_phases, app_phases;
+  std::vector<double> enc_dd, app_dd;
+  PhaseTimes enc_dd_phases, app_dd_phases;
+  bool identical_dd = true, exact_dd = true;
   std::vector<double> pause_device, pause_host;
   // A sink's version in three steps: staged while the engine generates, the
   // commit between its holds (the pause), the confirm after them.
@@ -184,6 +190,30 @@ int RunGpuBench(const GpuBenchOptions& o) {
         spdlog::error("{}", a.ToString());
         return 1;
       }
+      // The same with the entropy stage on the device.
+      t0 = Clock::now();
+      auto coded = (*dd)->EncodePatch(ws, base->Const(), target->Const(), eo);
+      enc_dd.push_back(Since(t0));
+      enc_dd_phases.Add((*dd)->last_phases());
+      if (!coded.ok() || *coded != patch) {
+        identical_dd = false;
+        spdlog::error("step {}: the device entropy stage's patch: {}", s,
+                      coded.ok() ? "differs from the host's" : coded.status().ToString());
+      }
+      if (!Reset(*work, *base).ok()) return 1;
+      t0 = Clock::now();
+      const Status ad = (*dd)->Apply(ws, patch, work->views, ao);
+      app_dd.push_back(Since(t0));
+      app_dd_phases.Add((*dd)->last_phases());
+      if (!ad.ok()) spdlog::error("step {}: the device entropy stage's apply: {}", s, ad.ToString());
+      exact_dd = exact_dd && ad.ok();
+      if (ad.ok() && r == 0) {
+        for (size_t i = 0; i < cur.size(); ++i) {
+          std::vector<uint8_t> got(cur[i].bytes.size());
+          if (!work->buffers[i].CopyToHost(got.data(), got.size()).ok()) return 1;
+          exact_dd = exact_dd && got == cur[i].bytes;
+        }
+      }
       if (!Reset(*work, *base).ok()) return 1;
       const std::string_view one(patch);
       t0 = Clock::now();
@@ -216,7 +246,10 @@ int RunGpuBench(const GpuBenchOptions& o) {
     auto t0 = Clock::now();
     auto host = codec::EncodePatch(buffers::Views(prev), buffers::Views(cur), eo);
     host_enc.push_back(Since(t0));
-    identical = identical && host.ok() && *host == patch;
+    if (!host.ok() || *host != patch) {
+      identical = false;
+      spdlog::error("step {}: the device's patch differs from the host codec's", s);
+    }
     if (!ranks.empty()) {
       codec::EncodeOptions go = eo;
       go.grids = grids;
@@ -232,37 +265,63 @@ int RunGpuBench(const GpuBenchOptions& o) {
         gridded = std::move(*p);
       }
       auto host_gridded = codec::EncodePatch(buffers::Views(prev), buffers::Views(cur), go);
-      identical_tp = identical_tp && host_gridded.ok() && *host_gridded == gridded;
-      TpRank& rank = ranks[0];
-      FillTpRank(&rank, prev);
-      auto selection = codec::SelectForPieces(gridded, rank.layout);
-      if (!selection.ok()) {
-        spdlog::error("{}", selection.status().ToString());
+      if (!host_gridded.ok()) {
+        spdlog::error("the host's gridded encode: {}", host_gridded.status().ToString());
         return 1;
       }
-      rank_bytes.push_back(static_cast<double>(selection->size()));
-      for (int r = 0; r < o.repeat; ++r) {
-        auto pieces = Upload(rank.tensors);
-        if (!pieces.ok()) return 1;
-        std::vector<codec::RuntimeTensor> layout = rank.layout;
-        for (size_t i = 0; i < layout.size(); ++i) layout[i].view.data = pieces->views[i].data;
-        t0 = Clock::now();
-        const Status a = (*dc)->Apply(ws, *selection, layout, ao);
-        app_tp.push_back(Since(t0));
-        tp_phases.Add((*dc)->last_phases());
-        if (!a.ok()) {
-          spdlog::error("rank 0's apply: {}", a.ToString());
-          return 1;
+      if (*host_gridded != gridded) {
+        identical_tp = false;
+        const auto diff = std::mismatch(gridded.begin(), gridded.end(), host_gridded->begin(), host_gridded->end());
+        spdlog::error("step {}: the device's gridded patch ({} bytes) differs from the host codec's ({} bytes) "
+                      "from byte {} on", s, gridded.size(), host_gridded->size(), diff.first - gridded.begin());
+      }
+      TpRank& rank = ranks[0];
+      FillTpRank(&rank, prev);
+      // Rank 0 applies its selection of the device's patch on the device;
+      // should that fail, the host codec's patch too, which tells a wrong
+      // encode from a wrong apply.
+      auto apply_selection = [&](const std::string& patch_of, const char* whose, bool timed) -> bool {
+        auto selection = codec::SelectForPieces(patch_of, rank.layout);
+        if (!selection.ok()) {
+          spdlog::error("{}: {}", whose, selection.status().ToString());
+          return false;
         }
-        if (r == 0) {
-          TpRank want = rank;
-          FillTpRank(&want, cur);
-          for (size_t i = 0; i < want.tensors.size(); ++i) {
-            std::vector<uint8_t> got(want.tensors[i].bytes.size());
-            if (!pieces->buffers[i].CopyToHost(got.data(), got.size()).ok()) return 1;
-            exact_tp = exact_tp && got == want.tensors[i].bytes;
+        if (timed) rank_bytes.push_back(static_cast<double>(selection->size()));
+        for (int r = 0; r < (timed ? o.repeat : 1); ++r) {
+          auto pieces = Upload(rank.tensors);
+          if (!pieces.ok()) return false;
+          std::vector<codec::RuntimeTensor> layout = rank.layout;
+          for (size_t i = 0; i < layout.size(); ++i) layout[i].view.data = pieces->views[i].data;
+          const auto t0 = Clock::now();
+          const Status a = (*dc)->Apply(ws, *selection, layout, ao);
+          if (timed) {
+            app_tp.push_back(Since(t0));
+            tp_phases.Add((*dc)->last_phases());
           }
+          if (!a.ok()) {
+            spdlog::error("step {}: rank 0's apply of {}: {}", s, whose, a.ToString());
+            return false;
+          }
+          if (r > 0) continue;
+          auto want = MakeTpRank(cur, o.tp, 0);
+          if (!want.ok()) return false;
+          FillTpRank(&*want, cur);
+          bool exact = true;
+          for (size_t i = 0; i < want->tensors.size(); ++i) {
+            std::vector<uint8_t> got(want->tensors[i].bytes.size());
+            if (!pieces->buffers[i].CopyToHost(got.data(), got.size()).ok()) return false;
+            exact = exact && got == want->tensors[i].bytes;
+          }
+          if (!exact) spdlog::error("step {}: rank 0's pieces after its apply of {} are not the target's", s, whose);
+          if (!exact) return false;
         }
+        return true;
+      };
+      if (!apply_selection(gridded, "the device's patch", true)) {
+        exact_tp = false;
+        const bool host_ok = apply_selection(*host_gridded, "the host codec's patch", false);
+        spdlog::error("step {}: the host codec's patch, selected for rank 0 and applied on the device: {}", s,
+                      host_ok ? "exact" : "failed too");
       }
     }
     ratio.push_back(dense / patch.size());
@@ -291,6 +350,12 @@ int RunGpuBench(const GpuBenchOptions& o) {
   enc_phases.Print("encode");
   app_phases.Print("apply");
   commit_phases.Print("commit");
+  std::printf("  entropy stage on the device: encode %.2f GB/s (%.2fx the host's), apply %.2f GB/s (%.2fx); bytes "
+              "identical: %s, bit-exact: %s\n",
+              dense / Median(enc_dd) / 1e9, Median(enc) / Median(enc_dd), dense / Median(app_dd) / 1e9,
+              Median(app) / Median(app_dd), identical_dd ? "yes" : "NO", exact_dd ? "yes" : "NO");
+  enc_dd_phases.Print("device entropy encode");
+  app_dd_phases.Print("device entropy apply");
   std::printf("  host encode                 %10.2f GB/s\n", dense / Median(host_enc) / 1e9);
   std::printf("  device / host encode        %10.2fx\n", Median(host_enc) / Median(enc));
   std::printf("  patch bytes identical to the host codec: %s\n", identical ? "yes" : "NO");
@@ -303,7 +368,7 @@ int RunGpuBench(const GpuBenchOptions& o) {
                 o.tp, Median(rank_bytes) / 1e6, Median(app_tp) * 1e3, Median(app) * 1e3, exact_tp ? "yes" : "NO");
     tp_phases.Print("rank 0 apply");
   }
-  return identical && identical_tp && exact_tp && staged_exact ? 0 : 1;
+  return identical && identical_tp && exact_tp && staged_exact && identical_dd && exact_dd ? 0 : 1;
 }
 
 }  // namespace wsync::bench

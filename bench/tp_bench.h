@@ -20,7 +20,15 @@
 namespace wsync::bench {
 
 // One rank's runtime tensors: their storage and pieces.
+// Move-only: the layout's views point into the tensors' storage, which a
+// copy would share.
 struct TpRank {
+  TpRank() = default;
+  TpRank(TpRank&&) = default;
+  TpRank& operator=(TpRank&&) = default;
+  TpRank(const TpRank&) = delete;
+  TpRank& operator=(const TpRank&) = delete;
+
   std::vector<buffers::OwnedTensor> tensors;
   std::vector<codec::RuntimeTensor> layout;
   std::vector<buffers::OwnedTensor> pristine;  // the base version, to reset to between timed applies
