@@ -82,14 +82,19 @@ StatusOr<std::string> LeaderOf(const std::string& addresses) {
 // callback API: a call in flight holds no thread). Sinks are split over
 // --workers connections, one scheduling thread each. A call is late when it
 // starts more than 100 ms after its time (this machine fell behind the
-// fleet); its latency is measured from its start.
+// fleet); its latency is measured from its start. The Watch streams go over
+// --workers connections of their own: a sink's heartbeat shares its
+// connection with its own Watch stream alone, and thousands of sinks' new
+// versions queued on one connection ahead of a heartbeat's answer would time
+// the driver's connections, not the coordinator.
 class FleetDriver {
  public:
   FleetDriver(const std::string& leader, const ControlBenchOptions& o) : o_(o), lat_(o.workers) {
-    for (int w = 0; w < o.workers; ++w) {
+    for (int w = 0; w < 2 * o.workers; ++w) {
       grpc::ChannelArguments args;
       args.SetInt("wsync.bench.channel", w);  // a connection per channel, as sinks on many hosts have
-      stubs_.push_back(v1::Coordinator::NewStub(grpc::CreateCustomChannel(leader, grpc::InsecureChannelCredentials(), args)));
+      auto stub = v1::Coordinator::NewStub(grpc::CreateCustomChannel(leader, grpc::InsecureChannelCredentials(), args));
+      (w < o.workers ? stubs_ : watch_stubs_).push_back(std::move(stub));
     }
   }
   // The watch streams are deleted here, after Run has seen every one end.
@@ -122,7 +127,7 @@ class FleetDriver {
         ++in_flight_;
         watches_.push_back(ws);
       }
-      stubs_[i % o_.workers]->async()->Watch(&ws->ctx, &ws->req, ws);
+      watch_stubs_[i % o_.workers]->async()->Watch(&ws->ctx, &ws->req, ws);
       ws->StartRead(&ws->msg);
       ws->StartCall();
     }
@@ -306,7 +311,7 @@ class FleetDriver {
   }
 
   const ControlBenchOptions& o_;
-  std::vector<std::unique_ptr<v1::Coordinator::Stub>> stubs_;
+  std::vector<std::unique_ptr<v1::Coordinator::Stub>> stubs_, watch_stubs_;
   std::atomic<uint64_t> errors_{0}, late_{0}, watch_errors_{0};
   std::atomic<bool> reports_on_heartbeats_{false};  // as the coordinator's heartbeat answers say
   std::atomic<uint64_t> paced_ms_{0};               // the period the last heartbeat answer asked for
