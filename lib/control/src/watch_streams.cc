@@ -1,8 +1,16 @@
 #include "watch_streams.h"
 
+#include <sys/resource.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
+#include <cstring>
 #include <vector>
+
+#include <spdlog/spdlog.h>
 
 namespace wsync::control {
 
@@ -17,9 +25,9 @@ void WatchReactor::Unref() {
   if (refs_.fetch_sub(1) == 1) delete this;
 }
 
-void WatchReactor::Pump(const v1::ListVersionsResponse* listed, uint64_t listed_after) {
+bool WatchReactor::Pump(const v1::ListVersionsResponse* listed, uint64_t listed_after) {
   std::unique_lock<std::mutex> lock(mu_);
-  if (ended_ || writing_) return;
+  if (ended_ || writing_) return false;
   if (pending_.empty()) {
     if (listed != nullptr && after_ >= listed_after) {
       for (const auto& v : listed->versions()) {
@@ -30,12 +38,14 @@ void WatchReactor::Pump(const v1::ListVersionsResponse* listed, uint64_t listed_
       for (auto& v : *own.mutable_versions()) pending_.push_back(std::move(v));
     }
   }
-  if (pending_.empty()) return;
+  if (pending_.empty()) return false;
   out_ = std::move(pending_.front());
   pending_.pop_front();
   writing_ = true;
   lock.unlock();
+  hub_->WriteStarted();
   StartWrite(&out_);
+  return true;
 }
 
 void WatchReactor::End() {
@@ -49,6 +59,7 @@ void WatchReactor::End() {
 }
 
 void WatchReactor::OnWriteDone(bool ok) {
+  hub_->WriteDone();
   Ref();
   bool finish = false, more = false;
   {
@@ -133,6 +144,23 @@ void WatchHub::Remove(WatchReactor* r) {
   reactors_.erase(r);
 }
 
+void WatchHub::WriteStarted() {
+  std::lock_guard<std::mutex> lock(writes_mu_);
+  ++writes_in_flight_;
+}
+
+void WatchHub::WriteDone() {
+  std::lock_guard<std::mutex> lock(writes_mu_);
+  if (writes_in_flight_ > 0) --writes_in_flight_;
+  if (writes_in_flight_ <= kSlice / 2) writes_cv_.notify_all();
+}
+
+void WatchHub::AwaitSlice() {
+  std::unique_lock<std::mutex> lock(writes_mu_);
+  // Writes stuck under callers that stopped reading cost at most the wait.
+  writes_cv_.wait_for(lock, kSliceWait, [this] { return writes_in_flight_ <= kSlice / 2 || stopping_; });
+}
+
 void WatchHub::ForEach(const std::function<void(WatchReactor*)>& f) {
   std::vector<WatchReactor*> all;
   {
@@ -147,6 +175,11 @@ void WatchHub::ForEach(const std::function<void(WatchReactor*)>& f) {
 }
 
 void WatchHub::Run() {
+  // Below the threads that answer calls: while a version goes out to a
+  // large fleet, heartbeats are still answered (Linux: a thread's own nice).
+  if (setpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid)), kNice) != 0) {
+    spdlog::debug("watch streams: the writing thread keeps its priority: {}", std::strerror(errno));
+  }
   const CoordinatorState* served = nullptr;
   uint64_t seen = 0;
   uint64_t listed_after = 0;  // the newest version the streams were given
@@ -170,8 +203,10 @@ void WatchHub::Run() {
     seen = gen;
     // One listing for every stream: a fleet's streams do not each take the state's lock.
     const v1::ListVersionsResponse listed = now->ListVersions(listed_after);
+    size_t started = 0;
     ForEach([&](WatchReactor* r) {
-      if (r->state() == served) r->Pump(&listed, listed_after);
+      if (r->state() != served || !r->Pump(&listed, listed_after)) return;
+      if (++started % kSlice == 0) AwaitSlice();
     });
     for (const auto& v : listed.versions()) listed_after = std::max(listed_after, v.version());
   }
