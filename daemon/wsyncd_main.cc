@@ -8,7 +8,10 @@
 #include <functional>
 #include <cstdio>
 #include <cstdlib>
+#include <string>
 #include <thread>
+#include <utility>
+#include <vector>
 
 #include "coordinator_config.h"
 #include "data_daemon.h"
@@ -193,6 +196,30 @@ CLI::Option* AddMibOption(CLI::App* cmd, const std::string& name, uint64_t* byte
       ->check(CLI::Range(0.0, 1048576.0));
 }
 
+// An option taking one of `choices`' words, each setting *out to its value;
+// the default shown is the word of *out's value as it stands.
+template <typename T>
+CLI::Option* AddChoiceOption(CLI::App* cmd, const std::string& name, T* out,
+                             std::vector<std::pair<std::string, T>> choices, const std::string& help) {
+  std::vector<std::string> words;
+  std::string current;
+  for (const auto& [word, value] : choices) {
+    words.push_back(word);
+    if (value == *out) current = word;
+  }
+  return cmd
+      ->add_option(name,
+                   [out, choices = std::move(choices)](const std::vector<std::string>& v) {
+                     for (const auto& [word, value] : choices) {
+                       if (word == v.at(0)) *out = value;
+                     }
+                     return true;
+                   },
+                   help)
+      ->default_str(current)
+      ->check(CLI::IsMember(words));
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -313,22 +340,16 @@ int main(int argc, char** argv) {
                  "sources: encode versions in segments of about this many MiB of weights (a fraction is fine), "
                  "each served as soon as it is encoded (0: encode whole versions)",
                  "64");
-    cmd->add_option("--device-base", [&data](const std::vector<std::string>& v) {
-                      data.device_base = v.at(0) == "host" ? daemon::DeviceBase::kHost : daemon::DeviceBase::kDevice;
-                      return true;
-                    },
+    AddChoiceOption(cmd, "--device-base", &data.device_base,
+                    {{"device", daemon::DeviceBase::kDevice}, {"host", daemon::DeviceBase::kHost}},
                     "sources of weights in GPU memory: where the base of the next patch is kept: device (one "
                     "copy of the model on the GPU) or host (page-locked host memory; the model crosses PCIe "
-                    "twice per publish)")
-        ->default_str("device")->check(CLI::IsMember({"device", "host"}));
-    cmd->add_option("--entropy-stage", [&data](const std::vector<std::string>& v) {
-                      data.entropy_stage = v.at(0) == "device" ? cuda::EntropyStage::kDevice : cuda::EntropyStage::kHost;
-                      return true;
-                    },
+                    "twice per publish)");
+    AddChoiceOption(cmd, "--entropy-stage", &data.entropy_stage,
+                    {{"host", cuda::EntropyStage::kHost}, {"device", cuda::EntropyStage::kDevice}},
                     "weights in GPU memory: where sparse-coded chunks are entropy-coded and decoded: host (the "
                     "--threads pool; faster unless the host has very few cores to spare) or device (a chunk per "
-                    "GPU thread)")
-        ->default_str("host")->check(CLI::IsMember({"host", "device"}));
+                    "GPU thread)");
     cmd->add_flag("--no-decode-ahead", [&data](int64_t) { data.decode_ahead = false; },
                   "sinks: decode a patch once all of it is in, not while it arrives (figures: "
                   "scripts/bench_shaped_link.py)");
