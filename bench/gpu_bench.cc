@@ -58,6 +58,17 @@ StatusOr<DeviceSet> Upload(const std::vector<buffers::OwnedTensor>& host) {
   return s;
 }
 
+// Whether the device buffers hold these tensors' bytes.
+StatusOr<bool> Holds(const DeviceSet& d, const std::vector<buffers::OwnedTensor>& want) {
+  bool same = true;
+  for (size_t i = 0; i < want.size(); ++i) {
+    std::vector<uint8_t> got(want[i].bytes.size());
+    WSYNC_RETURN_IF_ERROR(d.buffers[i].CopyToHost(got.data(), got.size()));
+    same = same && got == want[i].bytes;
+  }
+  return same;
+}
+
 Status Reset(DeviceSet& dst, const DeviceSet& src) {
   for (size_t i = 0; i < dst.buffers.size(); ++i) {
     WSYNC_RETURN_IF_ERROR(dst.buffers[i].CopyFromDevice(src.buffers[i].data(), src.buffers[i].size()));
@@ -208,11 +219,9 @@ int RunGpuBench(const GpuBenchOptions& o) {
       if (!ad.ok()) spdlog::error("step {}: the device entropy stage's apply: {}", s, ad.ToString());
       exact_dd = exact_dd && ad.ok();
       if (ad.ok() && r == 0) {
-        for (size_t i = 0; i < cur.size(); ++i) {
-          std::vector<uint8_t> got(cur[i].bytes.size());
-          if (!work->buffers[i].CopyToHost(got.data(), got.size()).ok()) return 1;
-          exact_dd = exact_dd && got == cur[i].bytes;
-        }
+        auto held = Holds(*work, cur);
+        if (!held.ok()) return 1;
+        exact_dd = exact_dd && *held;
       }
       if (!Reset(*work, *base).ok()) return 1;
       const std::string_view one(patch);
@@ -236,11 +245,9 @@ int RunGpuBench(const GpuBenchOptions& o) {
         return 1;
       }
       if (r == 0) {
-        for (size_t i = 0; i < cur.size(); ++i) {
-          std::vector<uint8_t> got(cur[i].bytes.size());
-          if (!work->buffers[i].CopyToHost(got.data(), got.size()).ok()) return 1;
-          staged_exact = staged_exact && got == cur[i].bytes;
-        }
+        auto held = Holds(*work, cur);
+        if (!held.ok()) return 1;
+        staged_exact = staged_exact && *held;
       }
     }
     auto t0 = Clock::now();
@@ -306,14 +313,12 @@ int RunGpuBench(const GpuBenchOptions& o) {
           auto want = MakeTpRank(cur, o.tp, 0);
           if (!want.ok()) return false;
           FillTpRank(&*want, cur);
-          bool exact = true;
-          for (size_t i = 0; i < want->tensors.size(); ++i) {
-            std::vector<uint8_t> got(want->tensors[i].bytes.size());
-            if (!pieces->buffers[i].CopyToHost(got.data(), got.size()).ok()) return false;
-            exact = exact && got == want->tensors[i].bytes;
+          auto held = Holds(*pieces, want->tensors);
+          if (!held.ok()) return false;
+          if (!*held) {
+            spdlog::error("step {}: rank 0's pieces after its apply of {} are not the target's", s, whose);
+            return false;
           }
-          if (!exact) spdlog::error("step {}: rank 0's pieces after its apply of {} are not the target's", s, whose);
-          if (!exact) return false;
         }
         return true;
       };
